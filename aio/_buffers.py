@@ -1,0 +1,104 @@
+"""Host buffers for the aio transport: normalising caller buffers, and aligned allocation.
+
+Every buffer that crosses into a backend is reduced to a 1-D uint8 numpy view (`as_bytes`):
+it gives one address and length for the C++ engine, a writable memoryview for the threads
+backend, and it keeps the caller's object alive for as long as the view lives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import weakref
+
+import numpy as np
+import torch
+
+PAGE_SIZE = mmap.PAGESIZE
+
+
+def as_bytes(buffer, *, writable: bool) -> np.ndarray:
+    """Return a 1-D uint8 view of ``buffer`` sharing its memory.
+
+    ``buffer`` is a CPU torch tensor (any dtype, contiguous) or any object with the buffer
+    protocol (bytes, bytearray, memoryview, numpy array, mmap). Reads need a writable one.
+    """
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise TypeError(
+                f"aio buffers must live in host memory, got a tensor on {buffer.device}; "
+                "copy it to a host buffer (infinity.aio.empty_aligned) first"
+            )
+        if not buffer.is_contiguous():
+            raise ValueError(
+                f"aio buffers must be contiguous, got a tensor with shape={tuple(buffer.shape)} "
+                f"stride={buffer.stride()}"
+            )
+        if buffer.is_sparse or buffer.is_quantized:
+            raise TypeError(f"aio buffers must be dense tensors, got layout={buffer.layout}")
+        arr = buffer.detach().reshape(-1).view(torch.uint8).numpy()
+    else:
+        try:
+            view = memoryview(buffer)
+        except TypeError:
+            raise TypeError(
+                f"aio buffers must be CPU tensors or support the buffer protocol, "
+                f"got {type(buffer).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise ValueError(f"aio buffers must be C-contiguous, got shape={view.shape} strides={view.strides}")
+        arr = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.empty(0, dtype=np.uint8)
+    if writable and not arr.flags.writeable:
+        raise TypeError(f"a read needs a writable buffer, got a read-only {type(buffer).__name__}")
+    return arr
+
+
+def address_of(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
+
+
+def _cuda_register(address: int, nbytes: int) -> None:
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(address, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister({address:#x}, {nbytes}) failed with CUDA error {int(err)}")
+
+
+def _cuda_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class _Mapping:
+    """Owns one anonymous mapping (and its CUDA registration); freed with the last tensor."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # The ctypes array exports the buffer to torch and holds the mmap's export open;
+        # the finaliser lives on the array, so CUDA is told before the pages are unmapped.
+        self.array = (ctypes.c_uint8 * nbytes).from_buffer(self.mm)
+        self.address = ctypes.addressof(self.array)
+        if pin:
+            _cuda_register(self.address, nbytes)
+            weakref.finalize(self.array, _cuda_unregister, self.address)
+
+
+def empty_aligned(nbytes: int, alignment: int = 4096, *, pin: bool | None = None) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor of ``nbytes`` whose data starts on an ``alignment`` boundary.
+
+    The memory is anonymous (mmap), so io_uring can register it as a fixed buffer. With
+    ``pin=None`` it is also registered with CUDA (cudaHostRegister) when CUDA is available, so
+    the same bytes serve O_DIRECT reads and asynchronous copies to the GPU.
+    """
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"{nbytes=} must be a non-negative int")
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"{alignment=} must be a positive power of two")
+    if pin is None:
+        pin = torch.cuda.is_available()
+    # mmap returns page-aligned memory; a larger alignment is found inside a larger mapping.
+    slack = alignment - PAGE_SIZE if alignment > PAGE_SIZE else 0
+    total = max(nbytes + slack, 1)
+    mapping = _Mapping(total, pin)
+    tensor = torch.frombuffer(mapping.array, dtype=torch.uint8)
+    skip = -mapping.address % alignment
+    return tensor[skip : skip + nbytes]

@@ -1,0 +1,273 @@
+"""The engine interface shared by every backend, its futures, and backend selection."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from dataclasses import dataclass
+
+from ._buffers import address_of, as_bytes
+from ._files import File, fd_info
+
+logger = logging.getLogger("infinity.aio")
+
+READ = 0
+WRITE = 1
+_OP_NAMES = ("pread", "pwrite")
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """The file side of one request, resolved once at submit time."""
+
+    fd: int
+    name: str
+    direct: bool
+    mem_align: int
+    offset_align: int
+    file: File | None  # kept alive while the request is in flight
+
+
+class Future:
+    """Completion of one `Engine.pread` or `Engine.pwrite`.
+
+    ``done()`` polls; ``wait(timeout)`` blocks until done (or the timeout) and returns
+    ``done()``; ``result(timeout)`` returns the bytes moved (fewer than asked only for a read
+    that reached end of file) or raises ``OSError`` with the errno and file name. All three
+    may be called any number of times.
+    """
+
+    __slots__ = ("_handle", "_keepalive", "_op", "_target_name", "_nbytes", "_offset", "_outcome")
+
+    def __init__(self, handle, keepalive, op: int, target_name: str, nbytes: int, offset: int):
+        self._handle = handle  # backend object with done(), wait(timeout_s) and outcome()
+        self._keepalive = keepalive  # buffer and file, until the completion is reaped
+        self._op = op
+        self._target_name = target_name
+        self._nbytes = nbytes
+        self._offset = offset
+        self._outcome: tuple[int, int] | None = None  # (bytes, errno)
+
+    @classmethod
+    def completed(cls, nbytes: int) -> "Future":
+        fut = cls(None, None, READ, "", 0, 0)
+        fut._outcome = (nbytes, 0)
+        return fut
+
+    def _reap(self) -> None:
+        self._outcome = self._handle.outcome()
+        self._handle = None
+        self._keepalive = None
+
+    def done(self) -> bool:
+        if self._outcome is None and self._handle.done():
+            self._reap()
+        return self._outcome is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._outcome is None:
+            if self._handle.wait(-1.0 if timeout is None else max(timeout, 0.0)):
+                self._reap()
+        return self._outcome is not None
+
+    def result(self, timeout: float | None = None) -> int:
+        if not self.wait(timeout):
+            raise TimeoutError(
+                f"{_OP_NAMES[self._op]} of {self._nbytes} bytes at offset {self._offset} "
+                f"in {self._target_name} not done after {timeout} s"
+            )
+        nbytes, err = self._outcome
+        if err:
+            raise OSError(
+                err,
+                f"{os.strerror(err)} ({_OP_NAMES[self._op]} of {self._nbytes} bytes at offset "
+                f"{self._offset})",
+                self._target_name,
+            )
+        return nbytes
+
+    def __repr__(self) -> str:
+        state = "pending" if self._outcome is None else f"outcome={self._outcome}"
+        return f"Future({_OP_NAMES[self._op]} {self._nbytes}@{self._offset} {self._target_name}, {state})"
+
+
+class Engine:
+    """Asynchronous positional reads and writes of host buffers; see `open_engine`.
+
+    A request is cut into ``block_size`` chunks of which at most ``queue_depth`` are in flight
+    at once. Buffers are CPU tensors or buffer-protocol objects; the engine keeps each one alive
+    until its request completes. Under O_DIRECT, buffer address, offset and length must be
+    aligned as the file says (`File.mem_align`, `File.offset_align`): see [Note: O_DIRECT
+    alignment].
+    """
+
+    backend: str = "?"
+
+    def __init__(self, queue_depth: int, block_size: int):
+        if not isinstance(queue_depth, int) or not 1 <= queue_depth <= 4096:
+            raise ValueError(f"{queue_depth=} must be an int in [1, 4096]")
+        if not isinstance(block_size, int) or block_size < 4096 or block_size % 4096:
+            raise ValueError(f"{block_size=} must be a positive multiple of 4096")
+        if block_size > 1 << 30:
+            raise ValueError(f"{block_size=} must be at most 1 GiB")
+        self.queue_depth = queue_depth
+        self.block_size = block_size
+        self._closed = False
+        self._inflight: collections.deque[Future] = collections.deque()
+        self._buffers: dict[int, tuple[object, int]] = {}  # address -> (buffer, slot)
+
+    # -- requests ---------------------------------------------------------------------------
+    def pread(self, buffer, file: File | int, offset: int = 0) -> Future:
+        """Read ``len(buffer)`` bytes of ``file`` at ``offset`` into ``buffer``."""
+        return self._submit(READ, buffer, file, offset)
+
+    def pwrite(self, buffer, file: File | int, offset: int = 0) -> Future:
+        """Write all of ``buffer`` to ``file`` at ``offset``."""
+        return self._submit(WRITE, buffer, file, offset)
+
+    def _submit(self, op: int, buffer, file, offset: int) -> Future:
+        if self._closed:
+            raise RuntimeError(f"the {self.backend} aio engine is closed")
+        arr = as_bytes(buffer, writable=op == READ)
+        target = _resolve(file)
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"{offset=} must be a non-negative int")
+        nbytes = arr.nbytes
+        if nbytes == 0:
+            return Future.completed(0)
+        address = address_of(arr)
+        if target.direct:
+            _check_alignment(op, target, address, nbytes, offset)
+        handle = self._start(op, arr, address, nbytes, target, offset)
+        fut = Future(handle, (arr, buffer, target), op, target.name, nbytes, offset)
+        self._track(fut)
+        return fut
+
+    def _track(self, fut: Future) -> None:
+        inflight = self._inflight
+        inflight.append(fut)
+        while inflight and inflight[0].done():
+            inflight.popleft()
+        if len(inflight) > 4096:  # a slow head request must not pin every finished one
+            self._inflight = collections.deque(f for f in inflight if not f.done())
+
+    def _start(self, op, arr, address, nbytes, target, offset):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- registration -----------------------------------------------------------------------
+    def register_buffer(self, buffer) -> None:
+        """Register a host buffer once so that requests inside it skip per-I/O page pinning.
+
+        The uring backend uses READ_FIXED/WRITE_FIXED for any request that lies inside a
+        registered buffer; the threads backend accepts the call and gains nothing. The engine
+        holds ``buffer`` until `unregister_buffer` or `close`.
+        """
+        arr = as_bytes(buffer, writable=True)
+        address = address_of(arr)
+        if address in self._buffers:
+            return
+        slot = self._register_buffer(address, arr.nbytes)
+        self._buffers[address] = (arr, slot)
+
+    def unregister_buffer(self, buffer) -> None:
+        address = address_of(as_bytes(buffer, writable=True))
+        entry = self._buffers.pop(address, None)
+        if entry is None:
+            raise ValueError(f"buffer at {address:#x} is not registered with this engine")
+        self._unregister_buffer(entry[1])
+
+    def register_file(self, file: File) -> None:
+        """Register ``file`` with the ring (fixed file); `File.close` unregisters it."""
+        if not isinstance(file, File):
+            raise TypeError(f"only infinity.aio.File objects can be registered, got {type(file).__name__}")
+        if self._register_file(file):
+            file._engines.add(self)
+
+    def unregister_file(self, file: File) -> None:
+        self._unregister_file(file)
+        file._engines.discard(self)
+
+    def _register_buffer(self, address: int, nbytes: int):
+        return None
+
+    def _unregister_buffer(self, slot) -> None:
+        pass
+
+    def _register_file(self, file: File) -> bool:
+        return False
+
+    def _unregister_file(self, file: File) -> None:
+        pass
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters of this engine (requests, chunks, bytes, retries...)."""
+        return {}
+
+    def close(self, cancel: bool = False) -> None:
+        """Finish what is in flight and release the engine.
+
+        With ``cancel=True`` chunks not yet submitted are dropped and their requests fail with
+        ECANCELED; chunks already in the kernel always complete (their buffers stay alive).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown(cancel)
+        for fut in self._inflight:
+            fut.wait()
+        self._inflight.clear()
+        self._buffers.clear()
+
+    def _shutdown(self, cancel: bool) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        # Buffers of requests in flight must outlive the kernel's use of them.
+        if not getattr(self, "_closed", True):
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(queue_depth={self.queue_depth}, block_size={self.block_size})"
+
+
+def _resolve(file) -> _Target:
+    if isinstance(file, File):
+        return _Target(file.fileno(), file.path, file.direct, file.mem_align, file.offset_align, file)
+    if isinstance(file, int) and not isinstance(file, bool):
+        name, direct, mem, off = fd_info(file)
+        return _Target(file, name, direct, mem, off, None)
+    raise TypeError(f"file must be an infinity.aio.File or an int fd, got {type(file).__name__}")
+
+
+# [Note: O_DIRECT alignment]
+# O_DIRECT transfers go straight between the device and the buffer, so the kernel requires the
+# buffer address to be a multiple of the device's DMA alignment and the offset and length to be
+# multiples of its logical block size (statx STATX_DIOALIGN reports both; 4096 is used where it
+# is unknown, which satisfies every common device). The kernel's answer to a violation is a
+# bare EINVAL; the engines check first and say which value is wrong.
+def _check_alignment(op: int, target: _Target, address: int, nbytes: int, offset: int) -> None:
+    bad = []
+    if address % target.mem_align:
+        bad.append(f"buffer address={address:#x} is not a multiple of mem_align={target.mem_align}")
+    if offset % target.offset_align:
+        bad.append(f"{offset=} is not a multiple of offset_align={target.offset_align}")
+    if nbytes % target.offset_align:
+        bad.append(f"{nbytes=} is not a multiple of offset_align={target.offset_align}")
+    if bad:
+        raise ValueError(
+            f"{_OP_NAMES[op]} on O_DIRECT file {target.name}: " + "; ".join(bad)
+            + " (allocate buffers with infinity.aio.empty_aligned)"
+        )
+

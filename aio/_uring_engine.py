@@ -1,0 +1,56 @@
+"""The `uring` backend: a thin wrapper over the C++ ring in `infinity.aio._uring`.
+
+The ring lives on its own thread (the only thread that touches it, so the kernel can run it
+with SINGLE_ISSUER|DEFER_TASKRUN); requests are handed over through a queue and completed one
+by one, each with its own handle. See aio/csrc/uring_engine.hpp.
+"""
+
+from __future__ import annotations
+
+from ._engine import WRITE, Engine
+from ._files import File
+
+
+class UringEngine(Engine):
+    backend = "uring"
+
+    def __init__(self, queue_depth: int = 32, block_size: int = 1 << 20):
+        super().__init__(queue_depth, block_size)
+        from . import _uring
+
+        self._ring = _uring.Ring(queue_depth, block_size)
+        self._files: dict[File, int] = {}  # registered file -> fixed-file slot
+
+    @property
+    def setup_flags(self) -> str:
+        """The io_uring_setup flags the ring runs with, e.g. 'SINGLE_ISSUER|DEFER_TASKRUN'."""
+        return self._ring.setup_flags
+
+    def _start(self, op, arr, address, nbytes, target, offset):
+        slot = self._files.get(target.file, -1) if target.file is not None else -1
+        return self._ring.submit(op == WRITE, target.fd, address, nbytes, offset, target.direct, slot)
+
+    def _register_buffer(self, address: int, nbytes: int):
+        return self._ring.register_buffer(address, nbytes)
+
+    def _unregister_buffer(self, slot) -> None:
+        self._ring.unregister_buffer(slot)
+
+    def _register_file(self, file: File) -> bool:
+        if file not in self._files:
+            self._files[file] = self._ring.register_file(file.fileno())
+        return True
+
+    def _unregister_file(self, file: File) -> None:
+        slot = self._files.pop(file, None)
+        if slot is not None and not self._closed:
+            self._ring.unregister_file(slot)
+
+    def counters(self) -> dict[str, int]:
+        return self._ring.counters()
+
+    def _shutdown(self, cancel: bool) -> None:
+        self._ring.close(cancel)
+        for file in self._files:
+            file._engines.discard(self)
+        self._files.clear()

@@ -1,0 +1,58 @@
+"""Build the io_uring extension `infinity.aio._uring` when liburing is present.
+
+Everything else is declared in pyproject.toml. liburing is found with pkg-config
+(Debian: liburing-dev); nothing is downloaded. Without it the package installs
+without the extension and the `threads` backend serves (see infinity.aio.probe()).
+INFINITY_BUILD_URING=0 skips the extension on purpose.
+"""
+
+import os
+import shlex
+import subprocess
+import sys
+
+from setuptools import setup
+
+
+def _pkg_config(*args: str) -> list[str] | None:
+    try:
+        out = subprocess.run(
+            ["pkg-config", *args, "liburing"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return shlex.split(out)
+
+
+def _extensions():
+    if os.environ.get("INFINITY_BUILD_URING", "1") == "0":
+        print("infinity: INFINITY_BUILD_URING=0, building without the io_uring extension", file=sys.stderr)
+        return []
+    cflags = _pkg_config("--cflags")
+    libs = _pkg_config("--libs")
+    if cflags is None or libs is None:
+        print(
+            "infinity: liburing not found by pkg-config; building without the io_uring "
+            "extension (the 'threads' backend will be used). Install liburing-dev and "
+            "reinstall to enable it.",
+            file=sys.stderr,
+        )
+        return []
+    from pybind11.setup_helpers import Pybind11Extension
+
+    return [
+        Pybind11Extension(
+            "infinity.aio._uring",
+            sources=["aio/csrc/uring_engine.cpp", "aio/csrc/bindings.cpp"],
+            include_dirs=["aio/csrc"],
+            extra_compile_args=[*cflags, "-O2", "-Wall", "-Wextra"],
+            extra_link_args=libs,
+            cxx_std=20,
+        )
+    ]
+
+
+setup(ext_modules=_extensions())

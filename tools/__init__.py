@@ -1,0 +1,1 @@
+"""infinity.tools: the command-line tools (`nvme-bench`)."""
