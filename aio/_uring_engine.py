@@ -10,6 +10,8 @@ from __future__ import annotations
 from ._engine import WRITE, Engine
 from ._files import File
 
+_MAX_REGISTERED = 1 << 30
+
 
 class UringEngine(Engine):
     backend = "uring"
@@ -31,10 +33,21 @@ class UringEngine(Engine):
         return self._ring.submit(op == WRITE, target.fd, address, nbytes, offset, target.direct, slot)
 
     def _register_buffer(self, address: int, nbytes: int):
-        return self._ring.register_buffer(address, nbytes)
+        # The kernel takes at most 1 GiB per registered buffer; larger ones go in pieces
+        # (a chunk that straddles two pieces simply uses the plain READ/WRITE op).
+        slots = []
+        try:
+            for start in range(0, nbytes, _MAX_REGISTERED):
+                slots.append(self._ring.register_buffer(address + start, min(_MAX_REGISTERED, nbytes - start)))
+        except OSError:
+            for slot in slots:
+                self._ring.unregister_buffer(slot)
+            raise
+        return slots
 
-    def _unregister_buffer(self, slot) -> None:
-        self._ring.unregister_buffer(slot)
+    def _unregister_buffer(self, slots) -> None:
+        for slot in slots:
+            self._ring.unregister_buffer(slot)
 
     def _register_file(self, file: File) -> bool:
         if file not in self._files:
