@@ -114,6 +114,7 @@ class Engine:
         self.queue_depth = queue_depth
         self.block_size = block_size
         self._closed = False
+        self._pid = os.getpid()
         self._inflight: collections.deque[Future] = collections.deque()
         self._buffers: dict[int, tuple[object, int]] = {}  # address -> (buffer, slot)
 
@@ -129,6 +130,13 @@ class Engine:
     def _submit(self, op: int, buffer, file, offset: int) -> Future:
         if self._closed:
             raise RuntimeError(f"the {self.backend} aio engine is closed")
+        if os.getpid() != self._pid:
+            # The engine's threads (ring worker, thread pool) do not survive fork: a request
+            # would never complete. Each process opens its own engine.
+            raise RuntimeError(
+                f"this {self.backend} aio engine was opened in process {self._pid}; "
+                f"open a new one in process {os.getpid()} after fork"
+            )
         arr = as_bytes(buffer, writable=op == READ)
         target = _resolve(file)
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:

@@ -107,7 +107,9 @@ def open_file(path: str | os.PathLike, mode: str = "r", *, direct: bool = True) 
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            fd = os.open(path, flags, 0o600)
+            # The kernel creates the file before it refuses O_DIRECT, so an exclusive create
+            # must not insist again: EEXIST would have come before EINVAL had it existed.
+            fd = os.open(path, flags & ~os.O_EXCL, 0o600)
             dev = os.fstat(fd).st_dev
             if dev not in _warned_buffered:
                 _warned_buffered.add(dev)

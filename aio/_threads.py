@@ -19,22 +19,23 @@ from ._engine import READ, Engine
 class _Request:
     """Completion state of one request split over ``pending`` chunks."""
 
-    __slots__ = ("pending", "nbytes", "error", "eof", "lock", "event")
+    __slots__ = ("pending", "nbytes", "error", "eof_at", "lock", "event")
 
     def __init__(self, nchunks: int):
         self.pending = nchunks
         self.nbytes = 0
         self.error = 0
-        self.eof = False
+        self.eof_at = None  # lowest file offset where a chunk found end of file
         self.lock = threading.Lock()
         self.event = threading.Event()
 
-    def finish_chunk(self, nbytes: int, error: int = 0, eof: bool = False) -> None:
+    def finish_chunk(self, nbytes: int, error: int = 0, eof_at: int | None = None) -> None:
         with self.lock:
             self.nbytes += nbytes
             if error and not self.error:
                 self.error = error
-            self.eof |= eof
+            if eof_at is not None and (self.eof_at is None or eof_at < self.eof_at):
+                self.eof_at = eof_at
             self.pending -= 1
             if self.pending == 0:
                 self.event.set()
@@ -77,7 +78,10 @@ class ThreadEngine(Engine):
         if self._cancelled:
             req.finish_chunk(0, errno.ECANCELED)
             return
-        if req.error or req.eof:  # an earlier chunk failed or found EOF: the rest is moot
+        eof_at = req.eof_at
+        # Chunks run in any order: only those wholly past an EOF already found are moot. One
+        # before it must still be read, or the count would cover bytes never read.
+        if req.error or (eof_at is not None and offset >= eof_at):
             req.finish_chunk(0)
             return
         done = 0
@@ -109,7 +113,7 @@ class ThreadEngine(Engine):
             req.finish_chunk(done, e.errno or errno.EIO)
             return
         self._count(op, done, retries, short)
-        req.finish_chunk(done, eof=done < want)
+        req.finish_chunk(done, eof_at=offset + done if done < want else None)
 
     def _count(self, op, nbytes, retries, short, error=False) -> None:
         with self._stats_lock:

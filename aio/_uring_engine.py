@@ -20,8 +20,10 @@ class UringEngine(Engine):
         super().__init__(queue_depth, block_size)
         from . import _uring
 
-        self._ring = _uring.Ring(queue_depth, block_size)
         self._files: dict[File, int] = {}  # registered file -> fixed-file slot
+        self._closed = True  # until the ring exists, so __del__ of a failed init has nothing to do
+        self._ring = _uring.Ring(queue_depth, block_size)
+        self._closed = False
 
     @property
     def setup_flags(self) -> str:

@@ -79,7 +79,7 @@ void Request::complete() {
 // ---- Ring: caller side --------------------------------------------------------------------
 
 Ring::Ring(unsigned queue_depth, uint32_t block_size)
-    : queue_depth_(queue_depth), block_size_(block_size) {
+    : queue_depth_(queue_depth), block_size_(block_size), owner_pid_(getpid()) {
   if (queue_depth == 0 || block_size == 0) {
     throw Error(EINVAL, "queue_depth and block_size must be positive");
   }
@@ -212,6 +212,13 @@ void Ring::unregister_file(int slot) {
 }
 
 void Ring::close(bool cancel) {
+  if (getpid() != owner_pid_) {
+    // A forked child has the ring's memory but not its worker thread: joining would wait
+    // forever, and the ring belongs to the parent. Let go of it.
+    std::lock_guard<std::mutex> lock(join_mu_);
+    if (worker_.joinable()) worker_.detach();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopped_) {

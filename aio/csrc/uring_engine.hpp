@@ -11,6 +11,7 @@
 #pragma once
 
 #include <liburing.h>
+#include <sys/types.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -154,6 +155,7 @@ class Ring {
 
   const unsigned queue_depth_;
   const uint32_t block_size_;
+  const pid_t owner_pid_;
   io_uring ring_{};
   bool ring_ok_ = false;
   int wake_fd_ = -1;
