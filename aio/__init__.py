@@ -97,7 +97,10 @@ def open_engine(backend: str = "auto", queue_depth: int = 32, block_size: int = 
         if forced not in ("auto", *BACKENDS):
             raise ValueError(f"{ENV_BACKEND}={forced!r} is not one of auto, {', '.join(BACKENDS)}")
         if forced != backend:
-            logger.info("%s=%s overrides backend=%r", ENV_BACKEND, forced, backend)
+            # A forced backend is for trying the fallback without code changes (as KvikIO's
+            # compat-mode variable); overriding an explicit choice is worth a warning.
+            log = logger.info if backend == "auto" else logger.warning
+            log("%s=%s overrides backend=%r", ENV_BACKEND, forced, backend)
         backend = forced
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"{backend=} is not one of auto, {', '.join(BACKENDS)}")

@@ -116,7 +116,7 @@ class Engine:
         self._closed = False
         self._pid = os.getpid()
         self._inflight: collections.deque[Future] = collections.deque()
-        self._buffers: dict[int, tuple[object, int]] = {}  # address -> (buffer, slot)
+        self._buffers: dict[tuple[int, int], tuple[object, object]] = {}  # (address, nbytes) -> (buffer, slots)
 
     # -- requests ---------------------------------------------------------------------------
     def pread(self, buffer, file: File | int, offset: int = 0) -> Future:
@@ -172,17 +172,18 @@ class Engine:
         holds ``buffer`` until `unregister_buffer` or `close`.
         """
         arr = as_bytes(buffer, writable=True)
-        address = address_of(arr)
-        if address in self._buffers:
+        key = (address_of(arr), arr.nbytes)
+        if key in self._buffers:
             return
-        slot = self._register_buffer(address, arr.nbytes)
-        self._buffers[address] = (arr, slot)
+        slot = self._register_buffer(*key)
+        self._buffers[key] = (arr, slot)
 
     def unregister_buffer(self, buffer) -> None:
-        address = address_of(as_bytes(buffer, writable=True))
-        entry = self._buffers.pop(address, None)
+        arr = as_bytes(buffer, writable=True)
+        key = (address_of(arr), arr.nbytes)
+        entry = self._buffers.pop(key, None)
         if entry is None:
-            raise ValueError(f"buffer at {address:#x} is not registered with this engine")
+            raise ValueError(f"buffer at {key[0]:#x} of {key[1]} bytes is not registered with this engine")
         self._unregister_buffer(entry[1])
 
     def register_file(self, file: File) -> None:

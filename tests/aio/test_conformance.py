@@ -637,3 +637,18 @@ def test_engine_refuses_use_after_fork(engine, tmp_path):
     assert os.read(read_end, 100) == b"RuntimeError"
     assert exit_status == 0
     assert engine.pwrite(aio.empty_aligned(4096), f, 0).result() == 4096  # the parent's engine still works
+
+
+def test_registering_a_larger_view_of_the_same_memory(make_engine, tmp_path, random_bytes, file_bytes):
+    """Registration is keyed by address and length: buf[:n], then buf, are two registrations."""
+    engine = make_engine(queue_depth=4, block_size=64 * 1024)
+    buf = random_bytes(1 << 20, seed=7)
+    engine.register_buffer(buf[: 64 * 1024])
+    engine.register_buffer(buf)
+    f = aio.open_file(tmp_path / "f", "w+")
+    assert engine.pwrite(buf, f, 0).result() == buf.numel()
+    assert torch.equal(file_bytes(tmp_path / "f", 0, buf.numel()), buf)
+    if engine.backend == "uring":
+        assert engine.counters()["fixed"] == 16  # every chunk lies inside the whole-buffer registration
+    engine.unregister_buffer(buf)
+    engine.unregister_buffer(buf[: 64 * 1024])
