@@ -68,11 +68,29 @@ def _cuda_unregister(address: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(address)
 
 
+HUGE_PAGE_SIZE = 2 << 20
+
+# [Note: huge pages for I/O buffers]
+# A 1 MiB O_DIRECT transfer into 4 KiB pages is a scatter list of up to 256 segments, unless
+# the pages happen to be physically adjacent. Devices cap the segments per request (virtio-blk
+# here: 254; NVMe PRP/SGL lists cost per segment too), so scattered pages split one chunk into
+# several device requests. Pages first touched by a multi-threaded fill (torch's copy_) are
+# scattered; measured on this machine's disk, 1 MiB reads into such a buffer ran at 1.5 GB/s
+# against 2.75 GB/s into the same buffer backed by huge pages. So buffers of 2 MiB and more
+# are 2 MiB-aligned and advised MADV_HUGEPAGE (which also works where THP is "madvise" only):
+# every chunk inside one huge page is one physical segment.
+
+
 class _Mapping:
     """Owns one anonymous mapping (and its CUDA registration); freed with the last tensor."""
 
-    def __init__(self, nbytes: int, pin: bool):
+    def __init__(self, nbytes: int, pin: bool, huge: bool):
         self.mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self.mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # THP compiled out or disabled: 4 KiB pages still work
+                pass
         # The ctypes array exports the buffer to torch and holds the mmap's export open;
         # the finaliser lives on the array, so CUDA is told before the pages are unmapped.
         self.array = (ctypes.c_uint8 * nbytes).from_buffer(self.mm)
@@ -82,10 +100,14 @@ class _Mapping:
             weakref.finalize(self.array, _cuda_unregister, self.address)
 
 
-def empty_aligned(nbytes: int, alignment: int = 4096, *, pin: bool | None = None) -> torch.Tensor:
+def empty_aligned(
+    nbytes: int, alignment: int = 4096, *, pin: bool | None = None, huge: bool | None = None
+) -> torch.Tensor:
     """A 1-D uint8 CPU tensor of ``nbytes`` whose data starts on an ``alignment`` boundary.
 
-    The memory is anonymous (mmap), so io_uring can register it as a fixed buffer. With
+    The memory is anonymous (mmap), so io_uring can register it as a fixed buffer; from 2 MiB
+    up it is 2 MiB-aligned and advised to use huge pages (see [Note: huge pages for I/O
+    buffers]; ``huge=False`` opts out, ``huge=True`` opts in below 2 MiB). With
     ``pin=None`` it is also registered with CUDA (cudaHostRegister) when CUDA is available, so
     the same bytes serve O_DIRECT reads and asynchronous copies to the GPU.
     """
@@ -96,9 +118,13 @@ def empty_aligned(nbytes: int, alignment: int = 4096, *, pin: bool | None = None
     if pin is None:
         pin = torch.cuda.is_available()
     # mmap returns page-aligned memory; a larger alignment is found inside a larger mapping.
+    if huge is None:
+        huge = nbytes >= HUGE_PAGE_SIZE
+    if huge:
+        alignment = max(alignment, HUGE_PAGE_SIZE)  # see [Note: huge pages for I/O buffers]
     slack = alignment - PAGE_SIZE if alignment > PAGE_SIZE else 0
     total = max(nbytes + slack, 1)
-    mapping = _Mapping(total, pin)
+    mapping = _Mapping(total, pin, huge)
     tensor = torch.frombuffer(mapping.array, dtype=torch.uint8)
     skip = -mapping.address % alignment
     return tensor[skip : skip + nbytes]

@@ -50,6 +50,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=7, help="pairs per backend and op (default 7; 5+ to quote)")
     p.add_argument("--backends", default=",".join(ENGINE_BACKENDS), help="comma-separated (default all)")
     p.add_argument("--json", action="store_true", help="JSON lines: the command, every pair, every summary")
+    p.add_argument("--small-pages", action="store_true",
+                   help="our buffer in 4 KiB pages like fio's, not huge pages: engine against engine")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -88,7 +90,8 @@ def _run(args, size: int, backends: list[str], fio: str, out) -> None:
             out(dict(type="note", direct=False), f"O_DIRECT refused in {args.dir}: buffered on both sides")
         summaries = []
         for backend in backends:
-            with open_runner(backend, path, size, BLOCK_SIZE, QUEUE_DEPTH) as run:
+            huge = False if args.small_pages else None
+            with open_runner(backend, path, size, BLOCK_SIZE, QUEUE_DEPTH, huge) as run:
                 for op in OPS:
                     pairs = []
                     for i in range(args.pairs):
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             os.makedirs(args.dir)
         check_directory(args.dir, size)
         out(dict(type="setting", dir=args.dir, size=size, block_size=BLOCK_SIZE, queue_depth=QUEUE_DEPTH),
-            f"{args.dir}: {format_size(size)} per run, 1MiB blocks, queue depth {QUEUE_DEPTH}")
+            f"{args.dir}: {format_size(size)} per run, 1MiB blocks, queue depth {QUEUE_DEPTH}, "
+            f"our buffer in {'4 KiB' if args.small_pages else 'huge'} pages")
         _run(args, size, backends, fio, out)
     except BadInput as e:
         print(f"aio_vs_fio: error: {e}", file=sys.stderr)

@@ -29,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from infinity import aio
@@ -103,17 +104,20 @@ def create_test_file(directory: str) -> str:
     return path
 
 
-def _random_buffer(nbytes: int) -> torch.Tensor:
+def _random_buffer(nbytes: int, huge: bool | None = None) -> torch.Tensor:
     """An aligned buffer of incompressible bytes, every page touched before any clock starts.
 
     Random, not zeros, because some drives compress or deduplicate (fio writes random data
-    too); one random MiB repeated keeps this quick for 512 MiB buffers.
+    too); one random MiB repeated keeps this quick for 512 MiB buffers. Filled by numpy on one
+    thread, front to back, as fio fills its buffers: with ``huge=False`` the 4 KiB pages are
+    then faulted in order, the way fio's are (see [Note: huge pages for I/O buffers]).
     """
-    buffer = aio.empty_aligned(nbytes)
-    pattern = torch.randint(0, 256, (min(nbytes, 1 << 20),), dtype=torch.uint8)
+    buffer = aio.empty_aligned(nbytes, huge=huge)
+    view = buffer.numpy()
+    pattern = np.random.default_rng().integers(0, 256, min(nbytes, 1 << 20), dtype=np.uint8)
     for offset in range(0, nbytes, len(pattern)):
         n = min(len(pattern), nbytes - offset)
-        buffer[offset : offset + n].copy_(pattern[:n])
+        view[offset : offset + n] = pattern[:n]
     return buffer
 
 
@@ -186,7 +190,7 @@ async def _aiofiles_pass(path: str, op: str, size: int, bs: int, qd: int, buffer
 
 
 @contextlib.contextmanager
-def open_runner(backend: str, path: str, size: int, block_size: int, queue_depth: int):
+def open_runner(backend: str, path: str, size: int, block_size: int, queue_depth: int, huge: bool | None = None):
     """Yield ``run(op) -> GB/s``, one pass of ``size`` bytes over ``path`` ("read" or "write").
 
     uring and threads: one engine, one registered buffer and the registered file serve every
@@ -195,7 +199,7 @@ def open_runner(backend: str, path: str, size: int, block_size: int, queue_depth
     # At least 64 MiB per request keeps per-request overhead out of the figure, qd * bs keeps
     # every slot of the queue busy, and whole blocks keep every chunk full-sized.
     span = min(size, max(MIN_SPAN, queue_depth * block_size)) // block_size * block_size
-    buffer = _random_buffer(span)
+    buffer = _random_buffer(span, huge)
     if backend == "aiofiles":
         with aio.open_file(path, "r") as f:
             direct = f.direct
