@@ -102,3 +102,43 @@ def test_pinned_for_cuda():
     dev = buf.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert bool((dev == 7).all())
+
+
+def _anon_huge_kib_of(buf: torch.Tensor) -> int:
+    """AnonHugePages of the mapping holding ``buf`` (from /proc/self/smaps)."""
+    address = buf.data_ptr()
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def test_large_buffers_are_2mib_aligned_for_huge_pages():
+    """See [Note: huge pages for I/O buffers]: from 2 MiB up a buffer starts on a huge page."""
+    assert aio.empty_aligned(2 * MiB).data_ptr() % (2 * MiB) == 0
+    assert aio.empty_aligned(6 * MiB + 4096).data_ptr() % (2 * MiB) == 0
+
+
+def test_large_buffers_get_huge_pages_where_the_kernel_has_them():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        pytest.skip("no transparent huge pages in this kernel")
+    if "[never]" in mode:
+        pytest.skip(f"transparent huge pages disabled: {mode.strip()}")
+    buf = aio.empty_aligned(8 * MiB)
+    buf.fill_(1)  # fault the pages in
+    if _anon_huge_kib_of(buf) == 0:
+        pytest.skip("the kernel had no free huge page (fragmented memory)")  # advice, not a promise
+    assert _anon_huge_kib_of(buf) % 2048 == 0
+    if "[madvise]" in mode:  # with THP "always" every mapping may get huge pages anyway
+        small = aio.empty_aligned(8 * MiB, huge=False)
+        small.fill_(1)
+        assert _anon_huge_kib_of(small) == 0
