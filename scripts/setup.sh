@@ -54,7 +54,8 @@ stale=0
 [[ -f $stamp ]] || stale=1
 for f in "${inputs[@]}"; do [[ $f -nt $stamp ]] && stale=1; done
 "$PY" -c 'import infinity.aio' 2>/dev/null || stale=1
-pkg-config --exists liburing 2>/dev/null && ! "$PY" -c 'import infinity.aio._uring' 2>/dev/null && stale=1
+# liburing appeared since the last install: build the extension now.
+if pkg-config --exists liburing 2>/dev/null && ! "$PY" -c 'import infinity.aio._uring' 2>/dev/null; then stale=1; fi
 if ((stale)); then
     say "installing infinity (editable, with the dev extras)"
     log=$VENV/install.log
@@ -63,6 +64,10 @@ if ((stale)); then
         say "install failed; the whole log is in $log"
         exit 1
     fi
-    grep '^infinity:' "$log" >&2 || true  # the build's own notices (e.g. no liburing)
     touch "$stamp"
+    # pip hides a successful build's output, so the missing extension is told here, once.
+    if ! "$PY" -c 'import infinity.aio._uring' 2>/dev/null; then
+        say "built WITHOUT the io_uring extension (pkg-config found no liburing); the threads"
+        say "backend will serve. Install liburing-dev and rerun to build it."
+    fi
 fi
