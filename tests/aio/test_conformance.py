@@ -652,3 +652,42 @@ def test_registering_a_larger_view_of_the_same_memory(make_engine, tmp_path, ran
         assert engine.counters()["fixed"] == 16  # every chunk lies inside the whole-buffer registration
     engine.unregister_buffer(buf)
     engine.unregister_buffer(buf[: 64 * 1024])
+
+
+_SHORT_WRITE_CHILD = r"""
+import errno, resource, signal, sys
+import torch
+import infinity.aio as aio
+backend, path, limit, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+engine = aio.open_engine(backend, queue_depth=1, block_size=nbytes)  # one chunk: the kernel cuts it
+buf = aio.empty_aligned(nbytes)
+buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+buf.numpy().tofile(path + ".expected")
+f = aio.open_file(path, "w+")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG instead of a signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    engine.pwrite(buf, f, 0).result()
+except OSError as e:
+    print(e.errno == errno.EFBIG, e.filename == path, engine.counters()["short"])
+"""
+
+
+def test_short_write_continues_then_reports_the_error(backend, tmp_path):
+    """The kernel writes up to RLIMIT_FSIZE (a short write); the rest is asked again, which
+    fails with EFBIG: the bytes before the limit are on disk and the error names the file."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "f")
+    limit, nbytes = 1 * MiB + 4096, 2 * MiB  # aligned, so O_DIRECT may take the short write
+    env = {**os.environ, aio.ENV_BACKEND: backend}
+    out = subprocess.run([sys.executable, "-c", _SHORT_WRITE_CHILD, backend, path, str(limit), str(nbytes)],
+                         capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    is_efbig, names_file, short = out.stdout.split()
+    assert (is_efbig, names_file) == ("True", "True")
+    assert int(short) >= 1
+    expected = np.fromfile(path + ".expected", dtype=np.uint8)
+    assert os.path.getsize(path) == limit
+    assert np.array_equal(np.fromfile(path, dtype=np.uint8), expected[:limit])
