@@ -6,7 +6,17 @@ both sides of each pair alike; reports every pair and the medians of ours, of fi
 per-pair ratios ours/fio. The harness is nvme-bench's (infinity.tools.nvme_bench), not a copy.
 
     python benchmarks/aio_vs_fio.py [--dir bench-data/] [--size 1GiB] [--pairs 7]
-                                    [--backends uring,threads] [--json]
+                                    [--backends uring,threads] [--small-pages] [--json]
+
+Memory matters as much as the engine: our buffers are on huge pages (see [Note: huge pages for
+I/O buffers] in aio/_buffers.py), fio's are malloc'd 4 KiB pages unless transparent huge pages
+are "always", and a 1 MiB transfer into scattered 4 KiB pages is split by the device (fio's own
+figure then flips between ~1.2 and ~3 GB/s from run to run as its fresh buffers land). So:
+- default: ours as the engine runs it against fio as users run it;
+- engine against engine: with THP set to "always" (as root: echo always >
+  /sys/kernel/mm/transparent_hugepage/enabled; put back "madvise" after), both sides get huge
+  pages and fio's figure is steady;
+- --small-pages: our buffer on 4 KiB pages too (a lottery of page placement on both sides).
 
 Exit status: 0 measured, 1 an I/O error or fio failed, 2 bad input or fio not installed.
 """
