@@ -1,0 +1,307 @@
+"""The manifest of a swap space: what each rank directory holds, as JSON, written atomically.
+
+One manifest per rank, in the rank directory of the space's first directory (the primary).
+Other directories' rank directories hold only arena files and a ``space.json`` that names the
+space, so a directory that belongs to another space is recognised. Everything a path in a
+manifest names is relative to a rank directory: the loader refuses anything else (absolute
+paths, separators, ``..``), so a tampered manifest cannot point the engine outside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+FORMAT = "infinity-swap"
+VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SPACE_NAME = "space.json"
+
+_FILE_NAME = re.compile(r"arena-[0-9]{1,6}\.bin")
+
+DTYPES: dict[str, torch.dtype] = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.complex64, torch.complex128,
+        torch.float8_e4m3fn, torch.float8_e5m2,
+    )  # fmt: skip
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise TypeError(f"dtype {dtype} cannot be swapped (supported: {', '.join(DTYPES)})")
+    return name
+
+
+class ManifestError(ValueError):
+    """A manifest or space.json that cannot be trusted: unknown version, bad field, escaping path."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaFile:
+    """One preallocated arena file: ``name`` inside the rank directory of directory ``dir``."""
+
+    dir: int
+    name: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """``nbytes`` of a tensor's bytes at ``offset`` in arena file ``file`` (an index into
+    `Manifest.files`). The allocation behind it is ``nbytes`` rounded up to the alignment."""
+
+    file: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class TensorRecord:
+    """One swapped tensor: its bytes are the concatenation of its extents, in order."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    extents: tuple[Extent, ...]
+    generation: int = 0  # times written
+    checksum: str | None = None  # "xxh3-64:<16 hex digits>" of the nbytes, or None
+
+    @property
+    def kind(self) -> str:
+        """The state kind: the part of the name after its last "/" ("param", "exp_avg"...)."""
+        return self.name.rsplit("/", 1)[1] if "/" in self.name else ""
+
+
+@dataclass(slots=True)
+class Manifest:
+    space_id: str
+    rank: int
+    directories: int  # stripe members; member k is the space's k-th directory
+    alignment: int
+    generation: int = 0  # bumped by every write of the manifest
+    # Absolute path of each member's rank directory when last opened. Informational, for tools
+    # (swap-inspect); a SwapSpace trusts the directories its caller gives, and a tool trusts a
+    # member only if its space.json names this space. Arena paths stay relative (file names).
+    members: list[str] = field(default_factory=list)
+    files: list[ArenaFile] = field(default_factory=list)
+    tensors: dict[str, TensorRecord] = field(default_factory=dict)
+
+    # -- JSON -------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "space_id": self.space_id,
+            "rank": self.rank,
+            "directories": self.directories,
+            "alignment": self.alignment,
+            "generation": self.generation,
+            "members": list(self.members),
+            "files": [{"dir": f.dir, "name": f.name, "size": f.size} for f in self.files],
+            "tensors": {
+                t.name: {
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "nbytes": t.nbytes,
+                    "extents": [[e.file, e.offset, e.nbytes] for e in t.extents],
+                    "generation": t.generation,
+                    "checksum": t.checksum,
+                }
+                for t in self.tensors.values()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data, source: str) -> "Manifest":
+        """Validate everything a reader will rely on; raise ManifestError naming the field."""
+        check = _Checker(source)
+        check.header(data)
+        m = cls(
+            space_id=check.typed(data, "space_id", str),
+            rank=check.count(data, "rank"),
+            directories=check.count(data, "directories", minimum=1),
+            alignment=check.count(data, "alignment", minimum=1),
+            generation=check.count(data, "generation"),
+        )
+        if m.alignment & (m.alignment - 1):
+            check.fail("alignment", f"{m.alignment} is not a power of two")
+        members = check.typed(data, "members", list)
+        if len(members) != m.directories or not all(
+            isinstance(p, str) and os.path.isabs(p) and os.path.normpath(p) == p for p in members
+        ):
+            check.fail("members", f"{members!r} is not {m.directories} absolute, normalised directory paths")
+        m.members = members
+        for i, f in enumerate(check.typed(data, "files", list)):
+            key = f"files[{i}]"
+            f = check.typed({key: f}, key, dict)
+            m.files.append(
+                ArenaFile(
+                    dir=check.count(f, "dir", where=key, maximum=m.directories - 1),
+                    name=check.file_name(check.typed(f, "name", str, where=key), f"{key}.name"),
+                    size=check.count(f, "size", where=key),
+                )
+            )
+        if len({(f.dir, f.name) for f in m.files}) != len(m.files):
+            check.fail("files", "the same arena file is listed twice")
+        for name, t in check.typed(data, "tensors", dict).items():
+            key = f"tensors[{name!r}]"
+            t = check.typed({key: t}, key, dict)
+            dtype = check.typed(t, "dtype", str, where=key)
+            if dtype not in DTYPES:
+                check.fail(f"{key}.dtype", f"unknown dtype {dtype!r}")
+            shape = tuple(check.typed(t, "shape", list, where=key))
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                check.fail(f"{key}.shape", f"{list(shape)} is not a list of sizes")
+            nbytes = check.count(t, "nbytes", where=key)
+            numel = 1
+            for d in shape:
+                numel *= d
+            if numel * DTYPES[dtype].itemsize != nbytes:
+                check.fail(f"{key}.nbytes", f"{nbytes} is not {list(shape)} x {dtype}")
+            extents = []
+            for j, e in enumerate(check.typed(t, "extents", list, where=key)):
+                ekey = f"{key}.extents[{j}]"
+                if not (isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) and v >= 0 for v in e)):
+                    check.fail(ekey, f"{e!r} is not [file, offset, nbytes]")
+                if e[0] >= len(m.files):
+                    check.fail(ekey, f"file index {e[0]} is not in files (0..{len(m.files) - 1})")
+                if e[1] % m.alignment:
+                    check.fail(ekey, f"offset {e[1]} is not a multiple of the alignment {m.alignment}")
+                if extents and extents[-1].nbytes % m.alignment:  # see [Note: swap alignment]
+                    check.fail(ekey, f"follows an extent of {extents[-1].nbytes} bytes, not whole units")
+                extents.append(Extent(*e))
+            if sum(e.nbytes for e in extents) != nbytes:
+                check.fail(f"{key}.extents", f"extents hold {sum(e.nbytes for e in extents)} bytes, not {nbytes}")
+            checksum = t.get("checksum")
+            if checksum is not None and not (isinstance(checksum, str) and re.fullmatch(r"xxh3-64:[0-9a-f]{16}", checksum)):
+                check.fail(f"{key}.checksum", f"{checksum!r} is not 'xxh3-64:<16 hex digits>'")
+            m.tensors[name] = TensorRecord(
+                name=name, dtype=dtype, shape=shape, nbytes=nbytes, extents=tuple(extents),
+                generation=check.count(t, "generation", where=key), checksum=checksum,
+            )  # fmt: skip
+        return m
+
+
+class _Checker:
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, key: str, why: str):
+        raise ManifestError(f"{self.source}: {key}: {why}")
+
+    def header(self, data) -> None:
+        if not isinstance(data, dict):
+            raise ManifestError(f"{self.source}: not a JSON object")
+        if data.get("format") != FORMAT:
+            self.fail("format", f"{data.get('format')!r} is not {FORMAT!r}: not an infinity swap manifest")
+        if data.get("version") != VERSION:
+            self.fail("version", f"unknown version {data.get('version')!r} (this infinity reads version {VERSION})")
+
+    def typed(self, data: dict, key: str, kind: type, where: str = ""):
+        full = f"{where}.{key}" if where else key
+        if key not in data:
+            self.fail(full, "missing")
+        value = data[key]
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            self.fail(full, f"{value!r} is not a {kind.__name__}")
+        return value
+
+    def count(self, data: dict, key: str, where: str = "", minimum: int = 0, maximum: int | None = None) -> int:
+        value = self.typed(data, key, int, where)
+        if value < minimum or (maximum is not None and value > maximum):
+            full = f"{where}.{key}" if where else key
+            self.fail(full, f"{value} is out of range [{minimum}, {maximum if maximum is not None else '...'}]")
+        return value
+
+    def file_name(self, name: str, key: str) -> str:
+        # Only names the space itself makes: no separator, no "..", nothing absolute.
+        if not _FILE_NAME.fullmatch(name):
+            self.fail(key, f"{name!r} is not an arena file name (arena-N.bin): a manifest may not point outside its directory")
+        return name
+
+
+def arena_name(index: int) -> str:
+    return f"arena-{index}.bin"
+
+
+def is_space_file(name: str) -> bool:
+    """Whether ``name`` (in a rank directory) is a file a swap space makes."""
+    return name in (MANIFEST_NAME, SPACE_NAME, LOCK_NAME) or bool(_FILE_NAME.fullmatch(name)) or (
+        name.startswith(f".{MANIFEST_NAME}.") or name.startswith(f".{SPACE_NAME}.")
+    )
+
+
+LOCK_NAME = ".lock"
+
+
+# [Note: atomic manifest]
+# A manifest is replaced, never edited: the new one is written to a temporary file in the same
+# directory, fsynced, renamed over the old one, and the directory is fsynced so the rename
+# itself is durable. A crash before the rename leaves the old manifest (and a stray temporary
+# file, which the next write replaces and `is_space_file` accepts); after it, the new one.
+def write_json_atomic(path: str, data: dict, *, before_rename=None) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (see [Note: atomic manifest]).
+
+    ``before_rename`` is a hook for tests that simulate a crash at that point.
+    """
+    directory, base = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, separators=(",", ":"))  # compact: swap-inspect is the human view
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        if before_rename is not None:
+            before_rename(tmp)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+
+
+def load_manifest(path: str) -> Manifest:
+    return Manifest.from_json(read_json(path), path)
+
+
+def space_json(space_id: str, rank: int, member: int, directories: int) -> dict:
+    return {"format": FORMAT, "version": VERSION, "space_id": space_id, "rank": rank, "member": member,
+            "directories": directories}  # fmt: skip
+
+
+def load_space_json(path: str) -> dict:
+    data = read_json(path)
+    check = _Checker(path)
+    check.header(data)
+    check.typed(data, "space_id", str)
+    for key in ("rank", "member", "directories"):
+        check.count(data, key)
+    return data

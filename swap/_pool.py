@@ -1,0 +1,396 @@
+"""The host buffer pool: every host buffer the engine uses, under one byte budget (DESIGN §5).
+
+No other code allocates pinned (or otherwise long-lived I/O) host memory: swap-in targets,
+write-behind staging, optimizer sub-group buffers and checkpoint streaming all `acquire` from a
+`HostBufferPool`, so ``memory.host_budget`` bounds them together and running out is a
+`PoolExhausted` that says what holds the memory, never an OOM kill.
+
+Memory comes in slabs from `infinity.aio.empty_aligned` (anonymous, huge-page advised, and
+registered with CUDA where there is a GPU), each registered once with the I/O engine as a fixed
+buffer, and carved into aligned buffers by an `ExtentAllocator` per slab. Slabs are kept when
+their buffers are released, so steady-state acquire/release costs no mmap, no page faults and
+no re-registration; empty slabs are dropped only to make room for a size that no slab holds
+(or on `trim`/`close`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+import weakref
+from collections import deque
+from contextlib import contextmanager
+
+import torch
+
+from infinity.aio import empty_aligned
+
+from ._allocator import ExtentAllocator, round_up
+
+__all__ = ["HostBuffer", "HostBufferPool", "PoolExhausted"]
+
+logger = logging.getLogger("infinity.swap")
+
+
+class PoolExhausted(MemoryError):
+    """The host buffer pool cannot give the bytes asked for within the budget and timeout.
+
+    Attributes (bytes): ``asked``, ``budget``, ``held`` (by ``buffers`` buffers) and ``free``
+    (inside slabs plus budget not yet allocated; fragmented when it is ``>= asked``).
+    """
+
+    def __init__(self, message: str, *, asked: int, budget: int, held: int, buffers: int, free: int):
+        super().__init__(message)
+        self.asked = asked
+        self.budget = budget
+        self.held = held
+        self.buffers = buffers
+        self.free = free
+
+
+def _fmt(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} B"
+
+
+class _Slab:
+    """One empty_aligned allocation and the allocator that carves it."""
+
+    __slots__ = ("tensor", "array", "allocator", "registered", "alive")
+
+    def __init__(self, nbytes: int, alignment: int):
+        self.tensor = empty_aligned(nbytes, alignment)  # 1-D uint8, the whole slab
+        self.array = self.tensor.numpy()  # per-buffer views are cut from this
+        self.allocator = ExtentAllocator(alignment, grow_step=0, capacity=nbytes)
+        self.registered = False
+        self.alive = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.allocator.capacity
+
+
+class HostBuffer:
+    """``nbytes`` of aligned host memory lent by a `HostBufferPool`; give it back with `release`.
+
+    ``tensor`` is a 1-D uint8 CPU tensor of exactly ``nbytes``; ``view(dtype, shape)`` a typed
+    view of its start. After `release` (idempotent; also on leaving a ``with`` block) the bytes
+    belong to the pool again and ``tensor`` raises; views taken before must not be used.
+    A buffer that is never released returns to the pool when it and every tensor viewing its
+    memory are garbage (with a ResourceWarning): a safety net, not the API.
+    """
+
+    __slots__ = ("_pool", "_slab", "_offset", "_size", "_tensor", "_finalizer", "nbytes", "__weakref__")
+
+    def __init__(self, pool: "HostBufferPool", slab: _Slab, offset: int, size: int, nbytes: int):
+        self._pool = pool
+        self._slab = slab
+        self._offset = offset
+        self._size = size  # bytes taken from the slab: nbytes rounded up to the alignment
+        self.nbytes = nbytes
+        # The tensor gets its own storage over a numpy view of the slab, so the finaliser on
+        # that view runs only once no tensor (ours, the caller's views) reaches the memory:
+        # a forgotten buffer can never be handed out again while something still uses it.
+        view = slab.array[offset : offset + nbytes]
+        self._tensor = torch.from_numpy(view)  # 1-D uint8, cpu
+        self._finalizer = weakref.finalize(view, pool._give_back, slab, offset, size, True)
+        self._finalizer.atexit = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise RuntimeError(f"this host buffer of {self.nbytes} bytes was released to its pool")
+        return self._tensor
+
+    @property
+    def released(self) -> bool:
+        return self._tensor is None
+
+    def view(self, dtype: torch.dtype, shape) -> torch.Tensor:
+        """The first ``numel * itemsize`` bytes as a ``dtype`` tensor of ``shape``."""
+        shape = torch.Size((shape,) if isinstance(shape, int) else shape)
+        need = shape.numel() * dtype.itemsize
+        if need > self.nbytes:
+            raise ValueError(f"a {dtype} view of shape={tuple(shape)} needs {need} bytes; the buffer has {self.nbytes}")
+        return self.tensor[:need].view(dtype).view(shape)
+
+    def release(self) -> None:
+        """Give the bytes back to the pool (waking acquires that wait); a second call does nothing."""
+        if self._tensor is None:
+            return
+        self._finalizer.detach()
+        self._tensor = None
+        self._pool._give_back(self._slab, self._offset, self._size, False)
+
+    def __enter__(self) -> "HostBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._tensor is None else f"at {self._tensor.data_ptr():#x}"
+        return f"HostBuffer({self.nbytes} bytes, {state})"
+
+
+class HostBufferPool:
+    """Aligned host buffers under a byte budget, from slabs registered with ``engine``.
+
+    ``budget_bytes`` bounds the bytes of all slabs alive. A slab is ``slab_size`` bytes, or the
+    request when larger, never past the budget. ``alignment`` (a power of two, at least the
+    O_DIRECT alignment) applies to every buffer's address and to the bytes it takes. An
+    `acquire` that finds no room waits up to ``timeout`` seconds for a release, then raises
+    `PoolExhausted`. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        engine=None,
+        slab_size: int = 256 << 20,
+        alignment: int = 4096,
+        timeout: float = 60.0,
+    ):
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+            raise ValueError(f"{budget_bytes=} must be a positive int")
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{alignment=} must be a positive power of two")
+        if not isinstance(slab_size, int) or slab_size <= 0:
+            raise ValueError(f"{slab_size=} must be a positive int")
+        if timeout < 0:
+            raise ValueError(f"{timeout=} must be >= 0")
+        self.budget_bytes = budget_bytes
+        self.engine = engine
+        self.alignment = alignment
+        self.slab_size = round_up(slab_size, alignment)
+        self.timeout = float(timeout)
+        self._slabs: list[_Slab] = []  # oldest first: buffers pack into old slabs, new ones empty out
+        self._allocated = 0  # bytes of live slabs
+        self._in_use = 0  # bytes taken by live buffers (rounded up to the alignment)
+        self._buffers = 0
+        self._peak = 0
+        self._closed = False
+        self._register_warned = False
+        self._cond = threading.Condition(threading.Lock())
+        # [Note: pool re-entrance] A forgotten buffer's finaliser can run in any thread at any
+        # allocation, including in a thread that holds the pool lock (cyclic GC inside acquire).
+        # That thread must not block on its own lock nor change the allocators mid-operation,
+        # so it queues the extent in _pending, which the owner drains before it lets go.
+        self._owner: int | None = None
+        self._pending: deque[tuple[_Slab, int, int]] = deque()
+
+    # -- acquire / release --------------------------------------------------------------------
+    def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer:
+        """A `HostBuffer` of ``nbytes`` (> 0), waiting up to ``timeout`` (default: the pool's)."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise ValueError(f"{nbytes=} must be a positive int")
+        size = round_up(nbytes, self.alignment)
+        if size > self.budget_bytes:
+            raise PoolExhausted(
+                f"host buffer pool exhausted: asked for {_fmt(nbytes)}, more than the whole budget of "
+                f"{_fmt(self.budget_bytes)}; raise memory.host_budget or use smaller buffers",
+                **self._exhausted_figures(nbytes),
+            )
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._locked():
+            while True:
+                self._check_open()
+                placed = self._place(size)
+                if placed is not None:
+                    slab, offset = placed
+                    self._in_use += size
+                    self._buffers += 1
+                    self._peak = max(self._peak, self._in_use)
+                    return HostBuffer(self, slab, offset, size, nbytes)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._exhausted(nbytes, size, timeout)
+                self._wait(remaining)
+
+    def _place(self, size: int) -> tuple[_Slab, int] | None:
+        for slab in self._slabs:
+            if slab.allocator.largest_free >= size:
+                return slab, slab.allocator.allocate(size)
+        headroom = self._headroom()
+        if headroom < size:
+            # Empty slabs here are all too small for ``size``; dropping them (largest first)
+            # may make room for a slab that is not.
+            empty = sorted((s for s in self._slabs if s.allocator.used_bytes == 0), key=lambda s: -s.nbytes)
+            if headroom + sum(s.nbytes for s in empty) < size:
+                return None
+            for slab in empty:
+                if self._headroom() >= size:
+                    break
+                self._drop(slab)
+        slab = self._new_slab(min(max(self.slab_size, size), self._headroom()))
+        return slab, slab.allocator.allocate(size)
+
+    def _headroom(self) -> int:
+        return (self.budget_bytes - self._allocated) // self.alignment * self.alignment
+
+    def _new_slab(self, nbytes: int) -> _Slab:
+        slab = _Slab(nbytes, self.alignment)
+        if self.engine is not None:
+            try:
+                self.engine.register_buffer(slab.tensor)
+                slab.registered = True
+            except OSError as e:
+                # Registration saves per-I/O page pinning; without it I/O still works. The usual
+                # cause is RLIMIT_MEMLOCK for an unprivileged user.
+                if not self._register_warned:
+                    self._register_warned = True
+                    logger.warning(
+                        "cannot register a %s host buffer slab with the %s aio engine (%s); its I/O "
+                        "runs without fixed buffers (raise `ulimit -l` to allow it)",
+                        _fmt(nbytes), getattr(self.engine, "backend", "?"), e,
+                    )
+        self._slabs.append(slab)
+        self._allocated += nbytes
+        logger.debug("host buffer pool: new slab of %s (%s of %s budget)", _fmt(nbytes), _fmt(self._allocated), _fmt(self.budget_bytes))
+        return slab
+
+    def _drop(self, slab: _Slab) -> None:
+        self._slabs.remove(slab)
+        self._allocated -= slab.nbytes
+        slab.alive = False
+        if slab.registered and self.engine is not None and not self.engine.closed:
+            self.engine.unregister_buffer(slab.tensor)
+        slab.registered = False
+        # Memory is unmapped when the last tensor over it dies: at once for an empty slab, later
+        # for one dropped by close() while a buffer is still held.
+        slab.tensor = slab.array = None
+
+    def _give_back(self, slab: _Slab, offset: int, size: int, forgotten: bool) -> None:
+        if forgotten:
+            warnings.warn(
+                f"a host buffer of {_fmt(size)} was never released; it returned to the pool when garbage collected",
+                ResourceWarning,
+                stacklevel=2,
+            )
+        if self._owner == threading.get_ident():  # see [Note: pool re-entrance]
+            self._pending.append((slab, offset, size))
+            return
+        with self._locked():
+            self._free(slab, offset, size)
+
+    def _free(self, slab: _Slab, offset: int, size: int) -> None:
+        if not slab.alive:  # dropped by close(): nothing to return to
+            return
+        slab.allocator.free(offset, size)
+        self._in_use -= size
+        self._buffers -= 1
+        self._cond.notify_all()
+
+    @contextmanager
+    def _locked(self):
+        with self._cond:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._drain()
+                self._owner = None
+
+    def _drain(self) -> None:
+        while self._pending:
+            self._free(*self._pending.popleft())
+
+    def _wait(self, timeout: float) -> None:
+        self._drain()
+        # _owner stays set into the wait (a finaliser run by this thread before the lock is let
+        # go must not block on it) and is set again after: another thread owned it meanwhile.
+        self._cond.wait(timeout)
+        self._owner = threading.get_ident()
+        self._drain()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the host buffer pool is closed")
+
+    def _exhausted_figures(self, nbytes: int) -> dict:
+        free = self._allocated - self._in_use + self._headroom()
+        return dict(asked=nbytes, budget=self.budget_bytes, held=self._in_use, buffers=self._buffers, free=free)
+
+    def _exhausted(self, nbytes: int, size: int, timeout: float) -> PoolExhausted:
+        figures = self._exhausted_figures(nbytes)
+        how = "free but fragmented" if figures["free"] >= size else "free"
+        return PoolExhausted(
+            f"host buffer pool exhausted: asked for {_fmt(nbytes)}, budget {_fmt(self.budget_bytes)}, "
+            f"{_fmt(self._in_use)} held by {self._buffers} buffers, {_fmt(figures['free'])} {how} "
+            f"(waited {timeout:g} s for a release); raise memory.host_budget or lower prefetch",
+            **figures,
+        )
+
+    # -- statistics and lifetime ------------------------------------------------------------------
+    @property
+    def in_use_bytes(self) -> int:
+        """Bytes taken by buffers not yet released (each rounded up to the alignment)."""
+        return self._in_use
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most `in_use_bytes` has been since the pool was made."""
+        return self._peak
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the slabs alive: what the budget bounds."""
+        return self._allocated
+
+    def stats(self) -> dict:
+        with self._locked():
+            return {
+                "budget_bytes": self.budget_bytes,
+                "allocated_bytes": self._allocated,
+                "in_use_bytes": self._in_use,
+                "peak_bytes": self._peak,
+                "buffers": self._buffers,
+                "slabs": len(self._slabs),
+                "registered_slabs": sum(s.registered for s in self._slabs),
+                "largest_free": max((s.allocator.largest_free for s in self._slabs), default=0),
+            }
+
+    def trim(self) -> int:
+        """Drop the slabs that hold no buffer; returns the bytes given back."""
+        with self._locked():
+            empty = [s for s in self._slabs if s.allocator.used_bytes == 0]
+            for slab in empty:
+                self._drop(slab)
+            return sum(s.nbytes for s in empty)
+
+    def close(self) -> None:
+        """Drop every slab and unregister it from the engine; later acquires raise.
+
+        Buffers still held stay valid memory until they are released or collected (their
+        tensors keep the mapping alive), but no longer count against anything.
+        """
+        with self._locked():
+            if self._closed:
+                return
+            self._closed = True
+            for slab in list(self._slabs):
+                self._drop(slab)
+            self._in_use = self._buffers = 0
+            self._cond.notify_all()  # waiting acquires wake and raise
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "HostBufferPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"HostBufferPool(budget={_fmt(self.budget_bytes)}, allocated={_fmt(self._allocated)}, "
+            f"in_use={_fmt(self._in_use)} in {self._buffers} buffers, slabs={len(self._slabs)})"
+        )

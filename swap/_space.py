@@ -1,0 +1,531 @@
+"""SwapSpace: named tensors in preallocated arena files, striped over one directory per drive."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import uuid
+from collections.abc import Callable, Sequence
+
+import torch
+
+from infinity import aio
+
+from ._allocator import ExtentAllocator
+from ._checksum import SwapCorruption
+from ._checksum import checksum as compute_checksum
+from ._io import ALIGNMENT, Transfer, as_uint8, round_up
+from ._manifest import (
+    DTYPES,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    SPACE_NAME,
+    ArenaFile,
+    Extent,
+    Manifest,
+    ManifestError,
+    TensorRecord,
+    arena_name,
+    dtype_name,
+    is_space_file,
+    load_manifest,
+    load_space_json,
+    space_json,
+    write_json_atomic,
+)
+from ._pool import HostBuffer, HostBufferPool
+
+VERIFY_MODES = ("off", "checkpoint", "always")
+
+
+class SwapFuture:
+    """Completion of one `SwapSpace.put` or `SwapSpace.get`.
+
+    ``result()`` waits, finishes the operation (for a get: copies staged bytes, checks the
+    checksum) and returns its value, or raises its error; every call after the first returns
+    or raises the same. ``done()`` polls.
+    """
+
+    __slots__ = ("_transfer", "_finish", "_value", "_error", "_finished")
+
+    def __init__(self, transfer: Transfer | None, finish: Callable[[BaseException | None], object]):
+        self._transfer = transfer
+        self._finish = finish  # finish(error) -> value; runs exactly once
+        self._finished = False
+        self._value = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._finished or self._transfer is None or self._transfer.done()
+
+    def result(self):
+        if not self._finished:
+            self._finished = True
+            error = None
+            try:
+                if self._transfer is not None:
+                    self._transfer.wait()
+            except OSError as e:
+                error = e
+            try:
+                self._value = self._finish(error)
+            except BaseException as e:  # noqa: BLE001 - kept and re-raised to every caller
+                self._error = e
+            self._transfer = self._finish = None
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    wait = result
+
+
+class SwapSpace:
+    """Tensors stored under stable names in arena files under ``dirs`` (one per drive).
+
+    Each directory gets a per-rank subdirectory ``rank{rank}`` (0700) with a preallocated
+    arena file (0600) grown in ``grow_step`` steps, a ``space.json`` naming the space and a
+    lock held while the space is open; the first directory's also holds the manifest. A tensor
+    of ``stripe_threshold`` bytes or more is split over all directories in pieces of whole
+    ``stripe_size`` units, written and read in parallel; a smaller one goes to the directory
+    with the least data.
+
+    ``verify``: "off" (checksums only where `put` asks), "checkpoint" (the same; checkpoints
+    ask), "always" (every put computes one, every get checks it).
+    Opening a directory that holds a manifest resumes that space; ``fresh=True`` first removes
+    the files the old manifest lists (nothing else). Files in a rank directory that a space
+    does not make are an error unless ``allow_foreign=True``.
+    """
+
+    def __init__(
+        self,
+        dirs: str | os.PathLike | Sequence[str | os.PathLike],
+        *,
+        rank: int = 0,
+        engine: aio.Engine | None = None,
+        pool: HostBufferPool | None = None,
+        verify: str = "off",
+        fresh: bool = False,
+        allow_foreign: bool = False,
+        stripe_size: int = 1 << 20,
+        stripe_threshold: int = 8 << 20,
+        grow_step: int = 256 << 20,
+        host_budget: int = 1 << 30,
+    ):
+        dirs = [dirs] if isinstance(dirs, (str, os.PathLike)) else list(dirs)
+        if not dirs:
+            raise ValueError("dirs is empty: a swap space needs at least one directory")
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"{verify=} is not one of {', '.join(VERIFY_MODES)}")
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"{rank=} must be a non-negative int")
+        for key, value in (("stripe_size", stripe_size), ("grow_step", grow_step)):
+            if value <= 0 or value % ALIGNMENT:
+                raise ValueError(f"{key}={value} must be a positive multiple of {ALIGNMENT}")
+        self.verify = verify
+        self.rank = rank
+        self.stripe_size = stripe_size
+        self.stripe_threshold = stripe_threshold
+        self.grow_step = grow_step
+        self._closed = True  # until everything below is set up
+        self._locks: list[int] = []
+        self._files: list[aio.File] = []
+        self._allocs: list[ExtentAllocator] = []
+        self._pending: dict[str, list[SwapFuture]] = {}  # every unfinished put/get, by name
+        self._writes: dict[str, SwapFuture] = {}  # the unfinished put of a name, if any
+        self._failed: dict[str, BaseException] = {}  # names whose last write failed
+        self._records: dict[str, TensorRecord] = {}  # names whose bytes are on disk
+        self._own_engine = engine is None
+        self._own_pool = pool is None
+        self.engine = engine
+        self.pool = pool
+        try:
+            self.rank_dirs = [self._prepare_dir(os.fspath(d), allow_foreign) for d in dirs]
+            if self.engine is None:
+                self.engine = aio.open_engine(queue_depth=32 * len(dirs))
+            if self.pool is None:
+                self.pool = HostBufferPool(host_budget, engine=self.engine, slab_size=min(64 << 20, host_budget))
+            self._open(fresh)
+        except BaseException:
+            self._release()
+            raise
+        self._closed = False
+
+    # -- setting up -------------------------------------------------------------------------
+    def _prepare_dir(self, directory: str, allow_foreign: bool) -> str:
+        if not os.path.isdir(directory):
+            what = "does not exist" if not os.path.exists(directory) else "is not a directory"
+            raise ValueError(f"swap directory {directory!r} {what}")
+        rank_dir = os.path.abspath(os.path.join(directory, f"rank{self.rank}"))
+        try:
+            os.makedirs(rank_dir, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot create the swap rank directory: {e.strerror}", rank_dir) from None
+        if not os.access(rank_dir, os.W_OK):
+            raise PermissionError(errno.EACCES, "swap rank directory is not writable", rank_dir)
+        lock_path = os.path.join(rank_dir, LOCK_NAME)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RuntimeError(
+                f"swap directory {rank_dir} is in use by another swap space (process {holder}); "
+                "each rank of each run needs its own directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._locks.append(fd)
+        foreign = sorted(n for n in os.listdir(rank_dir) if not is_space_file(n))
+        if foreign and not allow_foreign:
+            raise ValueError(
+                f"swap directory {rank_dir} holds files a swap space did not make: "
+                f"{', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}; "
+                "use an empty directory or pass allow_foreign=True"
+            )
+        return rank_dir
+
+    def _open(self, fresh: bool) -> None:
+        manifest_path = os.path.join(self.rank_dirs[0], MANIFEST_NAME)
+        old = load_manifest(manifest_path) if os.path.exists(manifest_path) else None
+        if old is not None and fresh:
+            self._remove_space(old)
+            old = None
+        if old is None:
+            # Space files without a manifest: a space whose manifest is elsewhere (directories
+            # in another order) or was lost. Their names are a space's own, so fresh=True may
+            # remove them; otherwise the caller decides.
+            for rank_dir in self.rank_dirs:
+                leftovers = sorted(n for n in os.listdir(rank_dir) if is_space_file(n) and n != LOCK_NAME)
+                if leftovers and not fresh:
+                    raise ManifestError(
+                        f"{rank_dir} holds swap space files ({', '.join(leftovers[:3])}) but "
+                        f"{self.rank_dirs[0]} has no manifest for them: pass the directories in their "
+                        "original order, or fresh=True to start over"
+                    )
+                for n in leftovers:
+                    os.unlink(os.path.join(rank_dir, n))
+            self._create()
+        else:
+            self._resume(old)
+
+    def _remove_space(self, old: Manifest) -> None:
+        """Remove what ``old`` lists (and the markers), never anything else."""
+        for f in old.files:
+            if f.dir < len(self.rank_dirs):
+                path = os.path.join(self.rank_dirs[f.dir], f.name)
+                if os.path.exists(path):
+                    os.unlink(path)
+        for rank_dir in self.rank_dirs:
+            for name in (SPACE_NAME, MANIFEST_NAME):
+                if os.path.exists(os.path.join(rank_dir, name)):
+                    os.unlink(os.path.join(rank_dir, name))
+
+    def _create(self) -> None:
+        space_id = uuid.uuid4().hex
+        self._manifest = Manifest(space_id=space_id, rank=self.rank, directories=len(self.rank_dirs),
+                                  alignment=ALIGNMENT, members=list(self.rank_dirs))  # fmt: skip
+        for k, rank_dir in enumerate(self.rank_dirs):
+            name = arena_name(0)
+            path = os.path.join(rank_dir, name)
+            self._files.append(aio.open_file(path, "x+"))
+            self._allocs.append(ExtentAllocator(alignment=ALIGNMENT, grow_step=self.grow_step))
+            self._manifest.files.append(ArenaFile(dir=k, name=name, size=0))
+            write_json_atomic(os.path.join(rank_dir, SPACE_NAME), space_json(space_id, self.rank, k, len(self.rank_dirs)))
+        self._write_manifest()
+
+    def _resume(self, old: Manifest) -> None:
+        if old.directories != len(self.rank_dirs) or old.rank != self.rank:
+            raise ManifestError(
+                f"{self.rank_dirs[0]}: the space was made for rank {old.rank} over {old.directories} "
+                f"directories, opened for rank {self.rank} over {len(self.rank_dirs)}"
+            )
+        for k, rank_dir in enumerate(self.rank_dirs):
+            info = load_space_json(os.path.join(rank_dir, SPACE_NAME))
+            if (info["space_id"], info["member"]) != (old.space_id, k):
+                raise ManifestError(
+                    f"{rank_dir}: belongs to space {info['space_id']} as member {info['member']}, "
+                    f"expected {old.space_id} member {k}: pass the directories in their original order"
+                )
+        self._manifest = old
+        old.members = list(self.rank_dirs)
+        for f in old.files:
+            path = os.path.join(self.rank_dirs[f.dir], f.name)
+            file = aio.open_file(path, "r+")
+            size = file.size()
+            if size < f.size:
+                raise ManifestError(f"{path}: arena file is {size} bytes, the manifest says {f.size}")
+            self._files.append(file)
+            self._allocs.append(ExtentAllocator(alignment=ALIGNMENT, grow_step=self.grow_step, capacity=size))
+        for record in old.tensors.values():
+            for e in record.extents:
+                self._allocs[e.file].reserve(e.offset, round_up(e.nbytes))
+        self._records = dict(old.tensors)
+
+    # -- placement --------------------------------------------------------------------------
+    def _plan(self, nbytes: int) -> list[tuple[int, int]]:
+        """(file index, bytes) pieces for a tensor of ``nbytes``; see [Note: swap alignment]."""
+        members = len(self._files)
+        if nbytes == 0:
+            return []
+        if members > 1 and nbytes >= self.stripe_threshold:
+            per = round_up(-(-nbytes // members), self.stripe_size)
+            return [(k, min(per, nbytes - k * per)) for k in range(members) if k * per < nbytes]
+        least = min(range(members), key=lambda k: self._allocs[k].used_bytes)
+        return [(least, nbytes)]
+
+    def _allocate(self, plan: list[tuple[int, int]]) -> tuple[Extent, ...]:
+        extents: list[Extent] = []
+        try:
+            for k, nbytes in plan:
+                extents.append(Extent(k, self._alloc_in(k, round_up(nbytes)), nbytes))
+        except BaseException:
+            for e in extents:
+                self._allocs[e.file].free(e.offset, round_up(e.nbytes))
+            raise
+        return tuple(extents)
+
+    def _alloc_in(self, k: int, nbytes: int) -> int:
+        alloc, file = self._allocs[k], self._files[k]
+        before = alloc.capacity
+        offset = alloc.allocate(nbytes)
+        if alloc.capacity > before:
+            try:
+                try:
+                    os.posix_fallocate(file.fileno(), before, alloc.capacity - before)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                        raise
+                    os.ftruncate(file.fileno(), alloc.capacity)  # no fallocate here: sparse
+            except OSError as e:
+                alloc.free(offset, nbytes)
+                raise OSError(
+                    e.errno,
+                    f"cannot grow the arena file from {before} to {alloc.capacity} bytes "
+                    f"({alloc.capacity - before} more) for a tensor of {nbytes} bytes: {e.strerror}",
+                    file.path,
+                ) from None
+            f = self._manifest.files[k]
+            self._manifest.files[k] = ArenaFile(f.dir, f.name, alloc.capacity)
+        return offset
+
+    def _free(self, record: TensorRecord) -> None:
+        for e in record.extents:
+            self._allocs[e.file].free(e.offset, round_up(e.nbytes))
+
+    # -- the API ----------------------------------------------------------------------------
+    def put(self, name: str, tensor: torch.Tensor, *, checksum: bool | None = None) -> SwapFuture:
+        """Write ``tensor`` under ``name`` (replacing what was there); do not modify the tensor
+        until the future is done. ``checksum``: None follows ``verify`` ("always": yes)."""
+        self._check_open()
+        if not isinstance(name, str) or not name or "\0" in name:
+            raise ValueError(f"tensor names are non-empty strings without NUL, got {name!r}")
+        dtype = dtype_name(tensor.dtype)
+        data = as_uint8(tensor)
+        want_checksum = self.verify == "always" if checksum is None else checksum
+        self._settle(self._pending.get(name, ()))  # no read or write of the old bytes in flight
+        old = self._records.get(name)
+        plan = self._plan(data.numel())
+        if old is not None and [(e.file, round_up(e.nbytes)) for e in old.extents] == [
+            (k, round_up(n)) for k, n in plan
+        ]:
+            extents = tuple(Extent(e.file, e.offset, n) for e, (_, n) in zip(old.extents, plan))  # in place
+        else:
+            if old is not None:
+                self._free(old)
+                del self._records[name]
+            extents = self._allocate(plan)
+        record = TensorRecord(name=name, dtype=dtype, shape=tuple(tensor.shape), nbytes=data.numel(),
+                              extents=extents, generation=(old.generation + 1) if old else 1)  # fmt: skip
+        self._records.pop(name, None)  # readable again once the write is done
+        self._failed.pop(name, None)
+        try:
+            transfer = Transfer(self.engine, self._files, extents, data, write=True, alloc=self._stage) if extents else None
+        except BaseException as e:
+            self._free(record)
+            self._failed[name] = e
+            raise
+        digest = compute_checksum(data.numpy()) if want_checksum else None  # overlaps the write
+
+        def finish(error):
+            self._done_with(name, fut)
+            del self._writes[name]
+            if error is not None:
+                self._free(record)  # the bytes are not what the name says: forget it
+                self._failed[name] = error
+                raise error
+            record.checksum = digest
+            self._records[name] = record
+
+        fut = SwapFuture(transfer, finish)
+        self._pending.setdefault(name, []).append(fut)
+        self._writes[name] = fut
+        return fut
+
+    def get(self, name: str, out: torch.Tensor | None = None, *, verify: bool | None = None) -> SwapFuture:
+        """Read ``name``: into ``out`` (same dtype and shape; the result is ``out``) or, with
+        ``out=None``, into a buffer from the pool (the result is a `HostBuffer`: use
+        ``.view(dtype, shape)``, then ``release()`` it). ``verify``: None follows the space."""
+        self._check_open()
+        if name in self._writes:  # the engine does not order requests: read after the write
+            self._settle([self._writes[name]])
+        record = self.info(name)
+        dtype = DTYPES[record.dtype]
+        lease: HostBuffer | None = None
+        if out is None:
+            lease = self.pool.acquire(max(round_up(record.nbytes), ALIGNMENT))
+            data = lease.tensor[: record.nbytes]
+        else:
+            if out.dtype != dtype or tuple(out.shape) != record.shape:
+                raise ValueError(
+                    f"out is {out.dtype} {tuple(out.shape)}, tensor {name!r} is {dtype} {record.shape}"
+                )
+            data = as_uint8(out)
+        check = (self.verify == "always" if verify is None else verify) and record.checksum is not None
+        try:
+            transfer = Transfer(self.engine, self._files, record.extents, data, write=False, alloc=self._stage) if record.extents else None
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+
+        def finish(error):
+            self._done_with(name, fut)
+            try:
+                if error is not None:
+                    raise error
+                if check:
+                    actual = compute_checksum(data.numpy())
+                    if actual != record.checksum:
+                        first = record.extents[0]
+                        raise SwapCorruption(name, self._files[first.file].path, first.offset, record.checksum, actual)
+            except BaseException:
+                if lease is not None:
+                    lease.release()
+                raise
+            return out if lease is None else lease
+
+        fut = SwapFuture(transfer, finish)
+        self._pending.setdefault(name, []).append(fut)
+        return fut
+
+    def delete(self, name: str) -> None:
+        self._check_open()
+        self._settle(self._pending.get(name, ()))
+        self._failed.pop(name, None)
+        record = self._records.pop(name, None)
+        if record is None:
+            raise KeyError(f"no tensor {name!r} in swap space {self.rank_dirs[0]}")
+        self._free(record)
+
+    def names(self) -> list[str]:
+        return list(self._records)
+
+    def info(self, name: str) -> TensorRecord:
+        try:
+            return self._records[name]
+        except KeyError:
+            why = f" (its last write failed: {self._failed[name]})" if name in self._failed else ""
+            raise KeyError(f"no tensor {name!r} in swap space {self.rank_dirs[0]}{why}") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def stats(self) -> dict:
+        """Bytes in the arena files, allocated to tensors, and free inside the arenas."""
+        capacity = sum(a.capacity for a in self._allocs)
+        used = sum(a.used_bytes for a in self._allocs)
+        return {"tensors": len(self._records), "tensor_bytes": sum(r.nbytes for r in self._records.values()),
+                "arena_bytes": capacity, "allocated_bytes": used, "free_bytes": capacity - used}  # fmt: skip
+
+    def flush(self) -> None:
+        """Finish every pending operation, make the arena files durable, write the manifest.
+
+        Raises the first error of a pending operation (after finishing all of them)."""
+        self._check_open()
+        error = self._settle_all()
+        for file in self._files:
+            os.fdatasync(file.fileno())
+        self._write_manifest()
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Flush and release everything; idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._release()
+
+    def __enter__(self) -> "SwapSpace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------
+    def _stage(self, nbytes: int):
+        lease = self.pool.acquire(nbytes)
+        return lease.tensor, lease.release
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"swap space {self.rank_dirs[0] if self._files else ''} is closed")
+
+    def _done_with(self, name: str, fut: SwapFuture) -> None:
+        futures = self._pending.get(name)
+        if futures is not None:
+            try:
+                futures.remove(fut)
+            except ValueError:
+                pass
+            if not futures:
+                del self._pending[name]
+
+    def _settle(self, futures) -> None:
+        """Finish ``futures`` (their errors stay with them, for their owners to see)."""
+        for fut in list(futures):
+            try:
+                fut.result()
+            except (OSError, RuntimeError, ValueError, MemoryError):
+                pass
+
+    def _settle_all(self) -> BaseException | None:
+        first = None
+        for name in list(self._pending):
+            for fut in list(self._pending.get(name, ())):
+                try:
+                    fut.result()
+                except (OSError, RuntimeError, ValueError, MemoryError) as e:
+                    first = first or e
+        return first
+
+    def _write_manifest(self) -> None:
+        m = self._manifest
+        m.tensors = dict(self._records)
+        m.members = list(self.rank_dirs)
+        m.generation += 1
+        write_json_atomic(os.path.join(self.rank_dirs[0], MANIFEST_NAME), m.to_json())
+
+    def _release(self) -> None:
+        for file in self._files:
+            file.close()
+        self._files = []
+        if self._own_pool and self.pool is not None:
+            self.pool.close()
+        if self._own_engine and self.engine is not None:
+            self.engine.close()
+        for fd in self._locks:
+            os.close(fd)  # releases the flock
+        self._locks = []
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._records)} tensors"
+        return f"SwapSpace({self.rank_dirs!r}, rank={self.rank}, {state})"

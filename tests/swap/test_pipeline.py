@@ -1,0 +1,84 @@
+"""stream(): read ahead, compute, write behind, with bounded buffers and surfaced errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import infinity.swap as swap
+
+
+def _fill(space, n, numel=100_000):
+    names = [f"g{i}/exp_avg" for i in range(n)]
+    for i, name in enumerate(names):
+        space.put(name, torch.full((numel,), float(i))).result()
+    return names
+
+
+def test_stream_updates_every_item_in_place(open_space):
+    space = open_space()
+    names = _fill(space, 10)
+    seen = []
+    for item in swap.stream(space, names, ahead=2):
+        seen.append(item.name)
+        item.tensor.mul_(2).add_(1)
+    assert seen == names
+    for i, name in enumerate(names):
+        assert torch.equal(space.get(name, torch.empty(100_000)).result(), torch.full((100_000,), 2.0 * i + 1))
+    assert space.pool.in_use_bytes == 0
+
+
+def test_stream_holds_a_bounded_number_of_buffers(open_space):
+    space = open_space()
+    names = _fill(space, 12, numel=256 * 1024)  # 1 MiB each
+    for item in swap.stream(space, names, ahead=2):
+        item.tensor.add_(1)
+    # ahead reads + the item in hand + one write behind, 1 MiB each (plus no tail: whole units)
+    assert space.pool.peak_bytes <= (2 + 2) * (1 << 20)
+
+
+def test_stream_without_write_back_leaves_the_space_unchanged(open_space):
+    space = open_space()
+    names = _fill(space, 4)
+    for item in swap.stream(space, names, write_back=False):
+        item.tensor.zero_()
+    assert torch.equal(space.get(names[3], torch.empty(100_000)).result(), torch.full((100_000,), 3.0))
+
+
+def test_leaving_early_finishes_and_returns_every_buffer(open_space):
+    space = open_space()
+    names = _fill(space, 8)
+    for i, item in enumerate(swap.stream(space, names, ahead=3)):
+        item.tensor.fill_(-1)
+        if i == 2:
+            break
+    assert space.pool.in_use_bytes == 0
+    assert torch.equal(space.get(names[1], torch.empty(100_000)).result(), torch.full((100_000,), -1.0))
+
+
+def test_a_write_behind_error_surfaces_at_the_next_step(open_space, monkeypatch):
+    space = open_space()
+    names = _fill(space, 6)
+    real = space.engine.pwrite
+    bad_fd = os.open("/dev/null", os.O_RDONLY)
+
+    def failing(buffer, file, offset):
+        return real(buffer, bad_fd, offset)  # EBADF: writes fail, reads do not
+
+    monkeypatch.setattr(space.engine, "pwrite", failing)
+    steps = 0
+    with pytest.raises(OSError) as info:
+        for item in swap.stream(space, names, ahead=1):
+            steps += 1
+    assert info.value.errno == 9
+    assert steps <= 3  # item 0's write fails; it is seen within two more steps, not at the end
+    assert space.pool.in_use_bytes == 0
+    os.close(bad_fd)
+
+
+def test_unknown_names_fail_before_any_io(open_space):
+    space = open_space()
+    with pytest.raises(KeyError, match="nope"):
+        list(swap.stream(space, ["nope"]))

@@ -1,0 +1,387 @@
+"""HostBufferPool: budget, reuse, waiting, eviction, engine registration, and misuse."""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+import infinity.aio as aio
+from infinity.swap._pool import HostBuffer, HostBufferPool, PoolExhausted
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+class RecordingEngine:
+    """Stands in for an aio engine: records which slabs are registered."""
+
+    backend = "recording"
+    closed = False
+
+    def __init__(self):
+        self.registered: dict[int, int] = {}  # address -> nbytes
+        self.calls: list[tuple[str, int, int]] = []
+
+    def register_buffer(self, buf) -> None:
+        self.registered[buf.data_ptr()] = buf.numel()
+        self.calls.append(("register", buf.data_ptr(), buf.numel()))
+
+    def unregister_buffer(self, buf) -> None:
+        assert self.registered.pop(buf.data_ptr()) == buf.numel()
+        self.calls.append(("unregister", buf.data_ptr(), buf.numel()))
+
+
+@pytest.fixture
+def pools():
+    """pools(budget, **kwargs): a HostBufferPool closed after the test."""
+    made = []
+
+    def make(budget: int, **kwargs) -> HostBufferPool:
+        kwargs.setdefault("slab_size", 1 * MiB)
+        pool = HostBufferPool(budget, **kwargs)
+        made.append(pool)
+        return pool
+
+    yield make
+    for pool in made:
+        pool.close()
+
+
+# -- acquire, release, reuse -------------------------------------------------------------------
+
+
+def test_acquire_gives_a_tensor_of_exactly_the_size_asked(pools):
+    pool = pools(4 * MiB)
+    with pool.acquire(5000) as buf:
+        assert isinstance(buf, HostBuffer)
+        t = buf.tensor
+        assert t.dtype == torch.uint8 and t.device.type == "cpu" and t.shape == (5000,) and t.is_contiguous()
+        assert buf.nbytes == 5000
+        t.fill_(7)
+        assert int(t.sum()) == 7 * 5000
+        assert pool.in_use_bytes == 8 * KiB  # rounded up to the alignment
+    assert pool.in_use_bytes == 0
+
+
+@pytest.mark.parametrize("alignment", [4096, 64 * KiB])
+def test_every_buffer_is_aligned(pools, alignment):
+    pool = pools(8 * MiB, alignment=alignment)
+    rng = random.Random(0)
+    held = [pool.acquire(rng.randint(1, 300 * KiB)) for _ in range(20)]
+    for buf in held:
+        assert buf.tensor.data_ptr() % alignment == 0
+    ends = sorted((b.tensor.data_ptr(), b.tensor.data_ptr() + b.nbytes) for b in held)
+    assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:])), "buffers overlap"
+    for buf in held:
+        buf.release()
+
+
+def test_release_and_reacquire_reuses_the_slab(pools):
+    engine = RecordingEngine()
+    pool = pools(4 * MiB, engine=engine)
+    first = pool.acquire(256 * KiB)
+    address = first.tensor.data_ptr()
+    first.release()
+    for _ in range(100):
+        with pool.acquire(256 * KiB) as buf:
+            assert buf.tensor.data_ptr() == address
+    assert pool.stats()["slabs"] == 1
+    assert pool.allocated_bytes == 1 * MiB
+    assert [c[0] for c in engine.calls] == ["register"]  # registered once, never again
+
+
+def test_view_is_typed_over_the_first_bytes(pools):
+    pool = pools(1 * MiB)
+    with pool.acquire(1000) as buf:
+        v = buf.view(torch.float32, (10, 20))
+        assert v.shape == (10, 20) and v.dtype == torch.float32
+        assert v.data_ptr() == buf.tensor.data_ptr()
+        v.fill_(1.5)
+        assert torch.equal(buf.tensor[:800].view(torch.float32), torch.full((200,), 1.5))
+        assert buf.view(torch.bfloat16, 500).shape == (500,)
+        with pytest.raises(ValueError, match=r"needs 1004 bytes; the buffer has 1000"):
+            buf.view(torch.float32, 251)
+
+
+def test_a_released_buffer_cannot_be_used(pools):
+    pool = pools(1 * MiB)
+    buf = pool.acquire(4096)
+    buf.release()
+    buf.release()  # idempotent
+    assert buf.released
+    with pytest.raises(RuntimeError, match="released"):
+        buf.tensor
+    with pytest.raises(RuntimeError, match="released"):
+        buf.view(torch.float32, 4)
+    assert pool.in_use_bytes == 0
+
+
+def test_peak_is_the_most_held_at_once(pools):
+    pool = pools(4 * MiB)
+    # By hand: 10000 -> 12 KiB, 4096 -> 4 KiB, 1 -> 4 KiB; the peak is all three held at once.
+    a, b = pool.acquire(10000), pool.acquire(4096)
+    a.release()
+    c, d = pool.acquire(1), pool.acquire(10000)
+    assert pool.peak_bytes == 4 * KiB + 4 * KiB + 12 * KiB
+    for buf in (b, c, d):
+        buf.release()
+    assert pool.peak_bytes == 20 * KiB and pool.in_use_bytes == 0
+    assert pool.stats()["peak_bytes"] == 20 * KiB
+
+
+def test_a_forgotten_buffer_returns_once_nothing_uses_its_memory(pools):
+    pool = pools(1 * MiB)
+    buf = pool.acquire(8 * KiB)
+    view = buf.view(torch.int32, 16)
+    del buf
+    gc.collect()
+    assert pool.in_use_bytes == 8 * KiB  # the view still reaches the memory: not handed out again
+    with pytest.warns(ResourceWarning, match="never released"):
+        del view
+        gc.collect()
+    assert pool.in_use_bytes == 0 and pool.stats()["buffers"] == 0
+
+
+def test_a_release_inside_the_pool_lock_is_deferred_not_deadlocked():
+    # What a finaliser does when cyclic GC runs it in a thread that holds the pool lock:
+    # see [Note: pool re-entrance]. Run in a thread so that a deadlock fails instead of hanging
+    # (and the pool is not closed then, as close would wait for the lock forever).
+    pool = HostBufferPool(1 * MiB, slab_size=1 * MiB)
+    buf = pool.acquire(4096)
+    seen = []
+
+    def release_while_locked():
+        with pool._locked():
+            buf.release()
+            seen.append(pool.in_use_bytes)
+
+    t = threading.Thread(target=release_while_locked, daemon=True)
+    t.start()
+    t.join(timeout=5)
+    assert not t.is_alive(), "release inside the pool lock deadlocked"
+    assert seen == [4096]  # deferred while the lock was held...
+    assert pool.in_use_bytes == 0  # ...and done before it was let go
+    pool.close()
+
+
+# -- budget ------------------------------------------------------------------------------------
+
+
+def test_exhaustion_raises_with_the_figures(pools):
+    pool = pools(2 * MiB)
+    held = [pool.acquire(512 * KiB) for _ in range(3)]
+    t0 = time.monotonic()
+    with pytest.raises(PoolExhausted) as info:
+        pool.acquire(1 * MiB, timeout=0.05)
+    assert time.monotonic() - t0 >= 0.05
+    message = str(info.value)
+    for text in ("asked for 1.0 MiB", "budget 2.0 MiB", "1.5 MiB held by 3 buffers", "512.0 KiB free", "host_budget"):
+        assert text in message, message
+    e = info.value
+    assert (e.asked, e.budget, e.held, e.buffers, e.free) == (1 * MiB, 2 * MiB, 1536 * KiB, 3, 512 * KiB)
+    assert isinstance(e, MemoryError)
+    for buf in held:
+        buf.release()
+
+
+def test_exhaustion_says_when_the_free_bytes_are_fragmented(pools):
+    pool = pools(2 * MiB)
+    held = [pool.acquire(256 * KiB) for _ in range(8)]
+    for buf in held[::2]:
+        buf.release()
+    with pytest.raises(PoolExhausted, match="1.0 MiB held by 4 buffers, 1.0 MiB free but fragmented"):
+        pool.acquire(512 * KiB, timeout=0)
+
+
+def test_a_request_larger_than_the_budget_fails_at_once(pools):
+    pool = pools(1 * MiB)
+    t0 = time.monotonic()
+    with pytest.raises(PoolExhausted, match=r"asked for 2.0 MiB, more than the whole budget of 1.0 MiB"):
+        pool.acquire(2 * MiB, timeout=30)
+    assert time.monotonic() - t0 < 1
+
+
+def test_slabs_never_pass_the_budget(pools):
+    pool = pools(3 * MiB + 8 * KiB, slab_size=2 * MiB)
+    a = pool.acquire(2 * MiB)
+    b = pool.acquire(1 * MiB)  # the second slab is cut to what the budget leaves
+    assert pool.allocated_bytes == 3 * MiB + 8 * KiB
+    c = pool.acquire(8 * KiB)
+    assert pool.allocated_bytes <= pool.budget_bytes
+    for buf in (a, b, c):
+        buf.release()
+
+
+def test_a_waiting_acquire_is_served_by_another_threads_release(pools):
+    pool = pools(1 * MiB)
+    held = pool.acquire(1 * MiB)
+    served_at = []
+
+    def wait_for_room():
+        with pool.acquire(512 * KiB, timeout=10) as buf:
+            served_at.append((time.monotonic(), buf.nbytes))
+
+    waiter = threading.Thread(target=wait_for_room)
+    waiter.start()
+    time.sleep(0.1)
+    assert not served_at  # still waiting
+    released_at = time.monotonic()
+    held.release()
+    waiter.join(timeout=10)
+    assert served_at and served_at[0][1] == 512 * KiB
+    assert served_at[0][0] - released_at < 2, "woken by its timeout, not by the release"
+
+
+def test_close_wakes_waiting_acquires(pools):
+    pool = pools(1 * MiB)
+    held = pool.acquire(1 * MiB)
+    errors = []
+
+    def wait_for_room():
+        try:
+            pool.acquire(4096, timeout=10)
+        except RuntimeError as e:
+            errors.append(e)
+
+    waiter = threading.Thread(target=wait_for_room)
+    waiter.start()
+    time.sleep(0.05)
+    pool.close()
+    waiter.join(timeout=10)
+    assert errors and "closed" in str(errors[0])
+    held.release()  # after close: nothing to return to, and no error
+
+
+def test_empty_slabs_are_evicted_for_a_size_no_slab_holds(pools):
+    engine = RecordingEngine()
+    pool = pools(4 * MiB, engine=engine)
+    small = [pool.acquire(1 * MiB) for _ in range(4)]  # four 1 MiB slabs: the budget
+    for buf in small[1:]:
+        buf.release()
+    with pool.acquire(3 * MiB) as big:
+        assert big.nbytes == 3 * MiB
+        assert pool.stats()["slabs"] == 2  # three empty slabs dropped for one of 3 MiB
+        assert pool.allocated_bytes == 4 * MiB
+    assert [c[0] for c in engine.calls].count("unregister") == 3
+    assert len(engine.registered) == 2
+    small[0].release()
+
+
+def test_slabs_with_buffers_are_not_evicted(pools):
+    pool = pools(2 * MiB)
+    a, b = pool.acquire(4096), pool.acquire(1 * MiB)  # both slabs hold a buffer
+    with pytest.raises(PoolExhausted):
+        pool.acquire(1 * MiB + 4096, timeout=0)
+    assert pool.stats()["slabs"] == 2
+    a.release()
+    b.release()
+
+
+def test_trim_drops_empty_slabs(pools):
+    engine = RecordingEngine()
+    pool = pools(4 * MiB, engine=engine)
+    a, b = pool.acquire(1 * MiB), pool.acquire(1 * MiB)
+    b.release()
+    assert pool.trim() == 1 * MiB
+    assert pool.allocated_bytes == 1 * MiB and len(engine.registered) == 1
+    a.release()
+
+
+def test_threads_acquiring_and_releasing_keep_the_books(pools):
+    pool = pools(4 * MiB, slab_size=1 * MiB)
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(200):
+                with pool.acquire(rng.randint(1, 256 * KiB), timeout=10) as buf:
+                    buf.tensor[:1] = seed
+                    assert int(buf.tensor[0]) == seed
+        except Exception as e:  # surfaced below, from the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors
+    stats = pool.stats()
+    assert stats["in_use_bytes"] == 0 and stats["buffers"] == 0
+    # Eight threads hold at most one buffer of at most 256 KiB each.
+    assert stats["peak_bytes"] <= 8 * 256 * KiB
+    assert stats["allocated_bytes"] <= pool.budget_bytes
+
+
+# -- lifetime and registration -------------------------------------------------------------------
+
+
+def test_close_unregisters_and_refuses_later_acquires(pools):
+    engine = RecordingEngine()
+    pool = pools(4 * MiB, engine=engine)
+    held = pool.acquire(2 * MiB)  # its own 2 MiB slab
+    pool.acquire(4096).release()
+    pool.close()
+    assert engine.registered == {} and pool.allocated_bytes == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.acquire(4096)
+    held.tensor.fill_(1)  # a buffer held across close stays valid memory
+    held.release()
+    pool.close()  # twice is harmless
+
+
+@pytest.mark.parametrize("backend", [pytest.param("uring", marks=pytest.mark.uring), "threads"])
+def test_slabs_are_registered_with_a_real_engine(pools, tmp_path, monkeypatch, backend):
+    status = aio.probe()[backend]
+    if not status.available:
+        pytest.skip(f"aio backend {backend!r} unavailable: {status.reason}")
+    monkeypatch.delenv(aio.ENV_BACKEND, raising=False)
+    with aio.open_engine(backend) as engine, aio.open_file(str(tmp_path / "arena"), "w+") as f:
+        pool = pools(4 * MiB, engine=engine)
+        buf = pool.acquire(1 * MiB)
+        buf.tensor.copy_(torch.arange(1 * MiB, dtype=torch.int64).to(torch.uint8))
+        assert engine.pwrite(buf.tensor, f, 0).result() == 1 * MiB
+        with open(f.path, "rb") as fh:
+            assert fh.read() == bytes(buf.tensor.numpy())
+        if backend == "uring":
+            fixed = engine.counters()["fixed"]
+            assert fixed > 0, "the write did not use the registered slab"
+        pool.close()  # unregisters: later I/O from the same memory is no longer fixed
+        assert engine.pwrite(buf.tensor, f, 0).result() == 1 * MiB
+        if backend == "uring":
+            assert engine.counters()["fixed"] == fixed
+        buf.release()
+
+
+def test_closing_the_engine_first_is_harmless(pools):
+    engine = aio.open_engine("threads")
+    pool = pools(1 * MiB, engine=engine)
+    pool.acquire(4096).release()
+    engine.close()
+    pool.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(budget_bytes=0), "budget_bytes=0"),
+        (dict(budget_bytes=MiB, alignment=3000), "power of two"),
+        (dict(budget_bytes=MiB, slab_size=0), "slab_size=0"),
+        (dict(budget_bytes=MiB, timeout=-1), "timeout=-1"),
+    ],
+)
+def test_constructor_checks_its_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HostBufferPool(**kwargs)
+
+
+@pytest.mark.parametrize("nbytes", [0, -1, 1.5])
+def test_acquire_needs_a_positive_int(pools, nbytes):
+    with pytest.raises(ValueError, match="nbytes"):
+        pools(1 * MiB).acquire(nbytes)
