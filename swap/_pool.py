@@ -189,6 +189,7 @@ class HostBufferPool:
         """A `HostBuffer` of ``nbytes`` (> 0), waiting up to ``timeout`` (default: the pool's)."""
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise ValueError(f"{nbytes=} must be a positive int")
+        self._check_open()
         size = round_up(nbytes, self.alignment)
         if size > self.budget_bytes:
             raise PoolExhausted(
@@ -252,7 +253,10 @@ class HostBufferPool:
                     )
         self._slabs.append(slab)
         self._allocated += nbytes
-        logger.debug("host buffer pool: new slab of %s (%s of %s budget)", _fmt(nbytes), _fmt(self._allocated), _fmt(self.budget_bytes))
+        logger.debug(
+            "host buffer pool: new slab of %s (%s of %s budget)",
+            _fmt(nbytes), _fmt(self._allocated), _fmt(self.budget_bytes),
+        )
         return slab
 
     def _drop(self, slab: _Slab) -> None:

@@ -254,8 +254,12 @@ class SwapSpace:
             path = os.path.join(self.rank_dirs[f.dir], f.name)
             file = aio.open_file(path, "r+")
             size = file.size()
-            if size < f.size:
-                raise ManifestError(f"{path}: arena file is {size} bytes, the manifest says {f.size}")
+            if size < f.size or size % ALIGNMENT:
+                file.close()
+                raise ManifestError(
+                    f"{path}: arena file is {size} bytes; the manifest says {f.size} "
+                    f"(a multiple of {ALIGNMENT}): the file was truncated or changed outside the space"
+                )
             self._files.append(file)
             self._allocs.append(ExtentAllocator(alignment=ALIGNMENT, grow_step=self.grow_step, capacity=size))
         for record in old.tensors.values():

@@ -296,7 +296,8 @@ def test_out_of_space_without_growth_names_the_figures():
     with pytest.raises(OutOfSpace) as info:
         alloc.allocate(4 * A)
     message = str(info.value)
-    for figure in (f"{4 * A} bytes", f"capacity {7 * A}", f"{5 * A} bytes free", f"largest free extent {3 * A}", "grow_step=0"):
+    figures = (f"{4 * A} bytes", f"capacity {7 * A}", f"{5 * A} bytes free", f"largest free extent {3 * A}")
+    for figure in (*figures, "grow_step=0"):
         assert figure in message
     e = info.value
     assert (e.requested, e.capacity, e.free_bytes, e.largest_free) == (4 * A, 7 * A, 5 * A, 3 * A)
@@ -340,7 +341,8 @@ def test_reserve_over_a_used_extent_is_an_error():
     alloc.allocate(A)
     alloc.allocate(A)
     alloc.free(0, A)  # [0, A) free, [A, 2A) used, [2A, 4A) free
-    with pytest.raises(ValueError, match=r"reserve\(offset=0, nbytes=8192\): overlaps the extent in use \(4096, 4096\)"):
+    overlap = r"reserve\(offset=0, nbytes=8192\): overlaps the extent in use \(4096, 4096\)"
+    with pytest.raises(ValueError, match=overlap):
         alloc.reserve(0, 2 * A)
     with pytest.raises(ValueError, match=r"overlaps the extent in use \(4096, 4096\)"):
         alloc.reserve(A, A)

@@ -196,6 +196,8 @@ def test_exhaustion_says_when_the_free_bytes_are_fragmented(pools):
         buf.release()
     with pytest.raises(PoolExhausted, match="1.0 MiB held by 4 buffers, 1.0 MiB free but fragmented"):
         pool.acquire(512 * KiB, timeout=0)
+    for buf in held[1::2]:
+        buf.release()
 
 
 def test_a_request_larger_than_the_budget_fails_at_once(pools):
@@ -357,6 +359,23 @@ def test_slabs_are_registered_with_a_real_engine(pools, tmp_path, monkeypatch, b
         if backend == "uring":
             assert engine.counters()["fixed"] == fixed
         buf.release()
+
+
+def test_a_slab_the_engine_cannot_register_still_serves(pools, caplog):
+    class Refusing(RecordingEngine):
+        def register_buffer(self, buf):
+            raise OSError(12, "Cannot allocate memory")  # RLIMIT_MEMLOCK, typically
+
+    engine = Refusing()
+    pool = pools(4 * MiB, engine=engine)
+    with caplog.at_level("WARNING", logger="infinity.swap"):
+        with pool.acquire(1 * MiB), pool.acquire(1 * MiB):
+            pass
+    assert pool.stats()["slabs"] == 2 and pool.stats()["registered_slabs"] == 0
+    warned = [r for r in caplog.records if "cannot register" in r.getMessage()]
+    assert len(warned) == 1 and "ulimit -l" in warned[0].getMessage()  # once per pool
+    pool.close()
+    assert engine.calls == []  # nothing to unregister
 
 
 def test_closing_the_engine_first_is_harmless(pools):

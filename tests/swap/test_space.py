@@ -284,3 +284,14 @@ def test_manifest_lists_what_was_written(open_space, dirs):
     assert entry["dtype"] == "float16" and entry["shape"] == [3, 5] and entry["nbytes"] == 30
     assert entry["checksum"].startswith("xxh3-64:")
     assert swap.SpaceReader(os.path.join(path, "rank0")).info("enc.layers.0.weight/param").kind == "param"
+
+
+def test_a_truncated_arena_file_is_refused_on_reopen(open_space, dirs):
+    (path,) = dirs(1)
+    space = open_space(paths=[path])
+    space.put("x", torch.zeros(MiB)).result()
+    space.close()
+    arena = os.path.join(path, "rank0", "arena-0.bin")
+    os.truncate(arena, 12345)
+    with pytest.raises(swap.ManifestError, match="truncated or changed outside the space"):
+        open_space(paths=[path])
