@@ -9,13 +9,25 @@
 
 from ._allocator import ExtentAllocator, OutOfSpace
 from ._checksum import SwapCorruption
-from ._manifest import Extent, Manifest, ManifestError, TensorRecord
+from ._manifest import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    SPACE_NAME,
+    Extent,
+    Manifest,
+    ManifestError,
+    TensorRecord,
+    is_space_file,
+)
 from ._pipeline import Item, stream
 from ._pool import HostBuffer, HostBufferPool, PoolExhausted
 from ._reader import SpaceReader
 from ._space import SwapFuture, SwapSpace
 
 __all__ = [
+    "LOCK_NAME",
+    "MANIFEST_NAME",
+    "SPACE_NAME",
     "Extent",
     "ExtentAllocator",
     "HostBuffer",
@@ -30,5 +42,6 @@ __all__ = [
     "SwapFuture",
     "SwapSpace",
     "TensorRecord",
+    "is_space_file",
     "stream",
 ]

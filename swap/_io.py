@@ -57,7 +57,7 @@ class Transfer:
     def __init__(
         self,
         engine: aio.Engine,
-        files: Sequence[aio.File],
+        files: Sequence[aio.File] | dict[int, aio.File],
         extents: Sequence[Extent],
         data: torch.Tensor,
         *,
@@ -72,7 +72,8 @@ class Transfer:
         self._error: OSError | None = None
         nbytes = data.numel()
         padded = round_up(nbytes)
-        mem_align = max([f.mem_align for f in files if f.direct], default=1)
+        used = [files[e.file] for e in extents]  # ``files`` may hold only the ones used
+        mem_align = max([f.mem_align for f in used if f.direct], default=1)
         try:
             if nbytes and data.data_ptr() % mem_align == 0:
                 region, direct_end = data, nbytes - nbytes % ALIGNMENT

@@ -52,8 +52,14 @@ class SpaceReader:
                     f"not to {self.manifest.space_id} member {k} rank {self.manifest.rank}"
                 )
         self._own_engine = engine is None
-        self.engine = engine if engine is not None else aio.open_engine()
+        self._engine = engine  # opened on the first read: looking needs no engine
         self._files: dict[int, aio.File] = {}
+
+    @property
+    def engine(self) -> aio.Engine:
+        if self._engine is None:
+            self._engine = aio.open_engine()
+        return self._engine
 
     # -- what is there ----------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -85,7 +91,7 @@ class SpaceReader:
         record = self.info(name)
         out = torch.empty(record.shape, dtype=DTYPES[record.dtype])
         data = out.reshape(-1).view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
-        files = [self._file(i) for i in range(len(self.manifest.files))] if record.extents else []
+        files = {e.file: self._file(e.file) for e in record.extents}  # only the ones it lives in
         Transfer(self.engine, files, record.extents, data, write=False, alloc=plain_alloc).wait()
         if verify:
             self.check(record, data)
@@ -107,8 +113,9 @@ class SpaceReader:
         for f in self._files.values():
             f.close()
         self._files.clear()
-        if self._own_engine:
-            self.engine.close()
+        if self._own_engine and self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
     def __enter__(self) -> "SpaceReader":
         return self

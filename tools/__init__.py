@@ -1,1 +1,1 @@
-"""infinity.tools: the command-line tools (`nvme-bench`)."""
+"""infinity.tools: the command-line tools (`nvme-bench`, `swap-inspect`)."""

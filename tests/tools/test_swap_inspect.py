@@ -1,0 +1,333 @@
+"""swap-inspect: its command-line contract over real swap spaces on disk.
+
+The spaces are written by `SwapSpace` over two directories standing for two drives, with a
+small stripe threshold so 12 KiB tensors are striped over both. The CLI runs in-process
+through main() for speed; one test runs the installed script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from infinity.swap import SwapSpace
+from infinity.swap._manifest import MANIFEST_NAME, dtype_name
+from infinity.tools import swap_inspect
+from infinity.tools.swap_inspect import human_size, main
+
+ALIGN = 4096
+
+
+def build_space(dirs: list[Path], tensors: dict[str, torch.Tensor], *, rank: int = 0,
+                no_checksum: tuple[str, ...] = ()) -> Path:  # fmt: skip
+    """Write ``tensors`` (checksummed unless named in ``no_checksum``) into a new swap space
+    over ``dirs``; return member 0's rank directory. Tensors of 2 units or more are striped."""
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+    with SwapSpace([str(d) for d in dirs], rank=rank, stripe_size=ALIGN, stripe_threshold=2 * ALIGN,
+                   grow_step=16 * ALIGN, host_budget=1 << 20) as space:  # fmt: skip
+        for name, t in tensors.items():
+            space.put(name, t, checksum=name not in no_checksum).result()
+        return Path(space.rank_dirs[0])
+
+
+def sample_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    odd = torch.randn(300, dtype=torch.float64, generator=g)
+    odd[[3, 7, 11]] = float("nan")
+    odd[[5, 9]] = float("inf")
+    odd[13] = float("-inf")
+    return {
+        "layers.0.attn.weight/param": torch.randn(64, 48, generator=g),  # 3 units: striped
+        "layers.0.attn.weight/exp_avg": torch.randn(64, 48, generator=g),
+        "layers.0.attn.bias/param": torch.randn(48, generator=g).bfloat16(),
+        "embed.weight/param": torch.randn(100, 16, generator=g).half(),
+        "layers.0.norm.weight/exp_avg_sq": odd,
+        "step/count": torch.tensor(12345, dtype=torch.int64),
+        "mask/buffer": torch.arange(10) % 3 == 0,
+        "scratch/param": torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=g),
+        "empty/param": torch.empty(0),
+    }
+
+
+@pytest.fixture
+def space(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
+    tensors = sample_tensors()
+    rank_dir = build_space([tmp_path / "d0", tmp_path / "d1"], tensors, no_checksum=("scratch/param",))
+    return rank_dir, tensors
+
+
+def run(capsys, *args) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def manifest_of(rank_dir: Path) -> dict:
+    return json.loads((rank_dir / MANIFEST_NAME).read_text())
+
+
+def flip_byte(rank_dir: Path, name: str, at: int = 100) -> None:
+    m = manifest_of(rank_dir)
+    file, offset, _ = m["tensors"][name]["extents"][0]
+    f = m["files"][file]
+    path = Path(m["members"][f["dir"]]) / f["name"]
+    with open(path, "r+b") as fh:
+        fh.seek(offset + at)
+        byte = fh.read(1)
+        fh.seek(offset + at)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+# -- summary ----------------------------------------------------------------------------------
+def test_summary_and_table(space, capsys):
+    rank_dir, tensors = space
+    code, out, err = run(capsys, rank_dir)
+    assert code == 0 and err == ""
+    assert f"rank 0: {rank_dir}" in out
+    assert f"member 1: {rank_dir.parent.parent / 'd1' / 'rank0'}" in out
+    assert "tensors: 9," in out
+    assert "param 5 (" in out and "exp_avg 1 (" in out and "count 1 (8B)" in out
+    table = [line.split() for line in out.splitlines() if line.startswith("  ") and "/" in line.split()[0]]
+    rows = {row[0]: row for row in table}
+    assert set(rows) == set(tensors)
+    name, dtype, shape, nbytes, file, offset, digest = rows["layers.0.attn.weight/param"]
+    assert (dtype, shape, nbytes, file, offset) == ("float32", "[64,48]", "12KiB", "d0/arena-0.bin+1", "0")
+    assert digest.startswith("xxh3-64:")
+    assert rows["layers.0.attn.bias/param"][1:4] == ["bfloat16", "[48]", "96B"]
+    assert rows["step/count"][1:3] == ["int64", "[]"]
+    assert rows["scratch/param"][-1] == "-"
+    assert rows["empty/param"][4:] == ["-", "-", manifest_of(rank_dir)["tensors"]["empty/param"]["checksum"]]
+    assert "leaked 0B" in out and "leaked:" not in out
+
+
+def test_json_summary(space, capsys):
+    rank_dir, tensors = space
+    code, out, err = run(capsys, rank_dir, "--json")
+    assert code == 0 and err == ""
+    result = json.loads(out)
+    (r,) = result["ranks"]
+    assert r["rank"] == 0 and r["rank_dir"] == str(rank_dir) and len(r["members"]) == 2
+    assert [f["status"] for f in r["files"]] == ["ok", "ok"]
+    assert r["capacity"] == sum(f["size"] for f in r["files"]) == sum(f["on_disk"] for f in r["files"])
+    assert r["used"] == sum(-(-e[2] // ALIGN) * ALIGN for t in r["tensors"] for e in t["extents"])
+    assert r["free"] == r["capacity"] - r["used"] > 0
+    assert r["leaked_bytes"] == 0 and r["leaked"] == []
+    params = [t for n, t in tensors.items() if n.endswith("/param")]
+    assert r["kinds"]["param"] == {"tensors": 5, "bytes": sum(t.nbytes for t in params)}
+    by_name = {t["name"]: t for t in r["tensors"]}
+    assert by_name["embed.weight/param"]["shape"] == [100, 16] and by_name["embed.weight/param"]["nbytes"] == 3200
+    assert by_name["scratch/param"]["checksum"] is None
+    assert "verify" not in result
+
+
+def test_human_size():
+    assert [human_size(n) for n in (0, 96, 4097, 4096, 12 << 10, 3 << 29, 12345, 1536 << 20)] == [
+        "0B", "96B", "4.0KiB", "4KiB", "12KiB", "1.5GiB", "12.1KiB", "1.5GiB"]  # fmt: skip
+
+
+def test_parent_directory_shows_every_rank(tmp_path, capsys):
+    d0, d1 = tmp_path / "d0", tmp_path / "d1"
+    for rank in (1, 0):
+        build_space([d0, d1], {f"w{rank}/param": torch.ones(rank + 1)}, rank=rank)
+    code, out, _ = run(capsys, d0, "--json")
+    assert code == 0
+    assert [(r["rank"], [t["name"] for t in r["tensors"]]) for r in json.loads(out)["ranks"]] == [
+        (0, ["w0/param"]), (1, ["w1/param"])]  # fmt: skip
+    code, out, _ = run(capsys, d0)
+    assert out.index(f"rank 0: {d0 / 'rank0'}") < out.index(f"rank 1: {d0 / 'rank1'}")
+
+
+def test_leaked_files_are_listed(space, capsys):
+    rank_dir, _ = space
+    member1 = rank_dir.parent.parent / "d1" / "rank0"
+    (member1 / "arena-5.bin").write_bytes(bytes(8192))  # orphaned arena file
+    (rank_dir / f".{MANIFEST_NAME}.x1y2.tmp").write_text("{")  # interrupted manifest write
+    (rank_dir / "core").write_bytes(bytes(100))  # a stray
+    code, out, _ = run(capsys, rank_dir, "--json")
+    (r,) = json.loads(out)["ranks"]
+    assert r["leaked_bytes"] == 8192 + 1 + 100
+    assert {Path(x["path"]).name: x["why"] for x in r["leaked"]} == {
+        "arena-5.bin": "arena file the manifest does not list",
+        f".{MANIFEST_NAME}.x1y2.tmp": "temporary file of an unfinished manifest write",
+        "core": "not a swap space file",
+    }
+    code, out, _ = run(capsys, rank_dir)
+    assert code == 0
+    assert f"leaked: {member1 / 'arena-5.bin'}  8KiB  (arena file the manifest does not list)" in out
+    assert "leaked 8.1KiB" in out
+
+
+# -- --verify ---------------------------------------------------------------------------------
+def test_verify_good_space(space, capsys):
+    rank_dir, _ = space
+    code, out, err = run(capsys, rank_dir, "--verify")
+    assert code == 0 and err == ""
+    assert out.splitlines()[-1] == "9 tensors verified, 0 bad, 1 without checksum"
+    code, out, _ = run(capsys, rank_dir, "--verify", "--json")
+    result = json.loads(out)
+    assert result["verify"] == {"tensors": 9, "bad": 0, "unverified": 1}
+    statuses = {t["name"]: t["status"] for t in result["ranks"][0]["tensors"]}
+    assert statuses.pop("scratch/param") == "unverified" and set(statuses.values()) == {"ok"}
+
+
+@pytest.mark.parametrize("name", ["layers.0.attn.weight/param", "embed.weight/param"])
+def test_verify_names_the_corrupt_tensor(space, capsys, name):
+    rank_dir, _ = space
+    flip_byte(rank_dir, name)
+    code, out, err = run(capsys, rank_dir, "--verify")
+    assert code == 1
+    (bad,) = [line for line in out.splitlines() if line.startswith("BAD")]
+    m = manifest_of(rank_dir)
+    file, offset, _ = m["tensors"][name]["extents"][0]
+    assert repr(name) in bad and f"offset {offset}" in bad and m["files"][file]["name"] in bad
+    assert out.splitlines()[-1] == "9 tensors verified, 1 bad, 1 without checksum"
+    code, out, _ = run(capsys, rank_dir, "--verify", "--json")
+    assert code == 1
+    assert [t["name"] for t in json.loads(out)["ranks"][0]["tensors"] if t["status"] == "bad"] == [name]
+
+
+def test_verify_reports_a_short_arena_file_as_bad(space, capsys):
+    rank_dir, _ = space
+    member1 = rank_dir.parent.parent / "d1" / "rank0"
+    os.truncate(member1 / "arena-0.bin", 0)
+    code, out, _ = run(capsys, rank_dir)
+    assert code == 0 and "SHORT: 0 bytes on disk" in out
+    code, out, _ = run(capsys, rank_dir, "--verify")
+    assert code == 1
+    assert "0 bad" not in out.splitlines()[-1]
+    assert all("shorter than its manifest says" in line for line in out.splitlines() if line.startswith("BAD"))
+
+
+def test_verify_progress_bar_on_a_terminal(space, capsys, monkeypatch):
+    rank_dir, _ = space
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, _, err = run(capsys, rank_dir, "--verify")
+    assert code == 0 and "\r[" in err and "/9 tensors, " in err
+    assert err.endswith("\r\033[K")  # cleared at the end
+
+
+# -- --tensor ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["layers.0.attn.weight/param", "layers.0.attn.bias/param", "embed.weight/param",
+                                  "step/count", "mask/buffer", "scratch/param"])  # fmt: skip
+def test_tensor_stats_match_torch(space, capsys, name):
+    rank_dir, tensors = space
+    code, out, _ = run(capsys, rank_dir, "--tensor", name, "--json")
+    assert code == 0
+    (record,) = json.loads(out)["records"]
+    t = tensors[name].to(torch.float64)  # the tool computes in float64; exact for these dtypes
+    assert record["dtype"] == dtype_name(tensors[name].dtype) and record["shape"] == list(tensors[name].shape)
+    assert record["status"] == ("unverified" if name == "scratch/param" else "ok")
+    s = record["stats"]
+    assert s["min"] == t.min().item() and s["max"] == t.max().item()
+    # Chunked float64 sums against torch's: equal to rounding (1e-12 relative).
+    assert s["mean"] == pytest.approx(t.mean().item(), rel=1e-12, abs=1e-15)
+    assert s["norm"] == pytest.approx(torch.linalg.vector_norm(t).item(), rel=1e-12)
+    assert (s["nan"], s["inf"], s["finite"]) == (0, 0, t.numel())
+
+
+def test_tensor_nan_and_inf(space, capsys):
+    rank_dir, tensors = space
+    name = "layers.0.norm.weight/exp_avg_sq"
+    code, out, _ = run(capsys, rank_dir, "--tensor", name, "--json")
+    assert code == 0
+    (record,) = json.loads(out)["records"]
+    t = tensors[name]
+    finite = t[torch.isfinite(t)]
+    s = record["stats"]
+    assert (s["nan"], s["inf"], s["finite"]) == (3, 3, 294)
+    assert s["min"] == finite.min().item() and s["max"] == finite.max().item()
+    assert s["mean"] == pytest.approx(finite.mean().item(), rel=1e-12)
+
+
+def test_tensor_text_record(space, capsys):
+    rank_dir, _ = space
+    code, out, _ = run(capsys, rank_dir, "--tensor", "layers.0.attn.weight/param")
+    assert code == 0
+    assert "dtype       float32" in out and "shape       [64, 48]" in out and "(verified)" in out
+    extents = [line for line in out.splitlines() if line.startswith("  extent ")]
+    assert len(extents) == 2 and str(rank_dir / "arena-0.bin") in extents[0] and "/d1/rank0/arena-0.bin" in extents[1]
+    assert "NaN 0, Inf 0" in out
+
+
+def test_tensor_checksum_mismatch(space, capsys):
+    rank_dir, _ = space
+    flip_byte(rank_dir, "embed.weight/param")
+    code, out, _ = run(capsys, rank_dir, "--tensor", "embed.weight/param")
+    assert code == 1 and "MISMATCH" in out and "BAD: checksum mismatch in tensor 'embed.weight/param'" in out
+
+
+# -- errors: one line, exit status 2 ----------------------------------------------------------
+def assert_error(capsys, args, *needles) -> str:
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("swap-inspect: error: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_missing_directory(tmp_path, capsys):
+    assert_error(capsys, [tmp_path / "nope"], "does not exist")
+
+
+def test_empty_directory(tmp_path, capsys):
+    assert_error(capsys, [tmp_path], "not a swap space")
+
+
+def test_member_directory_is_not_the_space(space, capsys):
+    rank_dir, _ = space
+    assert_error(capsys, [rank_dir.parent.parent / "d1"], "not a swap space", "first member")
+
+
+def test_unknown_manifest_version(space, capsys):
+    rank_dir, _ = space
+    m = manifest_of(rank_dir)
+    m["version"] = 99
+    (rank_dir / MANIFEST_NAME).write_text(json.dumps(m))
+    assert_error(capsys, [rank_dir], "unknown version 99")
+
+
+def test_escaping_file_name(space, capsys):
+    rank_dir, _ = space
+    m = manifest_of(rank_dir)
+    m["files"][0]["name"] = "../../etc/passwd"
+    (rank_dir / MANIFEST_NAME).write_text(json.dumps(m))
+    assert_error(capsys, [rank_dir.parent], "files[0].name", "../../etc/passwd")
+
+
+def test_member_of_another_space(space, tmp_path, capsys):
+    rank_dir, _ = space
+    other = build_space([tmp_path / "e0", tmp_path / "e1"], {"x/param": torch.ones(1)})
+    m = manifest_of(rank_dir)
+    m["members"][1] = str(other.parent.parent / "e1" / "rank0")
+    (rank_dir / MANIFEST_NAME).write_text(json.dumps(m))
+    assert_error(capsys, [rank_dir], "space.json: belongs to space")
+
+
+def test_unknown_tensor(space, capsys):
+    rank_dir, _ = space
+    line = assert_error(capsys, [rank_dir, "--tensor", "layers.0.attn.weight/parma"], "9 tensors")
+    assert "close matches: 'layers.0.attn.weight/param'" in line
+
+
+# -- the installed script ---------------------------------------------------------------------
+def test_installed_script(space):
+    rank_dir, _ = space
+    script = Path(sys.executable).parent / "swap-inspect"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "infinity.tools.swap_inspect"]
+    proc = subprocess.run([*cmd, str(rank_dir), "--verify", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["verify"]["bad"] == 0
+    proc = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    for section in ("usage: swap-inspect DIR", "description:", "output:", "exit status:"):
+        assert section in proc.stdout
+    assert swap_inspect.SYNOPSIS in proc.stdout

@@ -1,0 +1,353 @@
+"""swap-inspect: what a swap space holds on disk, and whether its bytes still match their checksums.
+
+Everything is read through `SpaceReader` (the manifest, the members' space.json, the tensors
+through the aio engine), so the tool trusts exactly what the engine's resume would trust. It
+takes no lock and writes nothing: it may look at a space that a running engine holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import os
+import sys
+
+import torch
+
+from infinity import aio
+from infinity.swap import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    SPACE_NAME,
+    ManifestError,
+    SpaceReader,
+    SwapCorruption,
+    is_space_file,
+)
+from infinity.tools.nvme_bench import Progress, format_size
+
+_UNITS = ("", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+class BadInput(ValueError):
+    """DIR cannot be inspected, or no such --tensor; `main` prints one line and exits 2."""
+
+
+def human_size(nbytes: int) -> str:
+    """`format_size` where it is exact and short ("64MiB"), else "1.5GiB"; "96B" below 1KiB."""
+    if nbytes < 1024:
+        return f"{nbytes}B"
+    text = format_size(nbytes)
+    if len(text.rstrip("KMGTPiB")) <= 3:
+        return text
+    k = min(len(_UNITS) - 1, (nbytes.bit_length() - 1) // 10)
+    return f"{nbytes / (1 << 10 * k):.1f}{_UNITS[k]}"
+
+
+# -- finding and opening ranks ----------------------------------------------------------------
+def find_ranks(directory: str) -> list[str]:
+    """The rank directories DIR stands for: DIR itself or its immediate subdirectories that
+    hold a manifest. Every layout the tool understands is recognised here, and only here."""
+    if not os.path.isdir(directory):
+        raise BadInput(f"{directory!r} {'is not a directory' if os.path.exists(directory) else 'does not exist'}")
+    if os.path.isfile(os.path.join(directory, MANIFEST_NAME)):
+        return [directory]
+    try:
+        subdirs = sorted(e.path for e in os.scandir(directory) if e.is_dir())
+    except OSError as e:
+        raise BadInput(f"cannot list {directory!r}: {e.strerror}") from None
+    found = [d for d in subdirs if os.path.isfile(os.path.join(d, MANIFEST_NAME))]
+    if found:
+        return found
+    why = f"{directory!r} is not a swap space: no {MANIFEST_NAME} in it or its subdirectories"
+    if any(os.path.isfile(os.path.join(d, SPACE_NAME)) for d in [directory, *subdirs]):
+        why += " (it holds a member's space.json: give the directory of the space's first member)"
+    raise BadInput(why)
+
+
+def open_readers(rank_dirs: list[str], engine: aio.Engine) -> list[SpaceReader]:
+    """A reader per rank directory, sorted by rank; BadInput if one cannot be trusted."""
+    readers: list[SpaceReader] = []
+    try:
+        for d in rank_dirs:
+            readers.append(SpaceReader(d, engine=engine))
+    except (ManifestError, OSError) as e:
+        for r in readers:
+            r.close()
+        where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
+        raise BadInput(where + (e.strerror if isinstance(e, OSError) and e.strerror else str(e))) from None
+    return sorted(readers, key=lambda r: (r.manifest.rank, r.rank_dir))
+
+
+# -- what a rank holds ------------------------------------------------------------------------
+def _leak_reason(name: str) -> str:
+    if name.startswith("."):  # see [Note: atomic manifest]
+        return "temporary file of an unfinished manifest write"
+    return "arena file the manifest does not list" if is_space_file(name) else "not a swap space file"
+
+
+def rank_summary(reader: SpaceReader) -> dict:
+    """The rank's members, arena files (as they are on disk), space and tensors; sizes in bytes."""
+    m = reader.manifest
+    files = []
+    for i, f in enumerate(m.files):
+        path = reader.file_path(i)
+        try:
+            on_disk = os.stat(path).st_size
+        except FileNotFoundError:
+            on_disk = None
+        status = "missing" if on_disk is None else "short" if on_disk < f.size else "ok"
+        files.append(dict(index=i, member=f.dir, name=f.name, path=path, size=f.size, on_disk=on_disk, status=status))
+    listed = {f["path"] for f in files} | {os.path.join(d, n) for d in reader.member_dirs
+                                           for n in (MANIFEST_NAME, SPACE_NAME, LOCK_NAME)}  # fmt: skip
+    leaked = [
+        dict(path=e.path, size=e.stat(follow_symlinks=False).st_size, why=_leak_reason(e.name))
+        for d in reader.member_dirs
+        for e in sorted(os.scandir(d), key=lambda e: e.name)
+        if e.path not in listed and e.is_file(follow_symlinks=False)
+    ]
+    kinds: dict[str, dict] = {}
+    for t in m.tensors.values():
+        k = kinds.setdefault(t.kind, dict(tensors=0, bytes=0))
+        k["tensors"] += 1
+        k["bytes"] += t.nbytes
+    capacity, used = sum(f.size for f in m.files), reader.allocated_bytes()
+    tensors = [
+        dict(name=t.name, kind=t.kind, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes, generation=t.generation,
+             checksum=t.checksum, extents=[[e.file, e.offset, e.nbytes] for e in t.extents])
+        for t in m.tensors.values()
+    ]  # fmt: skip
+    return dict(rank=m.rank, rank_dir=reader.rank_dir, space_id=m.space_id, generation=m.generation,
+                alignment=m.alignment, members=reader.member_dirs, files=files, capacity=capacity, used=used,
+                free=capacity - used, leaked_bytes=sum(x["size"] for x in leaked), leaked=leaked,
+                kinds=dict(sorted(kinds.items())), tensors=tensors)  # fmt: skip
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in rows]  # fmt: skip
+
+
+def print_summary(s: dict) -> None:
+    print(f"rank {s['rank']}: {s['rank_dir']} (space {s['space_id']}, manifest generation {s['generation']})")
+    for k, member in enumerate(s["members"]):
+        print(f"  member {k}: {member}")
+    for f in s["files"]:
+        note = {"ok": "", "missing": "  MISSING", "short": f"  SHORT: {f['on_disk']} bytes on disk"}[f["status"]]
+        print(f"  arena {f['index']}: {f['path']}  {human_size(f['size'])}{note}")
+    print(f"  space: {human_size(s['capacity'])} in {len(s['files'])} arena files; used {human_size(s['used'])}, "
+          f"free {human_size(s['free'])}, leaked {human_size(s['leaked_bytes'])}")  # fmt: skip
+    for x in s["leaked"]:
+        print(f"  leaked: {x['path']}  {human_size(x['size'])}  ({x['why']})")
+    kinds = ", ".join(f"{k or '(no kind)'} {v['tensors']} ({human_size(v['bytes'])})" for k, v in s["kinds"].items())
+    total = sum(t["nbytes"] for t in s["tensors"])
+    print(f"  tensors: {len(s['tensors'])}, {human_size(total)}" + (f": {kinds}" if kinds else ""))
+    if not s["tensors"]:
+        return
+    files, striped = s["files"], len(s["members"]) > 1
+    rows = [["name", "dtype", "shape", "bytes", "file", "offset", "checksum"]]
+    for t in s["tensors"]:
+        first = files[t["extents"][0][0]] if t["extents"] else None
+        where = "-" if first is None else f"d{first['member']}/{first['name']}" if striped else first["name"]
+        more = f"+{len(t['extents']) - 1}" if len(t["extents"]) > 1 else ""
+        rows.append([t["name"], t["dtype"], "[" + ",".join(map(str, t["shape"])) + "]", human_size(t["nbytes"]),
+                     where + more, str(t["extents"][0][1]) if first else "-", t["checksum"] or "-"])  # fmt: skip
+    print("\n".join("  " + line for line in _table(rows, right={3, 5})))
+
+
+# -- reading tensors back ---------------------------------------------------------------------
+def read_back(reader: SpaceReader, name: str, record: dict) -> torch.Tensor | None:
+    """Read ``name`` with its checksum checked; set record's status ("ok", "unverified",
+    "bad") and, when bad, its error (SwapCorruption or the I/O error)."""
+    try:
+        tensor = reader.read(name, verify=True)
+    except OSError as e:  # SwapCorruption is one, and names the tensor
+        record.update(status="bad", error=str(e) if isinstance(e, SwapCorruption) else f"tensor {name!r}: {e}")
+        return None
+    record["status"] = "ok" if record["checksum"] else "unverified"
+    return tensor
+
+
+def verify(readers: list[SpaceReader], summaries: list[dict], quiet: bool) -> dict:
+    jobs = [(r, t) for r, s in zip(readers, summaries) for t in s["tensors"]]
+    total, done = sum(t["nbytes"] for _, t in jobs), 0
+    progress = Progress(len(jobs), sys.stderr.isatty())
+    try:
+        for reader, t in jobs:
+            progress.show(f"tensors, {human_size(done)} of {human_size(total)}")
+            if read_back(reader, t["name"], t) is None and not quiet:
+                progress.clear()
+                print(f"BAD rank {reader.manifest.rank}: {t['error']}", flush=True)
+            progress.done, done = progress.done + 1, done + t["nbytes"]
+    finally:
+        progress.clear()
+    statuses = [t["status"] for _, t in jobs]
+    return dict(tensors=len(jobs), bad=statuses.count("bad"), unverified=statuses.count("unverified"))
+
+
+def tensor_stats(tensor: torch.Tensor) -> dict:
+    """min, max, mean and L2 norm of the finite elements (in float64; of |x| for complex) and
+    how many are NaN or infinite. Chunked, so a large tensor needs no float64 copy of itself."""
+    flat = tensor.reshape(-1)
+    flat = flat.abs() if flat.is_complex() else flat
+    lo = hi = None
+    total, norm, finite, nan, inf = 0.0, 0.0, 0, 0, 0
+    for chunk in flat.split(1 << 22):
+        x = chunk.to(torch.float64)
+        nan += int(torch.isnan(x).sum())
+        inf += int(torch.isinf(x).sum())
+        x = x[torch.isfinite(x)]
+        if x.numel():
+            lo = min(lo, float(x.min())) if lo is not None else float(x.min())
+            hi = max(hi, float(x.max())) if hi is not None else float(x.max())
+            total, finite = total + float(x.sum()), finite + x.numel()
+            norm = math.hypot(norm, float(torch.linalg.vector_norm(x)))  # no overflow from squaring
+    return dict(min=lo, max=hi, mean=total / finite if finite else None, norm=norm, numel=flat.numel(),
+                finite=finite, nan=nan, inf=inf)  # fmt: skip
+
+
+def inspect_tensor(directory: str, readers: list[SpaceReader], name: str) -> list[dict]:
+    """One record (with stats, unless it is bad) per rank that holds ``name``."""
+    holders = [r for r in readers if name in r.manifest.tensors]
+    if not holders:
+        names = sorted({n for r in readers for n in r.names()})
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f"; close matches: {', '.join(map(repr, close))}" if close else ""
+        raise BadInput(f"no tensor {name!r} in {directory!r} (it holds {len(names)} tensors{hint})")
+    out = []
+    for r in holders:
+        t = r.info(name)
+        record = dict(rank=r.manifest.rank, rank_dir=r.rank_dir, name=t.name, kind=t.kind, dtype=t.dtype,
+                      shape=list(t.shape), nbytes=t.nbytes, generation=t.generation, checksum=t.checksum,
+                      extents=[dict(file=e.file, path=r.file_path(e.file), offset=e.offset, nbytes=e.nbytes)
+                               for e in t.extents])  # fmt: skip
+        tensor = read_back(r, name, record)
+        record["stats"] = tensor_stats(tensor) if tensor is not None else None
+        out.append(record)
+    return out
+
+
+def print_tensor(t: dict) -> None:
+    check = {"ok": "verified", "unverified": "none", "bad": "MISMATCH"}[t["status"]]
+    print(f"rank {t['rank']}: {t['rank_dir']}\n  tensor      {t['name']}\n  dtype       {t['dtype']}\n"
+          f"  shape       {t['shape']}\n  bytes       {t['nbytes']} ({human_size(t['nbytes'])})\n"
+          f"  generation  {t['generation']}\n  checksum    {t['checksum'] or '-'} ({check})")  # fmt: skip
+    for i, e in enumerate(t["extents"]):
+        print(f"  extent {i}    {e['path']} offset {e['offset']}, {e['nbytes']} bytes")
+    if t["status"] == "bad":
+        print(f"  BAD: {t['error']}")
+    elif (s := t["stats"]) is not None:
+        fmt = lambda v: "-" if v is None else f"{v:.6g}"  # noqa: E731
+        print(f"  stats       min {fmt(s['min'])}, max {fmt(s['max'])}, mean {fmt(s['mean'])}, "
+              f"norm {fmt(s['norm'])} (of {s['finite']} finite); NaN {s['nan']}, Inf {s['inf']}")  # fmt: skip
+
+
+# -- command line -----------------------------------------------------------------------------
+SYNOPSIS = "swap-inspect DIR [--verify | --tensor NAME] [--json]"
+
+DESCRIPTION = """\
+description:
+  Shows what a swap space holds on disk. DIR is a rank directory (the one holding
+  manifest.json, in the space's first directory), or a directory whose immediate
+  subdirectories are such rank directories (every rank found is shown, sorted by rank).
+  Nothing is locked or written: a space that a running engine holds may be inspected, and
+  then shows its last manifest. The manifest and every member's space.json are checked as
+  the engine checks them on resume.
+"""
+
+EPILOG = """\
+output:
+  Per rank: its member directories (one per drive); its arena files with their sizes in
+  the manifest, and MISSING or SHORT where the file on disk is absent or smaller; the space:
+  used (every extent rounded up to the alignment), free (arena sizes less used) and leaked
+  (files in the members' rank directories that the manifest does not list and a space does
+  not make: orphaned arena files, temporary files of an interrupted manifest write, strays),
+  each leaked file listed; tensor count and bytes per state kind (the part of a name after
+  its last "/"). Then one row per tensor: name, dtype, shape, bytes, file (the first
+  extent's arena file, "dK/" naming its member when there are several, "+N" for N more
+  extents), offset of the first extent, checksum ("-" if none).
+  --verify: afterwards reads every tensor back (through the aio engine) and checks its
+  checksum; prints a BAD line per mismatch (tensor, file, offset of its first extent) or
+  read error, then "N tensors verified, M bad, K without checksum" (N counts every tensor
+  read; those K were read but have nothing to check against). A progress bar goes to
+  stderr when it is a terminal.
+  --tensor NAME: that tensor's record on each rank that holds it (dtype, shape, bytes,
+  generation, checksum, every extent's file and offset) and, read back with its checksum
+  checked, min, max, mean and L2 norm of its finite elements (in float64; of |x| for
+  complex dtypes) and its NaN and Inf counts.
+  --json: the same as one JSON object on stdout, sizes in bytes: {"path", "ranks": [{
+  "rank", "rank_dir", "space_id", "generation", "alignment", "members", "files": [{"index",
+  "member", "name", "path", "size", "on_disk", "status"}], "capacity", "used", "free",
+  "leaked_bytes", "leaked": [{"path", "size", "why"}], "kinds", "tensors": [{"name",
+  "kind", "dtype", "shape", "nbytes", "generation", "checksum", "extents": [[file, offset,
+  nbytes]], with --verify "status" (ok, unverified, bad) and "error"}]}], with --verify
+  "verify": {"tensors", "bad", "unverified"}}; with --tensor {"path", "tensor", "records":
+  [the record, "status", "error", "stats"]}.
+
+exit status:
+  0 inspected (and with --verify or --tensor, every checksum matched);
+  1 a checksum mismatch or an error reading a tensor back;
+  2 DIR missing or not a swap space, a manifest or space.json that cannot be trusted
+  (unknown version, bad field, a path that escapes the space, a member of another space),
+  an unreadable member, an unknown --tensor NAME; 130 interrupted.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="swap-inspect", usage=SYNOPSIS, description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("directory", metavar="DIR", help="a rank directory, or a directory of rank directories")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--verify", action="store_true", help="read every tensor back and check its checksum")
+    what.add_argument("--tensor", metavar="NAME", help="one tensor's record and statistics")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout instead of text")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    readers: list[SpaceReader] = []
+    # A summary reads no tensor: the threads engine then costs nothing and logs nothing.
+    reading = args.verify or args.tensor is not None
+    try:
+        rank_dirs = find_ranks(args.directory)
+        with aio.open_engine() if reading else aio.open_engine("threads", 1) as engine:
+            readers = open_readers(rank_dirs, engine)
+            if args.tensor is not None:
+                records = inspect_tensor(args.directory, readers, args.tensor)
+                if args.json:
+                    print(json.dumps(dict(path=args.directory, tensor=args.tensor, records=records)))
+                for r in [] if args.json else records:
+                    print_tensor(r)
+                return int(any(r["status"] == "bad" for r in records))
+            summaries = [rank_summary(r) for r in readers]
+            for s in [] if args.json else summaries:
+                print_summary(s)
+            sys.stdout.flush()
+            result = dict(path=args.directory, ranks=summaries)
+            if args.verify:
+                result["verify"] = v = verify(readers, summaries, quiet=args.json)
+                if not args.json:
+                    print(f"{v['tensors']} tensors verified, {v['bad']} bad, {v['unverified']} without checksum")
+            if args.json:
+                print(json.dumps(result))
+            return int(bool(args.verify and v["bad"]))
+    except BadInput as e:
+        print(f"swap-inspect: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, aio.BackendUnavailable) as e:
+        print(f"swap-inspect: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nswap-inspect: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for r in readers:
+            r.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
