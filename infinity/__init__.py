@@ -1,7 +1,38 @@
 """infinity: an NVMe-tiered offload engine for PyTorch training.
 
-Subpackages: `infinity.aio` (async file I/O), `infinity.swap` (swap spaces, later issue),
-`infinity.tools` (command-line tools). See the repository's DESIGN for the whole picture.
+    config = infinity.TierConfig.load("tiers.toml")
+    engine = infinity.initialize(model, config)
+    loss = engine(batch); engine.backward(loss); engine.step()
+
+Subpackages: `infinity.aio` (async file I/O), `infinity.swap` (swap spaces on NVMe),
+`infinity.tools` (the nvme-bench and swap-inspect command-line tools).
 """
 
+from .config import (
+    AioConfig,
+    MemoryConfig,
+    NvmeConfig,
+    OptimizerConfig,
+    PartitionConfig,
+    PrecisionConfig,
+    PrefetchConfig,
+    TierConfig,
+    TiersConfig,
+)
+from .engine import Engine, initialize
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "AioConfig",
+    "Engine",
+    "MemoryConfig",
+    "NvmeConfig",
+    "OptimizerConfig",
+    "PartitionConfig",
+    "PrecisionConfig",
+    "PrefetchConfig",
+    "TierConfig",
+    "TiersConfig",
+    "initialize",
+]

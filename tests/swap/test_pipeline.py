@@ -82,3 +82,20 @@ def test_unknown_names_fail_before_any_io(open_space):
     space = open_space()
     with pytest.raises(KeyError, match="nope"):
         list(swap.stream(space, ["nope"]))
+
+
+def test_stream_of_name_tuples_reads_and_writes_them_together(open_space):
+    space = open_space()
+    for g in range(3):
+        for kind in ("master", "exp_avg"):
+            space.put(f"opt.{g}/{kind}", torch.full((1000,), float(g))).result()
+    groups = [(f"opt.{g}/master", f"opt.{g}/exp_avg") for g in range(3)]
+    for item in swap.stream(space, groups, ahead=1):
+        master, m = item.tensors
+        assert torch.equal(master, m)
+        master.add_(1)
+        m.mul_(3)
+    for g in range(3):
+        assert torch.equal(space.get(f"opt.{g}/master", torch.empty(1000)).result(), torch.full((1000,), g + 1.0))
+        assert torch.equal(space.get(f"opt.{g}/exp_avg", torch.empty(1000)).result(), torch.full((1000,), 3.0 * g))
+    assert space.pool.in_use_bytes == 0

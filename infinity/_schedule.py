@@ -1,0 +1,299 @@
+"""Fetch, prefetch and release of parameter units around each module's forward and backward.
+
+Forward: a module's pre-hook materialises its units (waiting for a prefetch, or reading on
+demand) and issues the reads of the units of the next ``depth`` modules of the predicted
+order; its post-hook releases them. Backward: the module's outputs carry a marker whose
+backward runs just before the module's own, and fetches again, prefetching in the reverse of
+this step's forward order; the units are released once all their gradients have arrived.
+
+[Note: predicted order]
+The first forward uses module registration order (so prefetch works from the first step);
+each forward records the order that really ran, and the next forward predicts it. When a
+module arrives that is not the predicted one, prediction stops for the rest of that pass and
+units are fetched on demand: a departure costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from ._grads import GradAccumulator
+from ._stats import Stats
+from ._store import Store
+from ._units import ParamUnit, UnitState
+
+
+class _Order:
+    """A predicted sequence of modules and how far a pass has followed it."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+        self.pos = 0
+        self.valid = True
+
+    def advance(self, module: nn.Module) -> int | None:
+        """The position of ``module`` if it is the predicted next one, else None (and stop)."""
+        if self.valid and self.pos < len(self.modules) and self.modules[self.pos] is module:
+            self.pos += 1
+            return self.pos - 1
+        self.valid = False
+        return None
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity whose backward tells the scheduler that ``module``'s backward is next."""
+
+    @staticmethod
+    def forward(ctx, scheduler, module, *tensors):
+        ctx.scheduler, ctx.module = scheduler, module
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.scheduler.pre_backward(ctx.module)
+        return (None, None, *grads)
+
+
+def _map_tensors(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):  # includes transformers' ModelOutput (an OrderedDict)
+        for k in list(obj.keys()):
+            obj[k] = _map_tensors(obj[k], fn)
+        return obj
+    return obj
+
+
+class Scheduler:
+    def __init__(
+        self,
+        units: list[ParamUnit],
+        module_units: dict[nn.Module, list[ParamUnit]],
+        store: Store,
+        grads: GradAccumulator,
+        stats: Stats,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        depth: int,
+        prefetch_bytes: int | None,
+    ):
+        self.units = units
+        self.module_units = module_units
+        self.store = store
+        self.grads = grads
+        self.stats = stats
+        self.device = device
+        self.dtype = dtype
+        self.depth = depth
+        self.prefetch_bytes = prefetch_bytes
+        # Units always materialised: their tier is the device, or host memory on a CPU device.
+        self.resident = store.resident and (store.tier == "device" or device.type == "cpu")
+        self.forward_order = _Order(list(module_units))  # registration order: see [Note: predicted order]
+        self.backward_order = _Order([])
+        self._trace: list[nn.Module] = []
+        self._handles = []
+        self._copy_stream = None  # CUDA: host-to-device copies run here
+        self._copies: list = []  # (event, host lease) of copies that may still be running
+
+    # -- hooks ------------------------------------------------------------------------------
+    def install(self) -> None:
+        for module in self.module_units:
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook))
+            self._handles.append(module.register_forward_hook(self._post_forward_hook))
+        for unit in self.units:
+            for p, needs in zip(unit.params, unit.requires_grad):
+                if needs:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre_forward_hook(self, module, args):
+        self._trace.append(module)
+        pos = self.forward_order.advance(module)
+        for unit in self.module_units[module]:
+            self.materialize(unit)
+            unit.active += 1
+        if pos is not None:
+            self._prefetch(self.forward_order, pos + 1)
+
+    def _post_forward_hook(self, module, args, output):
+        units = self.module_units[module]
+        for unit in units:
+            unit.active -= 1
+        if torch.is_grad_enabled():
+            for unit in units:
+                for p, needs in zip(unit.params, unit.requires_grad):
+                    if needs and any(q is p for q in module._parameters.values()):
+                        unit.uses += 1
+            if any(unit.requires_grad for unit in units):
+                output = _map_tensors(
+                    output,
+                    lambda t: _PreBackward.apply(self, module, t) if t.requires_grad else t,
+                )
+        for unit in units:
+            self.release(unit)
+        return output
+
+    def pre_backward(self, module: nn.Module) -> None:
+        # Several outputs of one call each run this; the first materialises, the rest find it ready.
+        pos = self.backward_order.advance(module) if self.backward_order.valid else None
+        for unit in self.module_units[module]:
+            self.materialize(unit)
+        if pos is not None:
+            self._prefetch(self.backward_order, pos + 1)
+
+    def _grad_hook(self, unit: ParamUnit):
+        def hook(param: torch.Tensor) -> None:
+            i = next(i for i, p in enumerate(unit.params) if p is param)
+            if unit.grad is None:
+                unit.grad = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
+            off, n = unit.offsets[i], unit.numels[i]
+            unit.grad[off : off + n].add_(param.grad.reshape(-1))
+            param.grad = None  # the fp32 copy is the gradient now; the param-dtype one goes
+            unit.uses -= 1
+            if unit.uses <= 0:
+                self.finish_unit_backward(unit)
+
+        return hook
+
+    # -- passes -----------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self._trace = []
+        self.forward_order.pos, self.forward_order.valid = 0, True
+        self._prefetch(self.forward_order, 0)
+
+    def end_forward(self) -> None:
+        if self._trace != self.forward_order.modules:
+            self.forward_order = _Order(list(self._trace))  # the next pass predicts this one
+        if torch.is_grad_enabled():
+            self.backward_order = _Order(list(reversed(self._trace)))
+            self._prefetch(self.backward_order, 0)
+
+    def finish_unit_backward(self, unit: ParamUnit) -> None:
+        if unit.grad is not None:
+            self.grads.add(unit, unit.grad)
+            unit.grad = None
+        unit.uses = 0
+        self.release(unit)
+
+    def end_backward(self) -> None:
+        """Gradients not yet handed on (a unit whose uses never reached zero: activation
+        recomputation runs a forward twice) are handed on now; every unit is released."""
+        for unit in self.units:
+            if unit.grad is not None or unit.uses:
+                self.finish_unit_backward(unit)
+        for unit in self.units:
+            unit.active = 0
+            self.release(unit)
+        self.backward_order = _Order([])
+        self._drain_copies(block=True)
+
+    # -- fetch and release ------------------------------------------------------------------
+    def _prefetch(self, order: _Order, start: int) -> None:
+        if self.resident or not order.valid:
+            return
+        budget = self.prefetch_bytes
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        for module in order.modules[start : start + self.depth]:
+            for unit in self.module_units.get(module, ()):
+                if unit.state is UnitState.RELEASED:
+                    if budget is not None:
+                        budget -= unit.padded_numel * itemsize
+                        if budget < 0:  # prefetch.bytes: whichever limit comes first
+                            return
+                    self._start_fetch(unit)
+
+    def _start_fetch(self, unit: ParamUnit) -> None:
+        unit.pending = self.store.get(unit.name)
+        unit.state = UnitState.FETCHING
+
+    def materialize(self, unit: ParamUnit) -> None:
+        if unit.state is UnitState.READY:
+            return
+        if self.resident:
+            unit.bind(self.store.tensor(unit.name))
+            return
+        counters = self.stats.both()
+        if unit.state is UnitState.RELEASED:
+            self._start_fetch(unit)
+            for c in counters:
+                c.on_demand += 1
+        else:
+            for c in counters:
+                c.prefetch_hits += 1
+        start = time.perf_counter()
+        value = unit.pending.result()
+        unit.pending = None
+        if self.store.resident:  # cpu tier, CUDA device: copy to the device
+            full = self._to_device(value, None)
+        else:
+            host = value.view(self.dtype, (unit.padded_numel,))
+            if self.device.type == "cpu":
+                unit.lease = value
+                full = host
+            else:
+                full = self._to_device(host, value)
+        waited = time.perf_counter() - start
+        for c in counters:
+            c.stall_seconds += waited
+            c.fetches += 1
+        unit.bind(full)
+
+    def _to_device(self, host: torch.Tensor, lease) -> torch.Tensor:
+        """Copy to the device on the side stream; compute waits on an event, not the host.
+
+        The host buffer goes back to the pool only once the copy's event has completed
+        (`_drain_copies`), never while the DMA may still read it."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            full = host.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        torch.cuda.current_stream(self.device).wait_event(event)
+        full.record_stream(torch.cuda.current_stream(self.device))
+        if lease is not None:
+            self._copies.append((event, lease))
+        self._drain_copies(block=False)
+        return full
+
+    def _drain_copies(self, block: bool) -> None:
+        while self._copies and (block or self._copies[0][0].query()):
+            event, lease = self._copies.pop(0)
+            event.synchronize()
+            lease.release()
+
+    def release(self, unit: ParamUnit) -> None:
+        if self.resident or unit.active > 0 or unit.uses > 0:
+            return
+        if unit.state is UnitState.FETCHING:
+            return  # a prefetch for a coming module: keep it
+        if unit.state is UnitState.READY:
+            unit.unbind()
+            if unit.lease is not None:
+                unit.lease.release()
+                unit.lease = None
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            if unit.state is UnitState.FETCHING:
+                value = unit.pending.result()
+                unit.pending = None
+                if hasattr(value, "release"):
+                    value.release()
+                unit.state = UnitState.RELEASED
+            unit.active = unit.uses = 0
+            self.release(unit)

@@ -1,0 +1,119 @@
+"""Counters behind `Engine.stats()`: bytes and busy seconds per tier, stall, steps."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+TIERS = ("device", "cpu", "nvme")
+
+
+@dataclass(slots=True)
+class _Busy:
+    """Seconds during which at least one operation was in flight (a union of intervals)."""
+
+    inflight: int = 0
+    since: float = 0.0
+    seconds: float = 0.0
+
+    def begin(self) -> None:
+        if self.inflight == 0:
+            self.since = time.perf_counter()
+        self.inflight += 1
+
+    def end(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.seconds += time.perf_counter() - self.since
+
+
+@dataclass(slots=True)
+class TierCounters:
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_busy: _Busy = field(default_factory=_Busy)
+    write_busy: _Busy = field(default_factory=_Busy)
+
+    def as_dict(self) -> dict:
+        r, w = self.read_busy.seconds, self.write_busy.seconds
+        return {
+            "read_bytes": self.read_bytes,
+            "write_bytes": self.write_bytes,
+            "read_seconds": r,
+            "write_seconds": w,
+            "read_gbps": self.read_bytes / r / 1e9 if r else 0.0,
+            "write_gbps": self.write_bytes / w / 1e9 if w else 0.0,
+        }
+
+
+@dataclass(slots=True)
+class Counters:
+    tiers: dict[str, TierCounters] = field(default_factory=lambda: {t: TierCounters() for t in TIERS})
+    stall_seconds: float = 0.0  # compute waiting for a parameter fetch
+    fetches: int = 0  # parameter units materialised
+    prefetch_hits: int = 0  # ... whose read was already issued when they were needed
+    on_demand: int = 0  # ... read only when needed (first use, or the order departed from the trace)
+    skipped_steps: int = 0  # fp16 overflows
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            **{t: c.as_dict() for t, c in self.tiers.items()},
+            "stall_seconds": self.stall_seconds,
+            "fetches": self.fetches,
+            "prefetch_hits": self.prefetch_hits,
+            "on_demand": self.on_demand,
+            "skipped_steps": self.skipped_steps,
+            "seconds": self.seconds,
+        }
+
+
+class Stats:
+    """Cumulative counters and the counters of the step in progress."""
+
+    def __init__(self):
+        self.total = Counters()
+        self.step = Counters()
+        self.steps = 0
+        self._step_start = time.perf_counter()
+
+    def both(self):
+        return (self.total, self.step)
+
+    def io(self, tier: str, write: bool, nbytes: int) -> "_IoSpan":
+        return _IoSpan(self, tier, write, nbytes)
+
+    def end_step(self) -> dict:
+        now = time.perf_counter()
+        self.step.seconds = now - self._step_start
+        self.total.seconds += self.step.seconds
+        self.steps += 1
+        done = self.step.as_dict()
+        self.step = Counters()
+        self._step_start = now
+        return done
+
+
+class _IoSpan:
+    """One read or write of ``nbytes`` in ``tier``: call ``done()`` once it completed."""
+
+    __slots__ = ("_counters", "_write", "_nbytes", "_open")
+
+    def __init__(self, stats: Stats, tier: str, write: bool, nbytes: int):
+        self._counters = [c.tiers[tier] for c in stats.both()]
+        self._write = write
+        self._nbytes = nbytes
+        self._open = True
+        for c in self._counters:
+            (c.write_busy if write else c.read_busy).begin()
+
+    def done(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        for c in self._counters:
+            (c.write_busy if self._write else c.read_busy).end()
+            if self._write:
+                c.write_bytes += self._nbytes
+            else:
+                c.read_bytes += self._nbytes

@@ -1,0 +1,488 @@
+"""The tier config: where parameters, gradients and optimizer state live, and how they move.
+
+One frozen, keyword-only dataclass per section of the file (DESIGN §3), each field with a
+default, so that an empty file means "everything on the device". Every value is checked when
+its section is built, whether it came from `TierConfig.load`, `TierConfig.from_dict` or a
+constructor call, and a bad one raises `ValueError` naming its dotted key ("aio.queue_depth"),
+because a typo found at step 10,000 of a run costs the run. Sizes accept ints (bytes) or
+strings such as "1MiB" and are stored as ints.
+
+This module imports neither torch nor the I/O layer, so launchers and tools can read and check
+a config cheaply; the few constants it shares with them are pinned by tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+Size = Union[int, str]  # bytes, or "4GiB" / "512MiB" / "64K" / "4096"; stored as int bytes
+
+TIERS = ("device", "cpu", "nvme")
+AIO_BACKENDS = ("auto", "uring", "threads")  # "auto" plus infinity.aio.BACKENDS
+VERIFY_MODES = ("off", "checkpoint", "always")  # infinity.swap's modes
+PARAM_DTYPES = ("bf16", "fp16", "fp32")
+ALIGNMENT = 4096  # O_DIRECT: swap offsets and I/O blocks are whole pages (as infinity.swap)
+ADAM_STATE_BYTES = 12  # fp32 master weight + exp_avg + exp_avg_sq, per parameter
+
+# The same grammar as nvme-bench's --size, so a figure it prints pastes into a config.
+_SHIFTS = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50, "e": 60}
+_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?)\s*(?:([kmgtpe])(?:i?b)?|b)?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes in "1GiB", "64MiB", "128K", "4M", "1.5G", "4096": binary units (KB = KiB, as fio)."""
+    m = _SIZE_RE.fullmatch(text.strip())
+    if not m:
+        raise ValueError(f"size {text!r} is not a number with an optional unit (K, M, G, KiB, MiB, ...)")
+    number, shift = m.group(1), _SHIFTS[(m.group(2) or "").lower()]
+    value = float(number) * (1 << shift) if "." in number else int(number) << shift
+    if value != int(value):
+        raise ValueError(f"size {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def format_size(nbytes: int) -> str:
+    """The largest binary unit that divides ``nbytes``: "1MiB", "128KiB", "4097"."""
+    for unit, shift in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
+
+
+# -- checks, shared by the sections -----------------------------------------------------------
+# Each takes the section (to name the key and to store the normalized value) and the field name;
+# a frozen dataclass normalizes through object.__setattr__, as dataclasses itself does.
+def _key(section: Any, name: str) -> str:
+    return f"{section._section}.{name}"
+
+
+def _type_error(section: Any, name: str, expected: str, value: Any) -> ValueError:
+    return ValueError(f"{_key(section, name)}: expected {expected}, got {type(value).__name__} {value!r}")
+
+
+def _choice(section: Any, name: str, choices: tuple) -> None:
+    value = getattr(section, name)
+    if not isinstance(value, str):
+        raise _type_error(section, name, "a string", value)
+    if value not in choices:
+        raise ValueError(f"{_key(section, name)}: {value!r} is not one of {', '.join(choices)}")
+
+
+def _int(section: Any, name: str, lo: int, hi: int | None = None) -> None:
+    value = getattr(section, name)
+    if isinstance(value, bool) or not isinstance(value, int):  # True is an int to Python, not here
+        raise _type_error(section, name, "an int", value)
+    if value < lo or (hi is not None and value > hi):
+        bound = f"at least {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{_key(section, name)}: {value} must be {bound}")
+
+
+def _float(section: Any, name: str, *, lo: float, hi: float | None = None, open_lo: bool = False,
+           open_hi: bool = False, none_ok: bool = False) -> None:  # fmt: skip
+    value = getattr(section, name)
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _type_error(section, name, "a number" + (" or none" if none_ok else ""), value)
+    value = float(value)  # TOML's `lr = 1` is an int; a float field takes it
+    low_ok = value > lo if open_lo else value >= lo
+    high_ok = hi is None or (value < hi if open_hi else value <= hi)
+    if not (low_ok and high_ok and math.isfinite(value)):
+        lb, rb = "(" if open_lo else "[", ")" if open_hi or hi is None else "]"
+        raise ValueError(f"{_key(section, name)}: {value!r} must be in {lb}{lo}, {'inf' if hi is None else hi}{rb}")
+    object.__setattr__(section, name, value)
+
+
+def _size(section: Any, name: str, *, lo: int = 1, multiple: int = 1, none_ok: bool = False) -> None:
+    value = getattr(section, name)
+    if value is None and none_ok:
+        return
+    if isinstance(value, str):
+        try:
+            value = parse_size(value)
+        except ValueError as e:
+            raise ValueError(f"{_key(section, name)}: {e}") from None
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(section, name, "a size (int bytes, or a string such as '1MiB')", value)
+    if value < lo or value % multiple:
+        need = f"at least {lo}" + (f" and a multiple of {multiple}" if multiple > 1 else "")
+        raise ValueError(f"{_key(section, name)}: {value} bytes must be {need}")
+    object.__setattr__(section, name, value)
+
+
+# -- the sections -----------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TiersConfig:
+    """Which tier holds each kind of state between uses (DESIGN §2)."""
+
+    _section: ClassVar[str] = "tiers"
+
+    params: str = "device"
+    """Where the parameters rest between uses: device | cpu | nvme."""
+    grads: str = "device"
+    """Where the gradients wait for the optimizer step: device | cpu | nvme."""
+    optimizer: str = "device"
+    """Where the optimizer state (fp32 master weights, Adam moments) lives: device | cpu | nvme."""
+
+    def __post_init__(self) -> None:
+        for name in ("params", "grads", "optimizer"):
+            _choice(self, name, TIERS)
+
+    @property
+    def on_nvme(self) -> tuple[str, ...]:
+        """The kinds of state placed on NVMe, e.g. ("params", "optimizer")."""
+        return tuple(n for n in ("params", "grads", "optimizer") if getattr(self, n) == "nvme")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NvmeConfig:
+    """The swap directories and how tensors are laid out in them (infinity.swap.SwapSpace)."""
+
+    _section: ClassVar[str] = "nvme"
+
+    paths: tuple[str, ...] = ()
+    """One directory per drive; tensors are striped over all of them. "{rank}" and "{local_rank}"
+    are replaced per process (`resolve_paths`). Each rank gets its own subdirectory anyway, so a
+    placeholder is only needed to spread ranks over drives. A single string is one path."""
+    stripe_size: Size = "1MiB"
+    """The unit a striped tensor is cut into over the drives (a multiple of 4096)."""
+    stripe_threshold: Size = "8MiB"
+    """Tensors of at least this many bytes are striped; smaller ones go whole to one drive."""
+    grow_step: Size = "256MiB"
+    """The arena file on each drive grows (preallocated) by this much at a time (a multiple of 4096)."""
+    verify: str = "off"
+    """Checksums: off (none), checkpoint (written and checked for checkpoints), always (every swap)."""
+
+    def __post_init__(self) -> None:
+        paths = self.paths
+        if isinstance(paths, (str, os.PathLike)):
+            paths = (paths,)
+        elif not isinstance(paths, (list, tuple)):
+            raise _type_error(self, "paths", "a list of directories", paths)
+        paths = tuple(os.fspath(p) if isinstance(p, os.PathLike) else p for p in paths)
+        seen: dict[str, int] = {}
+        for i, p in enumerate(paths):
+            if not isinstance(p, str) or not p:
+                raise ValueError(f"nvme.paths[{i}]: expected a directory, got {type(p).__name__} {p!r}")
+            try:
+                p.format(rank=0, local_rank=0)
+            except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
+                raise ValueError(f"nvme.paths[{i}]: {p!r} has a placeholder other than {{rank}} and "
+                                 f"{{local_rank}} ({type(e).__name__}: {e})") from None  # fmt: skip
+            norm = os.path.normpath(p)
+            if norm in seen:  # one drive twice would halve its share, and the two locks would clash
+                raise ValueError(f"nvme.paths[{i}]: {p!r} repeats nvme.paths[{seen[norm]}]")
+            seen[norm] = i
+        object.__setattr__(self, "paths", paths)
+        _size(self, "stripe_size", multiple=ALIGNMENT)
+        _size(self, "stripe_threshold", lo=0)
+        _size(self, "grow_step", multiple=ALIGNMENT)
+        _choice(self, "verify", VERIFY_MODES)
+
+    def resolve_paths(self, rank: int = 0, local_rank: int = 0) -> tuple[str, ...]:
+        """The directories of one process, its placeholders filled in."""
+        return tuple(p.format(rank=rank, local_rank=local_rank) for p in self.paths)
+
+    def check_paths(self) -> None:
+        """Each directory must exist and be writable; checked when a tier is on NVMe.
+
+        A path with a placeholder is checked up to the component that holds it: the directories
+        below differ per rank and need not exist on this host (rank 5's lives on another node).
+        """
+        for i, p in enumerate(self.paths):
+            parts, fixed = p.split(os.sep), []
+            for part in parts:
+                if part.format(rank=0, local_rank=0) != part.format(rank=1, local_rank=1):
+                    break
+                fixed.append(part.format(rank=0, local_rank=0))  # unescapes "{{"
+            d = os.sep.join(fixed) or (os.sep if p.startswith(os.sep) else ".")
+            what = repr(d) if len(fixed) == len(parts) else f"{d!r} (the fixed part of {p!r})"
+            if not os.path.isdir(d):
+                raise ValueError(f"nvme.paths[{i}]: {what} is not a directory")
+            if not os.access(d, os.W_OK | os.X_OK):
+                raise ValueError(f"nvme.paths[{i}]: {what} is not writable")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AioConfig:
+    """The async I/O engine (infinity.aio.open_engine); nvme-bench prints a tuned section."""
+
+    _section: ClassVar[str] = "aio"
+
+    backend: str = "auto"
+    """auto (io_uring where it works, else threads, logged once) | uring (an error where it cannot
+    run) | threads."""
+    block_size: Size = "1MiB"
+    """Requests are cut into chunks of this many bytes (a multiple of 4096, at most 1GiB)."""
+    queue_depth: int = 32
+    """Chunks in flight at once, per engine (1..4096)."""
+
+    def __post_init__(self) -> None:
+        _choice(self, "backend", AIO_BACKENDS)
+        _size(self, "block_size", lo=ALIGNMENT, multiple=ALIGNMENT)
+        if self.block_size > 1 << 30:
+            raise ValueError(f"aio.block_size: {format_size(self.block_size)} is more than 1GiB")
+        _int(self, "queue_depth", 1, 4096)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryConfig:
+    """Host memory."""
+
+    _section: ClassVar[str] = "memory"
+
+    host_budget: Size = "4GiB"
+    """All host buffers the engine may hold, pinned or not: staging for NVMe and the cpu tier."""
+
+    def __post_init__(self) -> None:
+        _size(self, "host_budget")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefetchConfig:
+    """How far ahead of the compute parameters are brought in."""
+
+    _section: ClassVar[str] = "prefetch"
+
+    depth: int = 2
+    """Modules ahead of the one running (0: fetch each on use)."""
+    bytes: Size | None = None
+    """A byte budget ahead, when set; prefetch stops at whichever of the two limits comes first."""
+
+    def __post_init__(self) -> None:
+        _int(self, "depth", 0)
+        _size(self, "bytes", none_ok=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrecisionConfig:
+    """The dtype the model computes in, and fp16's dynamic loss scaling (as torch's GradScaler)."""
+
+    _section: ClassVar[str] = "precision"
+
+    param_dtype: str = "fp32"
+    """bf16 | fp16 | fp32: parameters and gradients in compute; the optimizer keeps fp32."""
+    initial_scale: float = 2.0**16
+    """fp16 only: the first loss scale."""
+    growth_interval: int = 1000
+    """fp16 only: steps without an overflow before the scale grows."""
+    min_scale: float = 1.0
+    """fp16 only: the scale never backs off below this (at most initial_scale)."""
+    backoff_factor: float = 0.5
+    """fp16 only: the scale is multiplied by this on an overflow (in (0, 1))."""
+    growth_factor: float = 2.0
+    """fp16 only: the scale is multiplied by this after growth_interval clean steps (> 1)."""
+
+    def __post_init__(self) -> None:
+        _choice(self, "param_dtype", PARAM_DTYPES)
+        _float(self, "initial_scale", lo=0.0, open_lo=True)
+        _int(self, "growth_interval", 1)
+        _float(self, "min_scale", lo=0.0, hi=self.initial_scale, open_lo=True)
+        _float(self, "backoff_factor", lo=0.0, hi=1.0, open_lo=True, open_hi=True)
+        _float(self, "growth_factor", lo=1.0, open_lo=True)
+
+    @property
+    def torch_dtype(self):
+        """The torch.dtype of param_dtype (torch is imported here, not with the module)."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.param_dtype]
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether the loss is scaled: fp16 only, whose range underflows small gradients."""
+        return self.param_dtype == "fp16"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerConfig:
+    """AdamW, stepped one sub-group of parameters at a time."""
+
+    _section: ClassVar[str] = "optimizer"
+
+    lr: float = 1e-4
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's decay rates of the first and second moments, each in [0, 1)."""
+    eps: float = 1e-8
+    """Added to the denominator (> 0)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW)."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm to this, when set."""
+    sub_group_size: Size = "256MiB"
+    """Bytes of fp32 optimizer state (12 a parameter: master weight and two moments) that one
+    step of the optimizer holds in host memory at a time."""
+
+    def __post_init__(self) -> None:
+        _float(self, "lr", lo=0.0)
+        betas = self.betas
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise _type_error(self, "betas", "two numbers", betas)
+        for i, b in enumerate(betas):
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+                raise ValueError(f"optimizer.betas[{i}]: expected a number in [0, 1), got {type(b).__name__} {b!r}")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        _float(self, "eps", lo=0.0, open_lo=True)
+        _float(self, "weight_decay", lo=0.0)
+        _float(self, "max_grad_norm", lo=0.0, open_lo=True, none_ok=True)
+        _size(self, "sub_group_size", lo=ADAM_STATE_BYTES)
+
+    @property
+    def sub_group_numel(self) -> int:
+        """Parameters per optimizer sub-group."""
+        return self.sub_group_size // ADAM_STATE_BYTES
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartitionConfig:
+    """ZeRO partitioning across data-parallel ranks."""
+
+    _section: ClassVar[str] = "partition"
+
+    stage: int = 3
+    """1: optimizer state partitioned; 2: and gradients; 3: and parameters."""
+
+    def __post_init__(self) -> None:
+        _int(self, "stage", 1, 3)
+
+    @property
+    def partition_grads(self) -> bool:
+        """Whether each rank keeps only its shard of the gradients."""
+        return self.stage >= 2
+
+    @property
+    def partition_params(self) -> bool:
+        """Whether each rank keeps only its shard of the parameters between uses."""
+        return self.stage == 3
+
+
+# -- the whole config -------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TierConfig:
+    """The whole tier config: one field per section of the file."""
+
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    """[tiers]: where each kind of state rests."""
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    """[nvme]: the swap directories, used when a tier is "nvme"."""
+    aio: AioConfig = field(default_factory=AioConfig)
+    """[aio]: the I/O engine."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """[memory]: the host memory budget."""
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    """[prefetch]: how far ahead parameters are fetched."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """[precision]: the compute dtype and fp16 loss scaling."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """[optimizer]: AdamW's settings."""
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    """[partition]: the ZeRO stage."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, _SECTIONS[f.name]):
+                raise ValueError(f"{f.name}: expected a {_SECTIONS[f.name].__name__}, got {type(value).__name__}")
+        # Paths are checked only when something will be swapped to them: a config that names
+        # drives but keeps every tier on device or cpu runs on a host without those drives.
+        if self.tiers.on_nvme:
+            if not self.nvme.paths:
+                raise ValueError(f"nvme.paths: empty, but tiers.{self.tiers.on_nvme[0]} is 'nvme'")
+            self.nvme.check_paths()
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TierConfig:
+        """Sections as nested dicts, the shape of the TOML/JSON file; missing keys keep defaults."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a tier config is a table of sections, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(_SECTIONS))
+        if unknown:
+            raise ValueError(f"unknown section {unknown[0]!r} (known: {', '.join(_SECTIONS)})")
+        return cls(**{name: _build(_SECTIONS[name], name, values) for name, values in data.items()})
+
+    def to_dict(self) -> dict:
+        """Plain, JSON-able dicts (sizes in bytes, tuples as lists); `from_dict` takes it back."""
+        out = {}
+        for name in _SECTIONS:
+            section = getattr(self, name)
+            out[name] = {f.name: _plain(getattr(section, f.name)) for f in dataclasses.fields(section)}
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TierConfig:
+        """Read a .toml or .json file; another name is tried as TOML, then JSON."""
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, "tier config file not found", path)
+        with open(path, "rb") as f:
+            raw = f.read()
+        ext = os.path.splitext(path)[1].lower()
+        formats = {".toml": ("TOML",), ".json": ("JSON",)}.get(ext, ("TOML", "JSON"))
+        errors = []
+        for fmt in formats:
+            try:
+                data = _loads_toml(raw) if fmt == "TOML" else json.loads(raw)
+                break
+            except json.JSONDecodeError as e:
+                errors.append(f"not valid JSON: {e.msg} (at line {e.lineno}, column {e.colno})")
+            except ValueError as e:  # TOMLDecodeError says "(at line 3, column 9)"; bad UTF-8 too
+                errors.append(f"not valid {fmt}: {e}")
+        else:
+            hint = "" if len(formats) == 1 else "; a tier config is TOML (.toml) or JSON (.json)"
+            raise ValueError(f"{path}: {' and '.join(errors)}{hint}")
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def replace(self, **sections: Any) -> TierConfig:
+        """A copy with sections replaced: by instances, or by dicts of the keys to change
+        (`config.replace(optimizer={"lr": 3e-4})` keeps the other optimizer keys)."""
+        new = {}
+        for name, value in sections.items():
+            if name not in _SECTIONS:
+                raise ValueError(f"unknown section {name!r} (known: {', '.join(_SECTIONS)})")
+            if isinstance(value, dict):
+                value = _build(_SECTIONS[name], name, {**self.to_dict()[name], **value})
+            new[name] = value
+        return dataclasses.replace(self, **new)
+
+
+_SECTIONS: dict[str, type] = {
+    "tiers": TiersConfig, "nvme": NvmeConfig, "aio": AioConfig, "memory": MemoryConfig,
+    "prefetch": PrefetchConfig, "precision": PrecisionConfig, "optimizer": OptimizerConfig,
+    "partition": PartitionConfig,
+}  # fmt: skip
+
+
+def _build(cls: type, name: str, values: Any) -> Any:
+    if not isinstance(values, dict):
+        raise ValueError(f"{name}: expected a table of keys, got {type(values).__name__} {values!r}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"unknown key '{name}.{unknown[0]}' (known: {', '.join(known)})")
+    return cls(**values)
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _loads_toml(raw: bytes) -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: tomli is the same parser, before it entered the stdlib
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise ModuleNotFoundError("reading TOML needs Python >= 3.11 or tomli; JSON needs neither") from None
+    return tomllib.loads(raw.decode("utf-8"))

@@ -1,0 +1,252 @@
+"""The engine: wires the tiers, the parameter scheduler, gradients and the optimizer around a
+user's unmodified module. It owns no policy of its own; each piece lives in its module:
+
+    _units.py     parameters flattened per module (what moves between tiers)
+    _store.py     where one kind of state lives (device, cpu, nvme)
+    _schedule.py  fetch / prefetch / release around forward and backward
+    _grads.py     gradient accumulation in fp32 into the grads tier
+    _optim.py     AdamW on fp32 master weights where the optimizer states live
+    _stats.py     the counters behind stats()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from infinity import aio
+from infinity.swap import HostBufferPool, SwapSpace
+
+from ._grads import GradAccumulator
+from ._optim import KINDS, AdamW, make_groups
+from ._schedule import Scheduler
+from ._stats import Stats
+from ._store import Store
+from ._units import UnitState, build_units
+from .config import TierConfig
+
+logger = logging.getLogger("infinity")
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: an overflow skips the step and lowers the scale; a run
+    of ``growth_interval`` good steps raises it."""
+
+    def __init__(self, precision):
+        self.scale = float(precision.initial_scale)
+        self.cfg = precision
+        self._good = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.scale * self.cfg.backoff_factor, self.cfg.min_scale)
+            self._good = 0
+        else:
+            self._good += 1
+            if self._good >= self.cfg.growth_interval:
+                self.scale *= self.cfg.growth_factor
+                self._good = 0
+
+
+def _as_config(config) -> TierConfig:
+    if isinstance(config, TierConfig):
+        return config
+    if isinstance(config, dict):
+        return TierConfig.from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return TierConfig.load(config)
+    if config is None:
+        return TierConfig()
+    raise TypeError(f"config must be a TierConfig, a dict or a path, got {type(config).__name__}")
+
+
+class Engine:
+    """Wraps ``module``: ``engine(...)`` runs its forward, ``backward(loss)``, ``step()``.
+
+    Create with `infinity.initialize`. ``module`` stays the user's module (its parameters are
+    placeholders while released; ``engine.module`` is for calling, not for reading weights:
+    use `export`-style helpers for that)."""
+
+    def __init__(self, module: nn.Module, config, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
+                 log_every: int | None = None):  # fmt: skip
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"initialize takes a torch.nn.Module, got {type(module).__name__}")
+        self.config = cfg = _as_config(config)
+        self.module = module
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        self.dtype = cfg.precision.torch_dtype
+        self.log_every = log_every
+        self._stats = Stats()
+        self._scaler = LossScaler(cfg.precision) if self.dtype == torch.float16 else None
+        self._closed = True
+        self.aio = self.pool = self.space = None
+        tiers = cfg.tiers
+        try:
+            self.aio = aio.open_engine(cfg.aio.backend, cfg.aio.queue_depth, cfg.aio.block_size)
+            self.pool = HostBufferPool(cfg.memory.host_budget, engine=self.aio)
+            if "nvme" in (tiers.params, tiers.grads, tiers.optimizer):
+                paths = list(cfg.nvme.resolve_paths(rank, local_rank))
+                for path in paths:  # "{rank}" templates name a directory per rank: make it
+                    os.makedirs(path, mode=0o700, exist_ok=True)
+                # A run's swap is scratch: what a previous run left there is stale (a checkpoint,
+                # not the swap, is how a run resumes).
+                self.space = SwapSpace(
+                    paths, rank=rank, engine=self.aio, pool=self.pool,
+                    verify=cfg.nvme.verify, fresh=True, stripe_size=cfg.nvme.stripe_size,
+                    stripe_threshold=cfg.nvme.stripe_threshold, grow_step=cfg.nvme.grow_step,
+                )  # fmt: skip
+            self._setup(module, cfg)
+        except BaseException:
+            self._close_io()
+            raise
+        self._closed = False
+
+    def _setup(self, module: nn.Module, cfg: TierConfig) -> None:
+        units, module_units = build_units(module, self.world_size, self.rank)
+        if not units:
+            raise ValueError("the module has no parameters: there is nothing to offload or train")
+        dev, stats, space = self.device, self._stats, self.space
+        tiers = cfg.tiers
+        self.param_store = Store(tiers.params, "param", device=dev, space=space, stats=stats)
+        grad_store = Store(tiers.grads, "grad", device=dev, space=space, stats=stats)
+        opt_stores = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in KINDS}
+        self.units = units
+        self.grads = GradAccumulator(grad_store)
+        self.optimizer = AdamW(units, make_groups(units, cfg.optimizer.sub_group_size), opt_stores,
+                               self.param_store, self.grads, cfg.optimizer, self.dtype, stats, dev)  # fmt: skip
+        self.optimizer.init_state()  # fp32 master weights from the values as the user made them
+        for unit in units:
+            self.param_store.put(unit.name, unit.flat(self.dtype)[unit.shard]).result()
+            unit.unbind()  # the module's own copies go; the tier holds the parameters now
+        self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, device=dev,
+                                   dtype=self.dtype, depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes)  # fmt: skip
+        if self.scheduler.resident:
+            for unit in units:
+                self.scheduler.materialize(unit)
+        for mod in module.modules():  # buffers stay buffers, on the compute device
+            for key, buf in mod._buffers.items():
+                if buf is not None and buf.device != dev:
+                    mod._buffers[key] = buf.to(dev)
+        self.scheduler.install()
+
+    # -- training ---------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        self._check_open()
+        self.scheduler.begin_forward()
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self.scheduler.end_forward()
+            if not torch.is_grad_enabled():
+                self.scheduler.release_all()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss``; gradients accumulate over calls until `step`."""
+        self._check_open()
+        if self._scaler is not None:
+            loss = loss * self._scaler.scale
+        try:
+            loss.backward()
+        finally:
+            self.scheduler.end_backward()
+
+    def step(self) -> bool:
+        """The optimizer step, then gradients cleared. False when it was skipped (fp16 overflow,
+        or a non-finite gradient in any precision)."""
+        self._check_open()
+        self.scheduler.release_all()
+        scale = self._scaler.scale if self._scaler is not None else 1.0
+        stepped = self.optimizer.step(scale)
+        if self._scaler is not None:
+            self._scaler.update(overflow=not stepped)
+        if not stepped:
+            for c in self._stats.both():
+                c.skipped_steps += 1
+            if self._scaler is None:
+                logger.warning("non-finite gradient: step %d skipped", self._stats.steps + 1)
+        self.grads.zero()
+        if self.scheduler.resident:  # the optimizer wrote the tier; parameters are views into it
+            for unit in self.units:
+                unit.state = UnitState.RELEASED
+                self.scheduler.materialize(unit)
+        last = self._stats.end_step()
+        self._last_step = last
+        if self.log_every and self._stats.steps % self.log_every == 0:
+            logger.info("step %d: %s", self._stats.steps, _one_line(last))
+        return stepped
+
+    def zero_grad(self) -> None:
+        self.grads.zero()
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    # -- reporting --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Per step (the last one) and cumulative: bytes and busy seconds per tier, stall
+        seconds, fetches (prefetched or on demand), skipped steps, peak host-pool bytes."""
+        out = {
+            "steps": self._stats.steps,
+            "step": getattr(self, "_last_step", None),
+            "total": self._stats.total.as_dict(),
+            "peak_host_pool_bytes": self.pool.peak_bytes if self.pool else 0,
+            "host_budget_bytes": self.config.memory.host_budget,
+            "loss_scale": self._scaler.scale if self._scaler else None,
+        }
+        if self.device.type == "cuda":
+            out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+    @property
+    def swap_dirs(self) -> list[str]:
+        """The rank directories of the nvme swap space (for swap-inspect); empty without nvme."""
+        return list(self.space.rank_dirs) if self.space is not None else []
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.scheduler.release_all()
+        self.grads.flush()
+        self.scheduler.remove()
+        self._close_io()
+
+    def _close_io(self) -> None:
+        if self.space is not None:
+            self.space.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self.aio is not None:
+            self.aio.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this infinity engine is closed")
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _one_line(step: dict) -> str:
+    nvme = step.get("nvme", {})
+    return (f"{step['seconds']:.2f}s, nvme read {nvme.get('read_bytes', 0) / 1e6:.1f} MB "
+            f"write {nvme.get('write_bytes', 0) / 1e6:.1f} MB, stall {step['stall_seconds']:.3f}s")  # fmt: skip
+
+
+def initialize(model: nn.Module, config=None, *, log_every: int | None = None) -> Engine:
+    """Move ``model``'s parameters into the tiers ``config`` names and return the engine that
+    trains it (AdamW from ``[optimizer]``). ``config``: a TierConfig, a dict, a path to a TOML
+    or JSON file, or None (everything on the device)."""
+    return Engine(model, config, log_every=log_every)
