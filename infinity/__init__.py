@@ -19,6 +19,7 @@ from .config import (
     TierConfig,
     TiersConfig,
 )
+from ._build import build
 from .engine import Engine, initialize
 
 __version__ = "0.1.0"
@@ -34,5 +35,6 @@ __all__ = [
     "PrefetchConfig",
     "TierConfig",
     "TiersConfig",
+    "build",
     "initialize",
 ]

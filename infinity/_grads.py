@@ -1,12 +1,15 @@
 """Gradients: gathered per unit as backward leaves it, reduced, accumulated in fp32 in the grads tier.
 
 Accumulation over micro-batches: the first backward of a step writes a unit's gradient, later
-ones read, add and write it back (write-behind on nvme). The squared norm and finiteness of
-each unit's accumulated gradient are kept as it is written, so the optimizer knows the global
-norm (clipping) and an fp16 overflow before it reads any gradient back.
+ones read, add and write it back. On nvme the write is behind (at most ``max_writes`` in
+flight, each from the pool buffer it was gathered in, so nothing is staged twice). The squared
+norm and finiteness of each unit's accumulated gradient are kept as it is written, so the
+optimizer knows the global norm (clipping) and an fp16 overflow before it reads any back.
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -15,41 +18,56 @@ from ._units import ParamUnit
 
 
 class GradAccumulator:
-    def __init__(self, store: Store, reduce=None):
+    def __init__(self, store: Store, reduce=None, max_writes: int = 2):
         self.store = store
         self.reduce = reduce  # reduce-scatter across ranks; None at world size 1
+        self.max_writes = max_writes
         self.has_grad: set[int] = set()  # units with a gradient this step
         self.norm_sq: dict[int, float] = {}
         self.finite: dict[int, bool] = {}
-        self._writes: dict[int, Pending] = {}  # write-behind per unit
+        self._writes: collections.OrderedDict[int, tuple[Pending, object]] = collections.OrderedDict()
 
-    def add(self, unit: ParamUnit, grad: torch.Tensor) -> None:
-        """Accumulate ``grad`` (1-D fp32, the unit's full padded length) into the unit's shard."""
+    def add(self, unit: ParamUnit, grad: torch.Tensor, lease=None) -> None:
+        """Accumulate ``grad`` (1-D fp32, the unit's padded length; in ``lease``, a pool buffer,
+        when given) into the unit's shard."""
         if self.reduce is not None:
             grad = self.reduce(grad)
         shard = grad[unit.shard] if grad.numel() != unit.shard.stop - unit.shard.start else grad
         self._settle(unit.index)
+        hold = lease  # the pool buffer the write goes from, released when it is done
         if unit.index in self.has_grad:
             if self.store.resident:
                 acc = self.store.tensor(unit.name)
-                acc.add_(shard)
+                acc.add_(shard.to(acc.device))
             else:
-                with self.store.get(unit.name).result() as lease:
-                    acc = lease.view(torch.float32, shard.shape).clone()
+                hold = self.store.get(unit.name).result()
+                acc = hold.view(torch.float32, shard.shape)
                 acc.add_(shard)
+                if lease is not None:
+                    lease.release()
         else:
             acc = shard
         self.has_grad.add(unit.index)
-        self.norm_sq[unit.index] = float(acc.double().pow(2).sum())
+        self.norm_sq[unit.index] = float(torch.linalg.vector_norm(acc, dtype=torch.float64) ** 2)
         self.finite[unit.index] = bool(torch.isfinite(acc).all())
         pending = self.store.put(unit.name, acc)
-        if not self.store.resident:
-            self._writes[unit.index] = pending
+        if self.store.resident:
+            if hold is not None:
+                hold.release()
+            return
+        self._writes[unit.index] = (pending, hold)
+        while len(self._writes) > self.max_writes:
+            self._settle(next(iter(self._writes)))
 
     def _settle(self, index: int) -> None:
-        pending = self._writes.pop(index, None)
-        if pending is not None:
-            pending.result()
+        entry = self._writes.pop(index, None)
+        if entry is not None:
+            pending, hold = entry
+            try:
+                pending.result()
+            finally:
+                if hold is not None:
+                    hold.release()
 
     def flush(self) -> None:
         """Wait for every write-behind (raising its error)."""

@@ -67,12 +67,22 @@ class AdamW:
         self.stats = stats
         self.device = stores["master"].device
         self.steps = {u.index: torch.zeros((), dtype=torch.float32, device=self.device) for u in units}
-        self._param_writes: list[Pending] = []
+        self._param_writes: list[tuple[Pending, object]] = []  # (write-behind, its pool buffer)
+        self.pool = param_store.space.pool if param_store.space is not None else None
+        self._param_itemsize = torch.empty(0, dtype=param_dtype).element_size()
 
-    def init_state(self) -> None:
-        """Master weights from the parameters' current values, moments zero."""
+    def init_state(self, load=None) -> None:
+        """Master weights from the parameters' values as the user made them (``load(param)``
+        for those `build` already stored), moments zero; and each unit's low-precision
+        parameters into the params tier. One sub-group is in memory at a time."""
         for g in self.groups:
-            master = torch.cat([u.flat(torch.float32)[u.shard] for u in g.units])
+            flats = []
+            for u in g.units:
+                flat = u.flat(torch.float32, load)[u.shard]
+                self.param_store.put(u.name, flat.to(self.param_dtype, copy=True)).result()
+                flats.append(flat)
+            master = torch.cat(flats)
+            del flats
             for kind, value in (("master", master), ("exp_avg", torch.zeros_like(master)),
                                 ("exp_avg_sq", torch.zeros_like(master))):  # fmt: skip
                 self.stores[kind].put(g.name, value).result()
@@ -93,9 +103,8 @@ class AdamW:
                 self._update(g, *(self.stores[k].tensor(g.name) for k in KINDS), grad_scale)
         else:
             self._step_streamed(grad_scale)
-        for pending in self._param_writes:
-            pending.result()
-        self._param_writes.clear()
+        while self._param_writes:
+            self._finish_param_write()
         return True
 
     def _step_streamed(self, grad_scale) -> None:
@@ -147,7 +156,37 @@ class AdamW:
                 lease.release()
         for u, s in zip(have, sl):
             # A copy even in fp32: master lives in a stream buffer the pool may reuse before this
-            # write-behind is done.
-            new = master[s].to(self.param_dtype, copy=True)
-            self._param_writes.append(self.param_store.put(u.name, new))
+            # write-behind is done. On nvme the copy is a pool buffer (aligned: written directly).
+            if self.param_store.resident or self.pool is None:
+                new, lease = master[s].to(self.param_dtype, copy=True), None
+            else:
+                lease = self.pool.acquire((s.stop - s.start) * self._param_itemsize)
+                new = lease.view(self.param_dtype, (s.stop - s.start,))
+                new.copy_(master[s])
+            self._param_writes.append((self.param_store.put(u.name, new), lease))
+            while len(self._param_writes) > 2:
+                self._finish_param_write()
         return True
+
+    def _finish_param_write(self) -> None:
+        pending, lease = self._param_writes.pop(0)
+        try:
+            pending.result()
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def host_bytes_needed(self) -> int:
+        """Pool bytes the step holds at most on nvme: the stream's three sub-groups (read ahead,
+        in hand, written behind), the gradients of one sub-group, two parameter write-behinds."""
+        if self.stores["master"].resident and self.grads.store.resident and self.param_store.resident:
+            return 0
+        largest = max(g.numel for g in self.groups)
+        need = 0
+        if not self.stores["master"].resident:
+            need += 3 * 3 * 4 * largest
+        if not self.grads.store.resident:
+            need += 4 * largest
+        if not self.param_store.resident:
+            need += 3 * self._param_itemsize * max(u.shard.stop - u.shard.start for u in self.units)
+        return need

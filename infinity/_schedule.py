@@ -20,6 +20,8 @@ import time
 import torch
 from torch import nn
 
+from infinity.swap import PoolExhausted
+
 from ._grads import GradAccumulator
 from ._stats import Stats
 from ._store import Store
@@ -84,6 +86,7 @@ class Scheduler:
         dtype: torch.dtype,
         depth: int,
         prefetch_bytes: int | None,
+        pool=None,
     ):
         self.units = units
         self.module_units = module_units
@@ -94,6 +97,7 @@ class Scheduler:
         self.dtype = dtype
         self.depth = depth
         self.prefetch_bytes = prefetch_bytes
+        self.pool = pool  # host buffers for gradients gathered on a CPU device
         # Units always materialised: their tier is the device, or host memory on a CPU device.
         self.resident = store.resident and (store.tier == "device" or device.type == "cpu")
         self.forward_order = _Order(list(module_units))  # registration order: see [Note: predicted order]
@@ -142,7 +146,7 @@ class Scheduler:
                     lambda t: _PreBackward.apply(self, module, t) if t.requires_grad else t,
                 )
         for unit in units:
-            self.release(unit)
+            self.release(unit, after_forward=True)
         return output
 
     def pre_backward(self, module: nn.Module) -> None:
@@ -157,7 +161,12 @@ class Scheduler:
         def hook(param: torch.Tensor) -> None:
             i = next(i for i, p in enumerate(unit.params) if p is param)
             if unit.grad is None:
-                unit.grad = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
+                if self.device.type == "cpu" and self.pool is not None:
+                    # From the pool: budgeted, and aligned so its write-behind is direct.
+                    unit.grad_lease = self.pool.acquire(unit.padded_numel * 4)
+                    unit.grad = unit.grad_lease.view(torch.float32, (unit.padded_numel,)).zero_()
+                else:
+                    unit.grad = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
             off, n = unit.offsets[i], unit.numels[i]
             unit.grad[off : off + n].add_(param.grad.reshape(-1))
             param.grad = None  # the fp32 copy is the gradient now; the param-dtype one goes
@@ -182,8 +191,8 @@ class Scheduler:
 
     def finish_unit_backward(self, unit: ParamUnit) -> None:
         if unit.grad is not None:
-            self.grads.add(unit, unit.grad)
-            unit.grad = None
+            self.grads.add(unit, unit.grad, unit.grad_lease)
+            unit.grad = unit.grad_lease = None
         unit.uses = 0
         self.release(unit)
 
@@ -212,11 +221,29 @@ class Scheduler:
                         budget -= unit.padded_numel * itemsize
                         if budget < 0:  # prefetch.bytes: whichever limit comes first
                             return
-                    self._start_fetch(unit)
+                    if not self._start_fetch(unit, wait=False):
+                        return  # no free host memory now: the rest is fetched on demand
 
-    def _start_fetch(self, unit: ParamUnit) -> None:
-        unit.pending = self.store.get(unit.name)
+    def _start_fetch(self, unit: ParamUnit, wait: bool = True) -> bool:
+        """Issue the read of ``unit``. A prefetch (``wait=False``) takes pool memory only if it
+        is free now; a fetch that is needed now first gives back what prefetches hold."""
+        try:
+            unit.pending = self.store.get(unit.name, timeout=None if wait else 0)
+        except PoolExhausted:
+            if not wait:
+                return False
+            self._cancel_prefetches()
+            unit.pending = self.store.get(unit.name)
         unit.state = UnitState.FETCHING
+        return True
+
+    def _cancel_prefetches(self) -> None:
+        for other in self.units:
+            if other.state is UnitState.FETCHING:
+                value = other.pending.result()
+                other.pending = None
+                value.release()
+                other.state = UnitState.RELEASED
 
     def materialize(self, unit: ParamUnit) -> None:
         if unit.state is UnitState.READY:
@@ -276,8 +303,11 @@ class Scheduler:
             event.synchronize()
             lease.release()
 
-    def release(self, unit: ParamUnit) -> None:
-        if self.resident or unit.active > 0 or unit.uses > 0:
+    def release(self, unit: ParamUnit, after_forward: bool = False) -> None:
+        """Free a unit's full parameters unless a running module still uses them or (in
+        backward) more of its gradients are due; after a forward, pending backward uses do not
+        hold it: backward fetches it again."""
+        if self.resident or unit.active > 0 or (unit.uses > 0 and not after_forward):
             return
         if unit.state is UnitState.FETCHING:
             return  # a prefetch for a coming module: keep it

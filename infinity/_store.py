@@ -74,15 +74,15 @@ class Store:
         span = self.stats.io("nvme", True, nbytes)
         return Pending(self.space.put(self._key(name), tensor), span)
 
-    def get(self, name: str) -> Pending:
-        """Resident: the tensor itself (use it in place). nvme: a read into a pool buffer; the
-        value is a `HostBuffer` the caller releases."""
+    def get(self, name: str, timeout: float | None = None) -> Pending:
+        """Resident: the tensor itself (use it in place). nvme: a read into a pool buffer (waiting
+        at most ``timeout`` for pool memory); the value is a `HostBuffer` the caller releases."""
         if self.resident:
             return Pending(None, value=self._resident[name])
         key = self._key(name)
         nbytes = self.space.info(key).nbytes
-        span = self.stats.io("nvme", False, nbytes)
-        return Pending(self.space.get(key), span)
+        future = self.space.get(key, timeout=timeout)
+        return Pending(future, self.stats.io("nvme", False, nbytes))
 
     def tensor(self, name: str) -> torch.Tensor:
         """The resident tensor of ``name`` (device and cpu tiers only)."""

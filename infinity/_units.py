@@ -32,8 +32,9 @@ class ParamUnit:
         self.name = name  # module path, e.g. "transformer.h.0.attn.c_attn"; stable across runs
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
-        self.shapes = [tuple(p.shape) for p in self.params]
-        self.numels = [p.numel() for p in self.params]
+        # A parameter that `build` already stored is an empty placeholder: its shape is kept.
+        self.shapes = [tuple(getattr(p, "_infinity_shape", p.shape)) for p in self.params]
+        self.numels = [int(torch.Size(s).numel()) for s in self.shapes]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
         self.numel = sum(self.numels)
         self.padded_numel = -(-self.numel // world_size) * world_size
@@ -47,16 +48,19 @@ class ParamUnit:
         self.active = 0  # forwards (or backwards) running that use the unit
         self.uses = 0  # gradient accumulations still expected in this backward
         self.grad: torch.Tensor | None = None  # 1-D fp32, this backward's gradient, being gathered
+        self.grad_lease = None  # the pool buffer holding ``grad`` (CPU device)
 
     @property
     def nbytes_fp32(self) -> int:
         return self.padded_numel * 4
 
-    def flat(self, dtype: torch.dtype) -> torch.Tensor:
-        """The parameters' current values as one padded 1-D tensor of ``dtype`` (on the CPU)."""
+    def flat(self, dtype: torch.dtype, load=None) -> torch.Tensor:
+        """The parameters' current values as one padded 1-D tensor of ``dtype`` (on the CPU);
+        ``load(param)`` gives the value of a parameter that `build` stored."""
         out = torch.zeros(self.padded_numel, dtype=dtype)
         for p, off, n in zip(self.params, self.offsets, self.numels):
-            out[off : off + n].copy_(p.detach().reshape(-1))
+            value = load(p) if load is not None and hasattr(p, "_infinity_key") else p.detach()
+            out[off : off + n].copy_(value.reshape(-1))
         return out
 
     def bind(self, full: torch.Tensor) -> None:

@@ -11,8 +11,10 @@ user's unmodified module. It owns no policy of its own; each piece lives in its 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 
 import torch
 from torch import nn
@@ -51,6 +53,28 @@ class LossScaler:
                 self._good = 0
 
 
+# [Note: malloc threshold]
+# glibc serves large blocks with mmap and returns them on free, until a large mmapped block is
+# freed: then it raises its mmap threshold to that size, and later blocks of that size come
+# from the heap, where freed ones stay in the process. An offload engine allocates and frees
+# unit-sized tensors (gradients, copies) all the time, so RSS crept to several times what the
+# engine holds (measured: 381 MiB against 84 MiB for the same run, tests/infinity/test_memory.py).
+# Fixing the threshold at 1 MiB keeps large blocks mmapped, so RSS follows what is held.
+_MALLOC_PINNED = False
+
+
+def _pin_malloc_threshold() -> None:
+    global _MALLOC_PINNED
+    if _MALLOC_PINNED or "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return
+    _MALLOC_PINNED = True
+
+
 def _as_config(config) -> TierConfig:
     if isinstance(config, TierConfig):
         return config
@@ -75,6 +99,7 @@ class Engine:
         if not isinstance(module, nn.Module):
             raise TypeError(f"initialize takes a torch.nn.Module, got {type(module).__name__}")
         self.config = cfg = _as_config(config)
+        _pin_malloc_threshold()  # see [Note: malloc threshold]
         self.module = module
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -85,7 +110,20 @@ class Engine:
         self._closed = True
         self.aio = self.pool = self.space = None
         tiers = cfg.tiers
+        builder = next((p._infinity_builder for p in module.parameters() if hasattr(p, "_infinity_builder")), None)
+        if builder is not None:
+            if builder.config.to_dict() != cfg.to_dict():
+                raise ValueError("initialize got a config other than the one the model was built with")
+            # The model was built into this swap space: adopt it (and its engine and pool).
+            self.aio, self.pool, self.space = builder.aio, builder.pool, builder.space
+            builder.adopted = True
+        self._builder = builder
         try:
+            if builder is not None:
+                self._setup(module, cfg)
+                builder.discard_unadopted()
+                self._closed = False
+                return
             self.aio = aio.open_engine(cfg.aio.backend, cfg.aio.queue_depth, cfg.aio.block_size)
             self.pool = HostBufferPool(cfg.memory.host_budget, engine=self.aio)
             if "nvme" in (tiers.params, tiers.grads, tiers.optimizer):
@@ -118,12 +156,20 @@ class Engine:
         self.grads = GradAccumulator(grad_store)
         self.optimizer = AdamW(units, make_groups(units, cfg.optimizer.sub_group_size), opt_stores,
                                self.param_store, self.grads, cfg.optimizer, self.dtype, stats, dev)  # fmt: skip
-        self.optimizer.init_state()  # fp32 master weights from the values as the user made them
+        # fp32 master weights from the values as the user made them; low-precision params to
+        # their tier. Parameters `build` stored are read back from it.
+        builder = self._builder
+        self.optimizer.init_state(load=builder.load if builder is not None else None)
         for unit in units:
-            self.param_store.put(unit.name, unit.flat(self.dtype)[unit.shard]).result()
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
+            if builder is not None:
+                for p in unit.params:
+                    if hasattr(p, "_infinity_key"):
+                        builder.forget(p)
+        self._check_budget(cfg, units)
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, device=dev,
-                                   dtype=self.dtype, depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes)  # fmt: skip
+                                   dtype=self.dtype, depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes,
+                                   pool=self.pool)  # fmt: skip
         if self.scheduler.resident:
             for unit in units:
                 self.scheduler.materialize(unit)
@@ -132,6 +178,24 @@ class Engine:
                 if buf is not None and buf.device != dev:
                     mod._buffers[key] = buf.to(dev)
         self.scheduler.install()
+
+    def _check_budget(self, cfg: TierConfig, units) -> None:
+        """Refuse at initialize a host budget the pipelines cannot run in (DESIGN §5): better
+        than a PoolExhausted in the middle of step 1000."""
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        largest = max(u.padded_numel for u in units)
+        parts = {"optimizer step": self.optimizer.host_bytes_needed()}
+        if self.param_store.tier == "nvme":  # a unit in use, `depth` prefetched, gradients gathered
+            parts["forward/backward"] = ((cfg.prefetch.depth + 1) * itemsize + (self.grads.max_writes + 1) * 4) * largest
+        need, what = max((v, k) for k, v in parts.items())
+        if need > cfg.memory.host_budget:
+            raise ValueError(
+                f"memory.host_budget={cfg.memory.host_budget / 2**20:.0f}MiB is less than the "
+                f"{need / 2**20:.0f}MiB the {what} needs with this model and config (largest unit "
+                f"{largest * 4 / 2**20:.1f}MiB in fp32, optimizer.sub_group_size="
+                f"{cfg.optimizer.sub_group_size / 2**20:.0f}MiB, prefetch.depth={cfg.prefetch.depth}); "
+                "raise memory.host_budget, or lower optimizer.sub_group_size or prefetch.depth"
+            )
 
     # -- training ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -367,10 +367,12 @@ class SwapSpace:
         self._writes[name] = fut
         return fut
 
-    def get(self, name: str, out: torch.Tensor | None = None, *, verify: bool | None = None) -> SwapFuture:
+    def get(self, name: str, out: torch.Tensor | None = None, *, verify: bool | None = None,
+            timeout: float | None = None) -> SwapFuture:  # fmt: skip
         """Read ``name``: into ``out`` (same dtype and shape; the result is ``out``) or, with
         ``out=None``, into a buffer from the pool (the result is a `HostBuffer`: use
-        ``.view(dtype, shape)``, then ``release()`` it). ``verify``: None follows the space."""
+        ``.view(dtype, shape)``, then ``release()`` it), waiting at most ``timeout`` seconds
+        for pool memory (PoolExhausted after). ``verify``: None follows the space."""
         self._check_open()
         if name in self._writes:  # the engine does not order requests: read after the write
             self._settle([self._writes[name]])
@@ -378,7 +380,7 @@ class SwapSpace:
         dtype = DTYPES[record.dtype]
         lease: HostBuffer | None = None
         if out is None:
-            lease = self.pool.acquire(max(round_up(record.nbytes), ALIGNMENT))
+            lease = self.pool.acquire(max(round_up(record.nbytes), ALIGNMENT), timeout=timeout)
             data = lease.tensor[: record.nbytes]
         else:
             if out.dtype != dtype or tuple(out.shape) != record.shape:

@@ -1,0 +1,103 @@
+"""`build`: construct a model straight into offloaded storage (DeepSpeed's zero.Init).
+
+While the context is open, every module registered into a parent (which happens right after
+the child's constructor returns) has its parameters written to the swap space in fp32 and
+replaced by empty placeholders, so the whole model never sits in host memory: at most one
+module's parameters do. `initialize` then adopts the swap space and reads each unit back
+one sub-group at a time.
+
+A module is stored when it joins its parent, so a model that builds a whole list of modules
+before wrapping them (``nn.Sequential(*[nn.Linear(...) for _ in range(n)])``) holds that list
+in memory until then; registering each as it is made (``ModuleList.append`` in a loop, or
+submodules assigned in ``__init__``, as transformers' blocks do) keeps one at a time.
+
+Caveat: an initialisation pass that runs over the whole model *after* its submodules are
+built (transformers' ``post_init`` / ``_init_weights``) finds placeholders and changes
+nothing; the weights keep the values each module's own constructor gave them (PyTorch's
+defaults). Build the model normally when that initialisation matters and it fits in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from infinity import aio
+from infinity.swap import HostBufferPool, SwapSpace
+
+
+class Builder:
+    def __init__(self, config):
+        from .engine import _as_config
+
+        self.config = cfg = _as_config(config)
+        self.space = self.pool = self.aio = None
+        self._count = 0
+        self.adopted = False
+        if cfg.tiers.params != "nvme":
+            return  # params that live in host memory or on the device are built there anyway
+        paths = list(cfg.nvme.resolve_paths(0, 0))
+        for path in paths:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        self.aio = aio.open_engine(cfg.aio.backend, cfg.aio.queue_depth, cfg.aio.block_size)
+        self.pool = HostBufferPool(cfg.memory.host_budget, engine=self.aio)
+        self.space = SwapSpace(paths, engine=self.aio, pool=self.pool, verify=cfg.nvme.verify, fresh=True,
+                               stripe_size=cfg.nvme.stripe_size, stripe_threshold=cfg.nvme.stripe_threshold,
+                               grow_step=cfg.nvme.grow_step)  # fmt: skip
+
+    def on_child(self, parent: nn.Module, name: str, child: nn.Module):
+        if self.space is None or child is None:
+            return None
+        for p in child.parameters():  # grandchildren were stored when they joined the child
+            self._store(p)
+        return None
+
+    def _store(self, p: nn.Parameter) -> None:
+        if hasattr(p, "_infinity_key") or p.device.type == "meta":
+            return
+        key = f"build.{self._count}/staged"
+        self._count += 1
+        value = p.detach().float() if p.is_floating_point() else p.detach()
+        self.space.put(key, value.contiguous()).result()
+        p._infinity_shape = tuple(p.shape)
+        p._infinity_key = key
+        p._infinity_builder = self
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def load(self, p: nn.Parameter) -> torch.Tensor:
+        info = self.space.info(p._infinity_key)
+        from infinity.swap._manifest import DTYPES
+
+        out = torch.empty(info.shape, dtype=DTYPES[info.dtype])
+        return self.space.get(p._infinity_key, out).result()
+
+    def forget(self, p: nn.Parameter) -> None:
+        self.space.delete(p._infinity_key)
+        for attr in ("_infinity_key", "_infinity_shape", "_infinity_builder"):
+            delattr(p, attr)
+
+    def discard_unadopted(self) -> None:
+        """Staged parameters no unit took (replaced by tying, say) free their space."""
+        for name in self.space.names():
+            if name.startswith("build."):
+                self.space.delete(name)
+
+    def close(self) -> None:
+        for thing in (self.space, self.pool, self.aio):
+            if thing is not None:
+                thing.close()
+
+
+@contextlib.contextmanager
+def build(config):
+    """Construct a model inside ``with infinity.build(config):`` and its parameters go straight
+    to the params tier, one module at a time; pass it to `initialize` with the same config."""
+    builder = Builder(config)
+    handle = nn.modules.module.register_module_module_registration_hook(builder.on_child)
+    try:
+        yield builder
+    finally:
+        handle.remove()

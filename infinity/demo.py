@@ -1,0 +1,373 @@
+"""python -m infinity.demo: train a small GPT-2 with its state on NVMe, then show the swap space.
+
+The model is `transformers.GPT2LMHeadModel` built from a config (random init, nothing is
+downloaded) over a byte vocabulary, trained on `infinity/data/corpus.txt`. Everything the
+engine moves is reported from `engine.stats()`, so the figures on screen are the engine's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import infinity
+
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+# The repository root when run from a checkout (the default swap dir sits beside the code and
+# is ignored by git); the current directory when installed elsewhere.
+_ROOT = CORPUS.parents[2] if (CORPUS.parents[2] / "pyproject.toml").is_file() else Path.cwd()
+VOCAB = 256  # bytes: every UTF-8 text is already tokenized
+SIZES = {
+    "tiny": dict(n_layer=2, n_embd=64, n_head=4),
+    "small": dict(n_layer=4, n_embd=128, n_head=4),
+    "medium": dict(n_layer=6, n_embd=256, n_head=8),
+}
+TIERS = ("device", "cpu", "nvme")
+VAL_FRACTION = 0.1
+
+
+# -- data -------------------------------------------------------------------------------------
+def load_corpus(path: str | os.PathLike = CORPUS) -> torch.Tensor:
+    """The file's bytes as token ids: 1-D int64, values in [0, 256)."""
+    return torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8).long()
+
+
+def split_corpus(data: torch.Tensor, val_fraction: float = VAL_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, val): the first 1 - val_fraction of the bytes and the rest; no byte is in both."""
+    n = int(len(data) * (1 - val_fraction))
+    return data[:n], data[n:]
+
+
+def _check_fits(data: torch.Tensor, block_size: int, what: str) -> None:
+    if len(data) < block_size + 1:
+        raise ValueError(f"--block-size {block_size} needs {block_size + 1} bytes; the {what} text has {len(data)}")
+
+
+def random_batches(data: torch.Tensor, block_size: int, batch_size: int, seed: int) -> Iterator[tuple]:
+    """Endless (x, y) batches of random windows of block_size + 1 bytes, y = x shifted by one.
+    Its own generator, so the batches depend on the seed alone, not on the model's draws."""
+    _check_fits(data, block_size, "training")  # here, not at the first next()
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(block_size + 1)
+
+    def batches():
+        while True:
+            starts = torch.randint(0, len(data) - block_size, (batch_size,), generator=gen)
+            w = data[starts[:, None] + offsets]  # (batch, block + 1), int64
+            yield w[:, :-1], w[:, 1:]
+
+    return batches()
+
+
+def eval_batches(data: torch.Tensor, block_size: int, batch_size: int) -> list[tuple]:
+    """Every non-overlapping window of the text, in order: the same val loss on every run."""
+    _check_fits(data, block_size, "validation")
+    n = (len(data) - 1) // block_size
+    x = data[: n * block_size].view(n, block_size)
+    y = data[1 : n * block_size + 1].view(n, block_size)
+    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, n, batch_size)]
+
+
+# -- model and config ------------------------------------------------------------------------
+def build_model(size: str, block_size: int, seed: int) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, logging
+
+    logging.set_verbosity_error()  # its notes about a config built from scratch are noise here
+    torch.manual_seed(seed)
+    # No dropout: a few hundred steps over 40 KB do not overfit, and dropout only slows the
+    # fall of the loss. GPT-2's token ids 50256 for bos/eos do not exist in a byte vocabulary.
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=block_size, bos_token_id=None, eos_token_id=None,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **SIZES[size])  # fmt: skip
+    return GPT2LMHeadModel(cfg)
+
+
+def tier_config(args: argparse.Namespace):
+    """The TierConfig for the run: --config's file, else one built from the flags."""
+    if args.config:
+        return infinity.TierConfig.load(args.config)
+    if "nvme" in (args.params, args.grads, args.optimizer):
+        os.makedirs(args.swap_dir, exist_ok=True)  # the config checks that nvme paths exist
+    return infinity.TierConfig.from_dict({
+        "tiers": {"params": args.params, "grads": args.grads, "optimizer": args.optimizer},
+        "nvme": {"paths": [os.path.abspath(args.swap_dir)]},
+        "precision": {"param_dtype": args.param_dtype},
+        "optimizer": {"lr": args.lr},
+    })  # fmt: skip
+
+
+# -- what the engine reports -----------------------------------------------------------------
+def _total(stats) -> dict:
+    return stats.get("total", stats) if isinstance(stats, dict) else {}
+
+
+def tier_bytes(stats: dict) -> dict[str, dict]:
+    """{tier: its counters} for every entry of stats["total"] that has moved bytes; names and
+    other keys are the engine's, and whatever is absent or idle is simply not shown."""
+    return {k: v for k, v in _total(stats).items()
+            if isinstance(v, dict) and (v.get("read_bytes") or v.get("write_bytes"))}  # fmt: skip
+
+
+def format_rates(before: dict, after: dict, seconds: float) -> str:
+    """Per tier, GB/s (1e9 bytes/s) read and written over the wall time between two stats()."""
+    old, parts = _total(before), []
+    for tier, c in tier_bytes(after).items():
+        moved = [c.get(k, 0) - old.get(tier, {}).get(k, 0) for k in ("read_bytes", "write_bytes")]
+        parts.append(f"{tier} r {moved[0] / seconds / 1e9:.2f} w {moved[1] / seconds / 1e9:.2f} GB/s")
+    return " | ".join(parts)
+
+
+def format_totals(stats: dict) -> list[str]:
+    """The end-of-run lines: bytes and busy-time GB/s per tier, fetches, stall time, peak host
+    memory; each only where the engine reports it."""
+    lines = []
+    for tier, c in tier_bytes(stats).items():
+        row = []
+        for op, verb in (("read", "read"), ("write", "written")):
+            nbytes, secs = c.get(f"{op}_bytes"), c.get(f"{op}_seconds")
+            if nbytes is not None:
+                rate = f" at {nbytes / secs / 1e9:.2f} GB/s while busy" if secs else ""
+                row.append(f"{nbytes / 1e9:.3f} GB {verb}{rate}")
+        lines.append(f"  {tier}: " + ", ".join(row))
+    total = _total(stats)
+    if total.get("fetches"):
+        how = [f"{total[k]} {what}" for k, what in (("prefetch_hits", "prefetched"), ("on_demand", "on demand"))
+               if k in total]  # fmt: skip
+        lines.append(f"  parameter fetches: {total['fetches']}" + (f" ({', '.join(how)})" if how else ""))
+    if "stall_seconds" in total:
+        lines.append(f"  stalled waiting for data: {total['stall_seconds']:.2f} s")
+    peak = stats.get("peak_host_pool_bytes", total.get("peak_host_pool_bytes"))
+    if peak is not None:
+        budget = stats.get("host_budget_bytes")
+        of = f" of its {budget / 2**20:.0f} MiB budget" if budget else ""
+        lines.append(f"  peak host buffer pool: {peak / 2**20:.1f} MiB{of}")
+    return lines
+
+
+class Progress:
+    """One line redrawn with \\r on a terminal; a plain line every `log_every` steps otherwise
+    (a log file should not fill with carriage returns)."""
+
+    def __init__(self, total: int, log_every: int, tty: bool):
+        self.total, self.log_every, self.tty = total, log_every, tty
+
+    def update(self, step: int, loss: float, tok_s: float, rates: str) -> None:
+        text = f"step {step}/{self.total} loss {loss:.3f} {tok_s:,.0f} tok/s" + (f" | {rates}" if rates else "")
+        if self.tty:
+            bar = "#" * (20 * step // self.total)
+            sys.stdout.write(f"\r[{bar:.<20}] {text}\033[K")
+            sys.stdout.flush()
+        elif step % self.log_every == 0 or step == self.total:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stdout.write("\n")
+
+
+# -- the run ---------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(engine, batches: list[tuple]) -> float:
+    engine.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        logits = engine(input_ids=x.to(engine.device)).logits.float()
+        total += F.cross_entropy(logits.flatten(0, 1), y.to(engine.device).flatten(), reduction="sum").item()
+        count += y.numel()
+    engine.train()
+    return total / count
+
+
+@torch.no_grad()
+def sample(engine, prompt: str, nbytes: int, block_size: int, seed: int, top_k: int = 5) -> str:
+    """Top-k sampling, one forward per byte through the engine (so the bytes come off NVMe)."""
+    engine.eval()
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt.encode())
+    for _ in range(nbytes):
+        ctx = torch.tensor([ids[-block_size:]], device=engine.device)
+        logits = engine(input_ids=ctx).logits[0, -1].float().cpu()
+        top = torch.topk(logits, top_k)
+        ids.append(int(top.indices[torch.multinomial(top.values.softmax(-1), 1, generator=gen)]))
+    engine.train()
+    return bytes(ids).decode(errors="replace")
+
+
+class StopFlag:
+    """Ctrl-C asks the loop to stop after the current step instead of raising inside engine
+    I/O; a second Ctrl-C raises as usual. Outside the main thread (no signals) it does nothing."""
+
+    def __init__(self):
+        self.set, self._old = False, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.set = True
+        signal.signal(signal.SIGINT, self._old)
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+class BadInput(ValueError):
+    """An option or tier config the run cannot use; `main` prints one line and exits 2."""
+
+
+def train(args: argparse.Namespace) -> int:
+    # Everything up to a built engine checks the user's input: a ValueError here is theirs to
+    # fix (a window longer than the text, a config key, a host budget the machine lacks); one
+    # raised later is a bug and keeps its traceback.
+    try:
+        train_data, val_data = split_corpus(load_corpus())
+        batches = random_batches(train_data, args.block_size, args.batch_size, args.seed)
+        val = eval_batches(val_data, args.block_size, args.batch_size)
+        model = build_model(args.size, args.block_size, args.seed)
+        nparams = sum(p.numel() for p in model.parameters())  # before the engine swaps them out
+        engine = infinity.initialize(model, tier_config(args))
+    except (ValueError, FileNotFoundError) as e:
+        raise BadInput(str(e)) from e
+    where = "" if args.config else f" (params {args.params}, grads {args.grads}, optimizer {args.optimizer})"
+    print(f"GPT-2 {args.size}: {nparams / 1e6:.2f}M parameters, {len(train_data):,} training bytes{where}")
+    progress = Progress(args.steps, args.log_every, sys.stdout.isatty())
+    losses: list[float] = []
+    try:
+        with StopFlag() as stop:
+            stats, t = engine.stats(), time.perf_counter()
+            for step in range(1, args.steps + 1):
+                x, y = next(batches)
+                x, y = x.to(engine.device), y.to(engine.device)  # where compute runs: the GPU if any
+                logits = engine(input_ids=x).logits
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                now, new = time.perf_counter(), engine.stats()
+                progress.update(step, losses[-1], x.numel() / (now - t), format_rates(stats, new, now - t))
+                stats, t = new, now
+                if stop.set:
+                    progress.close()
+                    print(f"interrupted after step {step} of {args.steps}; the swap space is left as it is")
+                    return 130
+        progress.close()
+        window = losses[-args.log_every :]
+        print(f"train loss {sum(window) / len(window):.3f} (mean of the last {len(window)} steps), "
+              f"val loss {evaluate(engine, val):.3f} (uniform guessing: {math.log(VOCAB):.3f})")  # fmt: skip
+        print("\n".join(["engine totals:", *format_totals(engine.stats())]))
+        if args.sample_bytes:
+            text = sample(engine, args.prompt, args.sample_bytes, args.block_size, args.seed)
+            print(f"sample: {text!r}")
+    finally:
+        # Closing flushes the manifest, so swap-inspect below reads the space as it ends.
+        engine.close()
+    if not engine.swap_dirs:  # one rank directory per nvme path; none without nvme
+        print("no swap space to inspect: nothing was placed on nvme")
+        return 0
+    print(f"\nswap-inspect {engine.swap_dirs[0]}", flush=True)
+    from infinity.tools.swap_inspect import main as inspect_main
+
+    return 1 if inspect_main([engine.swap_dirs[0]]) else 0
+
+
+# -- command line ----------------------------------------------------------------------------
+SYNOPSIS = """python -m infinity.demo [--size tiny|small|medium] [--steps 500] [--batch-size 8]
+                          [--block-size 128] [--params T] [--grads T] [--optimizer T]
+                          [--swap-dir DIR] [--param-dtype fp32|bf16|fp16] [--lr 1e-3]
+                          [--seed 0] [--log-every 20] [--sample-bytes 120] [--prompt TEXT]
+                          [--config FILE]"""
+
+DESCRIPTION = """\
+description:
+  Trains a GPT-2-shaped transformers model, built from a config with random weights
+  (nothing is downloaded), on the essay in infinity/data/corpus.txt with a byte vocabulary
+  (256 tokens). The first 90% of the bytes is for training (random windows, drawn from
+  --seed), the last 10% for the validation loss. Params, grads and optimizer state are
+  placed on the tiers T (device, cpu or nvme) given by the flags, all nvme by default, in
+  swap files under --swap-dir, which is created. --config FILE takes a TOML tier config
+  (DESIGN section 3) instead of the tier, dtype, --lr and --swap-dir flags. Ctrl-C stops
+  after the current step.
+"""
+
+EPILOG = """\
+output:
+  A progress line per step (redrawn in place on a terminal; every --log-every steps
+  otherwise): step, loss, tokens/s and, per tier that the engine reports, GB/s (1e9 bytes/s
+  of wall time) read and written since the previous step. Then the train loss (mean of
+  the last --log-every steps), the validation loss over every window of the held-out text,
+  the engine's totals (bytes and busy-time GB/s per tier, stall time, peak host buffer
+  pool), a sample of --sample-bytes bytes generated from --prompt, and the swap-inspect
+  summary of the rank directory of the swap space.
+
+exit status:
+  0 trained; 1 an I/O error, or swap-inspect found the swap space unreadable; 2 bad input
+  (an option out of range, a tier config that does not load or does not fit the machine);
+  130 interrupted (the swap space is left as it is; a second Ctrl-C stops at once).
+"""
+
+
+def _positive(kind, zero: bool = False):
+    def parse(text: str):
+        value = kind(text)
+        if value < 0 or value == 0 and not zero:
+            raise argparse.ArgumentTypeError(f"{text!r} is {'negative' if value < 0 else 'not positive'}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infinity.demo", usage=SYNOPSIS, description=DESCRIPTION,
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sizes = ", ".join(f"{k} {v['n_layer']}x{v['n_embd']}" for k, v in SIZES.items())
+    p.add_argument("--size", choices=SIZES, default="small", help=f"layers x width: {sizes} (default small)")
+    p.add_argument("--steps", metavar="N", type=_positive(int), default=500, help="optimizer steps (default 500)")
+    p.add_argument("--batch-size", metavar="N", type=_positive(int), default=8, help="windows per step (default 8)")
+    p.add_argument("--block-size", metavar="N", type=_positive(int), default=128, help="bytes per window (default 128)")
+    for state in ("params", "grads", "optimizer"):
+        p.add_argument(f"--{state}", choices=TIERS, default="nvme", help=f"tier of the {state} (default nvme)")
+    p.add_argument("--swap-dir", metavar="DIR", default=str(_ROOT / "demo-swap"),
+                   help="nvme swap directory (default demo-swap in the checkout)")
+    p.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="dtype of the training weights (default fp32)")  # fmt: skip
+    p.add_argument("--lr", metavar="LR", type=_positive(float), default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", metavar="N", type=int, default=0, help="seeds weights, batches and sample (default 0)")
+    p.add_argument("--log-every", metavar="N", type=_positive(int), default=20,
+                   help="steps per log line off a terminal, and of the train loss (default 20)")
+    p.add_argument("--sample-bytes", metavar="N", type=_positive(int, zero=True), default=120,
+                   help="bytes to generate at the end, 0 for none (default 120)")
+    p.add_argument("--prompt", metavar="TEXT", default="The ", help="text the sample starts from (default 'The ')")
+    p.add_argument("--config", metavar="FILE", help="a TOML tier config instead of the tier flags")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return train(args)
+    except BadInput as e:
+        print(f"demo: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"demo: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # outside the training loop: building, evaluating, sampling
+        print("\ndemo: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Run by test_memory.py in a fresh process: build, initialise and train an all-nvme model and
+print (as JSON) its fp32 state bytes and the peak RSS growth from before the model existed."""
+
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+import infinity
+
+
+def rss() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+
+def peak_rss() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+path, width, layers, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+torch.set_num_threads(1)
+os.makedirs(path + "-warm", exist_ok=True)
+cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
+       "nvme": {"paths": [path], "grow_step": "64MiB"}, "memory": {"host_budget": budget},
+       "optimizer": {"sub_group_size": "16MiB"}, "prefetch": {"depth": 2}}  # fmt: skip
+# Warm up what every run pays once (torch's allocator, autograd, the aio engine) on a tiny model.
+with infinity.initialize(nn.Linear(4, 4), {**cfg, "nvme": {"paths": [path + "-warm"]}}) as warm:
+    warm.backward(warm(torch.randn(2, 4)).sum())
+    warm.step()
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+base = rss()
+
+class Stack(nn.Module):
+    """Registers each layer as it makes it, as real models do (a list built first and wrapped
+    afterwards would hold every layer before build sees any)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            self.layers.append(nn.Linear(width, width))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+with infinity.build(cfg):
+    model = Stack()
+engine = infinity.initialize(model, cfg)
+for _ in range(2):
+    x = torch.randn(8, width)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+numel = sum(u.numel for u in engine.units)
+print(json.dumps({"state_bytes": 16 * numel, "growth": peak_rss() - base, "pool_peak": engine.stats()["peak_host_pool_bytes"],
+                  "largest_unit_bytes": 4 * max(u.numel for u in engine.units), "params": numel}))  # fmt: skip
+engine.close()
