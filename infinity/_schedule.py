@@ -6,6 +6,16 @@ order; its post-hook releases them. Backward: the module's outputs carry a marke
 backward runs just before the module's own, and fetches again, prefetching in the reverse of
 this step's forward order; the units are released once all their gradients have arrived.
 
+[Note: saved parameter views]
+Autograd saves what backward needs, and for many ops that is a *view* of a parameter
+(``nn.Linear`` saves ``weight.t()``), which keeps pointing at the memory the parameter had in
+forward. Once a unit is released that memory goes back to the pool and the next fetch reuses
+it, so the view would read another unit's weights. A saved-tensor hook packs any saved tensor
+that lives in a released-able unit's memory as (unit, offset, size, stride) and unpacks it
+as the same view of the unit's memory at backward time (fetching the unit if it is not there).
+A forward that runs again inside backward (activation recomputation) keeps its units until
+their gradients have arrived, for the same reason.
+
 [Note: predicted order]
 The first forward uses module registration order (so prefetch works from the first step);
 each forward records the order that really ran, and the next forward predicts it. When a
@@ -43,6 +53,15 @@ class _Order:
             return self.pos - 1
         self.valid = False
         return None
+
+
+class _UnitView:
+    """A saved tensor that is a view of a unit's memory, kept by position, not by memory."""
+
+    __slots__ = ("unit", "offset", "size", "stride")
+
+    def __init__(self, unit, offset, size, stride):
+        self.unit, self.offset, self.size, self.stride = unit, offset, size, stride
 
 
 class _PreBackward(torch.autograd.Function):
@@ -104,6 +123,8 @@ class Scheduler:
         self.backward_order = _Order([])
         self._trace: list[nn.Module] = []
         self._handles = []
+        self._by_storage: dict[int, ParamUnit] = {}  # storage address -> READY unit (released-able)
+        self._in_backward = False  # between a grad-enabled forward and the end of its backward
         self._copy_stream = None  # CUDA: host-to-device copies run here
         self._copies: list = []  # (event, host lease) of copies that may still be running
 
@@ -135,6 +156,10 @@ class Scheduler:
         units = self.module_units[module]
         for unit in units:
             unit.active -= 1
+        if self._in_backward:
+            # A forward recomputed inside backward (activation checkpointing): its uses were
+            # counted by the first forward; its units stay until their gradients arrive.
+            return output
         if torch.is_grad_enabled():
             for unit in units:
                 for p, needs in zip(unit.params, unit.requires_grad):
@@ -186,6 +211,7 @@ class Scheduler:
         if self._trace != self.forward_order.modules:
             self.forward_order = _Order(list(self._trace))  # the next pass predicts this one
         if torch.is_grad_enabled():
+            self._in_backward = True
             self.backward_order = _Order(list(reversed(self._trace)))
             self._prefetch(self.backward_order, 0)
 
@@ -206,7 +232,27 @@ class Scheduler:
             unit.active = 0
             self.release(unit)
         self.backward_order = _Order([])
+        self._in_backward = False
         self._drain_copies(block=True)
+
+    # -- saved tensors: see [Note: saved parameter views] -------------------------------------
+    def pack(self, t: torch.Tensor):
+        if self.resident or not self._by_storage:
+            return t
+        try:
+            unit = self._by_storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return t
+        if unit is None or unit.full is None:
+            return t
+        return _UnitView(unit, t.storage_offset() - unit.full.storage_offset(), t.size(), t.stride())
+
+    def unpack(self, saved):
+        if not isinstance(saved, _UnitView):
+            return saved
+        self.materialize(saved.unit)
+        full = saved.unit.full
+        return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
 
     # -- fetch and release ------------------------------------------------------------------
     def _prefetch(self, order: _Order, start: int) -> None:
@@ -276,6 +322,7 @@ class Scheduler:
             c.stall_seconds += waited
             c.fetches += 1
         unit.bind(full)
+        self._by_storage[full.untyped_storage().data_ptr()] = unit
 
     def _to_device(self, host: torch.Tensor, lease) -> torch.Tensor:
         """Copy to the device on the side stream; compute waits on an event, not the host.
@@ -312,6 +359,7 @@ class Scheduler:
         if unit.state is UnitState.FETCHING:
             return  # a prefetch for a coming module: keep it
         if unit.state is UnitState.READY:
+            self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
             unit.unbind()
             if unit.lease is not None:
                 unit.lease.release()

@@ -202,7 +202,9 @@ class Engine:
         self._check_open()
         self.scheduler.begin_forward()
         try:
-            return self.module(*args, **kwargs)
+            # See [Note: saved parameter views] in _schedule.py.
+            with torch.autograd.graph.saved_tensors_hooks(self.scheduler.pack, self.scheduler.unpack):
+                return self.module(*args, **kwargs)
         finally:
             self.scheduler.end_forward()
             if not torch.is_grad_enabled():
