@@ -192,7 +192,7 @@ def sample(engine, prompt: str, nbytes: int, block_size: int, seed: int, top_k: 
     """Top-k sampling, one forward per byte through the engine (so the bytes come off NVMe)."""
     engine.eval()
     gen = torch.Generator().manual_seed(seed)
-    ids = list(prompt.encode())
+    ids = list(prompt.encode()) or [ord("\n")]  # the model needs at least one byte to go on
     for _ in range(nbytes):
         ctx = torch.tensor([ids[-block_size:]], device=engine.device)
         logits = engine(input_ids=ctx).logits[0, -1].float().cpu()
@@ -286,7 +286,7 @@ def train(args: argparse.Namespace) -> int:
 SYNOPSIS = """python -m infinity.demo [--size tiny|small|medium] [--steps 500] [--batch-size 8]
                           [--block-size 128] [--params T] [--grads T] [--optimizer T]
                           [--swap-dir DIR] [--param-dtype fp32|bf16|fp16] [--lr 1e-3]
-                          [--seed 0] [--log-every 20] [--sample-bytes 120] [--prompt TEXT]
+                          [--seed 0] [--log-every 50] [--sample-bytes 120] [--prompt TEXT]
                           [--config FILE]"""
 
 DESCRIPTION = """\
@@ -345,8 +345,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="dtype of the training weights (default fp32)")  # fmt: skip
     p.add_argument("--lr", metavar="LR", type=_positive(float), default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", metavar="N", type=int, default=0, help="seeds weights, batches and sample (default 0)")
-    p.add_argument("--log-every", metavar="N", type=_positive(int), default=20,
-                   help="steps per log line off a terminal, and of the train loss (default 20)")
+    p.add_argument("--log-every", metavar="N", type=_positive(int), default=50,
+                   help="steps per log line off a terminal, and of the train loss (default 50)")
     p.add_argument("--sample-bytes", metavar="N", type=_positive(int, zero=True), default=120,
                    help="bytes to generate at the end, 0 for none (default 120)")
     p.add_argument("--prompt", metavar="TEXT", default="The ", help="text the sample starts from (default 'The ')")
