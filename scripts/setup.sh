@@ -57,9 +57,9 @@ for f in "${inputs[@]}"; do [[ $f -nt $stamp ]] && stale=1; done
 # liburing appeared since the last install: build the extension now.
 if pkg-config --exists liburing 2>/dev/null && ! "$PY" -c 'import infinity.aio._uring' 2>/dev/null; then stale=1; fi
 if ((stale)); then
-    say "installing infinity (editable, with the dev extras)"
+    say "installing infinity (editable, with the dev and hf extras)"
     log=$VENV/install.log
-    if ! pip_install --no-build-isolation -e '.[dev]' >"$log" 2>&1; then
+    if ! pip_install --no-build-isolation -e '.[dev,hf]' >"$log" 2>&1; then
         tail -n 40 "$log" >&2
         say "install failed; the whole log is in $log"
         exit 1
