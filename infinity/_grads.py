@@ -47,6 +47,13 @@ class GradAccumulator:
                     lease.release()
         else:
             acc = shard
+        if not self.store.resident and acc.device.type != "cpu":
+            # Gathered on the GPU: nvme is reached through host memory (a pool buffer).
+            staged = self.store.space.pool.acquire(acc.numel() * 4)
+            staged.view(torch.float32, acc.shape).copy_(acc)
+            if hold is not None:
+                hold.release()
+            hold, acc = staged, staged.view(torch.float32, acc.shape)
         self.has_grad.add(unit.index)
         self.norm_sq[unit.index] = float(torch.linalg.vector_norm(acc, dtype=torch.float64) ** 2)
         self.finite[unit.index] = bool(torch.isfinite(acc).all())

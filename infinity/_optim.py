@@ -68,7 +68,8 @@ class AdamW:
         self.device = stores["master"].device
         self.steps = {u.index: torch.zeros((), dtype=torch.float32, device=self.device) for u in units}
         # Sub-groups read ahead of the one being updated: 3 measured best here (step time over
-        # the I/O floor 1.3 at 1, 1.2 at 2, 1.0-1.1 at 3; benchmarks/engine_bench.py).
+        # the I/O floor 1.3 at 1, 1.2 at 2, 1.0-1.1 at 3; benchmarks/engine_bench.py). The
+        # engine lowers it when the host budget cannot hold that many.
         self.ahead = 3
         self._param_writes: list[tuple[Pending, object]] = []  # (write-behind, its pool buffer)
         self.pool = param_store.space.pool if param_store.space is not None else None
@@ -140,7 +141,7 @@ class AdamW:
         for u in have:
             value = self.grads.store.get(u.name).result()
             if self.grads.store.resident:
-                grads.append(value)
+                grads.append(value if value.device == master.device else value.to(master.device))
             else:
                 leases.append(value)
                 grads.append(value.view(torch.float32, (u.shard.stop - u.shard.start,)))

@@ -158,6 +158,7 @@ class Engine:
                                self.param_store, self.grads, cfg.optimizer, self.dtype, stats, dev)  # fmt: skip
         # fp32 master weights from the values as the user made them; low-precision params to
         # their tier. Parameters `build` stored are read back from it.
+        self._check_budget(cfg, units)  # before anything is written: that needs the pool too
         builder = self._builder
         self.optimizer.init_state(load=builder.load if builder is not None else None)
         for unit in units:
@@ -166,7 +167,6 @@ class Engine:
                 for p in unit.params:
                     if hasattr(p, "_infinity_key"):
                         builder.forget(p)
-        self._check_budget(cfg, units)
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, device=dev,
                                    dtype=self.dtype, depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes,
                                    pool=self.pool)  # fmt: skip
@@ -184,6 +184,11 @@ class Engine:
         than a PoolExhausted in the middle of step 1000."""
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         largest = max(u.padded_numel for u in units)
+        # The optimizer reads up to 3 sub-groups ahead; a tighter budget reads fewer.
+        for ahead in (3, 2, 1):
+            self.optimizer.ahead = ahead
+            if self.optimizer.host_bytes_needed() <= cfg.memory.host_budget:
+                break
         parts = {"optimizer step": self.optimizer.host_bytes_needed()}
         if self.param_store.tier == "nvme":  # a unit in use, `depth` prefetched, gradients gathered
             parts["forward/backward"] = ((cfg.prefetch.depth + 1) * itemsize + (self.grads.max_writes + 1) * 4) * largest

@@ -319,3 +319,27 @@ def test_stats_count_nvme_traffic(tmp_path):
 def test_a_model_without_parameters_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no parameters"):
         infinity.initialize(nn.ReLU(), _config(tmp_path, ("device",) * 3))
+
+
+def test_a_budget_too_small_is_refused_at_initialize(tmp_path):
+    """DESIGN §5: a clear error at initialize, not an OOM kill (or PoolExhausted) mid-run."""
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 4 MiB of fp32 per unit
+    with pytest.raises(ValueError, match=r"memory.host_budget=8MiB is less than the \d+MiB the optimizer step needs"):
+        infinity.initialize(model, _config(tmp_path, ("nvme",) * 3, memory={"host_budget": "8MiB"}))
+
+
+def test_a_tight_budget_reads_fewer_sub_groups_ahead(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    roomy = infinity.initialize(model, _config(tmp_path / "a", ("nvme",) * 3, memory={"host_budget": "512MiB"}))
+    assert roomy.optimizer.ahead == 3
+    roomy.close()
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    # One layer per sub-group (12.6 MB of state): 3 ahead needs 79 MiB, 1 ahead 54 MiB.
+    tight = infinity.initialize(model, _config(tmp_path / "b", ("nvme",) * 3, memory={"host_budget": "64MiB"},
+                                               optimizer={"sub_group_size": "16MiB"}))  # fmt: skip
+    assert tight.optimizer.ahead < 3
+    tight.backward(tight(torch.randn(2, 1024)).sum())
+    assert tight.step()
+    tight.close()
