@@ -19,7 +19,6 @@ import errno
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -33,13 +32,12 @@ import numpy as np
 import torch
 
 from infinity import aio
+from infinity.config import format_size, parse_size  # one grammar for sizes, here and in configs
 
 ENGINE_BACKENDS = aio.BACKENDS  # the candidates for the [aio] snippet
 ALL_BACKENDS = (*ENGINE_BACKENDS, "aiofiles")
 OPS = ("read", "write")
 MIN_SPAN = 64 << 20
-_SHIFTS = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50, "e": 60}
-_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?)\s*(?:([kmgtpe])(?:i?b)?|b)?", re.IGNORECASE)
 
 
 class BadInput(ValueError):
@@ -48,26 +46,6 @@ class BadInput(ValueError):
 
 class FioError(RuntimeError):
     """fio failed, or printed something that is not its JSON report."""
-
-
-def parse_size(text: str) -> int:
-    """Bytes in "1GiB", "64MiB", "128K", "4M", "1.5G", "4096": binary units (KB = KiB, as fio)."""
-    m = _SIZE_RE.fullmatch(text.strip())
-    if not m:
-        raise ValueError(f"size {text!r} is not a number with an optional unit (K, M, G, KiB, MiB, ...)")
-    number, shift = m.group(1), _SHIFTS[(m.group(2) or "").lower()]
-    value = float(number) * (1 << shift) if "." in number else int(number) << shift
-    if value != int(value):
-        raise ValueError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
-
-
-def format_size(nbytes: int) -> str:
-    """The largest binary unit that divides ``nbytes``: "1MiB", "128KiB", "4097"."""
-    for unit, shift in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift}{unit}"
-    return str(nbytes)
 
 
 # -- backends and the test file ---------------------------------------------------------------
