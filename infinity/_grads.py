@@ -18,9 +18,11 @@ from ._units import ParamUnit
 
 
 class GradAccumulator:
-    def __init__(self, store: Store, reduce=None, max_writes: int = 2):
+    def __init__(self, store: Store, dist=None, grads_full: bool = False, pool=None, max_writes: int = 2):
         self.store = store
-        self.reduce = reduce  # reduce-scatter across ranks; None at world size 1
+        self.dist = dist  # infinity._dist.Dist; collectives only when it has several ranks
+        self.grads_full = grads_full  # ZeRO stage 1: every rank keeps the whole (averaged) gradient
+        self.pool = pool
         self.max_writes = max_writes
         self.has_grad: set[int] = set()  # units with a gradient this step
         self.norm_sq: dict[int, float] = {}
@@ -30,9 +32,22 @@ class GradAccumulator:
     def add(self, unit: ParamUnit, grad: torch.Tensor, lease=None) -> None:
         """Accumulate ``grad`` (1-D fp32, the unit's padded length; in ``lease``, a pool buffer,
         when given) into the unit's shard."""
-        if self.reduce is not None:
-            grad = self.reduce(grad)
-        shard = grad[unit.shard] if grad.numel() != unit.shard.stop - unit.shard.start else grad
+        if self.dist is not None and self.dist.active:
+            what = f"gradient reduction of {unit.name}"
+            if self.grads_full:
+                self.dist.all_reduce_mean(grad, what)
+            else:
+                n = unit.shard.stop - unit.shard.start
+                if grad.device.type == "cpu" and self.pool is not None:
+                    reduced = self.pool.acquire(n * 4)
+                    out = reduced.view(torch.float32, (n,))
+                else:
+                    reduced, out = None, torch.empty(n, dtype=torch.float32, device=grad.device)
+                self.dist.reduce_scatter_mean(out, grad, what)
+                if lease is not None:
+                    lease.release()
+                grad, lease = out, reduced
+        shard = grad  # what this rank keeps: its slice (stages 2, 3) or all of it (stage 1)
         self._settle(unit.index)
         hold = lease  # the pool buffer the write goes from, released when it is done
         if unit.index in self.has_grad:
@@ -55,8 +70,9 @@ class GradAccumulator:
                 hold.release()
             hold, acc = staged, staged.view(torch.float32, acc.shape)
         self.has_grad.add(unit.index)
-        self.norm_sq[unit.index] = float(torch.linalg.vector_norm(acc, dtype=torch.float64) ** 2)
-        self.finite[unit.index] = bool(torch.isfinite(acc).all())
+        mine = acc[unit.shard] if acc.numel() == unit.padded_numel and self.dist is not None and self.dist.active else acc
+        self.norm_sq[unit.index] = float(torch.linalg.vector_norm(mine, dtype=torch.float64) ** 2)
+        self.finite[unit.index] = bool(torch.isfinite(mine).all())
         pending = self.store.put(unit.name, acc)
         if self.store.resident:
             if hold is not None:
@@ -82,10 +98,16 @@ class GradAccumulator:
             self._settle(index)
 
     def global_norm(self) -> float:
-        return sum(self.norm_sq.values()) ** 0.5
+        total = torch.tensor([sum(self.norm_sq.values())], dtype=torch.float64)
+        if self.dist is not None and self.dist.active:  # each rank holds the norm of its slices
+            self.dist.all_reduce_sum(total, "the global gradient norm")
+        return float(total) ** 0.5
 
     def all_finite(self) -> bool:
-        return all(self.finite.values())
+        bad = torch.tensor([0.0 if all(self.finite.values()) else 1.0])
+        if self.dist is not None and self.dist.active:  # an overflow anywhere skips everywhere
+            self.dist.all_reduce_sum(bad, "the overflow check")
+        return float(bad) == 0.0
 
     def zero(self) -> None:
         """Forget this step's gradients (the next backward writes afresh; nothing is read)."""

@@ -106,6 +106,7 @@ class Scheduler:
         depth: int,
         prefetch_bytes: int | None,
         pool=None,
+        dist=None,
     ):
         self.units = units
         self.module_units = module_units
@@ -117,8 +118,11 @@ class Scheduler:
         self.depth = depth
         self.prefetch_bytes = prefetch_bytes
         self.pool = pool  # host buffers for gradients gathered on a CPU device
+        self.dist = dist
+        # Stage 3 across ranks: the tier holds this rank's shard; materialising gathers the rest.
+        self.gather = dist is not None and dist.active
         # Units always materialised: their tier is the device, or host memory on a CPU device.
-        self.resident = store.resident and (store.tier == "device" or device.type == "cpu")
+        self.resident = store.resident and (store.tier == "device" or device.type == "cpu") and not self.gather
         self.forward_order = _Order(list(module_units))  # registration order: see [Note: predicted order]
         self.backward_order = _Order([])
         self._trace: list[nn.Module] = []
@@ -308,21 +312,43 @@ class Scheduler:
         start = time.perf_counter()
         value = unit.pending.result()
         unit.pending = None
-        if self.store.resident:  # cpu tier, CUDA device: copy to the device
-            full = self._to_device(value, None)
+        n_local = unit.shard.stop - unit.shard.start if self.gather else unit.padded_numel
+        if self.store.resident:  # cpu tier, CUDA device (or a shard to gather): the tensor itself
+            host, lease = value, None
         else:
-            host = value.view(self.dtype, (unit.padded_numel,))
-            if self.device.type == "cpu":
-                unit.lease = value
-                full = host
-            else:
-                full = self._to_device(host, value)
+            host, lease = value.view(self.dtype, (n_local,)), value
+        if self.gather:
+            full = self._gather(unit, host, lease)
+        elif self.store.resident:
+            full = self._to_device(host, None)
+        elif self.device.type == "cpu":
+            unit.lease = lease
+            full = host
+        else:
+            full = self._to_device(host, lease)
         waited = time.perf_counter() - start
         for c in counters:
             c.stall_seconds += waited
             c.fetches += 1
         unit.bind(full)
         self._by_storage[full.untyped_storage().data_ptr()] = unit
+
+    def _gather(self, unit: ParamUnit, shard: torch.Tensor, lease) -> torch.Tensor:
+        """All-gather the unit from every rank's shard (bandwidth-centric partitioning: each rank
+        read only its own slice from its own drives)."""
+        what = f"parameter all-gather of {unit.name}"
+        if self.device.type == "cpu":
+            full_lease = self.pool.acquire(unit.padded_numel * shard.element_size())
+            full = full_lease.view(self.dtype, (unit.padded_numel,))
+            self.dist.all_gather(full, shard, what)
+            if lease is not None:
+                lease.release()
+            unit.lease = full_lease
+            return full
+        local = self._to_device(shard, lease) if shard.device.type == "cpu" else shard
+        full = torch.empty(unit.padded_numel, dtype=self.dtype, device=self.device)
+        self.dist.all_gather(full, local, what)
+        return full
 
     def _to_device(self, host: torch.Tensor, lease) -> torch.Tensor:
         """Copy to the device on the side stream; compute waits on an event, not the host.

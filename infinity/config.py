@@ -350,8 +350,13 @@ class PartitionConfig:
     stage: int = 3
     """1: optimizer state partitioned; 2: and gradients; 3: and parameters."""
 
+    timeout: int = 300
+    """Seconds a collective may wait for the other ranks before failing (naming a rank that
+    reported a failure): a rank that dies cannot leave the others hanging forever."""
+
     def __post_init__(self) -> None:
         _int(self, "stage", 1, 3)
+        _int(self, "timeout", 1, 24 * 3600)
 
     @property
     def partition_grads(self) -> bool:

@@ -22,6 +22,7 @@ from torch import nn
 from infinity import aio
 from infinity.swap import HostBufferPool, SwapSpace
 
+from ._dist import Dist
 from ._grads import GradAccumulator
 from ._optim import KINDS, AdamW, make_groups
 from ._schedule import Scheduler
@@ -94,15 +95,21 @@ class Engine:
     placeholders while released; ``engine.module`` is for calling, not for reading weights:
     use `export`-style helpers for that)."""
 
-    def __init__(self, module: nn.Module, config, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
-                 log_every: int | None = None):  # fmt: skip
+    def __init__(self, module: nn.Module, config, *, log_every: int | None = None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"initialize takes a torch.nn.Module, got {type(module).__name__}")
         self.config = cfg = _as_config(config)
         _pin_malloc_threshold()  # see [Note: malloc threshold]
         self.module = module
-        self.rank, self.world_size = rank, world_size
+        # The process group the user made, or one from torchrun's environment (world size 1 otherwise).
+        self.dist = Dist(cfg.partition.timeout)
+        self.dist.agree(cfg.to_dict())  # a mismatch is an error on every rank, not a hang later
+        rank, local_rank = self.dist.rank, self.dist.local_rank
+        self.rank, self.world_size = rank, self.dist.world_size
         self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        # ZeRO stages; at world size 1 they coincide (a shard is the whole).
+        self.params_sharded = cfg.partition.stage == 3
+        self.grads_full = cfg.partition.stage == 1 and self.world_size > 1
         self.dtype = cfg.precision.torch_dtype
         self.log_every = log_every
         self._stats = Stats()
@@ -153,9 +160,10 @@ class Engine:
         grad_store = Store(tiers.grads, "grad", device=dev, space=space, stats=stats)
         opt_stores = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in KINDS}
         self.units = units
-        self.grads = GradAccumulator(grad_store)
+        self.grads = GradAccumulator(grad_store, dist=self.dist, grads_full=self.grads_full, pool=self.pool)
         self.optimizer = AdamW(units, make_groups(units, cfg.optimizer.sub_group_size), opt_stores,
-                               self.param_store, self.grads, cfg.optimizer, self.dtype, stats, dev)  # fmt: skip
+                               self.param_store, self.grads, cfg.optimizer, self.dtype, stats, dev,
+                               dist=self.dist, params_sharded=self.params_sharded)  # fmt: skip
         # fp32 master weights from the values as the user made them; low-precision params to
         # their tier. Parameters `build` stored are read back from it.
         self._check_budget(cfg, units)  # before anything is written: that needs the pool too
@@ -169,7 +177,7 @@ class Engine:
                         builder.forget(p)
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, device=dev,
                                    dtype=self.dtype, depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes,
-                                   pool=self.pool)  # fmt: skip
+                                   pool=self.pool, dist=self.dist if self.params_sharded else None)  # fmt: skip
         if self.scheduler.resident:
             for unit in units:
                 self.scheduler.materialize(unit)
@@ -210,6 +218,9 @@ class Engine:
             # See [Note: saved parameter views] in _schedule.py.
             with torch.autograd.graph.saved_tensors_hooks(self.scheduler.pack, self.scheduler.unpack):
                 return self.module(*args, **kwargs)
+        except BaseException as e:
+            self.dist.report_failure(e)  # see [Note: rank failures]
+            raise
         finally:
             self.scheduler.end_forward()
             if not torch.is_grad_enabled():
@@ -222,6 +233,9 @@ class Engine:
             loss = loss * self._scaler.scale
         try:
             loss.backward()
+        except BaseException as e:
+            self.dist.report_failure(e)
+            raise
         finally:
             self.scheduler.end_backward()
 
@@ -231,7 +245,11 @@ class Engine:
         self._check_open()
         self.scheduler.release_all()
         scale = self._scaler.scale if self._scaler is not None else 1.0
-        stepped = self.optimizer.step(scale)
+        try:
+            stepped = self.optimizer.step(scale)
+        except BaseException as e:
+            self.dist.report_failure(e)
+            raise
         if self._scaler is not None:
             self._scaler.update(overflow=not stepped)
         if not stepped:
@@ -274,6 +292,30 @@ class Engine:
         }
         if self.device.type == "cuda":
             out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+    def gathered_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by parameter name, whole (gathered from every rank's shard;
+        every rank must call it). Tied parameters appear once, under their owner's name."""
+        out = {}
+        opt = self.optimizer
+        for group in opt.groups:
+            value = opt.stores["master"].get(group.name).result()
+            if opt.stores["master"].resident:
+                master = value.detach().cpu()
+            else:
+                master = value.view(torch.float32, (group.numel,)).clone()
+                value.release()
+            for unit in group.units:
+                shard = master[group.slices[unit.index]]
+                if self.dist.active:
+                    full = torch.empty(unit.padded_numel, dtype=torch.float32)
+                    self.dist.all_gather(full, shard.contiguous(), f"weight gather of {unit.name}")
+                else:
+                    full = shard
+                for name, off, n, shape in zip(unit.param_names, unit.offsets, unit.numels, unit.shapes):
+                    prefix = "" if unit.name == "<root>" else f"{unit.name}."
+                    out[prefix + name] = full[off : off + n].view(shape).clone()
         return out
 
     @property

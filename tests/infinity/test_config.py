@@ -120,6 +120,8 @@ BAD = [
     ({"partition": {"stage": 4}}, "partition.stage"),
     ({"partition": {"stage": "3"}}, "partition.stage"),
     ({"partition": {"stage": True}}, "partition.stage"),
+    ({"partition": {"timeout": 0}}, "partition.timeout"),
+    ({"partition": {"timeout": "60"}}, "partition.timeout"),
 ]
 
 

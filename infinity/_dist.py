@@ -1,0 +1,137 @@
+"""Ranks: the process group, the collectives the engine uses, and failing loudly together.
+
+torch.distributed is the transport (gloo on CPU, NCCL with GPUs); nothing home-made. The
+engine joins the process group the user made, or makes one from torchrun's environment
+(WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT), with ``partition.timeout``.
+
+[Note: rank failures]
+A rank that raises records why in the group's key-value store (an excepthook installed at
+initialize, and the engine's own errors); a collective that fails or times out on another rank
+reads those records, so the survivors' error names the failed rank instead of only saying that
+a collective timed out. Collectives are issued in module order, the same on every rank, so no
+rank-local decision (a prefetch that found no free memory, say) can reorder them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+_FAILED = "infinity/failed/"
+
+
+class Dist:
+    def __init__(self, timeout: int):
+        self.timeout = timeout
+        env_world = int(os.environ.get("WORLD_SIZE", "1"))
+        if not dist.is_available() or (not dist.is_initialized() and env_world <= 1):
+            self.rank, self.world_size, self.local_rank, self.store = 0, 1, 0, None
+            return
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", str(self.rank % max(torch.cuda.device_count(), 1))))
+        try:
+            self.store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, AttributeError):  # a group without a store: no failure records
+            self.store = None
+        self._install_excepthook()
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    # -- collectives ------------------------------------------------------------------------
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> None:
+        self._run(lambda: dist.all_gather_into_tensor(full, shard), what)
+
+    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
+        """``shard`` = this rank's slice of the mean over ranks of ``full``."""
+        self._run(lambda: dist.reduce_scatter_tensor(shard, full), what)
+        shard.div_(self.world_size)
+
+    def all_reduce_mean(self, t: torch.Tensor, what: str) -> None:
+        self._run(lambda: dist.all_reduce(t), what)
+        t.div_(self.world_size)
+
+    def all_reduce_sum(self, t: torch.Tensor, what: str) -> None:
+        self._run(lambda: dist.all_reduce(t), what)
+
+    def _run(self, fn, what: str) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised with the rank that failed, if known
+            raise RuntimeError(self._why(what, e)) from e
+
+    def _why(self, what: str, error: BaseException) -> str:
+        failed = self.failures()
+        if failed:
+            who = "; ".join(f"rank {r} failed: {msg}" for r, msg in sorted(failed.items()))
+            return f"{what} on rank {self.rank} could not complete because {who}"
+        return (f"{what} on rank {self.rank} failed or timed out after partition.timeout="
+                f"{self.timeout}s; another rank died or stopped calling the engine ({error})")
+
+    # -- agreement and failures -------------------------------------------------------------
+    def agree(self, config: dict) -> None:
+        """Raise on every rank when the ranks' configs differ, naming the keys and ranks."""
+        if not self.active:
+            return
+        configs: list = [None] * self.world_size
+        self._run(lambda: dist.all_gather_object(configs, config), "comparing the tier configs")
+        mine = _flatten(config)
+        for r, other in enumerate(configs):
+            theirs = _flatten(other)
+            diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+            if diff:
+                details = ", ".join(f"{k} = {theirs.get(k)!r} on rank {r}, {mine.get(k)!r} here" for k in diff[:5])
+                raise ValueError(f"the tier configs of the ranks differ (rank {self.rank} vs rank {r}): {details}")
+
+    def report_failure(self, error: BaseException) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.set(f"{_FAILED}{self.rank}", f"{type(error).__name__}: {error}"[:500])
+        except Exception:  # noqa: BLE001 - the store may be gone too; the raise goes on regardless
+            pass
+
+    def failures(self) -> dict[int, str]:
+        if self.store is None:
+            return {}
+        out = {}
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            key = f"{_FAILED}{r}"
+            try:
+                if self.store.check([key]):
+                    out[r] = self.store.get(key).decode(errors="replace")
+            except Exception:  # noqa: BLE001 - an unreachable store says nothing
+                pass
+        return out
+
+    def _install_excepthook(self) -> None:
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):
+            self.report_failure(value)
+            previous(kind, value, tb)
+
+        sys.excepthook = hook
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

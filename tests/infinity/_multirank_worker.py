@@ -1,0 +1,61 @@
+"""One rank of a multi-rank test (tests/infinity/test_multirank.py); also run alone (1 rank).
+
+argv: mode (parity | dead | mismatch), output path prefix, stage, swap directory.
+The global batch of every step is the same whatever the world size; rank r takes its 1/N.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+import infinity
+
+
+
+class SimulatedFailure(Exception):
+    """Raised by rank 1 in "dead" mode and left uncaught, as a user's bug would be."""
+
+
+mode, out, stage, swap_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 4))
+lr = 2e-3 if (mode == "mismatch" and rank == 1) else 1e-2
+cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [swap_dir]},
+       "optimizer": {"lr": lr}, "partition": {"stage": stage, "timeout": 10}}  # fmt: skip
+try:
+    engine = infinity.initialize(model, cfg)
+except ValueError as e:
+    open(f"{out}.{rank}.err", "w").write(str(e))
+    sys.exit(3)
+
+losses, reads = [], []
+g = torch.Generator().manual_seed(1)
+try:
+    for step in range(5):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        per = 8 // world
+        xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        if mode == "dead" and rank == 1 and step == 2:
+            raise SimulatedFailure("simulated failure in the training loop")
+        loss = ((engine(xs) - ys) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        if world > 1:
+            torch.distributed.all_reduce(total)
+            total /= world
+        losses.append(float(total))
+        reads.append(engine.stats()["step"]["nvme"]["read_bytes"])
+    weights = engine.gathered_weights()
+except RuntimeError as e:
+    open(f"{out}.{rank}.err", "w").write(str(e))
+    sys.exit(4)
+if rank == 0:
+    torch.save(weights, f"{out}.weights.pt")
+json.dump({"losses": losses, "reads": reads}, open(f"{out}.{rank}.json", "w"))
+engine.close()

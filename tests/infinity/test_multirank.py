@@ -1,0 +1,84 @@
+"""Several ranks on one machine (gloo): parity with one rank, 1/N reads, failures that name a rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multirank
+
+WORKER = os.path.join(os.path.dirname(__file__), "_multirank_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(mode: str, world: int, stage: int, tmp_path, timeout: float = 120):
+    """Run the worker as ``world`` ranks (the environment torchrun would give them)."""
+    swap = tmp_path / f"swap-{mode}-{world}-{stage}"
+    swap.mkdir()
+    out = str(tmp_path / f"{mode}-{world}-{stage}")
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        if world == 1:
+            for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                env.pop(key)
+        procs.append(subprocess.Popen([sys.executable, WORKER, mode, out, str(stage), str(swap)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    start = time.monotonic()
+    results = [p.communicate(timeout=timeout) for p in procs]
+    elapsed = time.monotonic() - start
+    return out, [p.returncode for p in procs], results, elapsed
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_ranks_match_one_rank(tmp_path, stage):
+    """Same global batch (each rank half of it), fp32, everything on nvme: per-step losses and
+    final weights within 1e-5 of one rank; each rank reads about half of what one rank reads."""
+    one, codes, logs, _ = _launch("parity", 1, stage, tmp_path)
+    assert codes == [0], logs
+    two, codes, logs, _ = _launch("parity", 2, stage, tmp_path)
+    assert codes == [0, 0], logs
+    single = json.load(open(f"{one}.0.json"))
+    for rank in (0, 1):
+        mine = json.load(open(f"{two}.{rank}.json"))
+        for a, b in zip(mine["losses"], single["losses"]):
+            assert abs(a - b) < 1e-5, (stage, mine["losses"], single["losses"])
+        if stage == 3:  # bandwidth-centric: each rank reads its own slice of every unit
+            ratio = sum(mine["reads"][1:]) / sum(single["reads"][1:])
+            assert 0.4 < ratio < 0.65, (ratio, mine["reads"], single["reads"])
+    w1 = torch.load(f"{one}.weights.pt", weights_only=True)
+    w2 = torch.load(f"{two}.weights.pt", weights_only=True)
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0)
+
+
+def test_a_failed_rank_is_named_by_the_survivors_within_the_timeout(tmp_path):
+    out, codes, logs, elapsed = _launch("dead", 2, 3, tmp_path, timeout=90)
+    assert codes[1] != 0 and "SimulatedFailure" in logs[1][1]  # rank 1 died of its own error
+    assert codes[0] == 4, logs[0]
+    error = open(f"{out}.0.err").read()
+    assert "rank 1 failed: SimulatedFailure: simulated failure in the training loop" in error
+    assert elapsed < 60  # partition.timeout is 10 s here
+
+
+def test_configs_that_differ_are_refused_at_initialize(tmp_path):
+    out, codes, logs, _ = _launch("mismatch", 2, 3, tmp_path, timeout=90)
+    assert codes == [3, 3], logs
+    for rank in (0, 1):
+        error = open(f"{out}.{rank}.err").read()
+        assert "the tier configs of the ranks differ" in error and "optimizer.lr" in error
