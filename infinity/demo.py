@@ -8,6 +8,7 @@ engine moves is reported from `engine.stats()`, so the figures on screen are the
 from __future__ import annotations
 
 import argparse
+import builtins
 import math
 import os
 import signal
@@ -157,10 +158,12 @@ class Progress:
     """One line redrawn with \\r on a terminal; a plain line every `log_every` steps otherwise
     (a log file should not fill with carriage returns)."""
 
-    def __init__(self, total: int, log_every: int, tty: bool):
-        self.total, self.log_every, self.tty = total, log_every, tty
+    def __init__(self, total: int, log_every: int, tty: bool, enabled: bool = True):
+        self.total, self.log_every, self.tty, self.enabled = total, log_every, tty, enabled
 
     def update(self, step: int, loss: float, tok_s: float, rates: str) -> None:
+        if not self.enabled:  # ranks other than 0 under torchrun
+            return
         text = f"step {step}/{self.total} loss {loss:.3f} {tok_s:,.0f} tok/s" + (f" | {rates}" if rates else "")
         if self.tty:
             bar = "#" * (20 * step // self.total)
@@ -170,7 +173,7 @@ class Progress:
             print(text, flush=True)
 
     def close(self) -> None:
-        if self.tty:
+        if self.tty and self.enabled:
             sys.stdout.write("\n")
 
 
@@ -233,16 +236,20 @@ def train(args: argparse.Namespace) -> int:
     # raised later is a bug and keeps its traceback.
     try:
         train_data, val_data = split_corpus(load_corpus())
-        batches = random_batches(train_data, args.block_size, args.batch_size, args.seed)
         val = eval_batches(val_data, args.block_size, args.batch_size)
         model = build_model(args.size, args.block_size, args.seed)
         nparams = sum(p.numel() for p in model.parameters())  # before the engine swaps them out
         engine = infinity.initialize(model, tier_config(args))
     except (ValueError, FileNotFoundError) as e:
         raise BadInput(str(e)) from e
+    # Under torchrun: data parallel, each rank its own windows; rank 0 speaks for all.
+    rank, world = engine.rank, engine.world_size
+    batches = random_batches(train_data, args.block_size, args.batch_size, args.seed + 1000 * rank)
+    print = builtins.print if rank == 0 else (lambda *a, **k: None)  # noqa: A001
     where = "" if args.config else f" (params {args.params}, grads {args.grads}, optimizer {args.optimizer})"
-    print(f"GPT-2 {args.size}: {nparams / 1e6:.2f}M parameters, {len(train_data):,} training bytes{where}")
-    progress = Progress(args.steps, args.log_every, sys.stdout.isatty())
+    ranks = f", {world} ranks" if world > 1 else ""
+    print(f"GPT-2 {args.size}: {nparams / 1e6:.2f}M parameters, {len(train_data):,} training bytes{where}{ranks}")
+    progress = Progress(args.steps, args.log_every, sys.stdout.isatty(), enabled=rank == 0)
     losses: list[float] = []
     try:
         with StopFlag() as stop:
@@ -254,7 +261,7 @@ def train(args: argparse.Namespace) -> int:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 engine.backward(loss)
                 engine.step()
-                losses.append(loss.item())
+                losses.append(_mean_over_ranks(loss.detach(), world))
                 now, new = time.perf_counter(), engine.stats()
                 progress.update(step, losses[-1], x.numel() / (now - t), format_rates(stats, new, now - t))
                 stats, t = new, now
@@ -273,13 +280,27 @@ def train(args: argparse.Namespace) -> int:
     finally:
         # Closing flushes the manifest, so swap-inspect below reads the space as it ends.
         engine.close()
+    if world > 1:
+        torch.distributed.barrier()  # every rank's manifest is written before rank 0 looks
+    if rank != 0:
+        return 0
     if not engine.swap_dirs:  # one rank directory per nvme path; none without nvme
         print("no swap space to inspect: nothing was placed on nvme")
         return 0
-    print(f"\nswap-inspect {engine.swap_dirs[0]}", flush=True)
+    # With several ranks, the parent of the rank directories shows them all.
+    where = os.path.dirname(engine.swap_dirs[0]) if world > 1 else engine.swap_dirs[0]
+    print(f"\nswap-inspect {where}", flush=True)
     from infinity.tools.swap_inspect import main as inspect_main
 
-    return 1 if inspect_main([engine.swap_dirs[0]]) else 0
+    return 1 if inspect_main([where]) else 0
+
+
+def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:
+    if world > 1:
+        loss = loss.clone()
+        torch.distributed.all_reduce(loss)
+        loss /= world
+    return loss.item()
 
 
 # -- command line ----------------------------------------------------------------------------

@@ -120,6 +120,7 @@ class _PlainEngine:
     def __init__(self, model, config, interrupt_at=None):
         self.module, self.steps, self.interrupt_at, self.swap_dirs = model, 0, interrupt_at, []
         self.device = torch.device("cpu")
+        self.rank, self.world_size = 0, 1
         self.opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def __call__(self, *args, **kwargs):

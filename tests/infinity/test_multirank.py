@@ -82,3 +82,17 @@ def test_configs_that_differ_are_refused_at_initialize(tmp_path):
     for rank in (0, 1):
         error = open(f"{out}.{rank}.err").read()
         assert "the tier configs of the ranks differ" in error and "optimizer.lr" in error
+
+
+def test_the_demo_runs_under_torchrun(tmp_path):
+    """What a new user would type: torchrun with 2 ranks runs the same demo."""
+    pytest.importorskip("transformers")
+    swap = tmp_path / "swap"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "infinity.demo",
+           "--size", "tiny", "--steps", "6", "--block-size", "32", "--batch-size", "2", "--log-every", "3",
+           "--sample-bytes", "8", "--swap-dir", str(swap)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "2 ranks" in out.stdout and "val loss" in out.stdout
+    assert out.stdout.count("step 6/6") == 1  # rank 0 speaks for all
+    assert "rank 0:" in out.stdout and "rank 1:" in out.stdout  # swap-inspect of both ranks
