@@ -42,6 +42,8 @@ class Dist:
             self.store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, AttributeError):  # a group without a store: no failure records
             self.store = None
+        # NCCL moves device memory only: CPU tensors go through the GPU (see _on_device).
+        self.nccl = dist.get_backend() == "nccl"
         self._install_excepthook()
 
     @property
@@ -50,19 +52,35 @@ class Dist:
 
     # -- collectives ------------------------------------------------------------------------
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> None:
-        self._run(lambda: dist.all_gather_into_tensor(full, shard), what)
+        out, src = self._on_device(full), self._on_device(shard)
+        self._run(lambda: dist.all_gather_into_tensor(out, src), what)
+        self._back(full, out)
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
         """``shard`` = this rank's slice of the mean over ranks of ``full``."""
-        self._run(lambda: dist.reduce_scatter_tensor(shard, full), what)
-        shard.div_(self.world_size)
+        out, src = self._on_device(shard), self._on_device(full)
+        self._run(lambda: dist.reduce_scatter_tensor(out, src), what)
+        out.div_(self.world_size)
+        self._back(shard, out)
 
     def all_reduce_mean(self, t: torch.Tensor, what: str) -> None:
-        self._run(lambda: dist.all_reduce(t), what)
+        self.all_reduce_sum(t, what)
         t.div_(self.world_size)
 
     def all_reduce_sum(self, t: torch.Tensor, what: str) -> None:
-        self._run(lambda: dist.all_reduce(t), what)
+        on = self._on_device(t)
+        self._run(lambda: dist.all_reduce(on), what)
+        self._back(t, on)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.nccl and t.device.type == "cpu":
+            return t.to(torch.device("cuda", torch.cuda.current_device()))
+        return t
+
+    @staticmethod
+    def _back(original: torch.Tensor, used: torch.Tensor) -> None:
+        if used is not original:
+            original.copy_(used)
 
     def _run(self, fn, what: str) -> None:
         try:

@@ -71,8 +71,9 @@ class GradAccumulator:
             hold, acc = staged, staged.view(torch.float32, acc.shape)
         self.has_grad.add(unit.index)
         mine = acc[unit.shard] if acc.numel() == unit.padded_numel and self.dist is not None and self.dist.active else acc
-        self.norm_sq[unit.index] = float(torch.linalg.vector_norm(mine, dtype=torch.float64) ** 2)
-        self.finite[unit.index] = bool(torch.isfinite(mine).all())
+        # Kept as tensors: reading them (a device sync on CUDA) waits for the step, once.
+        self.norm_sq[unit.index] = torch.linalg.vector_norm(mine, dtype=torch.float64) ** 2
+        self.finite[unit.index] = torch.isfinite(mine).all()
         pending = self.store.put(unit.name, acc)
         if self.store.resident:
             if hold is not None:
@@ -98,13 +99,15 @@ class GradAccumulator:
             self._settle(index)
 
     def global_norm(self) -> float:
-        total = torch.tensor([sum(self.norm_sq.values())], dtype=torch.float64)
+        local = torch.stack(list(self.norm_sq.values())).sum().cpu() if self.norm_sq else torch.zeros((), dtype=torch.float64)
+        total = local.reshape(1).to(torch.float64)
         if self.dist is not None and self.dist.active:  # each rank holds the norm of its slices
             self.dist.all_reduce_sum(total, "the global gradient norm")
         return float(total) ** 0.5
 
     def all_finite(self) -> bool:
-        bad = torch.tensor([0.0 if all(self.finite.values()) else 1.0])
+        ok = bool(torch.stack(list(self.finite.values())).all()) if self.finite else True
+        bad = torch.tensor([0.0 if ok else 1.0])
         if self.dist is not None and self.dist.active:  # an overflow anywhere skips everywhere
             self.dist.all_reduce_sum(bad, "the overflow check")
         return float(bad) == 0.0
