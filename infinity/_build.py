@@ -25,13 +25,11 @@ import os
 import torch
 from torch import nn
 
-from infinity import aio
-from infinity.swap import HostBufferPool, SwapSpace
 
 
 class Builder:
     def __init__(self, config):
-        from .engine import _as_config
+        from .engine import _as_config, open_io
 
         self.config = cfg = _as_config(config)
         self.space = self.pool = self.aio = None
@@ -39,14 +37,10 @@ class Builder:
         self.adopted = False
         if cfg.tiers.params != "nvme":
             return  # params that live in host memory or on the device are built there anyway
-        paths = list(cfg.nvme.resolve_paths(0, 0))
-        for path in paths:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-        self.aio = aio.open_engine(cfg.aio.backend, cfg.aio.queue_depth, cfg.aio.block_size)
-        self.pool = HostBufferPool(cfg.memory.host_budget, engine=self.aio)
-        self.space = SwapSpace(paths, engine=self.aio, pool=self.pool, verify=cfg.nvme.verify, fresh=True,
-                               stripe_size=cfg.nvme.stripe_size, stripe_threshold=cfg.nvme.stripe_threshold,
-                               grow_step=cfg.nvme.grow_step)  # fmt: skip
+        # Before initialize there is no process group yet: the rank is torchrun's, so each rank
+        # builds into its own rank directory (which its engine then adopts).
+        rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+        self.aio, self.pool, self.space = open_io(cfg, rank, local_rank)
 
     def on_child(self, parent: nn.Module, name: str, child: nn.Module):
         if self.space is None or child is None:

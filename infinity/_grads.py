@@ -25,8 +25,8 @@ class GradAccumulator:
         self.pool = pool
         self.max_writes = max_writes
         self.has_grad: set[int] = set()  # units with a gradient this step
-        self.norm_sq: dict[int, float] = {}
-        self.finite: dict[int, bool] = {}
+        self.norm_sq: dict[int, torch.Tensor] = {}  # 0-d fp64 per unit, read once at the step
+        self.finite: dict[int, torch.Tensor] = {}  # 0-d bool per unit
         self._writes: collections.OrderedDict[int, tuple[Pending, object]] = collections.OrderedDict()
 
     def add(self, unit: ParamUnit, grad: torch.Tensor, lease=None) -> None:
@@ -37,7 +37,7 @@ class GradAccumulator:
             if self.grads_full:
                 self.dist.all_reduce_mean(grad, what)
             else:
-                n = unit.shard.stop - unit.shard.start
+                n = unit.shard_numel
                 if grad.device.type == "cpu" and self.pool is not None:
                     reduced = self.pool.acquire(n * 4)
                     out = reduced.view(torch.float32, (n,))
@@ -70,7 +70,7 @@ class GradAccumulator:
                 hold.release()
             hold, acc = staged, staged.view(torch.float32, acc.shape)
         self.has_grad.add(unit.index)
-        mine = acc[unit.shard] if acc.numel() == unit.padded_numel and self.dist is not None and self.dist.active else acc
+        mine = acc[unit.shard] if self.grads_full else acc  # norms of this rank's slice only
         # Kept as tensors: reading them (a device sync on CUDA) waits for the step, once.
         self.norm_sq[unit.index] = torch.linalg.vector_norm(mine, dtype=torch.float64) ** 2
         self.finite[unit.index] = torch.isfinite(mine).all()

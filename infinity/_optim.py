@@ -34,7 +34,7 @@ class SubGroup:
         self.slices: dict[int, slice] = {}
         pos = 0
         for u in units:
-            n = u.shard.stop - u.shard.start
+            n = u.shard_numel
             self.slices[u.index] = slice(pos, pos + n)
             pos += n
         self.numel = pos
@@ -43,7 +43,7 @@ class SubGroup:
 def make_groups(units: list[ParamUnit], sub_group_bytes: int) -> list[SubGroup]:
     groups, current, size = [], [], 0
     for u in units:
-        nbytes = 3 * 4 * (u.shard.stop - u.shard.start)
+        nbytes = 3 * 4 * u.shard_numel
         if current and size + nbytes > sub_group_bytes:
             groups.append(SubGroup(len(groups), current))
             current, size = [], 0
@@ -77,7 +77,7 @@ class AdamW:
         self.ahead = 3
         self._param_writes: list[tuple[Pending, object]] = []  # (write-behind, its pool buffer)
         self.pool = param_store.space.pool if param_store.space is not None else None
-        self._param_itemsize = torch.empty(0, dtype=param_dtype).element_size()
+        self._param_itemsize = param_dtype.itemsize
 
     def init_state(self, load=None) -> None:
         """Master weights from the parameters' values as the user made them (``load(param)``
@@ -124,9 +124,12 @@ class AdamW:
         moved = 0
         # Iterate the stream itself (not a zip with the groups, which would stop without resuming
         # the generator after its last item, and so skip that item's write-back).
+        grads_next = self._read_grads(self.groups[0]) if self.groups else None
         for i, item in enumerate(stream(store.space, names, ahead=self.ahead)):
-            group = self.groups[i]
-            if not self._update(group, *item.tensors, grad_scale):
+            group, grads_now = self.groups[i], grads_next
+            # The next sub-group's gradients are read while this one is updated (on nvme).
+            grads_next = self._read_grads(self.groups[i + 1]) if i + 1 < len(self.groups) else None
+            if not self._update(group, *item.tensors, grad_scale, grads=grads_now):
                 item.write_back = False
             else:
                 moved += 3 * 4 * group.numel
@@ -139,17 +142,22 @@ class AdamW:
             t.read_busy.seconds += elapsed
             t.write_busy.seconds += elapsed
 
-    def _update(self, group: SubGroup, master, exp_avg, exp_avg_sq, grad_scale) -> bool:
-        have = [u for u in group.units if u.index in self.grads.has_grad]
+    def _read_grads(self, group: SubGroup) -> dict:
+        """Issue the reads of ``group``'s gradients (unit index -> store Pending)."""
+        return {u.index: self.grads.store.get(u.name) for u in group.units if u.index in self.grads.has_grad}
+
+    def _update(self, group: SubGroup, master, exp_avg, exp_avg_sq, grad_scale, grads: dict | None = None) -> bool:
+        pending = grads if grads is not None else self._read_grads(group)
+        have = [u for u in group.units if u.index in pending]
         if not have:
             return False
         grads, leases = [], []
         for u in have:
-            value = self.grads.store.get(u.name).result()
+            value = pending[u.index].result()
             if not self.grads.store.resident:
                 leases.append(value)
-                value = value.view(torch.float32, (self.grads.store.space.info(f"{u.name}/grad").nbytes // 4,))
-            if value.numel() != u.shard.stop - u.shard.start:  # stage 1 keeps the whole gradient
+                value = value.view(torch.float32, (u.padded_numel if self.grads.grads_full else u.shard_numel,))
+            if value.numel() != u.shard_numel:  # stage 1 keeps the whole gradient
                 value = value[u.shard]
             grads.append(value if value.device == master.device else value.to(master.device))
         sl = [group.slices[u.index] for u in have]
@@ -169,22 +177,23 @@ class AdamW:
             self._gather_new_params(have, sl, master)
             return True
         for u, s in zip(have, sl):
-            # A copy even in fp32: master lives in a stream buffer the pool may reuse before this
-            # write-behind is done. On nvme the copy is a pool buffer (aligned: written directly).
-            if self.param_store.resident:  # straight into the resident parameters: one copy
-                dst = self.param_store.tensor(u.name)
-                dst.copy_(master[s].to(dst.device, non_blocking=True) if dst.device != master.device else master[s])
+            if self.param_store.resident:  # straight into the resident parameters: one copy,
+                # blocking: master is a stream buffer the pool may hand out once this returns
+                self.param_store.tensor(u.name).copy_(master[s])
                 continue
-            if self.pool is None:
-                new, lease = master[s].to(self.param_dtype, copy=True), None
-            else:
-                lease = self.pool.acquire((s.stop - s.start) * self._param_itemsize)
-                new = lease.view(self.param_dtype, (s.stop - s.start,))
-                new.copy_(master[s])
-            self._param_writes.append((self.param_store.put(u.name, new), lease))
-            while len(self._param_writes) > 2:
-                self._finish_param_write()
+            # A copy even in fp32, into a pool buffer (aligned: written directly), since master
+            # may be reused before this write-behind is done.
+            lease = self.pool.acquire(u.shard_numel * self._param_itemsize)
+            new = lease.view(self.param_dtype, (u.shard_numel,))
+            new.copy_(master[s])
+            self._write_param(u, new, lease)
         return True
+
+    def _write_param(self, unit: ParamUnit, tensor: torch.Tensor, lease) -> None:
+        """Write behind a unit's new parameters from ``lease``, at most 2 writes in flight."""
+        self._param_writes.append((self.param_store.put(unit.name, tensor), lease))
+        while len(self._param_writes) > 2:
+            self._finish_param_write()
 
     def _gather_new_params(self, have, sl, master) -> None:
         """Stages 1 and 2: every rank updated its slice; all gather the whole parameters."""
@@ -197,9 +206,7 @@ class AdamW:
             lease = self.pool.acquire(u.padded_numel * self._param_itemsize)
             full = lease.view(self.param_dtype, (u.padded_numel,))
             self.dist.all_gather(full, shard, f"parameter gather of {u.name}")
-            self._param_writes.append((self.param_store.put(u.name, full), lease))
-            while len(self._param_writes) > 2:
-                self._finish_param_write()
+            self._write_param(u, full, lease)
 
     def _finish_param_write(self) -> None:
         pending, lease = self._param_writes.pop(0)
@@ -219,8 +226,8 @@ class AdamW:
         need = 0
         if not self.stores["master"].resident:
             need += (self.ahead + 2) * 3 * 4 * largest
-        if not self.grads.store.resident:
-            need += 4 * largest
+        if not self.grads.store.resident:  # this sub-group's gradients and the next one's
+            need += 2 * 4 * largest
         if not self.param_store.resident:
-            need += 3 * self._param_itemsize * max(u.shard.stop - u.shard.start for u in self.units)
+            need += 3 * self._param_itemsize * max(u.shard_numel for u in self.units)
         return need

@@ -117,6 +117,7 @@ class Scheduler:
         self.dtype = dtype
         self.depth = depth
         self.prefetch_bytes = prefetch_bytes
+        self._itemsize = dtype.itemsize
         self.pool = pool  # host buffers for gradients gathered on a CPU device
         self.dist = dist
         # Stage 3 across ranks: the tier holds this rank's shard; materialising gathers the rest.
@@ -134,13 +135,20 @@ class Scheduler:
 
     # -- hooks ------------------------------------------------------------------------------
     def install(self) -> None:
+        # Per module: for each unit, how many of its gradients one grad-enabled call will bring
+        # (the parameters the module holds itself that require grad). Fixed: counted once here.
+        self._uses_per_call = {
+            module: [(u, sum(1 for p, needs in zip(u.params, u.requires_grad)
+                             if needs and any(q is p for q in module._parameters.values()))) for u in units]
+            for module, units in self.module_units.items()
+        }  # fmt: skip
         for module in self.module_units:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook))
             self._handles.append(module.register_forward_hook(self._post_forward_hook))
         for unit in self.units:
-            for p, needs in zip(unit.params, unit.requires_grad):
+            for i, (p, needs) in enumerate(zip(unit.params, unit.requires_grad)):
                 if needs:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit)))
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, i)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -165,10 +173,8 @@ class Scheduler:
             # counted by the first forward; its units stay until their gradients arrive.
             return output
         if torch.is_grad_enabled():
-            for unit in units:
-                for p, needs in zip(unit.params, unit.requires_grad):
-                    if needs and any(q is p for q in module._parameters.values()):
-                        unit.uses += 1
+            for unit, uses in self._uses_per_call[module]:
+                unit.uses += uses
             if any(unit.requires_grad for unit in units):
                 output = _map_tensors(
                     output,
@@ -186,9 +192,8 @@ class Scheduler:
         if pos is not None:
             self._prefetch(self.backward_order, pos + 1)
 
-    def _grad_hook(self, unit: ParamUnit):
+    def _grad_hook(self, unit: ParamUnit, i: int):
         def hook(param: torch.Tensor) -> None:
-            i = next(i for i, p in enumerate(unit.params) if p is param)
             if unit.grad is None:
                 if self.device.type == "cpu" and self.pool is not None:
                     # From the pool: budgeted, and aligned so its write-behind is direct.
@@ -263,12 +268,11 @@ class Scheduler:
         if self.resident or not order.valid:
             return
         budget = self.prefetch_bytes
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
         for module in order.modules[start : start + self.depth]:
             for unit in self.module_units.get(module, ()):
                 if unit.state is UnitState.RELEASED:
                     if budget is not None:
-                        budget -= unit.padded_numel * itemsize
+                        budget -= unit.padded_numel * self._itemsize
                         if budget < 0:  # prefetch.bytes: whichever limit comes first
                             return
                     if not self._start_fetch(unit, wait=False):
@@ -289,11 +293,17 @@ class Scheduler:
 
     def _cancel_prefetches(self) -> None:
         for other in self.units:
-            if other.state is UnitState.FETCHING:
-                value = other.pending.result()
-                other.pending = None
+            self._drop_fetch(other)
+
+    @staticmethod
+    def _drop_fetch(unit: ParamUnit) -> None:
+        """Wait for a fetch in flight and give its buffer back: the unit is not needed now."""
+        if unit.state is UnitState.FETCHING:
+            value = unit.pending.result()
+            unit.pending = None
+            if hasattr(value, "release"):  # a pool buffer (nvme), not a resident tensor
                 value.release()
-                other.state = UnitState.RELEASED
+            unit.state = UnitState.RELEASED
 
     def materialize(self, unit: ParamUnit) -> None:
         if unit.state is UnitState.READY:
@@ -312,7 +322,7 @@ class Scheduler:
         start = time.perf_counter()
         value = unit.pending.result()
         unit.pending = None
-        n_local = unit.shard.stop - unit.shard.start if self.gather else unit.padded_numel
+        n_local = unit.shard_numel if self.gather else unit.padded_numel
         if self.store.resident:  # cpu tier, CUDA device (or a shard to gather): the tensor itself
             host, lease = value, None
         else:
@@ -393,11 +403,6 @@ class Scheduler:
 
     def release_all(self) -> None:
         for unit in self.units:
-            if unit.state is UnitState.FETCHING:
-                value = unit.pending.result()
-                unit.pending = None
-                if hasattr(value, "release"):
-                    value.release()
-                unit.state = UnitState.RELEASED
+            self._drop_fetch(unit)
             unit.active = unit.uses = 0
             self.release(unit)

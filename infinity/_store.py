@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from infinity.swap import HostBuffer, SwapFuture, SwapSpace
+from infinity.swap import SwapFuture, SwapSpace
 
 from ._stats import Stats
 
@@ -88,14 +88,3 @@ class Store:
         """The resident tensor of ``name`` (device and cpu tiers only)."""
         return self._resident[name]
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._resident if self.resident else self._key(name) in self.space
-
-    def nbytes(self) -> int:
-        if self.resident:
-            return sum(t.numel() * t.element_size() for t in self._resident.values())
-        return sum(self.space.info(n).nbytes for n in self.space.names() if n.endswith(f"/{self.kind}"))
-
-
-def lease_view(lease: HostBuffer, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    return lease.view(dtype, (numel,))

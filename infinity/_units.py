@@ -51,8 +51,9 @@ class ParamUnit:
         self.grad_lease = None  # the pool buffer holding ``grad`` (CPU device)
 
     @property
-    def nbytes_fp32(self) -> int:
-        return self.padded_numel * 4
+    def shard_numel(self) -> int:
+        """Elements of this rank's slice (the whole padded unit at world size 1)."""
+        return self.shard.stop - self.shard.start
 
     def flat(self, dtype: torch.dtype, load=None) -> torch.Tensor:
         """The parameters' current values as one padded 1-D tensor of ``dtype`` (on the CPU);

@@ -28,7 +28,7 @@ from ._optim import KINDS, AdamW, make_groups
 from ._schedule import Scheduler
 from ._stats import Stats
 from ._store import Store
-from ._units import UnitState, build_units
+from ._units import build_units
 from .config import TierConfig
 
 logger = logging.getLogger("infinity")
@@ -76,6 +76,32 @@ def _pin_malloc_threshold() -> None:
     _MALLOC_PINNED = True
 
 
+def open_io(cfg: TierConfig, rank: int, local_rank: int):
+    """The aio engine, the host buffer pool and (when a tier is nvme) the swap space of a run:
+    one place for the engine and `build` to open them."""
+    engine = aio.open_engine(cfg.aio.backend, cfg.aio.queue_depth, cfg.aio.block_size)
+    pool = space = None
+    try:
+        pool = HostBufferPool(cfg.memory.host_budget, engine=engine)
+        if "nvme" in (cfg.tiers.params, cfg.tiers.grads, cfg.tiers.optimizer):
+            paths = list(cfg.nvme.resolve_paths(rank, local_rank))
+            for path in paths:  # "{rank}" templates name a directory per rank: make it
+                os.makedirs(path, mode=0o700, exist_ok=True)
+            # A run's swap is scratch: what a previous run left there is stale (a checkpoint, not
+            # the swap, is how a run resumes).
+            space = SwapSpace(
+                paths, rank=rank, engine=engine, pool=pool, verify=cfg.nvme.verify, fresh=True,
+                stripe_size=cfg.nvme.stripe_size, stripe_threshold=cfg.nvme.stripe_threshold,
+                grow_step=cfg.nvme.grow_step,
+            )  # fmt: skip
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        engine.close()
+        raise
+    return engine, pool, space
+
+
 def _as_config(config) -> TierConfig:
     if isinstance(config, TierConfig):
         return config
@@ -116,7 +142,6 @@ class Engine:
         self._scaler = LossScaler(cfg.precision) if self.dtype == torch.float16 else None
         self._closed = True
         self.aio = self.pool = self.space = None
-        tiers = cfg.tiers
         builder = next((p._infinity_builder for p in module.parameters() if hasattr(p, "_infinity_builder")), None)
         if builder is not None:
             if builder.config.to_dict() != cfg.to_dict():
@@ -131,19 +156,7 @@ class Engine:
                 builder.discard_unadopted()
                 self._closed = False
                 return
-            self.aio = aio.open_engine(cfg.aio.backend, cfg.aio.queue_depth, cfg.aio.block_size)
-            self.pool = HostBufferPool(cfg.memory.host_budget, engine=self.aio)
-            if "nvme" in (tiers.params, tiers.grads, tiers.optimizer):
-                paths = list(cfg.nvme.resolve_paths(rank, local_rank))
-                for path in paths:  # "{rank}" templates name a directory per rank: make it
-                    os.makedirs(path, mode=0o700, exist_ok=True)
-                # A run's swap is scratch: what a previous run left there is stale (a checkpoint,
-                # not the swap, is how a run resumes).
-                self.space = SwapSpace(
-                    paths, rank=rank, engine=self.aio, pool=self.pool,
-                    verify=cfg.nvme.verify, fresh=True, stripe_size=cfg.nvme.stripe_size,
-                    stripe_threshold=cfg.nvme.stripe_threshold, grow_step=cfg.nvme.grow_step,
-                )  # fmt: skip
+            self.aio, self.pool, self.space = open_io(cfg, rank, local_rank)
             self._setup(module, cfg)
         except BaseException:
             self._close_io()
@@ -257,11 +270,7 @@ class Engine:
                 c.skipped_steps += 1
             if self._scaler is None:
                 logger.warning("non-finite gradient: step %d skipped", self._stats.steps + 1)
-        self.grads.zero()
-        if self.scheduler.resident:  # the optimizer wrote the tier; parameters are views into it
-            for unit in self.units:
-                unit.state = UnitState.RELEASED
-                self.scheduler.materialize(unit)
+        self.grads.zero()  # resident parameters are views of the tier, updated in place: nothing to rebind
         last = self._stats.end_step()
         self._last_step = last
         if self.log_every and self._stats.steps % self.log_every == 0:
