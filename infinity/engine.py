@@ -303,28 +303,38 @@ class Engine:
             out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out
 
-    def gathered_weights(self) -> dict[str, torch.Tensor]:
-        """The fp32 master weights by parameter name, whole (gathered from every rank's shard;
-        every rank must call it). Tied parameters appear once, under their owner's name."""
-        out = {}
+    def unit_weights(self):
+        """Yield ``(unit, full)`` per parameter unit in order: ``full`` is the unit's fp32 master
+        weights, whole (gathered from every rank's shard: every rank must iterate to the end),
+        1-D of ``unit.padded_numel`` on the CPU. One sub-group's state is in memory at a time."""
         opt = self.optimizer
         for group in opt.groups:
             value = opt.stores["master"].get(group.name).result()
             if opt.stores["master"].resident:
-                master = value.detach().cpu()
+                master, lease = value.detach(), None
             else:
-                master = value.view(torch.float32, (group.numel,)).clone()
-                value.release()
-            for unit in group.units:
-                shard = master[group.slices[unit.index]]
-                if self.dist.active:
-                    full = torch.empty(unit.padded_numel, dtype=torch.float32)
-                    self.dist.all_gather(full, shard.contiguous(), f"weight gather of {unit.name}")
-                else:
-                    full = shard
-                for name, off, n, shape in zip(unit.param_names, unit.offsets, unit.numels, unit.shapes):
-                    prefix = "" if unit.name == "<root>" else f"{unit.name}."
-                    out[prefix + name] = full[off : off + n].view(shape).clone()
+                master, lease = value.view(torch.float32, (group.numel,)), value
+            try:
+                for unit in group.units:
+                    shard = master[group.slices[unit.index]].cpu()
+                    if self.dist.active:
+                        full = torch.empty(unit.padded_numel, dtype=torch.float32)
+                        self.dist.all_gather(full, shard.contiguous(), f"weight gather of {unit.name}")
+                    else:
+                        full = shard.clone()
+                    yield unit, full
+            finally:
+                if lease is not None:
+                    lease.release()
+
+    def gathered_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by parameter name, whole (gathered from every rank's shard;
+        every rank must call it). Tied parameters appear once, under their owner's name."""
+        out = {}
+        for unit, full in self.unit_weights():
+            for name, off, n, shape in zip(unit.param_names, unit.offsets, unit.numels, unit.shapes):
+                prefix = "" if unit.name == "<root>" else f"{unit.name}."
+                out[prefix + name] = full[off : off + n].view(shape).clone()
         return out
 
     @property
