@@ -15,6 +15,7 @@ rank-local decision (a prefetch that found no free memory, say) can reorder them
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import sys
 
@@ -71,6 +72,53 @@ class Dist:
         on = self._on_device(t)
         self._run(lambda: dist.all_reduce(on), what)
         self._back(t, on)
+
+    def barrier(self, what: str) -> None:
+        if self.active:
+            flag = torch.zeros(1)
+            self.all_reduce_sum(flag, what)  # a tensor collective: same timeout and failure records
+
+    def all_ok(self, ok: bool, what: str) -> list[int]:
+        """The ranks for which ``ok`` was False (every rank calls it; empty when all are fine)."""
+        if not self.active:
+            return [] if ok else [self.rank]
+        flags = torch.zeros(self.world_size)
+        flags[self.rank] = 0.0 if ok else 1.0
+        self.all_reduce_sum(flags, what)
+        return [r for r in range(self.world_size) if flags[r] > 0]
+
+    def agree_text(self, text: str, what: str) -> None:
+        """Raise on every rank unless every rank passed the same ``text`` (no pickle: a digest)."""
+        if not self.active:
+            return
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "little")
+        both = torch.tensor([digest, -digest], dtype=torch.float64)
+        self.all_reduce_max(both, what)
+        if both[0] != digest or -both[1] != digest:
+            raise ValueError(f"{what}: the ranks passed different values (rank {self.rank}: {text!r})")
+
+    def all_reduce_max(self, t: torch.Tensor, what: str) -> None:
+        on = self._on_device(t)
+        self._run(lambda: dist.all_reduce(on, op=dist.ReduceOp.MAX), what)
+        self._back(t, on)
+
+    def gather_text(self, text: str, what: str) -> list[str]:
+        """Every rank's ``text`` (UTF-8 bytes through an all-gather of a padded tensor)."""
+        if not self.active:
+            return [text]
+        data = text.encode()
+        size = torch.tensor([float(len(data))])
+        self.all_reduce_max(size, what)
+        mine = torch.zeros(int(size) + 8, dtype=torch.uint8)
+        mine[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        mine[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[8:8]
+        out = torch.empty(self.world_size * mine.numel(), dtype=torch.uint8)
+        self.all_gather(out, mine, what)
+        texts = []
+        for chunk in out.view(self.world_size, -1):
+            n = int.from_bytes(bytes(chunk[:8].tolist()), "little")
+            texts.append(bytes(chunk[8 : 8 + n].tolist()).decode())
+        return texts
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.nccl and t.device.type == "cpu":

@@ -337,6 +337,43 @@ class Engine:
                 out[prefix + name] = full[off : off + n].view(shape).clone()
         return out
 
+    # -- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, path, tag: str | None = None, client_state=None, *, keep_last: int | None = None) -> str:
+        """Save every rank's training state to ``path/<tag>`` (default tag ``step-<N>``) and
+        point ``path/latest`` at it; returns the checkpoint directory. Every rank calls it.
+
+        Atomic (see [Note: atomic checkpoint] in _checkpoint.py): a failed or killed save leaves
+        the previous checkpoint and ``latest`` as they were. ``client_state``: anything JSON can
+        hold, given back by `load_checkpoint`. ``keep_last=N`` removes all but the newest N
+        checkpoints in ``path`` after a successful save. State on NVMe is streamed through pool
+        buffers, checksummed (xxh3-64), never gathered whole in memory."""
+        self._check_open()
+        from . import _checkpoint
+
+        return _checkpoint.save(self, path, tag, client_state, keep_last)
+
+    def load_checkpoint(self, path, tag: str = "latest"):
+        """Load the checkpoint ``path/<tag>`` (default: the one ``path/latest`` names; ``path``
+        may also be a checkpoint directory itself) and return its ``client_state``.
+
+        Every tensor is checked against its checksum as it is read: a corrupt or incomplete
+        checkpoint is refused, naming the tensor and file, before anything trains on it. A
+        checkpoint saved with another world size, stage, tier placement, precision or
+        sub-group size loads too: each rank reads the slices of every unit it now owns."""
+        self._check_open()
+        from . import _checkpoint
+
+        return _checkpoint.load(self, path, tag)
+
+    def export(self, path) -> str:
+        """Write the consolidated weights to the safetensors file ``path`` under the model's own
+        parameter names (``model.load_state_dict(safetensors.torch.load_file(path))`` loads it
+        into the unwrapped model), one unit at a time. Every rank calls it; rank 0 writes."""
+        self._check_open()
+        from ._export import export_safetensors
+
+        return export_safetensors(self, path)
+
     @property
     def swap_dirs(self) -> list[str]:
         """The rank directories of the nvme swap space (for swap-inspect); empty without nvme."""

@@ -86,10 +86,15 @@ class SpaceReader:
             self._files[index] = aio.open_file(self.file_path(index), "r")
         return self._files[index]
 
-    def read(self, name: str, *, verify: bool = False) -> torch.Tensor:
-        """The tensor ``name``, read through the aio engine (checksum checked with ``verify``)."""
+    def read(self, name: str, *, verify: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor ``name``, read through the aio engine (checksum checked with ``verify``)
+        into a new tensor, or into ``out`` (contiguous, CPU, the tensor's dtype and numel)."""
         record = self.info(name)
-        out = torch.empty(record.shape, dtype=DTYPES[record.dtype])
+        dtype = DTYPES[record.dtype]
+        if out is None:
+            out = torch.empty(record.shape, dtype=dtype)
+        elif out.dtype != dtype or out.numel() * out.element_size() != record.nbytes or not out.is_contiguous():
+            raise ValueError(f"out is {out.dtype} of {out.numel()} elements, tensor {name!r} is {record.dtype} {list(record.shape)}")
         data = out.reshape(-1).view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
         files = {e.file: self._file(e.file) for e in record.extents}  # only the ones it lives in
         Transfer(self.engine, files, record.extents, data, write=False, alloc=plain_alloc).wait()
