@@ -26,6 +26,8 @@ from infinity.swap import (
     SwapCorruption,
     is_space_file,
 )
+from infinity._checkpoint import LATEST_NAME, META_NAME, load_meta
+from infinity._checkpoint import resolve as resolve_checkpoint
 from infinity.tools.nvme_bench import Progress, format_size
 
 _UNITS = ("", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -49,9 +51,15 @@ def human_size(nbytes: int) -> str:
 # -- finding and opening ranks ----------------------------------------------------------------
 def find_ranks(directory: str) -> list[str]:
     """The rank directories DIR stands for: DIR itself or its immediate subdirectories that
-    hold a manifest. Every layout the tool understands is recognised here, and only here."""
+    hold a manifest; for a checkpoint root (a ``latest`` file), those of the checkpoint it
+    names. Every layout the tool understands is recognised here, and only here."""
     if not os.path.isdir(directory):
         raise BadInput(f"{directory!r} {'is not a directory' if os.path.exists(directory) else 'does not exist'}")
+    if os.path.isfile(os.path.join(directory, LATEST_NAME)):  # a checkpoint root: the newest one
+        try:
+            directory = resolve_checkpoint(directory)
+        except (ValueError, OSError) as e:
+            raise BadInput(str(e)) from None
     if os.path.isfile(os.path.join(directory, MANIFEST_NAME)):
         return [directory]
     try:
@@ -79,6 +87,27 @@ def open_readers(rank_dirs: list[str], engine: aio.Engine) -> list[SpaceReader]:
         where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
         raise BadInput(where + (e.strerror if isinstance(e, OSError) and e.strerror else str(e))) from None
     return sorted(readers, key=lambda r: (r.manifest.rank, r.rank_dir))
+
+
+def checkpoint_summary(directory: str) -> dict | None:
+    """What meta.json says of the checkpoint in ``directory`` (None when it is not one)."""
+    if not os.path.isfile(os.path.join(directory, META_NAME)):
+        return None
+    try:
+        meta = load_meta(directory)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    keys = {k: meta[k] for k in ("tag", "step", "world_size", "stage", "param_dtype", "saved_at") if k in meta}
+    client = meta.get("client_state")
+    return dict(keys, directory=directory, units=len(meta["units"]),
+                client_state_keys=sorted(client) if isinstance(client, dict) else None)  # fmt: skip
+
+
+def print_checkpoint(c: dict) -> None:
+    client = f"; client_state: {', '.join(c['client_state_keys'])}" if c["client_state_keys"] else ""
+    print(f"checkpoint {c.get('tag')}: {c['directory']}\n  step {c['step']}, saved by {c['world_size']} "
+          f"rank(s) at stage {c['stage']}, params {c['param_dtype']}, {c['units']} units, "
+          f"{c.get('saved_at', '?')}{client}")  # fmt: skip
 
 
 # -- what a rank holds ------------------------------------------------------------------------
@@ -324,10 +353,15 @@ def main(argv: list[str] | None = None) -> int:
                     print_tensor(r)
                 return int(any(r["status"] == "bad" for r in records))
             summaries = [rank_summary(r) for r in readers]
+            checkpoint = checkpoint_summary(os.path.dirname(rank_dirs[0]))
+            if checkpoint is not None and not args.json:
+                print_checkpoint(checkpoint)
             for s in [] if args.json else summaries:
                 print_summary(s)
             sys.stdout.flush()
             result = dict(path=args.directory, ranks=summaries)
+            if checkpoint is not None:
+                result["checkpoint"] = checkpoint
             if args.verify:
                 result["verify"] = v = verify(readers, summaries, quiet=args.json)
                 if not args.json:

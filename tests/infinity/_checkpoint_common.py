@@ -1,0 +1,34 @@
+"""The model, config and data shared by test_checkpoint.py and its child process."""
+
+import torch
+from torch import nn
+
+
+def make_model(seed: int = 0, width: int = 32) -> nn.Module:
+    torch.manual_seed(seed)
+    # Dropout draws from the RNG: a resume is only exact if the RNG state comes back too.
+    return nn.Sequential(nn.Linear(16, width), nn.Dropout(0.2), nn.GELU(), nn.Linear(width, width),
+                         nn.LayerNorm(width), nn.Linear(width, 4))  # fmt: skip
+
+
+def config(swap: str, tiers, **sections) -> dict:
+    params, grads, optimizer = tiers
+    cfg = {"tiers": {"params": params, "grads": grads, "optimizer": optimizer},
+           "nvme": {"paths": [str(swap)], "grow_step": "4MiB"}, "memory": {"host_budget": "256MiB"},
+           "optimizer": {"lr": 1e-2, "weight_decay": 0.01}}  # fmt: skip
+    for key, value in sections.items():
+        cfg.setdefault(key, {}).update(value)
+    return cfg
+
+
+def train(engine, steps: int, start: int = 0, dtype=torch.float32) -> list[float]:
+    """``steps`` steps on batches that depend only on the step number (same data order)."""
+    losses = []
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g).to(dtype), torch.randn(8, 4, generator=g).to(dtype)
+        loss = ((engine(x) - y) ** 2).float().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().item())
+    return losses

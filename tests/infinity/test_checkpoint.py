@@ -1,0 +1,333 @@
+"""Checkpoints: exact resume in every placement, atomicity under failure and kill -9, refusal
+of corrupt, incomplete or foreign checkpoints, pruning, file modes, no pickle on load."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import os
+import pickle
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import infinity
+from infinity._checkpoint import CheckpointError
+from infinity.swap import SwapCorruption
+from infinity.tools import swap_inspect
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _checkpoint_common import config, make_model, train  # noqa: E402
+
+CHILD = os.path.join(os.path.dirname(__file__), "_checkpoint_child.py")
+PLACEMENTS = list(itertools.product(("device", "cpu", "nvme"), repeat=3))
+
+
+def _engine(tmp_path, tiers=("nvme",) * 3, seed=0, **sections):
+    swap = tmp_path / f"swap-{'-'.join(tiers)}-{seed}-{time.monotonic_ns()}"
+    swap.mkdir()
+    return infinity.initialize(make_model(seed=seed), config(str(swap), tiers, **sections))
+
+
+def _weights(engine):
+    return engine.gathered_weights()
+
+
+def _assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_resume_in_a_new_process_is_bit_exact_in_every_placement(tmp_path):
+    """10 steps straight == 5 steps, save, a new process loads, 5 steps (fp32, dropout on, the
+    same data order), for all 27 placements of params, grads and optimizer states."""
+    straight, root = {}, tmp_path / "ckpts"
+    for tiers in PLACEMENTS:
+        placement = "-".join(tiers)
+        torch.manual_seed(5)
+        with _engine(tmp_path, tiers) as engine:
+            train(engine, 10)
+            for name, w in _weights(engine).items():
+                straight[f"{placement}/{name}"] = w
+        torch.manual_seed(5)
+        with _engine(tmp_path, tiers) as engine:
+            train(engine, 5)
+            engine.save_checkpoint(root / placement)
+    out = tmp_path / "resumed.pt"
+    proc = subprocess.run([sys.executable, CHILD, "resume", str(out), str(root), *("-".join(t) for t in PLACEMENTS)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = torch.load(out, weights_only=True)
+    _assert_equal(resumed, straight)
+
+
+def test_save_then_load_in_process_restores_state_step_rng_and_client_state(tmp_path):
+    engine = _engine(tmp_path)
+    torch.manual_seed(3)
+    train(engine, 3)
+    where = engine.save_checkpoint(tmp_path / "ck", client_state={"epoch": 2, "seen": [1, 2.5, None]})
+    assert os.path.basename(where) == "step-3"
+    expected_rng = torch.rand(4)  # what the RNG gives right after the save
+    saved = _weights(engine)
+    train(engine, 2)  # moves the weights and the RNG on
+    state = engine.load_checkpoint(tmp_path / "ck")
+    assert state == {"epoch": 2, "seen": [1, 2.5, None]}
+    assert engine.stats()["steps"] == 3
+    assert torch.equal(torch.rand(4), expected_rng)
+    _assert_equal(_weights(engine), saved)
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"precision": {"param_dtype": "bf16"}}, {"optimizer": {"sub_group_size": "4KiB"}}, {"partition": {"stage": 1}}],
+    ids=["bf16", "small-sub-groups", "stage-1"],
+)
+def test_load_into_another_precision_or_layout(tmp_path, change):
+    """The master weights and moments come back exactly whatever the new engine's precision,
+    sub-groups or stage; a bf16 engine's parameters are the master weights, cast."""
+    engine = _engine(tmp_path)
+    train(engine, 3)
+    engine.save_checkpoint(tmp_path / "ck")
+    saved = _weights(engine)
+    engine.close()
+    other = _engine(tmp_path, ("nvme", "cpu", "nvme"), seed=9, **change)
+    other.load_checkpoint(tmp_path / "ck")
+    _assert_equal(_weights(other), saved)
+    train(other, 1, dtype=other.dtype)  # and it trains on
+    other.close()
+
+
+def test_keep_last_prunes_and_latest_names_the_newest(tmp_path):
+    engine = _engine(tmp_path, ("device",) * 3)
+    root = tmp_path / "ck"
+    for _ in range(4):
+        train(engine, 1)
+        engine.save_checkpoint(root, keep_last=2)
+    assert sorted(p for p in os.listdir(root)) == ["latest", "step-3", "step-4"]
+    assert (root / "latest").read_text().strip() == "step-4"
+    engine.save_checkpoint(root, tag="best", keep_last=5)  # a named tag counts by its step
+    assert (root / "latest").read_text().strip() == "best"
+    engine.close()
+
+
+def test_saving_a_tag_again_replaces_it_atomically(tmp_path):
+    engine = _engine(tmp_path)
+    root = tmp_path / "ck"
+    engine.save_checkpoint(root, tag="last")
+    train(engine, 2)
+    engine.save_checkpoint(root, tag="last")
+    now = _weights(engine)
+    assert sorted(os.listdir(root)) == ["last", "latest"]  # no leftovers of the old one
+    train(engine, 1)
+    engine.load_checkpoint(root)
+    _assert_equal(_weights(engine), now)
+    engine.close()
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """ENOSPC while the new checkpoint's arena grows: an OSError naming the file and the bytes;
+    latest still names the old checkpoint, which loads; no temporary directory is left; the
+    engine can still save elsewhere."""
+    engine = _engine(tmp_path)
+    root = tmp_path / "ck"
+    engine.save_checkpoint(root)
+    before = _weights(engine)
+    train(engine, 1)
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError) as info:
+        engine.save_checkpoint(root)
+    assert info.value.errno == errno.ENOSPC
+    assert "arena-0.bin" in str(info.value.filename) and "bytes" in str(info.value)
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    assert sorted(os.listdir(root)) == ["latest", "step-0"]
+    assert (root / "latest").read_text().strip() == "step-0"
+    engine.save_checkpoint(tmp_path / "elsewhere")
+    engine.load_checkpoint(root)
+    _assert_equal(_weights(engine), before)
+    engine.close()
+
+
+def _mount_tmpfs(path, size: str) -> bool:
+    if os.geteuid() != 0:
+        return False
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0  # fmt: skip
+
+
+def test_enospc_on_a_full_filesystem_keeps_the_last_checkpoint(tmp_path):
+    """A real full filesystem (a 1 MiB tmpfs): the first checkpoint fits, the second cannot
+    both exist beside it; the error names the file and the bytes, the first still loads."""
+    small = tmp_path / "small"
+    if not _mount_tmpfs(small, "1m"):
+        pytest.skip("mounting a size-limited tmpfs needs root and mount(2) permission")
+    try:
+        engine = _engine(tmp_path, ("device",) * 3)
+        first = engine.save_checkpoint(small)
+        saved = _weights(engine)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(first) for f in fs)
+        # Fill the filesystem so that a second checkpoint cannot fit.
+        free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+        with open(small / "filler", "wb") as f:
+            f.write(b"\0" * max(free - size // 2, 0))
+        train(engine, 1)
+        with pytest.raises(OSError) as info:
+            engine.save_checkpoint(small)
+        assert info.value.errno == errno.ENOSPC, info.value
+        assert "bytes" in str(info.value)
+        assert (small / "latest").read_text().strip() == "step-0"
+        assert not [n for n in os.listdir(small) if n.startswith(".tmp-")]
+        engine.load_checkpoint(small)
+        _assert_equal(_weights(engine), saved)
+        engine.close()
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_kill_9_during_save_leaves_a_loadable_checkpoint(tmp_path):
+    """SIGKILL lands while a save is writing (its temporary directory exists): latest names a
+    complete checkpoint that loads and verifies; the next save clears the leftover."""
+    root, swap = tmp_path / "ck", tmp_path / "swap"
+    swap.mkdir()
+    proc = subprocess.Popen([sys.executable, CHILD, "save-forever", str(root), str(swap)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().startswith("saved step-1"), proc.stderr.read() if proc.poll() else ""
+        deadline = time.monotonic() + 60
+        while not any(n.startswith(".tmp-") for n in os.listdir(root)):  # a save is under way
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.0005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+    leftovers = [n for n in os.listdir(root) if n.startswith(".tmp-")]
+    assert leftovers, "the kill was meant to land during a save"
+    tag = (root / "latest").read_text().strip()
+    assert swap_inspect.main([str(root / tag), "--verify"]) == 0
+    (tmp_path / "swap2").mkdir()
+    engine = infinity.initialize(make_model(seed=0, width=512), config(str(tmp_path / "swap2"), ["nvme"] * 3))
+    engine.load_checkpoint(root)
+    assert engine.stats()["steps"] == int(tag.removeprefix("step-"))
+    train(engine, 1)
+    engine.save_checkpoint(root)
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
+    engine.close()
+
+
+def _flip_byte(rank_dir, name: str) -> None:
+    manifest = json.load(open(os.path.join(rank_dir, "manifest.json")))
+    file, offset, _ = manifest["tensors"][name]["extents"][0]
+    path = os.path.join(rank_dir, manifest["files"][file]["name"])
+    with open(path, "r+b") as f:
+        f.seek(offset + 5)
+        byte = f.read(1)
+        f.seek(offset + 5)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_a_flipped_byte_is_refused_by_load_and_named_by_swap_inspect(tmp_path, capsys):
+    engine = _engine(tmp_path)
+    where = engine.save_checkpoint(tmp_path / "ck")
+    _flip_byte(os.path.join(where, "rank0"), "3/exp_avg")
+    with pytest.raises(SwapCorruption) as info:
+        engine.load_checkpoint(tmp_path / "ck")
+    assert info.value.tensor == "3/exp_avg" and "arena-0.bin" in info.value.filename
+    assert swap_inspect.main([str(tmp_path / "ck"), "--verify"]) == 1
+    assert "3/exp_avg" in capsys.readouterr().out
+    engine.close()
+
+
+def test_incomplete_foreign_and_tampered_checkpoints_are_refused(tmp_path):
+    engine = _engine(tmp_path, ("device",) * 3)
+    where = engine.save_checkpoint(tmp_path / "ck")
+    root = tmp_path / "ck"
+    # A tensor missing from a rank's manifest.
+    manifest_path = os.path.join(where, "rank0", "manifest.json")
+    good = open(manifest_path).read()
+    data = json.loads(good)
+    del data["tensors"]["0/master"]
+    open(manifest_path, "w").write(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"tensor '0/master' is missing"):
+        engine.load_checkpoint(root)
+    open(manifest_path, "w").write(good)
+    # An unknown meta.json version, and one for another model.
+    meta_path = os.path.join(where, "meta.json")
+    meta = json.load(open(meta_path))
+    json.dump({**meta, "version": 99}, open(meta_path, "w"))
+    with pytest.raises(CheckpointError, match="version: unknown version 99"):
+        engine.load_checkpoint(root)
+    units = [dict(meta["units"][0], numel=7), *meta["units"][1:]]
+    json.dump({**meta, "units": units}, open(meta_path, "w"))
+    with pytest.raises(CheckpointError, match="not the same model"):
+        engine.load_checkpoint(root)
+    json.dump(meta, open(meta_path, "w"))
+    # A latest pointer or a manifest edited to point outside the checkpoint.
+    (root / "latest").write_text("../../etc\n")
+    with pytest.raises(CheckpointError, match="tag '../../etc'"):
+        engine.load_checkpoint(root)
+    (root / "latest").write_text("step-0\n")
+    data = json.loads(good)
+    data["files"][0]["name"] = "../../../escape.bin"
+    open(manifest_path, "w").write(json.dumps(data))
+    with pytest.raises(ValueError, match="may not point outside its directory"):
+        engine.load_checkpoint(root)
+    open(manifest_path, "w").write(good)
+    # A missing rank directory, and no checkpoint at all.
+    os.rename(os.path.join(where, "rank0"), os.path.join(where, "gone"))
+    with pytest.raises(CheckpointError, match="rank 0 of 1 is missing"):
+        engine.load_checkpoint(root)
+    with pytest.raises(FileNotFoundError, match="no 'latest' file"):
+        engine.load_checkpoint(tmp_path)
+    engine.close()
+
+
+def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
+    engine = _engine(tmp_path, ("device",) * 3)
+    with pytest.raises(TypeError, match="JSON-serialisable"):
+        engine.save_checkpoint(tmp_path / "ck", client_state={"t": torch.ones(2)})
+    with pytest.raises(ValueError, match="checkpoint tag '../x'"):
+        engine.save_checkpoint(tmp_path / "ck", tag="../x")
+    with pytest.raises(ValueError, match="keep_last=0"):
+        engine.save_checkpoint(tmp_path / "ck", keep_last=0)
+    loss = engine(torch.randn(2, 16)).sum()
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match="call step"):
+        engine.save_checkpoint(tmp_path / "ck")
+    engine.step()
+    assert not (tmp_path / "ck").exists() or not [n for n in os.listdir(tmp_path / "ck") if not n.startswith(".")]
+    engine.close()
+
+
+def test_files_are_private_and_load_needs_no_pickle(tmp_path, monkeypatch):
+    engine = _engine(tmp_path)
+    where = engine.save_checkpoint(tmp_path / "ck")
+    for d, dirs, files in os.walk(where):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+        for f in files:
+            assert stat.S_IMODE(os.stat(os.path.join(d, f)).st_mode) == 0o600, f
+    assert stat.S_IMODE(os.stat(tmp_path / "ck" / "latest").st_mode) == 0o600
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used while loading a checkpoint")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    engine.load_checkpoint(tmp_path / "ck")
+    engine.close()
