@@ -1,7 +1,12 @@
 """One rank of a multi-rank test (tests/infinity/test_multirank.py); also run alone (1 rank).
 
-argv: mode (parity | dead | mismatch), output path prefix, stage, swap directory.
-The global batch of every step is the same whatever the world size; rank r takes its 1/N.
+argv: mode (parity | dead | mismatch | ckpt-save | ckpt-load), output path prefix, stage, swap
+directory, and for the ckpt modes the checkpoint root. The global batch of every step is the
+same whatever the world size; rank r takes its 1/N.
+
+ckpt-save: 5 steps, save, 5 more steps. ckpt-load: load (into any world size and stage), 5
+steps. Rank 0 writes the weights right after the save or load ({out}.at_ckpt.pt) and at the end
+({out}.weights.pt), so the test can check that a resharded load is exact and trains on alike.
 """
 
 import json
@@ -20,6 +25,7 @@ class SimulatedFailure(Exception):
 
 
 mode, out, stage, swap_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+ckpt = sys.argv[5] if len(sys.argv) > 5 else None
 rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -32,6 +38,30 @@ try:
 except ValueError as e:
     open(f"{out}.{rank}.err", "w").write(str(e))
     sys.exit(3)
+
+if mode.startswith("ckpt"):
+    def run(steps, start):
+        for step in range(start, start + steps):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(12, 16, generator=g), torch.randn(12, 4, generator=g)
+            per = 12 // world
+            loss = ((engine(x[rank * per : (rank + 1) * per]) - y[rank * per : (rank + 1) * per]) ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+
+    if mode == "ckpt-save":
+        run(5, 0)
+        engine.save_checkpoint(ckpt, client_state={"world": world})
+    else:
+        assert engine.load_checkpoint(ckpt) == {"world": 2}
+    at_ckpt = engine.gathered_weights()
+    run(5, 5)
+    weights = engine.gathered_weights()
+    if rank == 0:
+        torch.save(at_ckpt, f"{out}.at_ckpt.pt")
+        torch.save(weights, f"{out}.weights.pt")
+    engine.close()
+    sys.exit(0)
 
 losses, reads = [], []
 g = torch.Generator().manual_seed(1)
