@@ -249,12 +249,22 @@ def train(args: argparse.Namespace) -> int:
     where = "" if args.config else f" (params {args.params}, grads {args.grads}, optimizer {args.optimizer})"
     ranks = f", {world} ranks" if world > 1 else ""
     print(f"GPT-2 {args.size}: {nparams / 1e6:.2f}M parameters, {len(train_data):,} training bytes{where}{ranks}")
+    first = 1
+    try:
+        if args.resume:
+            first = resume(engine, args, batches, print) + 1
+    except (ValueError, FileNotFoundError) as e:  # a checkpoint of another run or model
+        engine.close()
+        raise BadInput(str(e)) from e
+    except BaseException:
+        engine.close()
+        raise
     progress = Progress(args.steps, args.log_every, sys.stdout.isatty(), enabled=rank == 0)
     losses: list[float] = []
     try:
         with StopFlag() as stop:
             stats, t = engine.stats(), time.perf_counter()
-            for step in range(1, args.steps + 1):
+            for step in range(first, args.steps + 1):
                 x, y = next(batches)
                 x, y = x.to(engine.device), y.to(engine.device)  # where compute runs: the GPU if any
                 logits = engine(input_ids=x).logits
@@ -265,11 +275,25 @@ def train(args: argparse.Namespace) -> int:
                 now, new = time.perf_counter(), engine.stats()
                 progress.update(step, losses[-1], x.numel() / (now - t), format_rates(stats, new, now - t))
                 stats, t = new, now
+                if args.checkpoint_dir and (step % args.save_every == 0 or step == args.steps or stop.set):
+                    where = engine.save_checkpoint(args.checkpoint_dir, client_state={"data_seed": args.seed},
+                                                   keep_last=args.keep_last)  # fmt: skip
+                    if progress.tty:
+                        progress.close()
+                    print(f"checkpoint {where}", flush=True)
+                    stats, t = engine.stats(), time.perf_counter()  # the save is not training time
                 if stop.set:
                     progress.close()
-                    print(f"interrupted after step {step} of {args.steps}; the swap space is left as it is")
+                    saved = " (checkpoint saved: --resume goes on from it)" if args.checkpoint_dir else ""
+                    print(f"interrupted after step {step} of {args.steps}; the swap space is left as it is{saved}")
                     return 130
         progress.close()
+        if args.export:
+            path = engine.export(args.export)
+            print(f"exported the weights to {path}")
+        if not losses:
+            print(f"nothing to train: the checkpoint is at step {first - 1} of --steps {args.steps}")
+            return 0
         window = losses[-args.log_every :]
         print(f"train loss {sum(window) / len(window):.3f} (mean of the last {len(window)} steps), "
               f"val loss {evaluate(engine, val):.3f} (uniform guessing: {math.log(VOCAB):.3f})")  # fmt: skip
@@ -295,6 +319,22 @@ def train(args: argparse.Namespace) -> int:
     return 1 if inspect_main([where]) else 0
 
 
+def resume(engine, args: argparse.Namespace, batches: Iterator, print) -> int:
+    """Load the newest checkpoint of --checkpoint-dir, if there is one, and skip the batches
+    its steps used (the data order goes on as if never stopped); returns its step."""
+    if not os.path.isfile(os.path.join(args.checkpoint_dir, "latest")):
+        print(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 1")
+        return 0
+    state = engine.load_checkpoint(args.checkpoint_dir)
+    if state.get("data_seed") != args.seed:
+        raise ValueError(f"the checkpoint was trained with --seed {state.get('data_seed')}, not {args.seed}")
+    step = engine.stats()["steps"]
+    for _ in range(step):
+        next(batches)
+    print(f"resumed from {args.checkpoint_dir} at step {step}")
+    return step
+
+
 def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:
     if world > 1:
         loss = loss.clone()
@@ -308,7 +348,8 @@ SYNOPSIS = """python -m infinity.demo [--size tiny|small|medium] [--steps 500] [
                           [--block-size 128] [--params T] [--grads T] [--optimizer T]
                           [--swap-dir DIR] [--param-dtype fp32|bf16|fp16] [--lr 1e-3]
                           [--seed 0] [--log-every 50] [--sample-bytes 120] [--prompt TEXT]
-                          [--config FILE]"""
+                          [--config FILE] [--checkpoint-dir DIR [--save-every 100]
+                          [--keep-last 2] [--resume]] [--export FILE]"""
 
 DESCRIPTION = """\
 description:
@@ -320,6 +361,12 @@ description:
   swap files under --swap-dir, which is created. --config FILE takes a TOML tier config
   (DESIGN section 3) instead of the tier, dtype, --lr and --swap-dir flags. Ctrl-C stops
   after the current step.
+
+  With --checkpoint-dir, a checkpoint is saved every --save-every steps, at the end and on
+  Ctrl-C (the newest --keep-last are kept); a run killed in any way, even in the middle of a
+  save, goes on from the newest complete one with --resume (same flags), exactly as if it had
+  not stopped. --export FILE writes the trained weights as safetensors, loadable by
+  GPT2LMHeadModel(config).load_state_dict(safetensors.torch.load_file(FILE)).
 """
 
 EPILOG = """\
@@ -372,11 +419,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="bytes to generate at the end, 0 for none (default 120)")
     p.add_argument("--prompt", metavar="TEXT", default="The ", help="text the sample starts from (default 'The ')")
     p.add_argument("--config", metavar="FILE", help="a TOML tier config instead of the tier flags")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (default: none)")
+    p.add_argument("--save-every", metavar="N", type=_positive(int), default=100,
+                   help="steps between checkpoints (default 100)")
+    p.add_argument("--keep-last", metavar="N", type=_positive(int), default=2,
+                   help="checkpoints kept in --checkpoint-dir (default 2)")
+    p.add_argument("--resume", action="store_true", help="go on from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--export", metavar="FILE", help="write the trained weights to FILE (safetensors)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir")
     try:
         return train(args)
     except BadInput as e:

@@ -171,3 +171,35 @@ def test_demo_trains_on_nvme_and_shows_the_swap_space(tmp_path, capsys):
     assert code == 0, out
     assert "step 3/3 loss" in out and "val loss" in out
     assert "swap-inspect" in out and "tensors:" in out  # the summary of the rank directory
+
+
+def test_demo_resumes_exactly_and_exports_what_transformers_loads(tmp_path, capsys):
+    """What the README shows: stop a run, --resume it, --export the weights. The resumed run
+    ends with the same losses as one that never stopped, and the export loads strictly."""
+    transformers = pytest.importorskip("transformers")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    common = ["--size", "tiny", "--block-size", "32", "--batch-size", "2", "--log-every", "2",
+              "--sample-bytes", "0"]  # fmt: skip
+    assert demo.main([*common, "--steps", "6", "--swap-dir", str(tmp_path / "s1")]) == 0
+    straight = capsys.readouterr().out
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2"]
+    assert demo.main([*common, "--steps", "3", "--swap-dir", str(tmp_path / "s2"), *ck]) == 0
+    first = capsys.readouterr().out
+    assert "checkpoint " in first and os.path.isdir(tmp_path / "ck" / "step-3")
+    export = tmp_path / "model.safetensors"
+    assert demo.main([*common, "--steps", "6", "--swap-dir", str(tmp_path / "s2"), *ck, "--resume",
+                      "--export", str(export)]) == 0  # fmt: skip
+    resumed = capsys.readouterr().out
+    assert "resumed from" in resumed and "at step 3" in resumed
+
+    def tail(out):
+        lines = [line for line in out.splitlines() if line.startswith(("step 4/", "step 6/", "train loss"))]
+        return [" ".join(line.split()[:4]) if line.startswith("step") else line for line in lines]
+
+    assert tail(resumed) == tail(straight) and len(tail(straight)) == 3
+    model = demo.build_model("tiny", 32, seed=123)
+    model.load_state_dict(safetensors_torch.load_file(export))  # strict: every key, no extra
+    assert isinstance(model, transformers.GPT2LMHeadModel)
+    # --resume with another --seed is someone else's run: refused, exit 2
+    code = demo.main([*common, "--steps", "8", "--seed", "5", "--swap-dir", str(tmp_path / "s2"), *ck, "--resume"])
+    assert code == 2 and "--seed 0, not 5" in capsys.readouterr().err
