@@ -69,12 +69,20 @@ class GradAccumulator:
             if hold is not None:
                 hold.release()
             hold, acc = staged, staged.view(torch.float32, acc.shape)
+        try:
+            pending = self.store.put(unit.name, acc)
+        except BaseException:
+            # Not stored (a full drive, say): this unit has no gradient this step, and the
+            # buffer goes back. The caller's error says why; `zero` then starts the step over.
+            if hold is not None:
+                hold.release()
+            self.has_grad.discard(unit.index)
+            raise
         self.has_grad.add(unit.index)
         mine = acc[unit.shard] if self.grads_full else acc  # norms of this rank's slice only
         # Kept as tensors: reading them (a device sync on CUDA) waits for the step, once.
         self.norm_sq[unit.index] = torch.linalg.vector_norm(mine, dtype=torch.float64) ** 2
         self.finite[unit.index] = torch.isfinite(mine).all()
-        pending = self.store.put(unit.name, acc)
         if self.store.resident:
             if hold is not None:
                 hold.release()
@@ -113,8 +121,16 @@ class GradAccumulator:
         return float(bad) == 0.0
 
     def zero(self) -> None:
-        """Forget this step's gradients (the next backward writes afresh; nothing is read)."""
-        self.flush()
+        """Forget this step's gradients (the next backward writes afresh; nothing is read).
+        Write-behinds are finished first; one that failed is forgotten with the rest."""
+        try:
+            self.flush()
+        finally:
+            for index in list(self._writes):  # whatever flush did not get to (it raised)
+                try:
+                    self._settle(index)
+                except OSError:
+                    pass
         self.has_grad.clear()
         self.norm_sq.clear()
         self.finite.clear()

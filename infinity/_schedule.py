@@ -225,24 +225,37 @@ class Scheduler:
             self._prefetch(self.backward_order, 0)
 
     def finish_unit_backward(self, unit: ParamUnit) -> None:
-        if unit.grad is not None:
-            self.grads.add(unit, unit.grad, unit.grad_lease)
-            unit.grad = unit.grad_lease = None
+        grad, lease = unit.grad, unit.grad_lease
+        unit.grad = unit.grad_lease = None  # handed on, or (if that fails) dropped: never twice
         unit.uses = 0
+        if grad is not None:
+            self.grads.add(unit, grad, lease)  # owns the lease from here, failing or not
         self.release(unit)
 
     def end_backward(self) -> None:
         """Gradients not yet handed on (a unit whose uses never reached zero: activation
-        recomputation runs a forward twice) are handed on now; every unit is released."""
+        recomputation runs a forward twice) are handed on now; every unit is released.
+        The pass ends even when handing on fails (the first error is raised after)."""
+        try:
+            for unit in self.units:
+                if unit.grad is not None or unit.uses:
+                    self.finish_unit_backward(unit)
+        finally:
+            self.drop_grads()
+            for unit in self.units:
+                unit.active = 0
+                self.release(unit)
+            self.backward_order = _Order([])
+            self._in_backward = False
+            self._drain_copies(block=True)
+
+    def drop_grads(self) -> None:
+        """Forget gradients still being gathered in units (after a failed backward)."""
         for unit in self.units:
-            if unit.grad is not None or unit.uses:
-                self.finish_unit_backward(unit)
-        for unit in self.units:
-            unit.active = 0
-            self.release(unit)
-        self.backward_order = _Order([])
-        self._in_backward = False
-        self._drain_copies(block=True)
+            if unit.grad_lease is not None:
+                unit.grad_lease.release()
+            unit.grad = unit.grad_lease = None
+            unit.uses = 0
 
     # -- saved tensors: see [Note: saved parameter views] -------------------------------------
     def pack(self, t: torch.Tensor):

@@ -41,6 +41,9 @@ class ParamUnit:
         shard = self.padded_numel // world_size
         self.shard = slice(rank * shard, (rank + 1) * shard)  # see [Note: unit partition]
         self.requires_grad = [p.requires_grad for p in self.params]
+        # The dtypes the model was made in (binding gives the parameters param_dtype): what
+        # export writes and the unwrapped model expects.
+        self.dtypes = [p.dtype for p in self.params]
         self.state = UnitState.RELEASED
         self.full: torch.Tensor | None = None  # 1-D, param dtype, device; while READY
         self.pending = None  # the fetch in flight (store Pending), while FETCHING

@@ -84,6 +84,7 @@ def open_io(cfg: TierConfig, rank: int, local_rank: int):
     try:
         pool = HostBufferPool(cfg.memory.host_budget, engine=engine)
         if "nvme" in (cfg.tiers.params, cfg.tiers.grads, cfg.tiers.optimizer):
+            cfg.nvme.check_paths()  # again: a drive may have gone since the config was made
             paths = list(cfg.nvme.resolve_paths(rank, local_rank))
             for path in paths:  # "{rank}" templates name a directory per rank: make it
                 os.makedirs(path, mode=0o700, exist_ok=True)
@@ -158,8 +159,11 @@ class Engine:
                 return
             self.aio, self.pool, self.space = open_io(cfg, rank, local_rank)
             self._setup(module, cfg)
-        except BaseException:
-            self._close_io()
+        except BaseException as e:
+            try:
+                self._close_io()
+            except Exception as cleanup:  # noqa: BLE001 - the first error is the one to see
+                e.add_note(f"(closing the swap space after that also failed: {cleanup})")
             raise
         self._closed = False
 
@@ -248,9 +252,12 @@ class Engine:
             loss.backward()
         except BaseException as e:
             self.dist.report_failure(e)
+            try:
+                self.scheduler.end_backward()
+            except Exception as cleanup:  # noqa: BLE001 - the first error is the one to see
+                e.add_note(f"(ending the backward pass after that also failed: {cleanup})")
             raise
-        finally:
-            self.scheduler.end_backward()
+        self.scheduler.end_backward()
 
     def step(self) -> bool:
         """The optimizer step, then gradients cleared. False when it was skipped (fp16 overflow,
@@ -278,6 +285,10 @@ class Engine:
         return stepped
 
     def zero_grad(self) -> None:
+        """Forget the gradients accumulated since the last step (also after a failed backward:
+        the step can then be redone from its first micro-batch)."""
+        self._check_open()
+        self.scheduler.drop_grads()
         self.grads.zero()
 
     def train(self, mode: bool = True) -> "Engine":
@@ -323,6 +334,7 @@ class Engine:
                     else:
                         full = shard.clone()
                     yield unit, full
+                    del full  # one unit's weights alive at a time
             finally:
                 if lease is not None:
                     lease.release()
@@ -390,12 +402,18 @@ class Engine:
         self._close_io()
 
     def _close_io(self) -> None:
-        if self.space is not None:
-            self.space.close()
-        if self.pool is not None:
-            self.pool.close()
-        if self.aio is not None:
-            self.aio.close()
+        """Close the swap space, the pool and the aio engine: all three, whatever fails first
+        (the first error is raised after the others are closed)."""
+        try:
+            if self.space is not None:
+                self.space.close()
+        finally:
+            try:
+                if self.pool is not None:
+                    self.pool.close()
+            finally:
+                if self.aio is not None:
+                    self.aio.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -45,7 +45,9 @@ BAD = [
     ({"tiers": {"params": "disk"}}, "tiers.params: 'disk' is not one of device, cpu, nvme"),
     ({"tiers": {"params": 1}}, "tiers.params: expected a string, got int 1"),
     ({"tiers": {"grads": "gpu"}}, "tiers.grads"),
+    ({"tiers": {"grads": ["cpu"]}}, "tiers.grads: expected a string, got list ['cpu']"),
     ({"tiers": {"optimizer": None}}, "tiers.optimizer"),
+    ({"tiers": {"optimizer": "ssd"}}, "tiers.optimizer: 'ssd' is not one of device, cpu, nvme"),
     ({"tiers": "nvme"}, "tiers: expected a table"),
     ({"nvme": {"paths": 5}}, "nvme.paths"),
     ({"nvme": {"paths": ["/a", 1]}}, "nvme.paths[1]"),
@@ -61,6 +63,8 @@ BAD = [
     ({"nvme": {"stripe_threshold": True}}, "nvme.stripe_threshold: expected a size"),
     ({"nvme": {"grow_step": 0}}, "nvme.grow_step"),
     ({"nvme": {"grow_step": "4K1"}}, "nvme.grow_step: size '4K1'"),
+    ({"nvme": {"grow_step": "6K"}}, "nvme.grow_step: 6144 bytes must be at least 1 and a multiple of 4096"),
+    ({"nvme": {"grow_step": 4096.0}}, "nvme.grow_step: expected a size (int bytes, or a string such as '1MiB')"),
     ({"nvme": {"verify": "sometimes"}}, "nvme.verify: 'sometimes' is not one of off, checkpoint, always"),
     ({"nvme": {"verify": 1}}, "nvme.verify"),
     ({"aio": {"backend": "spdk"}}, "aio.backend: 'spdk' is not one of auto, uring, threads"),
@@ -94,6 +98,7 @@ BAD = [
     ({"precision": {"growth_interval": 1.5}}, "precision.growth_interval"),
     ({"precision": {"min_scale": 0}}, "precision.min_scale"),
     ({"precision": {"min_scale": 2.0**20}}, "precision.min_scale"),  # above initial_scale
+    ({"precision": {"min_scale": "1"}}, "precision.min_scale: expected a number, got str '1'"),
     ({"precision": {"backoff_factor": 1.0}}, "precision.backoff_factor"),
     ({"precision": {"backoff_factor": 0}}, "precision.backoff_factor"),
     ({"precision": {"backoff_factor": True}}, "precision.backoff_factor"),
@@ -116,6 +121,8 @@ BAD = [
     ({"optimizer": {"max_grad_norm": "1"}}, "optimizer.max_grad_norm"),
     ({"optimizer": {"sub_group_size": 0}}, "optimizer.sub_group_size"),
     ({"optimizer": {"sub_group_size": "1X"}}, "optimizer.sub_group_size"),
+    ({"optimizer": {"sub_group_size": 11}}, "optimizer.sub_group_size: 11 bytes must be at least 12"),
+    ({"optimizer": {"sub_group_size": 12.0}}, "optimizer.sub_group_size: expected a size"),
     ({"partition": {"stage": 0}}, "partition.stage: 0 must be in [1, 3]"),
     ({"partition": {"stage": 4}}, "partition.stage"),
     ({"partition": {"stage": "3"}}, "partition.stage"),
@@ -136,6 +143,44 @@ def test_the_table_covers_every_key():
     covered = {m.split(":")[0].split("[")[0] for _, m in BAD}
     every = {f"{name}.{key}" for name, section in TierConfig().to_dict().items() for key in section}
     assert every - covered == set()
+
+
+def _number(value, kinds) -> bool:
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+def _all(value, right) -> bool:
+    return isinstance(value, (list, tuple)) and all(right(v) for v in value)
+
+
+# What a field of each annotation accepts by type; any other value is a wrong type (a value of
+# the right type that is refused is out of range: a bad choice, a bound, an unparseable size).
+_RIGHT_TYPE = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: _number(v, int),
+    "float": lambda v: _number(v, (int, float)),
+    "float | None": lambda v: v is None or _number(v, (int, float)),
+    "Size": lambda v: isinstance(v, str) or _number(v, int),
+    "Size | None": lambda v: v is None or isinstance(v, str) or _number(v, int),
+    "tuple[str, ...]": lambda v: isinstance(v, str) or _all(v, lambda p: isinstance(p, str)),
+    "tuple[float, float]": lambda v: _all(v, lambda b: _number(b, (int, float))),  # [0.9]: a bad length
+}
+
+
+def test_the_table_has_a_wrong_type_and_an_out_of_range_value_for_every_key():
+    config, kinds = TierConfig(), {}
+    for data, _ in BAD:
+        ((section, values),) = data.items()
+        if not isinstance(values, dict):  # a whole section of the wrong type
+            continue
+        ((key, value),) = values.items()
+        annotation = {f.name: f.type for f in dataclasses.fields(getattr(config, section))}[key]
+        assert annotation in _RIGHT_TYPE, f"{section}.{key}: add its annotation {annotation!r} to _RIGHT_TYPE"
+        kind = "out of range" if _RIGHT_TYPE[annotation](value) else "wrong type"
+        kinds.setdefault(f"{section}.{key}", set()).add(kind)
+    every = [f"{name}.{key}" for name, section in config.to_dict().items() for key in section]
+    missing = [f"{k}: {kind}" for k in every for kind in ("wrong type", "out of range") if kind not in kinds.get(k, ())]
+    assert missing == [], "rows missing from BAD: " + "; ".join(missing)
 
 
 def test_constructors_check_too():

@@ -1,0 +1,216 @@
+"""Export: the engine's consolidated weights as one safetensors file, streamed.
+
+The file loads with ``model.load_state_dict(safetensors.torch.load_file(path))`` (strict) into
+a fresh instance of the user's model. Its layout is the safetensors format, written here
+without the package: an 8-byte little-endian header size, a JSON header (per key: dtype,
+shape, data_offsets; and ``__metadata__``), padded with spaces to a multiple of 8, then the
+tensors' bytes in the header's order.
+
+[Note: streamed export]
+Every key's shape and dtype are known before any weight is read (the units keep their
+parameters' shapes), so the header is written first and each unit's weights are written at
+their offsets (``os.pwrite``) as `Engine.unit_weights` yields them: one unit is in memory at a
+time, whatever the model's size. Only rank 0 writes; every rank iterates the units to the end
+(they are gathered collectively), and the ranks agree on the outcome before returning, so a
+failed write raises on every rank instead of leaving the others in a gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import struct
+import tempfile
+import time
+
+import torch
+
+logger = logging.getLogger("infinity")
+
+DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+class _Layout:
+    """Where every state-dict key goes in the file, computed before anything is read."""
+
+    def __init__(self, engine):
+        # id(param) -> its dtype in the file: the original one, what a fresh instance of the
+        # model has (`unit.dtypes`; the placeholders take param_dtype once bound).
+        self.dtypes = {id(p): dt for unit in engine.units for p, dt in zip(unit.params, unit.dtypes)}
+        shapes = {id(p): s for u in engine.units for p, s in zip(u.params, u.shapes)}
+        header = {"__metadata__": {"format": "pt", "producer": "infinity"}}
+        self.params: dict[int, list[int]] = {}  # id(param) -> file offsets of its keys (tied: several)
+        self.buffers: list[tuple[int, torch.Tensor]] = []  # (file offset, tensor), persistent buffers
+        end = 0
+        for key, value in engine.module.state_dict(keep_vars=True).items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"state_dict key {key!r} is a {type(value).__name__}, not a tensor; "
+                                "safetensors holds tensors only")  # fmt: skip
+            is_param = id(value) in shapes
+            dtype = self.dtypes[id(value)] if is_param else value.dtype
+            shape = shapes[id(value)] if is_param else tuple(value.shape)
+            if dtype not in DTYPES:
+                raise TypeError(f"state_dict key {key!r} has dtype {dtype}, which safetensors cannot hold "
+                                f"(supported: {', '.join(str(d) for d in DTYPES)})")  # fmt: skip
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            header[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [end, end + nbytes]}
+            if is_param:
+                self.params.setdefault(id(value), []).append(end)
+            else:
+                self.buffers.append((end, value))
+            end += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-aligned
+        self.header = struct.pack("<Q", len(text)) + text
+        self.size = len(self.header) + end
+        # Offsets above are relative to the data; make them absolute in the file.
+        self.params = {k: [len(self.header) + o for o in v] for k, v in self.params.items()}
+        self.buffers = [(len(self.header) + o, t) for o, t in self.buffers]
+
+
+def export_safetensors(engine, path) -> str:
+    """Write ``engine``'s weights (fp32 masters, each parameter cast to its original dtype) and
+    persistent buffers to ``path`` as one safetensors file; return its absolute path.
+
+    Every rank must call it (see [Note: streamed export]); rank 0 writes. The file appears
+    whole or not at all: an existing file at ``path`` is replaced atomically, or left as it was
+    when the export fails. Its mode honours the umask."""
+    path = os.path.abspath(os.fspath(path))
+    layout = _Layout(engine)  # on every rank: a TypeError here raises before any gather
+    start = time.monotonic()
+    out, error = None, None
+    try:
+        if engine.rank == 0:
+            try:
+                out = _AtomicFile(path, layout.size)
+                out.write(layout.header, 0)
+                for offset, buf in layout.buffers:
+                    out.write(buf.detach().to("cpu").contiguous(), offset)
+            except Exception as e:  # noqa: BLE001 - raised below, once the ranks agree
+                error = e
+        if error is None or engine.dist.active:
+            with contextlib.closing(engine.unit_weights()) as weights:
+                for unit, full in weights:
+                    if out is not None and error is None:
+                        try:
+                            _write_unit(out, layout, unit, full)
+                        except Exception as e:  # noqa: BLE001 - as above
+                            error = e
+                    if error is not None and not engine.dist.active:
+                        break  # no other rank waits on the gathers
+                    del full  # one unit at a time
+        if out is not None and error is None:
+            try:
+                out.commit()
+            except OSError as e:
+                error = e
+        if engine.dist.active:
+            failed = torch.tensor([float(error is not None)])
+            engine.dist.all_reduce_sum(failed, f"agreeing on the export to {path}")
+            if failed.item() and error is None:
+                raise RuntimeError(f"the export to {path} failed on rank 0; its error says why")
+        if error is not None:
+            raise error
+    finally:
+        if out is not None:
+            out.discard()
+    if engine.rank == 0:
+        seconds = time.monotonic() - start
+        logger.info("exported %s: %.1f MB in %.2fs (%.0f MB/s)", path, layout.size / 1e6, seconds,
+                    layout.size / 1e6 / max(seconds, 1e-9))  # fmt: skip
+    return path
+
+
+def _write_unit(out: "_AtomicFile", layout: _Layout, unit, full: torch.Tensor) -> None:
+    for p, off, n in zip(unit.params, unit.offsets, unit.numels):
+        if id(p) in layout.params:  # a parameter missing from state_dict is not exported
+            value = full[off : off + n].to(layout.dtypes[id(p)])  # 1-D, original dtype, cpu
+            for offset in layout.params[id(p)]:
+                out.write(value, offset)
+
+
+class _AtomicFile:
+    """A temporary file beside ``path`` that `commit` renames onto it and `discard` removes.
+    Its OSErrors name ``path``."""
+
+    def __init__(self, path: str, size: int):
+        self.path, self.fd, self.tmp = path, None, None
+        parent, name = os.path.split(path)
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(errno.ENOENT, "the export's directory does not exist", parent)
+        try:
+            with self._naming():
+                self.fd, self.tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
+                os.fchmod(self.fd, 0o666 & ~_umask())  # mkstemp makes 0600; an export is for sharing
+                try:  # reserve the space: a full disk fails now, not after hours of reading
+                    os.posix_fallocate(self.fd, 0, size)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    os.ftruncate(self.fd, size)
+        except BaseException:
+            self.discard()
+            raise
+
+    def write(self, data, offset: int) -> None:
+        if isinstance(data, torch.Tensor):  # its bytes, little-endian as the format requires
+            data = data.reshape(-1).view(torch.uint8).numpy()
+        view = memoryview(data).cast("B")
+        with self._naming():
+            while view:  # pwrite may write less than asked (at most 2 GiB a call on Linux)
+                n = os.pwrite(self.fd, view, offset)
+                if n == 0:
+                    raise OSError(errno.EIO, "pwrite wrote nothing")
+                view, offset = view[n:], offset + n
+
+    def commit(self) -> None:
+        with self._naming():
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = None
+            os.replace(self.tmp, self.path)
+            self.tmp = None
+            dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)  # the rename, too, survives a crash
+            finally:
+                os.close(dir_fd)
+
+    def discard(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp)
+            self.tmp = None
+
+    @contextlib.contextmanager
+    def _naming(self):
+        try:
+            yield
+        except OSError as e:
+            if e.filename == self.path:
+                raise
+            via = f" (writing {self.tmp})" if self.tmp else ""
+            raise OSError(e.errno, f"{e.strerror or e}{via}", self.path) from e
+
+
+def _umask() -> int:
+    # os.umask reads the mask only by setting it, a window in which another thread's files
+    # would get the wrong mode; Linux reports it in /proc/self/status.
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
