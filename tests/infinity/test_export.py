@@ -306,7 +306,7 @@ rank = int(os.environ["RANK"])
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 33), nn.GELU(), nn.Linear(33, 4))  # 33: units padded per rank
 engine = infinity.initialize(model, {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
-                                     "nvme": {"paths": [swap]}, "partition": {"stage": 3, "timeout": 20}})
+                                     "nvme": {"paths": [swap]}, "partition": {"stage": 3, "timeout": 60}})
 engine.backward(engine(torch.randn(4, 16)).pow(2).mean())
 engine.step()
 if mode == "fail" and rank == 0:
