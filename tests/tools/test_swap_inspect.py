@@ -331,3 +331,30 @@ def test_installed_script(space):
     for section in ("usage: swap-inspect DIR", "description:", "output:", "exit status:"):
         assert section in proc.stdout
     assert swap_inspect.SYNOPSIS in proc.stdout
+
+
+def test_a_checkpoint_root_shows_its_newest_checkpoint(tmp_path, capsys):
+    """DIR may be a checkpoint root (its `latest` is followed) or one checkpoint: the header
+    says what meta.json says, the ranks are listed as for a swap space, --json carries both."""
+    import infinity
+    from torch import nn
+
+    torch.manual_seed(0)
+    engine = infinity.initialize(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), {})
+    engine.backward(engine(torch.randn(2, 8)).sum())
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ck", client_state={"epoch": 1})
+    engine.save_checkpoint(tmp_path / "ck", tag="best")
+    engine.close()
+    assert main([str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint best: {tmp_path / 'ck' / 'best'}" in out
+    assert "step 1, saved by 1 rank(s) at stage 3, params fp32, 2 units" in out
+    assert "0/exp_avg_sq" in out and "optimizer/steps" in out
+    assert main([str(tmp_path / "ck" / "step-1"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["checkpoint"]["tag"] == "step-1" and data["checkpoint"]["client_state_keys"] == ["epoch"]
+    assert [r["rank"] for r in data["ranks"]] == [0]
+    (tmp_path / "ck" / "latest").write_text("../elsewhere\n")
+    assert main([str(tmp_path / "ck")]) == 2
+    assert "checkpoint tag '../elsewhere'" in capsys.readouterr().err
