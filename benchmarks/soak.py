@@ -97,6 +97,7 @@ def main() -> int:
             if step == args.save_every or step == args.steps:
                 engine.space.flush()  # the manifest as it is now, for the disk figure
                 marks[step] = {"swap_allocated": disk_usage(swap)[0], "swap_apparent": disk_usage(swap)[1],
+                               "swap_tensor_bytes": engine.space.stats()["allocated_bytes"],
                                "rss": rss_bytes(), "pool_peak": engine.stats()["peak_host_pool_bytes"]}  # fmt: skip
             print(f"step {step}: loss {sum(losses[-args.save_every:]) / args.save_every:.3f}, saved {where} "
                   f"in {saves[-1]['seconds']:.2f}s, RSS {rss_bytes() / 2**20:.0f} MiB, swap "
@@ -123,7 +124,8 @@ def main() -> int:
     print(f"swap directory at step {args.save_every}: {first['swap_allocated'] / 2**20:.2f} MiB allocated "
           f"({first['swap_apparent'] / 2**20:.2f} MiB apparent); at step {args.steps}: "
           f"{last['swap_allocated'] / 2**20:.2f} MiB ({last['swap_apparent'] / 2**20:.2f}): "
-          f"growth {result['swap_growth_bytes']} bytes {'OK' if ok_disk else 'GREW'}")  # fmt: skip
+          f"growth {result['swap_growth_bytes']} bytes {'OK' if ok_disk else 'GREW'}; held by tensors "
+          f"{first['swap_tensor_bytes'] / 2**20:.2f} and {last['swap_tensor_bytes'] / 2**20:.2f} MiB")  # fmt: skip
     print(f"host RSS at step {args.save_every}: {first['rss'] / 2**20:.1f} MiB; at step {args.steps}: "
           f"{last['rss'] / 2**20:.1f} MiB: {result['rss_growth'] * 100:+.2f}% {'OK' if ok_rss else 'over 5%'}")  # fmt: skip
     print(f"checkpoints: {len(verified)} of {len(saves)} verified ({verified[-1]['tensors']} tensors, "
