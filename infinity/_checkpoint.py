@@ -258,8 +258,8 @@ def _save_rank(engine, tmp: str) -> int:
     opt = engine.optimizer
     space = SwapSpace(tmp, rank=engine.rank, engine=engine.aio, pool=engine.pool, fresh=True,
                       grow_step=_rank_bytes(engine))  # fmt: skip
+    writes = _Writes(space, engine.pool)
     try:
-        writes = _Writes(space, engine.pool)
         for group in opt.groups:
             # The group's optimizer state, kind by kind: resident tensors, or pool buffers read from nvme.
             for kind in KINDS:
@@ -286,9 +286,15 @@ def _save_rank(engine, tmp: str) -> int:
         steps = torch.stack([opt.steps[u.index].detach().to("cpu", torch.float32) for u in engine.units])
         writes.put("optimizer/steps", steps)
         writes.finish()
-        space.flush()
-    finally:
-        space.close()
+        space.close()  # flushes: the arena fsynced, the manifest written atomically
+    except BaseException as e:
+        # The first error is the one to report; the rest only has to give its buffers back.
+        for cleanup in (writes.finish, space.close):
+            try:
+                cleanup()
+            except Exception as other:  # noqa: BLE001
+                e.add_note(f"(then, cleaning up the checkpoint's swap space: {other})")
+        raise
     return writes.bytes
 
 
@@ -524,14 +530,23 @@ def load(engine, path, tag: str = LATEST_NAME) -> dict:
     meta = None
     start = time.perf_counter()
     engine.scheduler.release_all()
+    where = None
     try:
         where = resolve(path, tag)
         meta = load_meta(where)
         _check_model(engine, meta, where)
+        engine._unusable = f"a load of {where} did not finish"  # until it does
         _load_rank(engine, where, meta)
     except BaseException as e:  # noqa: BLE001 - all ranks agree before anyone trains on it
         error = e
-    _agree(engine.dist, error, "loading the checkpoint")
+    try:
+        _agree(engine.dist, error, "loading the checkpoint")
+    except BaseException as e:
+        if engine._unusable:  # part of the state is the checkpoint's, part is not
+            engine._unusable = (f"the engine's state is partly loaded from {where} ({type(e).__name__}: {e}); "
+                                "load a good checkpoint or make a new engine")  # fmt: skip
+        raise
+    engine._unusable = None
     scaler = meta["loss_scaler"]
     if engine._scaler is not None and scaler is not None:
         engine._scaler.scale, engine._scaler._good = float(scaler["scale"]), int(scaler["good_steps"])

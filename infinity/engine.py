@@ -142,6 +142,7 @@ class Engine:
         self._stats = Stats()
         self._scaler = LossScaler(cfg.precision) if self.dtype == torch.float16 else None
         self._closed = True
+        self._unusable: str | None = None  # why training cannot go on (a load that failed half-way)
         self.aio = self.pool = self.space = None
         builder = next((p._infinity_builder for p in module.parameters() if hasattr(p, "_infinity_builder")), None)
         if builder is not None:
@@ -229,7 +230,7 @@ class Engine:
 
     # -- training ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        self._check_open()
+        self._check_usable()
         self.scheduler.begin_forward()
         try:
             # See [Note: saved parameter views] in _schedule.py.
@@ -262,7 +263,7 @@ class Engine:
     def step(self) -> bool:
         """The optimizer step, then gradients cleared. False when it was skipped (fp16 overflow,
         or a non-finite gradient in any precision)."""
-        self._check_open()
+        self._check_usable()
         self.scheduler.release_all()
         scale = self._scaler.scale if self._scaler is not None else 1.0
         try:
@@ -359,7 +360,7 @@ class Engine:
         hold, given back by `load_checkpoint`. ``keep_last=N`` removes all but the newest N
         checkpoints in ``path`` after a successful save. State on NVMe is streamed through pool
         buffers, checksummed (xxh3-64), never gathered whole in memory."""
-        self._check_open()
+        self._check_usable()
         from . import _checkpoint
 
         return _checkpoint.save(self, path, tag, client_state, keep_last)
@@ -381,7 +382,7 @@ class Engine:
         """Write the consolidated weights to the safetensors file ``path`` under the model's own
         parameter names (``model.load_state_dict(safetensors.torch.load_file(path))`` loads it
         into the unwrapped model), one unit at a time. Every rank calls it; rank 0 writes."""
-        self._check_open()
+        self._check_usable()
         from ._export import export_safetensors
 
         return export_safetensors(self, path)
@@ -418,6 +419,11 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this infinity engine is closed")
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self._unusable:
+            raise RuntimeError(self._unusable)
 
     def __enter__(self) -> "Engine":
         return self

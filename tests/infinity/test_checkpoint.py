@@ -243,14 +243,26 @@ def _flip_byte(rank_dir, name: str) -> None:
 
 
 def test_a_flipped_byte_is_refused_by_load_and_named_by_swap_inspect(tmp_path, capsys):
+    """The corrupt tensor is found after earlier units were loaded: the engine then refuses
+    to train on its mixed state until a good checkpoint is loaded."""
     engine = _engine(tmp_path)
+    good = engine.save_checkpoint(tmp_path / "good")
+    saved = _weights(engine)
+    train(engine, 1)
     where = engine.save_checkpoint(tmp_path / "ck")
     _flip_byte(os.path.join(where, "rank0"), "3/exp_avg")
     with pytest.raises(SwapCorruption) as info:
         engine.load_checkpoint(tmp_path / "ck")
     assert info.value.tensor == "3/exp_avg" and "arena-0.bin" in info.value.filename
+    with pytest.raises(RuntimeError, match="partly loaded from .*ck/step-1"):
+        train(engine, 1)
+    with pytest.raises(RuntimeError, match="partly loaded"):
+        engine.save_checkpoint(tmp_path / "ck")
     assert swap_inspect.main([str(tmp_path / "ck"), "--verify"]) == 1
     assert "3/exp_avg" in capsys.readouterr().out
+    engine.load_checkpoint(good)
+    _assert_equal(_weights(engine), saved)
+    train(engine, 1)
     engine.close()
 
 
