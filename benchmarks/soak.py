@@ -18,7 +18,6 @@ import shutil
 import sys
 import time
 
-import torch
 import torch.nn.functional as F
 
 import infinity
