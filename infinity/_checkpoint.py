@@ -43,7 +43,7 @@ import torch
 
 from infinity.swap import SpaceReader, SwapSpace
 from infinity.swap._io import round_up
-from infinity.swap._manifest import ManifestError, read_json, write_json_atomic
+from infinity.swap._manifest import ManifestError, fsync_dir, read_json, write_bytes_atomic, write_json_atomic
 
 from ._optim import KINDS
 
@@ -298,14 +298,6 @@ def _save_rank(engine, tmp: str) -> int:
     return writes.bytes
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 _RENAME_EXCHANGE = 2
 
 
@@ -331,31 +323,18 @@ def _publish(root: str, tmp: str, tag: str) -> None:
     final = os.path.join(root, tag)
     if os.path.exists(final):
         if _exchange(tmp, final):
-            _fsync_dir(root)
+            fsync_dir(root)
             shutil.rmtree(tmp)  # the old checkpoint of this tag, now under the temporary name
         else:
             aside = os.path.join(root, f"{TMP_PREFIX}old-{tag}")
             os.rename(final, aside)
             os.rename(tmp, final)
-            _fsync_dir(root)
+            fsync_dir(root)
             shutil.rmtree(aside)
     else:
         os.rename(tmp, final)
-        _fsync_dir(root)
-    _write_latest(root, tag)
-
-
-def _write_latest(root: str, tag: str) -> None:
-    path = os.path.join(root, LATEST_NAME)
-    tmp = os.path.join(root, f".{LATEST_NAME}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, f"{tag}\n".encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(root)
+        fsync_dir(root)
+    write_bytes_atomic(os.path.join(root, LATEST_NAME), f"{tag}\n".encode())
 
 
 def list_checkpoints(root: str) -> list[tuple[int, float, str]]:
@@ -380,7 +359,7 @@ def _prune(root: str, keep_last: int, current: str) -> list[str]:
     for tag in doomed:
         shutil.rmtree(os.path.join(root, tag))
     if doomed:
-        _fsync_dir(root)
+        fsync_dir(root)
     return doomed
 
 
@@ -422,7 +401,7 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
     if dist.rank == 0:
         try:
             write_json_atomic(os.path.join(tmp, META_NAME), meta)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             _publish(root, tmp, tag)
             if keep_last is not None:
                 removed = _prune(root, keep_last, tag)
@@ -530,19 +509,19 @@ def load(engine, path, tag: str = LATEST_NAME) -> dict:
     meta = None
     start = time.perf_counter()
     engine.scheduler.release_all()
-    where = None
+    where, writing = None, False
     try:
         where = resolve(path, tag)
         meta = load_meta(where)
         _check_model(engine, meta, where)
-        engine._unusable = f"a load of {where} did not finish"  # until it does
+        writing = True  # from here on, the engine's state is being replaced
         _load_rank(engine, where, meta)
     except BaseException as e:  # noqa: BLE001 - all ranks agree before anyone trains on it
         error = e
     try:
         _agree(engine.dist, error, "loading the checkpoint")
     except BaseException as e:
-        if engine._unusable:  # part of the state is the checkpoint's, part is not
+        if writing:  # part of the state is the checkpoint's, part is not
             engine._unusable = (f"the engine's state is partly loaded from {where} ({type(e).__name__}: {e}); "
                                 "load a good checkpoint or make a new engine")  # fmt: skip
         raise

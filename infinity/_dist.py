@@ -73,11 +73,6 @@ class Dist:
         self._run(lambda: dist.all_reduce(on), what)
         self._back(t, on)
 
-    def barrier(self, what: str) -> None:
-        if self.active:
-            flag = torch.zeros(1)
-            self.all_reduce_sum(flag, what)  # a tensor collective: same timeout and failure records
-
     def all_ok(self, ok: bool, what: str) -> list[int]:
         """The ranks for which ``ok`` was False (every rank calls it; empty when all are fine)."""
         if not self.active:

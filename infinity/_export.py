@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from infinity.swap._manifest import fsync_dir
+
 logger = logging.getLogger("infinity")
 
 DTYPES = {
@@ -177,11 +179,7 @@ class _AtomicFile:
             self.fd = None
             os.replace(self.tmp, self.path)
             self.tmp = None
-            dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dir_fd)  # the rename, too, survives a crash
-            finally:
-                os.close(dir_fd)
+            fsync_dir(os.path.dirname(self.path))  # the rename, too, survives a crash
 
     def discard(self) -> None:
         if self.fd is not None:

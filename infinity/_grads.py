@@ -122,15 +122,12 @@ class GradAccumulator:
 
     def zero(self) -> None:
         """Forget this step's gradients (the next backward writes afresh; nothing is read).
-        Write-behinds are finished first; one that failed is forgotten with the rest."""
-        try:
-            self.flush()
-        finally:
-            for index in list(self._writes):  # whatever flush did not get to (it raised)
-                try:
-                    self._settle(index)
-                except OSError:
-                    pass
+        Write-behinds are finished first; one that failed does not matter: it is forgotten."""
+        for index in list(self._writes):
+            try:
+                self._settle(index)
+            except OSError:
+                pass
         self.has_grad.clear()
         self.norm_sq.clear()
         self.finite.clear()

@@ -328,12 +328,12 @@ class Engine:
                 master, lease = value.view(torch.float32, (group.numel,)), value
             try:
                 for unit in group.units:
-                    shard = master[group.slices[unit.index]].cpu()
+                    shard = master[group.slices[unit.index]]
                     if self.dist.active:
                         full = torch.empty(unit.padded_numel, dtype=torch.float32)
-                        self.dist.all_gather(full, shard.contiguous(), f"weight gather of {unit.name}")
-                    else:
-                        full = shard.clone()
+                        self.dist.all_gather(full, shard.cpu(), f"weight gather of {unit.name}")
+                    else:  # one copy, whether master is on the device, in memory or a pool buffer
+                        full = shard.to("cpu", copy=True)
                     yield unit, full
                     del full  # one unit's weights alive at a time
             finally:

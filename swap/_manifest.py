@@ -255,12 +255,17 @@ def write_json_atomic(path: str, data: dict, *, before_rename=None) -> None:
 
     ``before_rename`` is a hook for tests that simulate a crash at that point.
     """
+    text = json.dumps(data, separators=(",", ":")) + "\n"  # compact: swap-inspect is the human view
+    write_bytes_atomic(path, text.encode(), before_rename=before_rename)
+
+
+def write_bytes_atomic(path: str, data: bytes, *, before_rename=None) -> None:
+    """Replace ``path`` by a file (0600) holding ``data``, as [Note: atomic manifest] says."""
     directory, base = os.path.split(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, separators=(",", ":"))  # compact: swap-inspect is the human view
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o600)
@@ -273,6 +278,11 @@ def write_json_atomic(path: str, data: dict, *, before_rename=None) -> None:
         except FileNotFoundError:
             pass
         raise
+    fsync_dir(directory)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make the entries of ``directory`` (a rename into it, say) durable."""
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)

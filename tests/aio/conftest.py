@@ -119,19 +119,6 @@ def round_trip(file_bytes):
 
 
 @pytest.fixture
-def shm_dir():
-    """A fresh directory on the tmpfs /dev/shm, removed after the test."""
-    import shutil
-    import tempfile
-
-    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
-        pytest.skip("no writable /dev/shm")
-    path = tempfile.mkdtemp(prefix="infinity-aio-test-", dir="/dev/shm")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
 def hold_preadv(monkeypatch):
     """Make os.preadv block until released: the threads backend's reads then stay pending.
 

@@ -18,26 +18,6 @@ def _warnings(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == "infinity.aio" and r.levelno >= logging.WARNING]
 
 
-@pytest.fixture
-def o_direct_refused(monkeypatch):
-    """Make every O_DIRECT open fail with EINVAL as Linux does where a filesystem has no direct I/O.
-
-    Like the kernel (do_dentry_open checks O_DIRECT after the inode is created), an O_CREAT
-    open creates the file before it fails; ramfs shows this on any kernel.
-    """
-    real_open = os.open
-
-    def open_(path, flags, mode=0o777, *, dir_fd=None):
-        if flags & os.O_DIRECT:
-            if flags & os.O_CREAT:
-                os.close(real_open(path, flags & ~os.O_DIRECT, mode, dir_fd=dir_fd))
-            raise OSError(errno.EINVAL, "Invalid argument (simulated)", os.fspath(path))
-        return real_open(path, flags, mode, dir_fd=dir_fd)
-
-    monkeypatch.setattr(_files.os, "open", open_)
-    monkeypatch.setattr(_files, "_warned_buffered", set())
-
-
 def test_direct_file_on_local_disk(tmp_path):
     with aio.open_file(tmp_path / "f", "w+") as f:
         if not f.direct:

@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _checkpoint_common import config, make_model, train  # noqa: E402
+from _common import config, make_model, train  # noqa: E402
 
 import infinity  # noqa: E402
 

@@ -23,7 +23,7 @@ from infinity.swap import SwapCorruption
 from infinity.tools import swap_inspect
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _checkpoint_common import config, make_model, train  # noqa: E402
+from _common import config, make_model, train  # noqa: E402
 
 CHILD = os.path.join(os.path.dirname(__file__), "_checkpoint_child.py")
 PLACEMENTS = list(itertools.product(("device", "cpu", "nvme"), repeat=3))
@@ -33,10 +33,6 @@ def _engine(tmp_path, tiers=("nvme",) * 3, seed=0, **sections):
     swap = tmp_path / f"swap-{'-'.join(tiers)}-{seed}-{time.monotonic_ns()}"
     swap.mkdir()
     return infinity.initialize(make_model(seed=seed), config(str(swap), tiers, **sections))
-
-
-def _weights(engine):
-    return engine.gathered_weights()
 
 
 def _assert_equal(a: dict, b: dict) -> None:
@@ -54,7 +50,7 @@ def test_resume_in_a_new_process_is_bit_exact_in_every_placement(tmp_path):
         torch.manual_seed(5)
         with _engine(tmp_path, tiers) as engine:
             train(engine, 10)
-            for name, w in _weights(engine).items():
+            for name, w in engine.gathered_weights().items():
                 straight[f"{placement}/{name}"] = w
         torch.manual_seed(5)
         with _engine(tmp_path, tiers) as engine:
@@ -75,13 +71,13 @@ def test_save_then_load_in_process_restores_state_step_rng_and_client_state(tmp_
     where = engine.save_checkpoint(tmp_path / "ck", client_state={"epoch": 2, "seen": [1, 2.5, None]})
     assert os.path.basename(where) == "step-3"
     expected_rng = torch.rand(4)  # what the RNG gives right after the save
-    saved = _weights(engine)
+    saved = engine.gathered_weights()
     train(engine, 2)  # moves the weights and the RNG on
     state = engine.load_checkpoint(tmp_path / "ck")
     assert state == {"epoch": 2, "seen": [1, 2.5, None]}
     assert engine.stats()["steps"] == 3
     assert torch.equal(torch.rand(4), expected_rng)
-    _assert_equal(_weights(engine), saved)
+    _assert_equal(engine.gathered_weights(), saved)
     engine.close()
 
 
@@ -96,11 +92,11 @@ def test_load_into_another_precision_or_layout(tmp_path, change):
     engine = _engine(tmp_path)
     train(engine, 3)
     engine.save_checkpoint(tmp_path / "ck")
-    saved = _weights(engine)
+    saved = engine.gathered_weights()
     engine.close()
     other = _engine(tmp_path, ("nvme", "cpu", "nvme"), seed=9, **change)
     other.load_checkpoint(tmp_path / "ck")
-    _assert_equal(_weights(other), saved)
+    _assert_equal(other.gathered_weights(), saved)
     train(other, 1, dtype=other.dtype)  # and it trains on
     other.close()
 
@@ -124,11 +120,11 @@ def test_saving_a_tag_again_replaces_it_atomically(tmp_path):
     engine.save_checkpoint(root, tag="last")
     train(engine, 2)
     engine.save_checkpoint(root, tag="last")
-    now = _weights(engine)
+    now = engine.gathered_weights()
     assert sorted(os.listdir(root)) == ["last", "latest"]  # no leftovers of the old one
     train(engine, 1)
     engine.load_checkpoint(root)
-    _assert_equal(_weights(engine), now)
+    _assert_equal(engine.gathered_weights(), now)
     engine.close()
 
 
@@ -139,7 +135,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     engine = _engine(tmp_path)
     root = tmp_path / "ck"
     engine.save_checkpoint(root)
-    before = _weights(engine)
+    before = engine.gathered_weights()
     train(engine, 1)
     real = os.posix_fallocate
 
@@ -156,45 +152,33 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     assert (root / "latest").read_text().strip() == "step-0"
     engine.save_checkpoint(tmp_path / "elsewhere")
     engine.load_checkpoint(root)
-    _assert_equal(_weights(engine), before)
+    _assert_equal(engine.gathered_weights(), before)
     engine.close()
 
 
-def _mount_tmpfs(path, size: str) -> bool:
-    if os.geteuid() != 0:
-        return False
-    path.mkdir()
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0  # fmt: skip
-
-
-def test_enospc_on_a_full_filesystem_keeps_the_last_checkpoint(tmp_path):
+def test_enospc_on_a_full_filesystem_keeps_the_last_checkpoint(tmp_path, tmpfs, engines):
     """A real full filesystem (a 1 MiB tmpfs): the first checkpoint fits, the second cannot
     both exist beside it; the error names the file and the bytes, the first still loads."""
     small = tmp_path / "small"
-    if not _mount_tmpfs(small, "1m"):
-        pytest.skip("mounting a size-limited tmpfs needs root and mount(2) permission")
-    try:
-        engine = _engine(tmp_path, ("device",) * 3)
-        first = engine.save_checkpoint(small)
-        saved = _weights(engine)
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(first) for f in fs)
-        # Fill the filesystem so that a second checkpoint cannot fit.
-        free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
-        with open(small / "filler", "wb") as f:
-            f.write(b"\0" * max(free - size // 2, 0))
-        train(engine, 1)
-        with pytest.raises(OSError) as info:
-            engine.save_checkpoint(small)
-        assert info.value.errno == errno.ENOSPC, info.value
-        assert "bytes" in str(info.value)
-        assert (small / "latest").read_text().strip() == "step-0"
-        assert not [n for n in os.listdir(small) if n.startswith(".tmp-")]
-        engine.load_checkpoint(small)
-        _assert_equal(_weights(engine), saved)
-        engine.close()
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
+    tmpfs(small, "1m")
+    engine = _engine(tmp_path, ("device",) * 3)
+    engines.append(engine)  # closed before the unmount
+    first = engine.save_checkpoint(small)
+    saved = engine.gathered_weights()
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(first) for f in fs)
+    # Fill the filesystem so that a second checkpoint cannot fit.
+    free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+    with open(small / "filler", "wb") as f:
+        f.write(b"\0" * max(free - size // 2, 0))
+    train(engine, 1)
+    with pytest.raises(OSError) as info:
+        engine.save_checkpoint(small)
+    assert info.value.errno == errno.ENOSPC, info.value
+    assert "bytes" in str(info.value)
+    assert (small / "latest").read_text().strip() == "step-0"
+    assert not [n for n in os.listdir(small) if n.startswith(".tmp-")]
+    engine.load_checkpoint(small)
+    _assert_equal(engine.gathered_weights(), saved)
 
 
 def test_kill_9_during_save_leaves_a_loadable_checkpoint(tmp_path):
@@ -247,7 +231,7 @@ def test_a_flipped_byte_is_refused_by_load_and_named_by_swap_inspect(tmp_path, c
     to train on its mixed state until a good checkpoint is loaded."""
     engine = _engine(tmp_path)
     good = engine.save_checkpoint(tmp_path / "good")
-    saved = _weights(engine)
+    saved = engine.gathered_weights()
     train(engine, 1)
     where = engine.save_checkpoint(tmp_path / "ck")
     _flip_byte(os.path.join(where, "rank0"), "3/exp_avg")
@@ -261,7 +245,7 @@ def test_a_flipped_byte_is_refused_by_load_and_named_by_swap_inspect(tmp_path, c
     assert swap_inspect.main([str(tmp_path / "ck"), "--verify"]) == 1
     assert "3/exp_avg" in capsys.readouterr().out
     engine.load_checkpoint(good)
-    _assert_equal(_weights(engine), saved)
+    _assert_equal(engine.gathered_weights(), saved)
     train(engine, 1)
     engine.close()
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
+import sys
 
 import pytest
 import torch
@@ -17,21 +19,14 @@ from torch import nn
 
 import infinity
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import config as _config  # noqa: E402
+
 TIERS = ("device", "cpu", "nvme")
 # A representative subset in CI: each tier for each state at least once, all-nvme included.
 CI_COMBOS = [("device", "device", "device"), ("nvme", "nvme", "nvme"), ("cpu", "nvme", "device"),
              ("nvme", "cpu", "cpu"), ("device", "device", "nvme")]  # fmt: skip
 ALL_COMBOS = [c for c in itertools.product(TIERS, repeat=3) if c not in CI_COMBOS]
-
-
-def _config(tmp_path, tiers, **sections):
-    params, grads, optimizer = tiers
-    cfg = {"tiers": {"params": params, "grads": grads, "optimizer": optimizer},
-           "nvme": {"paths": [str(tmp_path)], "grow_step": "4MiB"}, "memory": {"host_budget": "256MiB"},
-           "optimizer": {"lr": 1e-2, "weight_decay": 0.01}}  # fmt: skip
-    for key, value in sections.items():
-        cfg.setdefault(key, {}).update(value)
-    return cfg
 
 
 def _mlp() -> nn.Module:

@@ -24,10 +24,8 @@ import importlib
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -173,33 +171,6 @@ def test_explicit_uring_without_the_extension_is_refused_at_initialize(tmp_path,
 
 
 # -- 2. a swap directory on tmpfs ---------------------------------------------------------------
-@pytest.fixture
-def shm_dir():
-    """A fresh directory on the tmpfs /dev/shm, removed after the test."""
-    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
-        pytest.skip("no writable /dev/shm (a tmpfs) on this machine")
-    path = tempfile.mkdtemp(prefix="infinity-faults-", dir="/dev/shm")
-    yield Path(path)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def o_direct_refused(monkeypatch):
-    """Every O_DIRECT open fails with EINVAL, as on a filesystem without direct I/O; an O_CREAT
-    open creates the file first, as the kernel does (see tests/aio/test_files.py)."""
-    real_open = os.open
-
-    def open_(path, flags, mode=0o777, *, dir_fd=None):
-        if flags & os.O_DIRECT:
-            if flags & os.O_CREAT:
-                os.close(real_open(path, flags & ~os.O_DIRECT, mode, dir_fd=dir_fd))
-            raise OSError(errno.EINVAL, "Invalid argument (simulated)", os.fspath(path))
-        return real_open(path, flags, mode, dir_fd=dir_fd)
-
-    monkeypatch.setattr(_files.os, "open", open_)
-    monkeypatch.setattr(_files, "_warned_buffered", set())
-
-
 def test_a_tmpfs_swap_directory_gives_the_device_weights(shm_dir, device_weights):
     weights, _ = _run(_config(shm_dir))
     _assert_identical(weights, device_weights)
@@ -221,48 +192,7 @@ def test_o_direct_refused_warns_once_and_changes_nothing(shm_dir, o_direct_refus
     assert all(os.path.getsize(d / "rank0" / "arena-0.bin") > 0 for d in drives)
 
 
-# -- mounts -----------------------------------------------------------------------------------
-@pytest.fixture
-def engines():
-    """Engines a test opens; all closed after it (before any mount under them is undone)."""
-    opened: list[infinity.Engine] = []
-    yield opened
-    for engine in opened:
-        engine.close()
-
-
-@pytest.fixture
-def mount(engines):
-    """mount(*options, source, target): run mount(8), skipping the test with the reason where
-    mounting is not permitted; every mount is undone after the test, engines closed first."""
-    mounted: list[str] = []
-
-    def do(*options: str, source: str, target) -> str:
-        if os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs or a read-only bind mount needs root")
-        if shutil.which("mount") is None:
-            pytest.skip("no mount(8) on this machine")
-        target = str(target)
-        os.makedirs(target, exist_ok=True)
-        done = subprocess.run(["mount", *options, source, target], capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"mount {' '.join(options)} {source} {target} not permitted here: {done.stderr.strip()}")
-        if target not in mounted:  # a remount is undone with its mount
-            mounted.append(target)
-        return target
-
-    yield do
-    for engine in engines:
-        engine.close()  # an open arena file keeps the mount busy
-    for target in reversed(mounted):
-        if subprocess.run(["umount", target], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", target], check=True)  # detach what still holds it
-
-
-def _tmpfs(mount, target, size: str) -> str:
-    return mount("-t", "tmpfs", "-o", f"size={size},mode=0700", source="tmpfs", target=target)
-
-
+# -- mounts: the `mount` and `engines` fixtures are in conftest.py ------------------------------
 def _read_only(mount, source, target) -> str:
     """``source`` again at ``target``, read-only (root ignores mode bits, not a ro mount)."""
     mount("--bind", source=str(source), target=target)
@@ -300,8 +230,8 @@ def _one_big_step(model: nn.Module, config) -> dict[str, torch.Tensor]:
         engine.close()
 
 
-def test_a_full_drive_is_enospc_naming_the_arena_and_the_bytes(tmp_path, mount, engines):
-    small = _tmpfs(mount, tmp_path / "small", "8m")
+def test_a_full_drive_is_enospc_naming_the_arena_and_the_bytes(tmp_path, tmpfs, engines):
+    small = tmpfs(tmp_path / "small", "8m")
     model = _big_model()
     before = _values(model)
     roomy = {"memory": {"host_budget": "256MiB"}}
@@ -361,8 +291,8 @@ def test_enospc_on_write_names_the_arena_and_the_bytes(tmp_path, monkeypatch):
     _assert_identical(_values(model), before)
 
 
-def test_a_full_drive_under_a_sparse_arena_reports_the_failed_write(tmp_path, mount, monkeypatch):
-    small = _tmpfs(mount, tmp_path / "small", "8m")
+def test_a_full_drive_under_a_sparse_arena_reports_the_failed_write(tmp_path, tmpfs, monkeypatch):
+    small = tmpfs(tmp_path / "small", "8m")
     monkeypatch.setattr(os, "posix_fallocate", _fails(errno.EOPNOTSUPP))  # sparse: writes find the end
     model = _big_model()
     before = _values(model)

@@ -1,4 +1,4 @@
-"""The model, config and data shared by test_checkpoint.py and its child process."""
+"""Config, model and data shared by the tests in tests/infinity and their child processes."""
 
 import torch
 from torch import nn

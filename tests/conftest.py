@@ -1,0 +1,44 @@
+"""Fixtures more than one package's tests use."""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_files = importlib.import_module("infinity.aio._files")
+
+
+@pytest.fixture
+def shm_dir():
+    """A fresh directory on the tmpfs /dev/shm, removed after the test."""
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm (a tmpfs) on this machine")
+    path = tempfile.mkdtemp(prefix="infinity-test-", dir="/dev/shm")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def o_direct_refused(monkeypatch):
+    """Make every O_DIRECT open fail with EINVAL as Linux does where a filesystem has no direct I/O.
+
+    Like the kernel (do_dentry_open checks O_DIRECT after the inode is created), an O_CREAT
+    open creates the file before it fails; ramfs shows this on any kernel.
+    """
+    real_open = os.open
+
+    def open_(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & os.O_DIRECT:
+            if flags & os.O_CREAT:
+                os.close(real_open(path, flags & ~os.O_DIRECT, mode, dir_fd=dir_fd))
+            raise OSError(errno.EINVAL, "Invalid argument (simulated)", os.fspath(path))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(_files.os, "open", open_)
+    monkeypatch.setattr(_files, "_warned_buffered", set())
