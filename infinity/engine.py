@@ -11,10 +11,12 @@ user's unmodified module. It owns no policy of its own; each piece lives in its 
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
 import platform
+import weakref
 
 import torch
 from torch import nn
@@ -32,6 +34,21 @@ from ._units import build_units
 from .config import TierConfig
 
 logger = logging.getLogger("infinity")
+
+# Engines not closed yet. A script that ends without engine.close() still gets it at exit:
+# manifests are flushed, and the I/O threads and the process group's peers are let go of
+# while the interpreter is whole (left to finalization, a 2-rank run aborted in ~1 of 4 exits:
+# "terminate called without an active exception").
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for engine in list(_OPEN):
+        try:
+            engine.close()
+        except Exception as e:  # noqa: BLE001 - exiting anyway; say what was not flushed
+            logger.warning("closing an infinity engine at exit failed: %s", e)
 
 
 class LossScaler:
@@ -157,6 +174,7 @@ class Engine:
                 self._setup(module, cfg)
                 builder.discard_unadopted()
                 self._closed = False
+                _OPEN.add(self)
                 return
             self.aio, self.pool, self.space = open_io(cfg, rank, local_rank)
             self._setup(module, cfg)
@@ -167,6 +185,7 @@ class Engine:
                 e.add_note(f"(closing the swap space after that also failed: {cleanup})")
             raise
         self._closed = False
+        _OPEN.add(self)
 
     def _setup(self, module: nn.Module, cfg: TierConfig) -> None:
         units, module_units = build_units(module, self.world_size, self.rank)
@@ -397,6 +416,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         self.scheduler.release_all()
         self.grads.flush()
         self.scheduler.remove()

@@ -31,7 +31,7 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 4))
 lr = 2e-3 if (mode == "mismatch" and rank == 1) else 1e-2
-cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [swap_dir]},
+cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [swap_dir], "grow_step": "4MiB"},
        "optimizer": {"lr": lr}, "partition": {"stage": stage, "timeout": 10}}  # fmt: skip
 try:
     engine = infinity.initialize(model, cfg)

@@ -338,3 +338,25 @@ def test_a_tight_budget_reads_fewer_sub_groups_ahead(tmp_path):
     tight.backward(tight(torch.randn(2, 1024)).sum())
     assert tight.step()
     tight.close()
+
+
+def test_an_engine_left_open_is_closed_at_exit(tmp_path):
+    """A script that never calls close(): at exit the engine is closed anyway, so the swap
+    manifest lists what was written (and, with ranks, the exit does not abort)."""
+    import json
+    import subprocess
+    import sys
+
+    script = f"""
+import torch, infinity
+from torch import nn
+engine = infinity.initialize(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+                             {{"tiers": {{"params": "nvme", "grads": "nvme", "optimizer": "nvme"}},
+                              "nvme": {{"paths": [{str(tmp_path)!r}], "grow_step": "1MiB"}}}})
+engine.backward(engine(torch.randn(2, 4)).sum())
+engine.step()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    manifest = json.load(open(tmp_path / "rank0" / "manifest.json"))
+    assert {"0/param", "1/param", "optimizer.0/master"} <= set(manifest["tensors"]), sorted(manifest["tensors"])

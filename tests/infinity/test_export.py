@@ -76,7 +76,7 @@ def _engine(tmp_path, model, placement="nvme", param_dtype="fp32"):
     params, grads, optimizer = PLACEMENTS[placement]
     (tmp_path / "swap").mkdir(exist_ok=True)
     return infinity.initialize(model, {"tiers": {"params": params, "grads": grads, "optimizer": optimizer},
-                                       "nvme": {"paths": [str(tmp_path / "swap")]},
+                                       "nvme": {"paths": [str(tmp_path / "swap")], "grow_step": "4MiB"},
                                        "precision": {"param_dtype": param_dtype}})  # fmt: skip
 
 
@@ -306,7 +306,7 @@ rank = int(os.environ["RANK"])
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 33), nn.GELU(), nn.Linear(33, 4))  # 33: units padded per rank
 engine = infinity.initialize(model, {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
-                                     "nvme": {"paths": [swap]}, "partition": {"stage": 3, "timeout": 60}})
+                                     "nvme": {"paths": [swap], "grow_step": "4MiB"}, "partition": {"stage": 3, "timeout": 60}})
 engine.backward(engine(torch.randn(4, 16)).pow(2).mean())
 engine.step()
 if mode == "fail" and rank == 0:
