@@ -14,6 +14,7 @@ rank-local decision (a prefetch that found no free memory, say) can reorder them
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import os
@@ -37,6 +38,9 @@ class Dist:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+            # Ours to end: left to the interpreter's finalisation, gloo's threads abort the
+            # exit now and then ("terminate called without an active exception").
+            atexit.register(_destroy_group)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", str(self.rank % max(torch.cuda.device_count(), 1))))
         try:
@@ -185,6 +189,14 @@ class Dist:
             previous(kind, value, tb)
 
         sys.excepthook = hook
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
