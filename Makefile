@@ -9,9 +9,9 @@ setup:
 	@bash scripts/setup.sh
 
 # Trains a small GPT-2 with params, grads and optimizer all on NVMe under ./demo-swap,
-# then shows what is on disk (swap-inspect). DEMO_ARGS passes options (python -m infinity.demo --help).
+# then shows what is on disk (swap-inspect). DEMO_ARGS passes options (python -m infinity.tools.demo --help).
 demo: setup
-	$(PY) -m infinity.demo --swap-dir $(DEMO_DIR) $(DEMO_ARGS)
+	$(PY) -m infinity.tools.demo --swap-dir $(DEMO_DIR) $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

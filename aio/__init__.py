@@ -19,12 +19,10 @@ import logging
 import os
 from dataclasses import dataclass
 
-from ._buffers import empty_aligned
-from ._engine import Engine, Future
-from ._files import File, open_file
-from ._threads import ThreadEngine
+from ._files import ALIGNMENT, File, open_file
 
 __all__ = [
+    "ALIGNMENT",
     "BACKENDS",
     "BackendStatus",
     "BackendUnavailable",
@@ -38,6 +36,20 @@ __all__ = [
 ]
 
 logger = logging.getLogger("infinity.aio")
+
+# Loaded on first use (PEP 562): they need torch, and a config or a launcher that only asks for
+# the constants above should not pay for it.
+_LAZY = {"empty_aligned": "._buffers", "Engine": "._engine", "Future": "._engine", "ThreadEngine": "._threads"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 BACKENDS = ("uring", "threads")
 ENV_BACKEND = "INFINITY_AIO_BACKEND"
@@ -104,6 +116,8 @@ def open_engine(backend: str = "auto", queue_depth: int = 32, block_size: int = 
         backend = forced
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"{backend=} is not one of auto, {', '.join(BACKENDS)}")
+    from ._threads import ThreadEngine
+
     if backend == "threads":
         return ThreadEngine(queue_depth, block_size)
 

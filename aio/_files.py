@@ -9,7 +9,9 @@ import weakref
 
 logger = logging.getLogger("infinity.aio")
 
-DEFAULT_ALIGNMENT = 4096
+# O_DIRECT's alignment of memory, offsets and lengths where the kernel does not say (statx
+# STATX_DIOALIGN); also the unit of every swap extent and I/O block size.
+ALIGNMENT = 4096
 
 _MODES = {
     "r": os.O_RDONLY,
@@ -31,8 +33,8 @@ def _dio_alignment(fd: int) -> tuple[int, int]:
 
         mem, off = _uring.dio_alignment(fd)
     except (ImportError, OSError):
-        return DEFAULT_ALIGNMENT, DEFAULT_ALIGNMENT
-    return (mem or DEFAULT_ALIGNMENT), (off or DEFAULT_ALIGNMENT)
+        return ALIGNMENT, ALIGNMENT
+    return (mem or ALIGNMENT), (off or ALIGNMENT)
 
 
 class File:

@@ -21,7 +21,7 @@ import time
 import torch.nn.functional as F
 
 import infinity
-from infinity import demo
+from infinity.tools import demo
 from infinity.swap import SpaceReader
 
 

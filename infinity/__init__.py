@@ -5,36 +5,42 @@
     loss = engine(batch); engine.backward(loss); engine.step()
 
 Subpackages: `infinity.aio` (async file I/O), `infinity.swap` (swap spaces on NVMe),
-`infinity.tools` (the nvme-bench and swap-inspect command-line tools).
-"""
+`infinity.tools` (nvme-bench, swap-inspect and the demo). ``docs/`` in the repository
+describes the design.
 
-from .config import (
-    AioConfig,
-    MemoryConfig,
-    NvmeConfig,
-    OptimizerConfig,
-    PartitionConfig,
-    PrecisionConfig,
-    PrefetchConfig,
-    TierConfig,
-    TiersConfig,
-)
-from ._build import build
-from .engine import Engine, initialize
+Names load on first use (PEP 562): ``import infinity.config`` reads and checks a config without
+loading torch or the I/O layer.
+"""
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AioConfig",
-    "Engine",
-    "MemoryConfig",
-    "NvmeConfig",
-    "OptimizerConfig",
-    "PartitionConfig",
-    "PrecisionConfig",
-    "PrefetchConfig",
-    "TierConfig",
-    "TiersConfig",
-    "build",
-    "initialize",
-]
+_LAZY = {
+    "AioConfig": ".config",
+    "MemoryConfig": ".config",
+    "NvmeConfig": ".config",
+    "OptimizerConfig": ".config",
+    "PartitionConfig": ".config",
+    "PrecisionConfig": ".config",
+    "PrefetchConfig": ".config",
+    "TierConfig": ".config",
+    "TiersConfig": ".config",
+    "build": "._build",
+    "Engine": ".engine",
+    "initialize": ".engine",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return [*__all__, "__version__"]

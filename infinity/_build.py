@@ -1,5 +1,8 @@
 """`build`: construct a model straight into offloaded storage (DeepSpeed's zero.Init).
 
+Owns: the swap space a model is built into until `initialize` adopts it, and the parameters it
+stored there. Touches: `_resources` (to open and close the I/O), module registration hooks.
+
 While the context is open, every module registered into a parent (which happens right after
 the child's constructor returns) has its parameters written to the swap space in fp32 and
 replaced by empty placeholders, so the whole model never sits in host memory: at most one
@@ -25,13 +28,17 @@ import os
 import torch
 from torch import nn
 
+from infinity.swap import DTYPES
+
+from . import _resources
 
 
 class Builder:
-    def __init__(self, config):
-        from .engine import _as_config, open_io
+    """What `build` opened (the aio engine, the pool, the swap space) and the parameters it
+    stored, until `initialize` adopts them or `close` gives them up."""
 
-        self.config = cfg = _as_config(config)
+    def __init__(self, config):
+        self.config = cfg = _resources.as_config(config)
         self.space = self.pool = self.aio = None
         self._count = 0
         self.adopted = False
@@ -40,7 +47,8 @@ class Builder:
         # Before initialize there is no process group yet: the rank is torchrun's, so each rank
         # builds into its own rank directory (which its engine then adopts).
         rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-        self.aio, self.pool, self.space = open_io(cfg, rank, local_rank)
+        self.aio, self.pool, self.space = _resources.open_io(cfg, rank, local_rank)
+        _resources.close_at_exit(self)  # a model built and never initialized still lets go
 
     def on_child(self, parent: nn.Module, name: str, child: nn.Module):
         if self.space is None or child is None:
@@ -63,8 +71,6 @@ class Builder:
 
     def load(self, p: nn.Parameter) -> torch.Tensor:
         info = self.space.info(p._infinity_key)
-        from infinity.swap._manifest import DTYPES
-
         out = torch.empty(info.shape, dtype=DTYPES[info.dtype])
         return self.space.get(p._infinity_key, out).result()
 
@@ -79,19 +85,43 @@ class Builder:
             if name.startswith("build."):
                 self.space.delete(name)
 
+    def adopt(self):
+        """Hand the aio engine, pool and swap space over to an engine (which closes them)."""
+        if self.adopted:
+            raise ValueError("this model was already given to initialize: build a new one for another engine")
+        if self.space is None:
+            raise ValueError("the build this model came from was closed (its block raised): build the model again")
+        self.adopted = True
+        _resources.closed(self)
+        return self.aio, self.pool, self.space
+
     def close(self) -> None:
-        for thing in (self.space, self.pool, self.aio):
-            if thing is not None:
-                thing.close()
+        """Give up what was opened, unless an engine adopted it (the swap directory is then unlocked)."""
+        _resources.closed(self)
+        if self.adopted:
+            return
+        space, pool, engine = self.space, self.pool, self.aio
+        self.space = self.pool = self.aio = None
+        _resources.close_io(space, pool, engine)
 
 
 @contextlib.contextmanager
 def build(config):
     """Construct a model inside ``with infinity.build(config):`` and its parameters go straight
-    to the params tier, one module at a time; pass it to `initialize` with the same config."""
+    to the params tier, one module at a time; pass it to `initialize` with the same config.
+
+    A block that raises closes what the build opened (the swap directory is unlocked and can be
+    used again). A model built and never given to `initialize` keeps its swap space until the
+    process exits."""
     builder = Builder(config)
     handle = nn.modules.module.register_module_module_registration_hook(builder.on_child)
     try:
         yield builder
+    except BaseException as e:
+        try:
+            builder.close()
+        except Exception as cleanup:  # noqa: BLE001 - the block's error is the one to see
+            e.add_note(f"(closing the build's swap space after that also failed: {cleanup})")
+        raise
     finally:
         handle.remove()

@@ -1,15 +1,9 @@
-"""Checkpoints: every rank's training state saved atomically, loaded bit-exactly, resharded.
+"""Saving and loading checkpoints: every rank's state atomically, loaded bit-exactly, resharded.
 
-Layout of a checkpoint root ``DIR``::
-
-    DIR/latest              the tag of the newest complete checkpoint (text, replaced atomically)
-    DIR/<tag>/meta.json     format, step, world size, stage, config, loss scaler, RNG states of
-                            every rank, the units' layout, the user's client_state (JSON only)
-    DIR/<tag>/rank<r>/      rank r's state in the swap format (manifest.json, arena-0.bin):
-                            per unit "<unit>/param" (low precision), "<unit>/master",
-                            "<unit>/exp_avg", "<unit>/exp_avg_sq" (fp32), each the rank's slice of
-                            the unit padded to the world size; "optimizer/steps" (fp32, per unit)
-    DIR/.tmp-<tag>/         a save in progress (or one that was killed: the next save removes it)
+Owns: the order of a save (prepare, write each rank's state, agree, publish, prune) and of a
+load (resolve, check, read each rank's slices, agree, restore the components). Touches: the
+engine's components through their ``state_dict()`` / ``load_state_dict()`` (optimizer, loss
+scaler, stats, RNG) and its stores through leases; the format is `infinity.checkpoint`'s.
 
 State is kept per unit, not per optimizer sub-group, so a checkpoint does not depend on
 ``optimizer.sub_group_size`` or the tiers, and a different world size only changes which slice
@@ -27,125 +21,50 @@ filesystem), as with any multi-rank checkpoint.
 
 from __future__ import annotations
 
-import base64
-import collections
 import ctypes
 import errno
 import json
 import logging
 import os
-import random
-import re
 import shutil
 import time
 
 import torch
+from torch.profiler import record_function
 
-from infinity.swap import SpaceReader, SwapSpace
-from infinity.swap._io import round_up
-from infinity.swap._manifest import ManifestError, fsync_dir, read_json, write_bytes_atomic, write_json_atomic
+from infinity.swap import SpaceReader, SwapSpace, WriteBehind, fsync_dir, round_up, write_bytes_atomic, write_json_atomic
 
+from . import _rng
 from ._optim import KINDS
+from .checkpoint import (
+    FORMAT, LATEST_NAME, META_NAME, TMP_PREFIX, VERSION, CheckpointError, check_tag, list_checkpoints, load_meta,
+    resolve,
+)  # fmt: skip
 
 logger = logging.getLogger("infinity")
 
-FORMAT = "infinity-checkpoint"
-VERSION = 1
-META_NAME = "meta.json"
-LATEST_NAME = "latest"
-TMP_PREFIX = ".tmp-"
-_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 _IN_FLIGHT = 4  # checkpoint writes in flight per rank (each holds one pool buffer)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: incomplete, of another model, unknown version..."""
-
-
-def check_tag(tag: str) -> str:
-    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag == LATEST_NAME:
-        raise ValueError(
-            f"checkpoint tag {tag!r} must be 1-128 letters, digits, '.', '_', '+' or '-', not starting "
-            f"with a dot and not {LATEST_NAME!r} (a tag names a directory inside the checkpoint root)"
-        )
-    return tag
-
-
-def resolve(path: str, tag: str = LATEST_NAME) -> str:
-    """The checkpoint directory ``path`` and ``tag`` name: ``path`` itself when it holds a
-    meta.json, else ``path/<tag>`` (``latest``: the tag the ``latest`` file names)."""
-    path = os.path.abspath(os.fspath(path))
-    if os.path.isfile(os.path.join(path, META_NAME)) and tag == LATEST_NAME:
-        return path
-    if not os.path.isdir(path):
-        raise FileNotFoundError(errno.ENOENT, "no checkpoint directory here", path)
-    if tag == LATEST_NAME:
-        pointer = os.path.join(path, LATEST_NAME)
-        if not os.path.isfile(pointer):
-            raise FileNotFoundError(errno.ENOENT, f"no {LATEST_NAME!r} file: no complete checkpoint was saved here", pointer)
-        with open(pointer) as f:
-            named = f.read().strip()
-        try:
-            tag = check_tag(named)
-        except ValueError as e:
-            raise CheckpointError(f"{pointer}: {e}") from None
-    else:
-        check_tag(tag)
-    where = os.path.join(path, tag)
-    if not os.path.isfile(os.path.join(where, META_NAME)):
-        raise FileNotFoundError(errno.ENOENT, f"checkpoint {tag!r} is missing or incomplete (no {META_NAME})", where)
-    return where
-
-
 # -- meta.json --------------------------------------------------------------------------------
-def _rng_state() -> dict:
-    import numpy as np
-
-    version, state, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    out = {
-        "python": [version, list(state), gauss],
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
-    return out
-
-
-def _set_rng_state(state: dict, where: str) -> None:
-    import numpy as np
-
-    try:
-        version, inner, gauss = state["python"]
-        random.setstate((version, tuple(inner), gauss))
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
-        if "cuda" in state and torch.cuda.is_available():
-            states = [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
-            torch.cuda.set_rng_state_all(states[: torch.cuda.device_count()])
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{where}: rng: not a saved RNG state ({type(e).__name__}: {e})") from None
-
-
 def _units_layout(engine) -> list[dict]:
     return [{"name": u.name, "numel": u.numel, "params": [[n, list(s)] for n, s in zip(u.param_names, u.shapes)]}
             for u in engine.units]  # fmt: skip
 
 
 def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
-    scaler = engine._scaler
+    parts = engine.components
+    scaler = parts["loss_scaler"]
     meta = {
         "format": FORMAT,
         "version": VERSION,
         "tag": tag,
-        "step": engine._stats.steps,
+        "step": parts["stats"].state_dict()["steps"],
         "world_size": engine.world_size,
         "stage": engine.config.partition.stage,
         "param_dtype": engine.config.precision.param_dtype,
         "config": engine.config.to_dict(),
-        "loss_scaler": None if scaler is None else {"scale": scaler.scale, "good_steps": scaler._good},
+        "loss_scaler": None if scaler is None else scaler.state_dict(),
         "units": _units_layout(engine),
         "rng": rng,
         "client_state": client_state,
@@ -161,87 +80,28 @@ def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
     return meta
 
 
-def load_meta(where: str) -> dict:
-    """meta.json of the checkpoint directory ``where``, validated (CheckpointError names the key)."""
-    path = os.path.join(where, META_NAME)
-    try:
-        meta = read_json(path)
-    except ManifestError as e:
-        raise CheckpointError(str(e)) from None
-
-    def fail(key, why):
-        raise CheckpointError(f"{path}: {key}: {why}")
-
-    if not isinstance(meta, dict):
-        fail("(top)", "not a JSON object")
-    if meta.get("format") != FORMAT:
-        fail("format", f"{meta.get('format')!r} is not {FORMAT!r}: not an infinity checkpoint")
-    if meta.get("version") != VERSION:
-        fail("version", f"unknown version {meta.get('version')!r} (this infinity reads version {VERSION})")
-    for key, lo in (("step", 0), ("world_size", 1), ("stage", 1)):
-        v = meta.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            fail(key, f"{v!r} is not an integer >= {lo}")
-    if meta["stage"] > 3:
-        fail("stage", f"{meta['stage']} is not 1, 2 or 3")
-    if meta.get("param_dtype") not in ("bf16", "fp16", "fp32"):
-        fail("param_dtype", f"{meta.get('param_dtype')!r} is not bf16, fp16 or fp32")
-    units = meta.get("units")
-    if not isinstance(units, list) or not units:
-        fail("units", "missing or empty")
-    for i, u in enumerate(units):
-        if not (isinstance(u, dict) and isinstance(u.get("name"), str) and isinstance(u.get("numel"), int)
-                and u["numel"] >= 0 and isinstance(u.get("params"), list)):  # fmt: skip
-            fail(f"units[{i}]", f"{u!r} is not {{name, numel, params}}")
-    rng = meta.get("rng")
-    if not isinstance(rng, list) or len(rng) != meta["world_size"] or not all(isinstance(r, dict) for r in rng):
-        fail("rng", f"not a list of {meta['world_size']} RNG states")
-    scaler = meta.get("loss_scaler")
-    if scaler is not None and not (isinstance(scaler, dict) and isinstance(scaler.get("scale"), (int, float))
-                                   and isinstance(scaler.get("good_steps"), int)):  # fmt: skip
-        fail("loss_scaler", f"{scaler!r} is not {{scale, good_steps}}")
-    return meta
-
-
 # -- saving -----------------------------------------------------------------------------------
-class _Writes:
-    """Checkpoint writes in flight, each from its own pool buffer, at most ``_IN_FLIGHT``."""
+class _Writer:
+    """One rank's checkpoint space: each tensor written from its own pool copy, checksummed,
+    at most ``_IN_FLIGHT`` in flight."""
 
     def __init__(self, space: SwapSpace, pool):
         self.space, self.pool = space, pool
-        self.queue: collections.deque = collections.deque()
+        self.writes = WriteBehind(_IN_FLIGHT)
         self.bytes = 0
 
     def put(self, name: str, src: torch.Tensor) -> None:
-        """Write a copy of ``src`` (1-D, any device) as ``name``, with a checksum."""
+        """Write a copy of ``src`` (1-D, any device) as ``name``."""
         lease = self.pool.acquire(max(src.numel() * src.element_size(), 1))
         copy = lease.view(src.dtype, (src.numel(),))
-        copy.copy_(src)
         try:
-            self.queue.append((self.space.put(name, copy, checksum=True), lease))
+            copy.copy_(src)
+            future = self.space.put(name, copy, checksum=True)
         except BaseException:
             lease.release()
             raise
+        self.writes.add(future, lease)
         self.bytes += src.numel() * src.element_size()
-        while len(self.queue) > _IN_FLIGHT:
-            self._finish_one()
-
-    def _finish_one(self) -> None:
-        fut, lease = self.queue.popleft()
-        try:
-            fut.result()
-        finally:
-            lease.release()
-
-    def finish(self) -> None:
-        error = None
-        while self.queue:
-            try:
-                self._finish_one()
-            except BaseException as e:  # noqa: BLE001 - every buffer goes back; the first error is raised
-                error = error or e
-        if error is not None:
-            raise error
 
 
 def _rank_bytes(engine) -> int:
@@ -253,49 +113,46 @@ def _rank_bytes(engine) -> int:
     return total
 
 
+def _write_state(engine, out: _Writer) -> None:
+    """Every unit's optimizer state and parameters (this rank's slices), and the step counts."""
+    opt = engine.optimizer
+    for group in opt.groups:
+        # The group's optimizer state, kind by kind, as leases of the tier.
+        for kind in KINDS:
+            lease = opt.states[kind].get(group.name).result()
+            try:
+                for u in group.units:
+                    out.put(f"{u.name}/{kind}", lease.tensor[group.slices[u.index]])
+            finally:
+                lease.release()
+        for u in group.units:
+            lease = engine.param_store.get(u.name).result()
+            try:
+                flat = lease.tensor.reshape(-1)  # stages 1, 2 keep the whole unit: save the slice
+                out.put(f"{u.name}/param", flat if flat.numel() == u.shard_numel else flat[u.shard])
+            finally:
+                lease.release()
+    out.put("optimizer/steps", opt.state_dict()["steps"])
+
+
 def _save_rank(engine, tmp: str) -> int:
     """Write this rank's state under ``tmp``; returns the bytes written."""
-    opt = engine.optimizer
     space = SwapSpace(tmp, rank=engine.rank, engine=engine.aio, pool=engine.pool, fresh=True,
                       grow_step=_rank_bytes(engine))  # fmt: skip
-    writes = _Writes(space, engine.pool)
+    out = _Writer(space, engine.pool)
     try:
-        for group in opt.groups:
-            # The group's optimizer state, kind by kind: resident tensors, or pool buffers read from nvme.
-            for kind in KINDS:
-                store = opt.stores[kind]
-                value = store.get(group.name).result()
-                lease = None if store.resident else value
-                flat = value if lease is None else value.view(torch.float32, (group.numel,))
-                try:
-                    for u in group.units:
-                        writes.put(f"{u.name}/{kind}", flat[group.slices[u.index]])
-                finally:
-                    if lease is not None:
-                        lease.release()
-            for u in group.units:
-                value = engine.param_store.get(u.name).result()
-                lease = None if engine.param_store.resident else value
-                n = u.padded_numel if opt.gather_params else u.shard_numel  # stages 1, 2: all of it
-                flat = value.reshape(-1) if lease is None else value.view(engine.dtype, (n,))
-                try:
-                    writes.put(f"{u.name}/param", flat if n == u.shard_numel else flat[u.shard])
-                finally:
-                    if lease is not None:
-                        lease.release()
-        steps = torch.stack([opt.steps[u.index].detach().to("cpu", torch.float32) for u in engine.units])
-        writes.put("optimizer/steps", steps)
-        writes.finish()
+        _write_state(engine, out)
+        out.writes.drain()
         space.close()  # flushes: the arena fsynced, the manifest written atomically
     except BaseException as e:
         # The first error is the one to report; the rest only has to give its buffers back.
-        for cleanup in (writes.finish, space.close):
+        for cleanup in (out.writes.drain, space.close):
             try:
                 cleanup()
             except Exception as other:  # noqa: BLE001
                 e.add_note(f"(then, cleaning up the checkpoint's swap space: {other})")
         raise
-    return writes.bytes
+    return out.bytes
 
 
 _RENAME_EXCHANGE = 2
@@ -337,22 +194,6 @@ def _publish(root: str, tmp: str, tag: str) -> None:
     write_bytes_atomic(os.path.join(root, LATEST_NAME), f"{tag}\n".encode())
 
 
-def list_checkpoints(root: str) -> list[tuple[int, float, str]]:
-    """(step, mtime, tag) of the complete checkpoints in ``root``, oldest first."""
-    found = []
-    for entry in os.scandir(root):
-        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False) or not _TAG.fullmatch(entry.name):
-            continue
-        meta_path = os.path.join(entry.path, META_NAME)
-        try:
-            with open(meta_path) as f:
-                step = json.load(f).get("step")
-            found.append((int(step), os.stat(meta_path).st_mtime, entry.name))
-        except (OSError, ValueError, TypeError, AttributeError):
-            continue  # not a checkpoint: not ours to prune
-    return sorted(found)
-
-
 def _prune(root: str, keep_last: int, current: str) -> list[str]:
     found = [tag for _, _, tag in list_checkpoints(root)]
     doomed = [t for t in found[: max(len(found) - keep_last, 0)] if t != current]
@@ -367,7 +208,8 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
     """See `Engine.save_checkpoint`."""
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"{keep_last=} must be a positive int (or None to keep every checkpoint)")
-    tag = check_tag(f"step-{engine._stats.steps}" if tag is None else tag)
+    steps = engine.components["stats"].state_dict()["steps"]
+    tag = check_tag(f"step-{steps}" if tag is None else tag)
     dist = engine.dist
     dist.agree_text(tag, "checkpoint tag")
     if engine.grads.has_grad:
@@ -378,38 +220,35 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
     root = os.path.abspath(os.fspath(path))
     tmp = os.path.join(root, TMP_PREFIX + tag)
     start = time.perf_counter()
-    engine.scheduler.release_all()  # prefetched parameters give their pool buffers back
-    rng = dist.gather_text(json.dumps(_rng_state()), "checkpoint RNG states")
-    error = meta = None
-    try:
-        meta = _meta(engine, tag, [json.loads(r) for r in rng], client_state)
-        if dist.rank == 0:
-            os.makedirs(root, mode=0o700, exist_ok=True)
-            for entry in os.listdir(root):  # saves that were killed: never loaded, removed now
-                if entry.startswith(TMP_PREFIX):
-                    shutil.rmtree(os.path.join(root, entry))
-            os.mkdir(tmp, 0o700)
-    except BaseException as e:  # noqa: BLE001 - every rank learns of it (see [Note: atomic checkpoint])
-        error = e
-    _agree(dist, error, "preparing the checkpoint directory")
-    nbytes = 0
-    try:
-        nbytes = _save_rank(engine, tmp)
-    except BaseException as e:  # noqa: BLE001
-        error = e
-    _agree(dist, error, "writing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
-    if dist.rank == 0:
+    with record_function("infinity::checkpoint.save"):
+        engine.scheduler.release_all()  # prefetched parameters give their pool buffers back
+        rng = dist.gather_text(json.dumps(_rng.state_dict()), "checkpoint RNG states")
+        error = meta = None
         try:
-            write_json_atomic(os.path.join(tmp, META_NAME), meta)
-            fsync_dir(tmp)
-            _publish(root, tmp, tag)
-            if keep_last is not None:
-                removed = _prune(root, keep_last, tag)
-                if removed:
-                    logger.info("checkpoint: removed %s (keep_last=%d)", ", ".join(removed), keep_last)
+            meta = _meta(engine, tag, [json.loads(r) for r in rng], client_state)
+            if dist.rank == 0:
+                _prepare(root, tmp)
+        except BaseException as e:  # noqa: BLE001 - every rank learns of it (see [Note: atomic checkpoint])
+            error = e
+        _agree(dist, error, "preparing the checkpoint directory")
+        nbytes = 0
+        try:
+            nbytes = _save_rank(engine, tmp)
         except BaseException as e:  # noqa: BLE001
             error = e
-    _agree(dist, error, "publishing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
+        _agree(dist, error, "writing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
+        if dist.rank == 0:
+            try:
+                write_json_atomic(os.path.join(tmp, META_NAME), meta)
+                fsync_dir(tmp)
+                _publish(root, tmp, tag)
+                if keep_last is not None:
+                    removed = _prune(root, keep_last, tag)
+                    if removed:
+                        logger.info("checkpoint: removed %s (keep_last=%d)", ", ".join(removed), keep_last)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        _agree(dist, error, "publishing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
     where = os.path.join(root, tag)
     elapsed = time.perf_counter() - start
     if dist.rank == 0:
@@ -418,18 +257,23 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
     return where
 
 
+def _prepare(root: str, tmp: str) -> None:
+    """Rank 0: the checkpoint root exists, saves that were killed are gone, ``tmp`` is new."""
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    for entry in os.listdir(root):  # saves that were killed: never loaded, removed now
+        if entry.startswith(TMP_PREFIX):
+            shutil.rmtree(os.path.join(root, entry))
+    os.mkdir(tmp, 0o700)
+
+
 def _agree(dist, error: BaseException | None, what: str, cleanup: str | None = None) -> None:
     """Raise on every rank if any rank failed at ``what`` (after removing ``cleanup``)."""
-    failed = dist.all_ok(error is None, f"checkpoint: {what}")
-    if not failed:
-        return
-    if cleanup is not None:
-        shutil.rmtree(cleanup, ignore_errors=True)
-    if error is not None:
-        raise error
-    others = dist.failures()
-    why = "; ".join(f"rank {r}: {others[r]}" for r in failed if r in others)
-    raise RuntimeError(f"checkpoint: {what} failed on rank(s) {', '.join(map(str, failed))}" + (f" ({why})" if why else ""))
+    try:
+        dist.agree_on_outcome(error, f"checkpoint: {what}")
+    except BaseException:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -501,8 +345,9 @@ def _check_model(engine, meta: dict, where: str) -> None:
                                   f"({s['numel']} elements): not the same model")  # fmt: skip
 
 
-def load(engine, path, tag: str = LATEST_NAME) -> dict:
-    """See `Engine.load_checkpoint`."""
+def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
+    """See `Engine.load_checkpoint`. ``on_partial(why)`` is called when the load failed after
+    part of the engine's state was replaced (the engine must then refuse to train)."""
     if engine.grads.has_grad:
         raise RuntimeError("load_checkpoint between backward and step: call step() or zero_grad() first")
     error = None
@@ -510,29 +355,29 @@ def load(engine, path, tag: str = LATEST_NAME) -> dict:
     start = time.perf_counter()
     engine.scheduler.release_all()
     where, writing = None, False
-    try:
-        where = resolve(path, tag)
-        meta = load_meta(where)
-        _check_model(engine, meta, where)
-        writing = True  # from here on, the engine's state is being replaced
-        _load_rank(engine, where, meta)
-    except BaseException as e:  # noqa: BLE001 - all ranks agree before anyone trains on it
-        error = e
-    try:
-        _agree(engine.dist, error, "loading the checkpoint")
-    except BaseException as e:
-        if writing:  # part of the state is the checkpoint's, part is not
-            engine._unusable = (f"the engine's state is partly loaded from {where} ({type(e).__name__}: {e}); "
-                                "load a good checkpoint or make a new engine")  # fmt: skip
-        raise
-    engine._unusable = None
-    scaler = meta["loss_scaler"]
-    if engine._scaler is not None and scaler is not None:
-        engine._scaler.scale, engine._scaler._good = float(scaler["scale"]), int(scaler["good_steps"])
-    engine._stats.steps = meta["step"]
+    with record_function("infinity::checkpoint.load"):
+        try:
+            where = resolve(path, tag)
+            meta = load_meta(where)
+            _check_model(engine, meta, where)
+            writing = True  # from here on, the engine's state is being replaced
+            _load_rank(engine, where, meta)
+        except BaseException as e:  # noqa: BLE001 - all ranks agree before anyone trains on it
+            error = e
+        try:
+            _agree(engine.dist, error, "loading the checkpoint")
+        except BaseException as e:
+            if writing and on_partial is not None:  # part of the state is the checkpoint's, part is not
+                on_partial(f"the engine's state is partly loaded from {where} ({type(e).__name__}: {e}); "
+                           "load a good checkpoint or make a new engine")  # fmt: skip
+            raise
+    parts = engine.components
+    if parts["loss_scaler"] is not None and meta["loss_scaler"] is not None:
+        parts["loss_scaler"].load_state_dict(meta["loss_scaler"])
+    parts["stats"].load_state_dict({"steps": meta["step"]})
     rank = engine.rank
     if rank < meta["world_size"]:
-        _set_rng_state(meta["rng"][rank], os.path.join(where, META_NAME))
+        _rng.load_state_dict(meta["rng"][rank], os.path.join(where, META_NAME))
     else:
         logger.warning("checkpoint saved by %d ranks: rank %d keeps its own RNG state", meta["world_size"], rank)
     if rank == 0:
@@ -541,79 +386,59 @@ def load(engine, path, tag: str = LATEST_NAME) -> dict:
     return meta["client_state"]
 
 
+def _load_into(store, name: str, writes: WriteBehind, fill) -> None:
+    """``fill(cpu_tensor)`` the tensor ``name`` of ``store`` and write it there."""
+    lease = store.writable(name)
+    try:
+        target = lease.tensor.reshape(-1)
+        # Readers fill host memory; a device-tier tensor is filled through a host copy.
+        flat = target if target.device.type == "cpu" else torch.empty(target.numel(), dtype=target.dtype)
+        fill(flat)
+        if flat is not target:
+            target.copy_(flat)
+        pending = store.put(name, lease.tensor)
+    except BaseException:
+        lease.release()
+        raise
+    writes.add(pending, lease)
+
+
 def _load_rank(engine, where: str, meta: dict) -> None:
     opt = engine.optimizer
     src = _Sources(where, meta["world_size"], engine)
-    pool = engine.pool
-    pending: collections.deque = collections.deque()  # (store Pending, pool buffer)
-
-    def put(store, name, tensor, lease):
-        pending.append((store.put(name, tensor), lease))
-        while len(pending) > 2:
-            finish_one()
-
-    def finish_one():
-        p, lease = pending.popleft()
-        try:
-            p.result()
-        finally:
-            if lease is not None:
-                lease.release()
-
+    writes = WriteBehind(2)
     try:
         saved_numel = {s["name"]: s["numel"] for s in meta["units"]}
         padded = {u.name: -(-saved_numel[u.name] // meta["world_size"]) * meta["world_size"] for u in engine.units}
         for group in opt.groups:
             for kind in KINDS:
-                store = opt.stores[kind]
-                if store.resident:
-                    target, lease = store.tensor(group.name), None
-                    flat = target if target.device.type == "cpu" else torch.empty(group.numel, dtype=torch.float32)
-                else:
-                    lease = pool.acquire(group.numel * 4)
-                    flat = target = lease.view(torch.float32, (group.numel,))
-                for u in group.units:
-                    s = group.slices[u.index]
-                    _fill(src, flat[s], u, padded[u.name], kind, torch.float32, u.shard.start, u.shard.stop)
-                if lease is not None:
-                    put(store, group.name, flat, lease)
-                elif flat is not target:
-                    target.copy_(flat)
+                def fill(flat, group=group, kind=kind):
+                    for u in group.units:
+                        s = group.slices[u.index]
+                        _fill(src, flat[s], u, padded[u.name], kind, torch.float32, u.shard.start, u.shard.stop)
+
+                _load_into(opt.states[kind], group.name, writes, fill)
         same_dtype = meta["param_dtype"] == engine.config.precision.param_dtype
-        gathers = opt.gather_params
         for u in engine.units:
-            lo, hi = (0, u.padded_numel) if gathers else (u.shard.start, u.shard.stop)
-            ps = engine.param_store
-            if ps.resident:
-                target, lease = ps.tensor(u.name).reshape(-1), None
-                flat = target if target.device.type == "cpu" else torch.empty(hi - lo, dtype=engine.dtype)
-            else:
-                lease = pool.acquire((hi - lo) * engine.dtype.itemsize)
-                flat = target = lease.view(engine.dtype, (hi - lo,))
-            if same_dtype:
-                _fill(src, flat, u, padded[u.name], "param", engine.dtype, lo, hi)
-            else:  # the precision changed: the parameters are the master weights, cast
-                master = torch.empty(hi - lo, dtype=torch.float32)
-                _fill(src, master, u, padded[u.name], "master", torch.float32, lo, hi)
-                flat.copy_(master)
-            if lease is not None:
-                put(ps, u.name, flat, lease)
-            elif flat is not target:
-                target.copy_(flat)
+            lo, hi = (0, u.padded_numel) if opt.gather_params else (u.shard.start, u.shard.stop)
+
+            def fill(flat, u=u, lo=lo, hi=hi):
+                if same_dtype:
+                    _fill(src, flat, u, padded[u.name], "param", engine.dtype, lo, hi)
+                else:  # the precision changed: the parameters are the master weights, cast
+                    master = torch.empty(hi - lo, dtype=torch.float32)
+                    _fill(src, master, u, padded[u.name], "master", torch.float32, lo, hi)
+                    flat.copy_(master)
+
+            _load_into(engine.param_store, u.name, writes, fill)
         # Step counts: this rank's own (the same on every rank; a new rank takes rank 0's).
         q = engine.rank if engine.rank < meta["world_size"] else 0
         steps = src.reader(q).read("optimizer/steps", verify=True)
-        if steps.numel() != len(engine.units):
-            raise CheckpointError(f"{src.reader(q).rank_dir}: optimizer/steps has {steps.numel()} entries, "
-                                  f"expected {len(engine.units)}")  # fmt: skip
-        for u in engine.units:
-            opt.steps[u.index].fill_(float(steps[u.index]))
-        while pending:
-            finish_one()
+        try:
+            opt.load_state_dict({"steps": steps})
+        except ValueError as e:
+            raise CheckpointError(f"{src.reader(q).rank_dir}: optimizer/steps: {e}") from None
+        writes.drain()
     finally:
-        while pending:
-            try:
-                finish_one()
-            except BaseException:  # noqa: BLE001 - the first error is already propagating
-                pass
+        writes.discard_errors()  # after an error: every buffer back, the first error propagating
         src.close()

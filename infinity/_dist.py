@@ -1,5 +1,9 @@
 """Ranks: the process group, the collectives the engine uses, and failing loudly together.
 
+Owns: joining (or making) the process group, the collectives with errors that name the rank
+that failed, and agreement across ranks (same config, same text, one outcome). Touches only
+torch.distributed; what is gathered or reduced is the caller's (see `_transport`).
+
 torch.distributed is the transport (gloo on CPU, NCCL with GPUs); nothing home-made. The
 engine joins the process group the user made, or makes one from torchrun's environment
 (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT), with ``partition.timeout``.
@@ -85,6 +89,20 @@ class Dist:
         flags[self.rank] = 0.0 if ok else 1.0
         self.all_reduce_sum(flags, what)
         return [r for r in range(self.world_size) if flags[r] > 0]
+
+    def agree_on_outcome(self, error: BaseException | None, what: str) -> None:
+        """Every rank calls it after doing ``what``, with its error or None: raise on every rank
+        if any rank failed (this rank's own error where it has one, else a RuntimeError naming
+        the ranks that failed and, where they recorded it, why). Nothing when all succeeded."""
+        failed = self.all_ok(error is None, what)
+        if not failed:
+            return
+        if error is not None:
+            raise error
+        others = self.failures()
+        why = "; ".join(f"rank {r}: {others[r]}" for r in failed if r in others)
+        ranks = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {', '.join(map(str, failed))}"
+        raise RuntimeError(f"{what} failed on {ranks}" + (f" ({why})" if why else "; its error says why"))
 
     def agree_text(self, text: str, what: str) -> None:
         """Raise on every rank unless every rank passed the same ``text`` (no pickle: a digest)."""

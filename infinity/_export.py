@@ -1,5 +1,8 @@
 """Export: the engine's consolidated weights as one safetensors file, streamed.
 
+Owns: the file's layout and its atomic write. Touches: `Engine.unit_weights` (the only way it
+reads weights) and the module's state_dict keys.
+
 The file loads with ``model.load_state_dict(safetensors.torch.load_file(path))`` (strict) into
 a fresh instance of the user's model. Its layout is the safetensors format, written here
 without the package: an 8-byte little-endian header size, a JSON header (per key: dtype,
@@ -28,7 +31,9 @@ import time
 
 import torch
 
-from infinity.swap._manifest import fsync_dir
+from torch.profiler import record_function
+
+from infinity.swap import fsync_dir
 
 logger = logging.getLogger("infinity")
 
@@ -113,13 +118,7 @@ def export_safetensors(engine, path) -> str:
                 out.commit()
             except OSError as e:
                 error = e
-        if engine.dist.active:
-            failed = torch.tensor([float(error is not None)])
-            engine.dist.all_reduce_sum(failed, f"agreeing on the export to {path}")
-            if failed.item() and error is None:
-                raise RuntimeError(f"the export to {path} failed on rank 0; its error says why")
-        if error is not None:
-            raise error
+        engine.dist.agree_on_outcome(error, f"the export to {path}")
     finally:
         if out is not None:
             out.discard()

@@ -1,5 +1,9 @@
 """Gradients: gathered per unit as backward leaves it, reduced, accumulated in fp32 in the grads tier.
 
+Owns: which units have a gradient this step, their write-behinds, and each accumulated
+gradient's squared norm and finiteness. Touches: the grads `Store` (leases), the transport
+(reduction across ranks).
+
 Accumulation over micro-batches: the first backward of a step writes a unit's gradient, later
 ones read, add and write it back. On nvme the write is behind (at most ``max_writes`` in
 flight, each from the pool buffer it was gathered in, so nothing is staged twice). The squared
@@ -9,66 +13,58 @@ optimizer knows the global norm (clipping) and an fp16 overflow before it reads 
 
 from __future__ import annotations
 
-import collections
-
 import torch
+from torch.profiler import record_function
 
-from ._store import Pending, Store
+from infinity.swap import WriteBehind
+
+from ._store import Store
 from ._units import ParamUnit
 
 
 class GradAccumulator:
-    def __init__(self, store: Store, dist=None, grads_full: bool = False, pool=None, max_writes: int = 2):
+    def __init__(self, store: Store, transport=None, grads_full: bool = False, max_writes: int = 2):
         self.store = store
-        self.dist = dist  # infinity._dist.Dist; collectives only when it has several ranks
+        self.transport = transport  # _transport.Transport; collectives only when it has several ranks
+        self.dist = transport.dist if transport is not None else None
         self.grads_full = grads_full  # ZeRO stage 1: every rank keeps the whole (averaged) gradient
-        self.pool = pool
         self.max_writes = max_writes
         self.has_grad: set[int] = set()  # units with a gradient this step
         self.norm_sq: dict[int, torch.Tensor] = {}  # 0-d fp64 per unit, read once at the step
         self.finite: dict[int, torch.Tensor] = {}  # 0-d bool per unit
-        self._writes: collections.OrderedDict[int, tuple[Pending, object]] = collections.OrderedDict()
+        self._writes = WriteBehind(max_writes)  # keyed by unit index
 
     def add(self, unit: ParamUnit, grad: torch.Tensor, lease=None) -> None:
         """Accumulate ``grad`` (1-D fp32, the unit's padded length; in ``lease``, a pool buffer,
-        when given) into the unit's shard."""
+        when given) into the unit's shard. Owns ``lease`` from here, failing or not."""
         if self.dist is not None and self.dist.active:
-            what = f"gradient reduction of {unit.name}"
-            if self.grads_full:
-                self.dist.all_reduce_mean(grad, what)
-            else:
-                n = unit.shard_numel
-                if grad.device.type == "cpu" and self.pool is not None:
-                    reduced = self.pool.acquire(n * 4)
-                    out = reduced.view(torch.float32, (n,))
-                else:
-                    reduced, out = None, torch.empty(n, dtype=torch.float32, device=grad.device)
-                self.dist.reduce_scatter_mean(out, grad, what)
+            grad, lease = self.transport.reduce_grad(unit, grad, lease, keep_full=self.grads_full)
+        # ``grad`` is now what this rank keeps: its slice (stages 2, 3) or all of it (stage 1)
+        with record_function("infinity::grad_write"):
+            try:
+                self._writes.settle(unit.index)  # its previous write, before reading it back
+                acc, hold = self._accumulate(unit, grad, lease)
+            except BaseException:
                 if lease is not None:
                     lease.release()
-                grad, lease = out, reduced
-        shard = grad  # what this rank keeps: its slice (stages 2, 3) or all of it (stage 1)
-        self._settle(unit.index)
-        hold = lease  # the pool buffer the write goes from, released when it is done
-        if unit.index in self.has_grad:
-            if self.store.resident:
-                acc = self.store.tensor(unit.name)
-                acc.add_(shard.to(acc.device))
-            else:
-                hold = self.store.get(unit.name).result()
-                acc = hold.view(torch.float32, shard.shape)
-                acc.add_(shard)
-                if lease is not None:
-                    lease.release()
-        else:
-            acc = shard
-        if not self.store.resident and acc.device.type != "cpu":
-            # Gathered on the GPU: nvme is reached through host memory (a pool buffer).
-            staged = self.store.space.pool.acquire(acc.numel() * 4)
-            staged.view(torch.float32, acc.shape).copy_(acc)
-            if hold is not None:
-                hold.release()
-            hold, acc = staged, staged.view(torch.float32, acc.shape)
+                raise
+            self._store(unit, acc, hold)
+
+    def _accumulate(self, unit: ParamUnit, grad: torch.Tensor, lease):
+        """(the accumulated gradient, the buffer it lives in) for this micro-batch."""
+        if unit.index not in self.has_grad:
+            return grad, lease
+        held = self.store.get(unit.name).result()  # the sum so far
+        try:
+            held.tensor.add_(grad.to(held.tensor.device))
+        except BaseException:
+            held.release()
+            raise
+        if lease is not None:
+            lease.release()
+        return held.tensor, held
+
+    def _store(self, unit: ParamUnit, acc: torch.Tensor, hold) -> None:
         try:
             pending = self.store.put(unit.name, acc)
         except BaseException:
@@ -83,28 +79,11 @@ class GradAccumulator:
         # Kept as tensors: reading them (a device sync on CUDA) waits for the step, once.
         self.norm_sq[unit.index] = torch.linalg.vector_norm(mine, dtype=torch.float64) ** 2
         self.finite[unit.index] = torch.isfinite(mine).all()
-        if self.store.resident:
-            if hold is not None:
-                hold.release()
-            return
-        self._writes[unit.index] = (pending, hold)
-        while len(self._writes) > self.max_writes:
-            self._settle(next(iter(self._writes)))
-
-    def _settle(self, index: int) -> None:
-        entry = self._writes.pop(index, None)
-        if entry is not None:
-            pending, hold = entry
-            try:
-                pending.result()
-            finally:
-                if hold is not None:
-                    hold.release()
+        self._writes.add(pending, hold, key=unit.index)
 
     def flush(self) -> None:
         """Wait for every write-behind (raising its error)."""
-        for index in list(self._writes):
-            self._settle(index)
+        self._writes.drain()
 
     def global_norm(self) -> float:
         local = torch.stack(list(self.norm_sq.values())).sum().cpu() if self.norm_sq else torch.zeros((), dtype=torch.float64)
@@ -123,11 +102,7 @@ class GradAccumulator:
     def zero(self) -> None:
         """Forget this step's gradients (the next backward writes afresh; nothing is read).
         Write-behinds are finished first; one that failed does not matter: it is forgotten."""
-        for index in list(self._writes):
-            try:
-                self._settle(index)
-            except OSError:
-                pass
+        self._writes.discard_errors()
         self.has_grad.clear()
         self.norm_sq.clear()
         self.finite.clear()

@@ -1,5 +1,10 @@
 """Fetch, prefetch and release of parameter units around each module's forward and backward.
 
+Owns: the module hooks, the predicted order of modules, which units are fetched, ready or
+released, and the saved-tensor pack/unpack that keeps views of released units valid. Touches:
+the params `Store` (leases), `_transport.Transport` (copies to the device, the all-gather), and
+hands each unit's finished gradient to `_grads.GradAccumulator`.
+
 Forward: a module's pre-hook materialises its units (waiting for a prefetch, or reading on
 demand) and issues the reads of the units of the next ``depth`` modules of the predicted
 order; its post-hook releases them. Backward: the module's outputs carry a marker whose
@@ -29,12 +34,14 @@ import time
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from infinity.swap import PoolExhausted
 
 from ._grads import GradAccumulator
 from ._stats import Stats
 from ._store import Store
+from ._transport import Transport
 from ._units import ParamUnit, UnitState
 
 
@@ -93,6 +100,9 @@ def _map_tensors(obj, fn):
 
 
 class Scheduler:
+    """Materialises each module's units just before it runs (forward and backward), prefetches
+    along the predicted order, and releases them after."""
+
     def __init__(
         self,
         units: list[ParamUnit],
@@ -100,38 +110,33 @@ class Scheduler:
         store: Store,
         grads: GradAccumulator,
         stats: Stats,
+        transport: Transport,
         *,
-        device: torch.device,
-        dtype: torch.dtype,
         depth: int,
         prefetch_bytes: int | None,
-        pool=None,
-        dist=None,
+        gather: bool,
     ):
         self.units = units
         self.module_units = module_units
         self.store = store
         self.grads = grads
         self.stats = stats
-        self.device = device
-        self.dtype = dtype
+        self.transport = transport
+        self.device = transport.device
         self.depth = depth
         self.prefetch_bytes = prefetch_bytes
-        self._itemsize = dtype.itemsize
-        self.pool = pool  # host buffers for gradients gathered on a CPU device
-        self.dist = dist
+        self._itemsize = transport.dtype.itemsize
+        self.pool = transport.pool  # host buffers for gradients gathered on a CPU device
         # Stage 3 across ranks: the tier holds this rank's shard; materialising gathers the rest.
-        self.gather = dist is not None and dist.active
-        # Units always materialised: their tier is the device, or host memory on a CPU device.
-        self.resident = store.resident and (store.tier == "device" or device.type == "cpu") and not self.gather
+        self.gather = gather
+        # Units always materialised: the tier lends its own tensors on the compute device.
+        self.always_ready = store.in_place_on(self.device) and not gather
         self.forward_order = _Order(list(module_units))  # registration order: see [Note: predicted order]
         self.backward_order = _Order([])
         self._trace: list[nn.Module] = []
         self._handles = []
         self._by_storage: dict[int, ParamUnit] = {}  # storage address -> READY unit (released-able)
         self._in_backward = False  # between a grad-enabled forward and the end of its backward
-        self._copy_stream = None  # CUDA: host-to-device copies run here
-        self._copies: list = []  # (event, host lease) of copies that may still be running
 
     # -- hooks ------------------------------------------------------------------------------
     def install(self) -> None:
@@ -247,7 +252,7 @@ class Scheduler:
                 self.release(unit)
             self.backward_order = _Order([])
             self._in_backward = False
-            self._drain_copies(block=True)
+            self.transport.drain()
 
     def drop_grads(self) -> None:
         """Forget gradients still being gathered in units (after a failed backward)."""
@@ -259,7 +264,7 @@ class Scheduler:
 
     # -- saved tensors: see [Note: saved parameter views] -------------------------------------
     def pack(self, t: torch.Tensor):
-        if self.resident or not self._by_storage:
+        if self.always_ready or not self._by_storage:
             return t
         try:
             unit = self._by_storage.get(t.untyped_storage().data_ptr())
@@ -278,7 +283,7 @@ class Scheduler:
 
     # -- fetch and release ------------------------------------------------------------------
     def _prefetch(self, order: _Order, start: int) -> None:
-        if self.resident or not order.valid:
+        if self.always_ready or not order.valid:
             return
         budget = self.prefetch_bytes
         for module in order.modules[start : start + self.depth]:
@@ -310,100 +315,49 @@ class Scheduler:
 
     @staticmethod
     def _drop_fetch(unit: ParamUnit) -> None:
-        """Wait for a fetch in flight and give its buffer back: the unit is not needed now."""
+        """Wait for a fetch in flight and give its lease back: the unit is not needed now."""
         if unit.state is UnitState.FETCHING:
-            value = unit.pending.result()
+            lease = unit.pending.result()
             unit.pending = None
-            if hasattr(value, "release"):  # a pool buffer (nvme), not a resident tensor
-                value.release()
+            lease.release()
             unit.state = UnitState.RELEASED
 
     def materialize(self, unit: ParamUnit) -> None:
         if unit.state is UnitState.READY:
             return
-        if self.resident:
-            unit.bind(self.store.tensor(unit.name))
+        if self.always_ready:
+            unit.bind(self.store.get(unit.name).result().tensor)
             return
-        counters = self.stats.both()
-        if unit.state is UnitState.RELEASED:
-            self._start_fetch(unit)
+        with record_function("infinity::fetch"):
+            counters = self.stats.both()
+            if unit.state is UnitState.RELEASED:
+                self._start_fetch(unit)
+                for c in counters:
+                    c.on_demand += 1
+            else:
+                for c in counters:
+                    c.prefetch_hits += 1
+            start = time.perf_counter()
+            lease = unit.pending.result()
+            unit.pending = None
+            if self.gather:
+                full, unit.lease = self.transport.gather(unit, lease)
+            elif self.device.type == "cpu":  # computing on the host: the lease is the parameters
+                full, unit.lease = lease.tensor, lease
+            else:
+                full = self.transport.to_device(lease)
+            waited = time.perf_counter() - start
             for c in counters:
-                c.on_demand += 1
-        else:
-            for c in counters:
-                c.prefetch_hits += 1
-        start = time.perf_counter()
-        value = unit.pending.result()
-        unit.pending = None
-        n_local = unit.shard_numel if self.gather else unit.padded_numel
-        if self.store.resident:  # cpu tier, CUDA device (or a shard to gather): the tensor itself
-            host, lease = value, None
-        else:
-            host, lease = value.view(self.dtype, (n_local,)), value
-        if self.gather:
-            full = self._gather(unit, host, lease)
-        elif self.store.resident:
-            full = self._to_device(host, None)
-        elif self.device.type == "cpu":
-            unit.lease = lease
-            full = host
-        else:
-            full = self._to_device(host, lease)
-        waited = time.perf_counter() - start
-        for c in counters:
-            c.stall_seconds += waited
-            c.fetches += 1
+                c.stall_seconds += waited
+                c.fetches += 1
         unit.bind(full)
         self._by_storage[full.untyped_storage().data_ptr()] = unit
-
-    def _gather(self, unit: ParamUnit, shard: torch.Tensor, lease) -> torch.Tensor:
-        """All-gather the unit from every rank's shard (bandwidth-centric partitioning: each rank
-        read only its own slice from its own drives)."""
-        what = f"parameter all-gather of {unit.name}"
-        if self.device.type == "cpu":
-            full_lease = self.pool.acquire(unit.padded_numel * shard.element_size())
-            full = full_lease.view(self.dtype, (unit.padded_numel,))
-            self.dist.all_gather(full, shard, what)
-            if lease is not None:
-                lease.release()
-            unit.lease = full_lease
-            return full
-        local = self._to_device(shard, lease) if shard.device.type == "cpu" else shard
-        full = torch.empty(unit.padded_numel, dtype=self.dtype, device=self.device)
-        self.dist.all_gather(full, local, what)
-        return full
-
-    def _to_device(self, host: torch.Tensor, lease) -> torch.Tensor:
-        """Copy to the device on the side stream; compute waits on an event, not the host.
-
-        The host buffer goes back to the pool only once the copy's event has completed
-        (`_drain_copies`), never while the DMA may still read it."""
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            full = host.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        torch.cuda.current_stream(self.device).wait_event(event)
-        full.record_stream(torch.cuda.current_stream(self.device))
-        if lease is not None:
-            self._copies.append((event, lease))
-        self._drain_copies(block=False)
-        return full
-
-    def _drain_copies(self, block: bool) -> None:
-        while self._copies and (block or self._copies[0][0].query()):
-            event, lease = self._copies.pop(0)
-            event.synchronize()
-            lease.release()
 
     def release(self, unit: ParamUnit, after_forward: bool = False) -> None:
         """Free a unit's full parameters unless a running module still uses them or (in
         backward) more of its gradients are due; after a forward, pending backward uses do not
         hold it: backward fetches it again."""
-        if self.resident or unit.active > 0 or (unit.uses > 0 and not after_forward):
+        if self.always_ready or unit.active > 0 or (unit.uses > 0 and not after_forward):
             return
         if unit.state is UnitState.FETCHING:
             return  # a prefetch for a coming module: keep it

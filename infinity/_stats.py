@@ -1,11 +1,16 @@
-"""Counters behind `Engine.stats()`: bytes and busy seconds per tier, stall, steps."""
+"""Counters behind `Engine.stats()`: bytes and busy seconds per tier, stall, steps.
+
+Owns: the counters of the step in progress and the cumulative ones, and the step count (the
+one piece a checkpoint keeps: `state_dict`). Touches nothing: the stores, the scheduler and the
+optimizer add to it.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-TIERS = ("device", "cpu", "nvme")
+from .config import TIERS
 
 
 @dataclass(slots=True)
@@ -82,6 +87,12 @@ class Stats:
 
     def io(self, tier: str, write: bool, nbytes: int) -> "_IoSpan":
         return _IoSpan(self, tier, write, nbytes)
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
 
     def end_step(self) -> dict:
         now = time.perf_counter()

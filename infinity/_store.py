@@ -1,28 +1,58 @@
-"""Where one kind of state lives: flat tensors by name, on the device, in host memory or on NVMe.
+"""A tier: where one kind of state lives (params, grads, master, exp_avg, exp_avg_sq).
 
-The engine keeps three stores (params, grads, optimizer states), each in the tier the config
-names. Device and cpu stores keep resident tensors that callers use in place; the nvme store
-keeps them in a SwapSpace and hands out pool buffers. Every transfer is counted in `Stats`.
+Owns: the tensors of one kind under their names, in the tier the config names; the key format
+in the swap space; the pool buffers that reads and staged writes move through; the byte
+counters of `Stats`. Touches: `infinity.swap` (the space, its pool, `stream`).
+
+Callers never ask which tier they talk to. `get` returns (a future of) a `Lease`: a tensor plus
+``release()``. Resident tiers (device, cpu) lend the tier's own tensor, used in place, whose
+release does nothing; the nvme tier lends a pool buffer the read filled, whose release gives it
+back. `put` stores a tensor and returns a future: resident tiers copy now, nvme writes behind.
+A write back into the tensor a lease lent is free on a resident tier and a write on nvme, so
+"get, change in place, put" is the same code everywhere.
+
+The cpu tier is host memory, pinned when CUDA is present so its copies to the device are
+asynchronous; `held_bytes` reports what the resident tiers hold (in ``Engine.stats()``).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator, Sequence
+
 import torch
 
-from infinity.swap import SwapFuture, SwapSpace
+from infinity.swap import DTYPES, SwapFuture, SwapSpace, stream
 
 from ._stats import Stats
 
 
+class Lease:
+    """A tensor of a tier, lent until `release` (idempotent)."""
+
+    __slots__ = ("tensor", "_buffer")
+
+    def __init__(self, tensor: torch.Tensor, buffer=None):
+        self.tensor = tensor
+        self._buffer = buffer  # the pool buffer behind ``tensor`` (nvme), else None
+
+    def release(self) -> None:
+        if self._buffer is not None:
+            self._buffer.release()
+            self._buffer = None
+
+
 class Pending:
-    """A store operation: ``result()`` waits and returns its value (idempotent)."""
+    """A store operation: ``result()`` waits and returns its value (idempotent); ``done()`` polls."""
 
-    __slots__ = ("_future", "_span", "_value", "_done")
+    __slots__ = ("_future", "_span", "_value", "_done", "_wrap", "_staged")
 
-    def __init__(self, future: SwapFuture | None, span=None, value=None):
+    def __init__(self, future: SwapFuture | None, span=None, value=None, wrap=None, staged=None):
         self._future = future
-        self._span = span
+        self._span = span  # the I/O span to close when done (stats)
         self._value = value
+        self._wrap = wrap  # turns the future's value into what result() returns
+        self._staged = staged  # a pool buffer the write went from, given back when done
         self._done = future is None
 
     def done(self) -> bool:
@@ -31,60 +61,148 @@ class Pending:
     def result(self):
         if not self._done:
             try:
-                self._value = self._future.result()
+                value = self._future.result()
+                self._value = value if self._wrap is None else self._wrap(value)
             finally:
                 self._done = True
                 if self._span is not None:
                     self._span.done()
+                if self._staged is not None:
+                    self._staged.release()
+                    self._staged = None
         return self._value
 
 
 class Store:
-    """Flat tensors of one kind (``kind``: "param", "grad", "master", ...) in ``tier``."""
+    """Flat tensors of one ``kind`` ("param", "grad", "master", ...) in ``tier``."""
 
     def __init__(self, tier: str, kind: str, *, device: torch.device, space: SwapSpace | None, stats: Stats):
         if tier == "nvme" and space is None:
             raise ValueError(f"the {kind} store is on nvme but no swap space was given")
         self.tier = tier
         self.kind = kind
-        self.space = space
-        self.stats = stats
-        # device tier: the compute device; cpu tier: host memory (pinned by the pool with CUDA)
+        self._space = space if tier == "nvme" else None
+        self._stats = stats
+        # device tier: the compute device; cpu tier: host memory (pinned where CUDA is)
         self.device = device if tier == "device" else torch.device("cpu")
-        self._resident: dict[str, torch.Tensor] = {}
+        self._pin = tier == "cpu" and torch.cuda.is_available()
+        self._resident: dict[str, torch.Tensor] | None = None if tier == "nvme" else {}
+
+    # -- what the tier is like, for the callers' plans ---------------------------------------
+    def in_place_on(self, device: torch.device) -> bool:
+        """True when `get` lends the tier's own tensor, on ``device``: nothing to fetch or copy."""
+        return self._resident is not None and self.device == device
 
     @property
-    def resident(self) -> bool:
-        return self.tier != "nvme"
+    def uses_pool(self) -> bool:
+        """True when leases and staged writes take host-pool memory (counts against the budget)."""
+        return self._resident is None
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the tier holds in memory (device or host); 0 on nvme, whose bytes are on disk."""
+        if self._resident is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._resident.values())
+
+    # -- access -----------------------------------------------------------------------------
     def _key(self, name: str) -> str:
         return f"{name}/{self.kind}"
 
-    def put(self, name: str, tensor: torch.Tensor) -> Pending:
-        """Store ``tensor`` under ``name``. nvme: written behind (the tensor must stay unchanged
-        until the result); resident: copied now into the resident tensor."""
-        if self.resident:
+    def put(self, name: str, tensor: torch.Tensor, *, copy: bool = False) -> Pending:
+        """Store ``tensor``'s values under ``name`` (cast to the stored dtype where one exists).
+
+        Resident: copied now (nothing when ``tensor`` is the tier's own tensor). nvme: written
+        behind from ``tensor``, which must stay unchanged until the result, unless ``copy``,
+        or unless it is not a contiguous CPU tensor: then from a pool copy."""
+        if self._resident is not None:
             dst = self._resident.get(name)
-            if dst is None or dst.shape != tensor.shape or dst.dtype != tensor.dtype:
-                self._resident[name] = tensor.detach().to(self.device, copy=True)
-            elif dst.data_ptr() != tensor.data_ptr():
-                dst.copy_(tensor)
+            if dst is None or dst.shape != tensor.shape:
+                dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device, pin_memory=self._pin)
+                self._resident[name] = dst
+            if dst.data_ptr() != tensor.data_ptr():
+                dst.copy_(tensor.detach())
             return Pending(None)
+        key = self._key(name)
+        staged = None
+        if copy or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            dtype = DTYPES[self._space.info(key).dtype] if key in self._space else tensor.dtype
+            staged = self._space.pool.acquire(max(tensor.numel() * dtype.itemsize, 1))
+            view = staged.view(dtype, tuple(tensor.shape))
+            view.copy_(tensor.detach())
+            tensor = view
         nbytes = tensor.numel() * tensor.element_size()
-        span = self.stats.io("nvme", True, nbytes)
-        return Pending(self.space.put(self._key(name), tensor), span)
+        span = self._stats.io("nvme", True, nbytes)
+        try:
+            future = self._space.put(key, tensor)
+        except BaseException:
+            span.done()
+            if staged is not None:
+                staged.release()
+            raise
+        return Pending(future, span, staged=staged)
 
     def get(self, name: str, timeout: float | None = None) -> Pending:
-        """Resident: the tensor itself (use it in place). nvme: a read into a pool buffer (waiting
-        at most ``timeout`` for pool memory); the value is a `HostBuffer` the caller releases."""
-        if self.resident:
-            return Pending(None, value=self._resident[name])
+        """A `Lease` of ``name``'s tensor. nvme: a read into a pool buffer, waiting at most
+        ``timeout`` seconds for pool memory (`infinity.swap.PoolExhausted` after that)."""
+        if self._resident is not None:
+            return Pending(None, value=Lease(self._resident[name]))
         key = self._key(name)
-        nbytes = self.space.info(key).nbytes
-        future = self.space.get(key, timeout=timeout)
-        return Pending(future, self.stats.io("nvme", False, nbytes))
+        record = self._space.info(key)
+        dtype, shape = DTYPES[record.dtype], record.shape
+        future = self._space.get(key, timeout=timeout)
+        span = self._stats.io("nvme", False, record.nbytes)
+        return Pending(future, span, wrap=lambda buffer: Lease(buffer.view(dtype, shape), buffer))
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The resident tensor of ``name`` (device and cpu tiers only)."""
-        return self._resident[name]
+    def writable(self, name: str) -> Lease:
+        """A tensor shaped as ``name``'s to fill and then `put`: the tier's own on a resident
+        tier (filling it is the write), a pool buffer on nvme (its contents undefined)."""
+        if self._resident is not None:
+            return Lease(self._resident[name])
+        record = self._space.info(self._key(name))
+        buffer = self._space.pool.acquire(max(record.nbytes, 1))
+        return Lease(buffer.view(DTYPES[record.dtype], record.shape), buffer)
 
+
+class _Streamed:
+    """One item of `stream_together`: the stores' tensors of one name, updated in place."""
+
+    __slots__ = ("tensors", "write_back", "_item")
+
+    def __init__(self, tensors, item=None):
+        self.tensors = tensors
+        self.write_back = True  # False: the item was not changed, nothing to write back
+        self._item = item
+
+
+def stream_together(stores: Sequence[Store], names: Sequence[str], *, ahead: int) -> Iterator[_Streamed]:
+    """Each of ``names`` from every store in ``stores`` (one tier, one space), in order, as
+    one item whose ``tensors`` the caller updates in place: on nvme, ``ahead`` items are read
+    ahead and each is written back behind the caller (`infinity.swap.stream`) unless its
+    ``write_back`` was set False; resident tiers lend their own tensors."""
+    first = stores[0]
+    if first._resident is not None:
+        for name in names:
+            yield _Streamed(tuple(s._resident[name] for s in stores))
+        return
+    keys = [tuple(s._key(name) for s in stores) for name in names]
+    start = time.perf_counter()
+    moved = 0
+    items = stream(first._space, keys, ahead=ahead)
+    try:
+        for item in items:
+            out = _Streamed(item.tensors, item)
+            yield out
+            item.write_back = out.write_back
+            if out.write_back:
+                moved += sum(t.numel() * t.element_size() for t in item.tensors)
+    finally:
+        items.close()  # also when the caller stops early: what is in flight finishes now
+        # The stream overlaps its reads and writes; its wall time is their busy time.
+        elapsed = time.perf_counter() - start
+        for c in first._stats.both():
+            t = c.tiers["nvme"]
+            t.read_bytes += moved
+            t.write_bytes += moved
+            t.read_busy.seconds += elapsed
+            t.write_busy.seconds += elapsed

@@ -1,5 +1,9 @@
 """Parameter units: the parameters a module owns directly, flattened into one tensor.
 
+Owns: which parameters form each unit, their shapes and offsets in it, this rank's slice, and
+the unit's state (released, fetching, ready) with what backs it while ready. Touches only the
+module's parameters (binding their data to the unit's memory).
+
 A unit is what moves between tiers. Each distinct Parameter belongs to exactly one unit, the
 unit of the first module (in registration order) that holds it; a module that holds a
 parameter of another unit (tied weights: GPT-2's lm_head holds wte's weight) uses that unit.
@@ -7,7 +11,7 @@ parameter of another unit (tied weights: GPT-2's lm_head holds wte's weight) use
 [Note: unit partition]
 A unit's flat tensor is padded to a multiple of the world size and rank r keeps slice r of
 it (bandwidth-centric partitioning). At world size 1 the slice is the whole; the offsets are
-kept rank-aware so that the multi-rank issue only adds the collectives.
+kept rank-aware so that several ranks only add the collectives (`_transport`).
 """
 
 from __future__ import annotations

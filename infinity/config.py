@@ -1,14 +1,14 @@
 """The tier config: where parameters, gradients and optimizer state live, and how they move.
 
-One frozen, keyword-only dataclass per section of the file (DESIGN §3), each field with a
+One frozen, keyword-only dataclass per section of the file (docs/config.md), each field with a
 default, so that an empty file means "everything on the device". Every value is checked when
 its section is built, whether it came from `TierConfig.load`, `TierConfig.from_dict` or a
 constructor call, and a bad one raises `ValueError` naming its dotted key ("aio.queue_depth"),
 because a typo found at step 10,000 of a run costs the run. Sizes accept ints (bytes) or
 strings such as "1MiB" and are stored as ints.
 
-This module imports neither torch nor the I/O layer, so launchers and tools can read and check
-a config cheaply; the few constants it shares with them are pinned by tests.
+This module imports no torch (only the constants of the I/O layer, which load without it), so
+launchers and tools can read and check a config cheaply.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from typing import Any, ClassVar, Union
 
 Size = Union[int, str]  # bytes, or "4GiB" / "512MiB" / "64K" / "4096"; stored as int bytes
 
+from infinity.aio import ALIGNMENT, BACKENDS  # O_DIRECT: swap offsets and I/O blocks are whole pages
+from infinity.swap import VERIFY_MODES
+
 TIERS = ("device", "cpu", "nvme")
-AIO_BACKENDS = ("auto", "uring", "threads")  # "auto" plus infinity.aio.BACKENDS
-VERIFY_MODES = ("off", "checkpoint", "always")  # infinity.swap's modes
+AIO_BACKENDS = ("auto", *BACKENDS)
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
-ALIGNMENT = 4096  # O_DIRECT: swap offsets and I/O blocks are whole pages (as infinity.swap)
 ADAM_STATE_BYTES = 12  # fp32 master weight + exp_avg + exp_avg_sq, per parameter
 
 # The same grammar as nvme-bench's --size, so a figure it prints pastes into a config.
@@ -120,7 +121,7 @@ def _size(section: Any, name: str, *, lo: int = 1, multiple: int = 1, none_ok: b
 # -- the sections -----------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TiersConfig:
-    """Which tier holds each kind of state between uses (DESIGN §2)."""
+    """Which tier holds each kind of state between uses (docs/architecture.md)."""
 
     _section: ClassVar[str] = "tiers"
 

@@ -1,47 +1,61 @@
 """infinity.swap: named tensors in swap spaces on NVMe, and the host memory they move through.
 
 - `SwapSpace`: tensors under stable names in preallocated arena files, one per drive, striped,
-  with a manifest (JSON, written atomically) and optional xxh3-64 checksums;
+  with a manifest (JSON, written atomically) and xxh3-64 checksums;
 - `HostBufferPool`: every host buffer under one byte budget, registered once with the engine;
 - `stream`: read ahead, compute, write behind over a sequence of names;
-- `SpaceReader`: a read-only view of a space (what swap-inspect uses).
+- `WriteBehind`: writes in flight from host buffers, bounded, their errors never lost;
+- `SpaceReader`: a read-only view of a space (what swap-inspect uses);
+- `write_json_atomic`, `write_bytes_atomic`, `fsync_dir`, `read_json`: the durable-file helpers
+  the manifest uses, for the layers above (checkpoints, export).
+
+The constants (`ALIGNMENT`, `VERIFY_MODES`) and `round_up`, `human_size` load without torch;
+everything else on first use (PEP 562), so `import infinity.config` stays light.
 """
 
-from ._allocator import ExtentAllocator, OutOfSpace
-from ._checksum import SwapCorruption
-from ._manifest import (
-    LOCK_NAME,
-    MANIFEST_NAME,
-    SPACE_NAME,
-    Extent,
-    Manifest,
-    ManifestError,
-    TensorRecord,
-    is_space_file,
-)
-from ._pipeline import Item, stream
-from ._pool import HostBuffer, HostBufferPool, PoolExhausted
-from ._reader import SpaceReader
-from ._space import SwapFuture, SwapSpace
+from ._common import ALIGNMENT, VERIFY_MODES, human_size, round_up
+from ._writes import WriteBehind
 
-__all__ = [
-    "LOCK_NAME",
-    "MANIFEST_NAME",
-    "SPACE_NAME",
-    "Extent",
-    "ExtentAllocator",
-    "HostBuffer",
-    "HostBufferPool",
-    "Item",
-    "Manifest",
-    "ManifestError",
-    "OutOfSpace",
-    "PoolExhausted",
-    "SpaceReader",
-    "SwapCorruption",
-    "SwapFuture",
-    "SwapSpace",
-    "TensorRecord",
-    "is_space_file",
-    "stream",
-]
+_LAZY = {
+    "ExtentAllocator": "._allocator",
+    "OutOfSpace": "._allocator",
+    "SwapCorruption": "._checksum",
+    "DTYPES": "._manifest",
+    "LOCK_NAME": "._manifest",
+    "MANIFEST_NAME": "._manifest",
+    "SPACE_NAME": "._manifest",
+    "Extent": "._manifest",
+    "Manifest": "._manifest",
+    "ManifestError": "._manifest",
+    "TensorRecord": "._manifest",
+    "dtype_name": "._manifest",
+    "fsync_dir": "._manifest",
+    "is_space_file": "._manifest",
+    "read_json": "._manifest",
+    "write_bytes_atomic": "._manifest",
+    "write_json_atomic": "._manifest",
+    "Item": "._pipeline",
+    "stream": "._pipeline",
+    "HostBuffer": "._pool",
+    "HostBufferPool": "._pool",
+    "PoolExhausted": "._pool",
+    "SpaceReader": "._reader",
+    "SwapFuture": "._space",
+    "SwapSpace": "._space",
+}
+
+__all__ = ["ALIGNMENT", "VERIFY_MODES", "WriteBehind", "human_size", "round_up", *sorted(_LAZY)]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

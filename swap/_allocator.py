@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import bisect
 
-__all__ = ["ExtentAllocator", "OutOfSpace", "round_up"]
+from ._common import round_up
+
+__all__ = ["ExtentAllocator", "OutOfSpace"]
 
 
 class OutOfSpace(RuntimeError):
@@ -32,11 +34,6 @@ class OutOfSpace(RuntimeError):
         self.capacity = capacity
         self.free_bytes = free_bytes
         self.largest_free = largest_free
-
-
-def round_up(nbytes: int, alignment: int) -> int:
-    """``nbytes`` rounded up to a multiple of ``alignment`` (a power of two)."""
-    return (nbytes + alignment - 1) & -alignment
 
 
 def _check_int(name: str, value, *, minimum: int = 0) -> None:

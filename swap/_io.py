@@ -21,16 +21,11 @@ import torch
 
 from infinity import aio
 
+from ._common import ALIGNMENT, round_up
 from ._manifest import Extent
-
-ALIGNMENT = 4096
 
 # alloc(nbytes) -> (uint8 tensor of at least nbytes, aligned; release callback)
 Allocator = Callable[[int], tuple[torch.Tensor, Callable[[], None]]]
-
-
-def round_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
-    return -(-nbytes // alignment) * alignment
 
 
 def plain_alloc(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:

@@ -21,6 +21,7 @@ import torch
 from ._manifest import DTYPES
 from ._pool import HostBuffer
 from ._space import SwapFuture, SwapSpace
+from ._writes import WriteBehind
 
 
 @dataclass(slots=True)
@@ -47,87 +48,114 @@ def stream(
     space: SwapSpace, names: Sequence[str | tuple[str, ...]], *, ahead: int = 1, write_back: bool = True
 ) -> Iterator[Item]:
     """Yield each of ``names`` (a name, or a tuple of names read and written together) from
-    ``space`` in order, reading ``ahead`` items ahead and
-    writing each item back (when ``write_back`` and the item's own flag allow) after the
-    caller is done with it. Leaving the loop early still finishes what is in flight."""
+    ``space`` in order, reading ``ahead`` items ahead and writing each item back (when
+    ``write_back`` and the item's own flag allow) after the caller is done with it. Leaving the
+    loop early still finishes what is in flight."""
     if ahead < 0:
         raise ValueError(f"{ahead=} must be >= 0")
     names = list(names)
     for entry in names:
         for name in _members(entry):
             space.info(name)  # unknown names fail before any I/O
-    reads: collections.deque[tuple[str | tuple, list[SwapFuture]]] = collections.deque()
-    writes: collections.deque[list[tuple[HostBuffer, SwapFuture]]] = collections.deque()
-    next_read = 0
-    in_hand: list[HostBuffer] = []  # the item the caller holds, if the loop stops there
-
-    def read_more(limit: int) -> None:
-        nonlocal next_read
-        while next_read < len(names) and len(reads) < limit:
-            entry = names[next_read]
-            reads.append((entry, [space.get(n) for n in _members(entry)]))
-            next_read += 1
-
-    def finish_writes(keep: int) -> None:
-        """Finish the writes that are done, and wait for the oldest until ``keep`` remain."""
-        while writes and (len(writes) > keep or all(f.done() for _, f in writes[0])):
-            group = writes.popleft()
-            try:
-                for _, fut in group:
-                    fut.result()  # a write-behind error surfaces here, one step later at most
-            finally:
-                for buffer, _ in group:
-                    buffer.release()
-
+    reads = _Reads(space, names)
+    writes = WriteBehind(1)  # item i-1 may still be on its way out while the caller has item i
+    item = None
     try:
-        read_more(ahead + 1)  # items 0 .. ahead
+        reads.more(ahead + 1)  # items 0 .. ahead
         for _ in range(len(names)):
-            entry, futures = reads.popleft()
-            in_hand = []
-            for fut in futures:
-                in_hand.append(fut.result())
-            records = [space.info(n) for n in _members(entry)]
-            views = tuple(b.view(DTYPES[r.dtype], r.shape) for b, r in zip(in_hand, records))
-            item = Item(entry, views, tuple(in_hand))
-            finish_writes(keep=1)  # item i-1 may still be on its way out; i-2 is done first
-            read_more(ahead)  # items i+1 .. i+ahead
+            item = reads.next()
+            writes.poll(keep=1)  # i-2 is done before i is handed out
+            reads.more(ahead)  # items i+1 .. i+ahead
             yield item
-            buffers, in_hand = in_hand, []
-            if write_back and item.write_back:
-                group = []
-                try:
-                    for buffer, record, tensor in zip(buffers, records, views):
-                        checksum = record.checksum is not None or None
-                        group.append((buffer, space.put(record.name, tensor, checksum=checksum)))
-                except BaseException:
-                    for buffer in buffers[len(group) :]:
-                        buffer.release()
-                    raise
-                finally:
-                    if group:
-                        writes.append(group)
+            done, item = item, None
+            if write_back and done.write_back:
+                _write_back(space, done, writes)
             else:
-                for buffer in buffers:
-                    buffer.release()
+                _release(done.buffers)
     finally:
         # Whatever happened, nothing stays in flight and every buffer goes back to the pool.
         errors = []
-        for buffer in in_hand:
-            buffer.release()
-        while reads:
-            _, futures = reads.popleft()
+        if item is not None:
+            _release(item.buffers)
+        try:
+            reads.drop()
+        except Exception as e:  # noqa: BLE001 - reported below unless another error is
+            errors.append(e)
+        try:
+            writes.drain()  # every write finishes before its buffer goes back to the pool
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+class _Reads:
+    """The reads issued ahead of the caller, oldest first."""
+
+    def __init__(self, space: SwapSpace, names: list):
+        self.space, self.names = space, names
+        self.queue: collections.deque[tuple[str | tuple, list[SwapFuture]]] = collections.deque()
+        self.issued = 0
+
+    def more(self, limit: int) -> None:
+        """Issue reads until ``limit`` are in flight (or every name is read)."""
+        while self.issued < len(self.names) and len(self.queue) < limit:
+            entry = self.names[self.issued]
+            self.queue.append((entry, [self.space.get(n) for n in _members(entry)]))
+            self.issued += 1
+
+    def next(self) -> Item:
+        """The oldest read, waited for, as an item of typed views of its buffers."""
+        entry, futures = self.queue.popleft()
+        buffers = []
+        try:
+            for fut in futures:
+                buffers.append(fut.result())
+        except BaseException:
+            _release(buffers)
+            for fut in futures[len(buffers) + 1 :]:
+                try:
+                    fut.result().release()
+                except Exception:  # noqa: BLE001 - the first error is propagating
+                    pass
+            raise
+        records = [self.space.info(n) for n in _members(entry)]
+        views = tuple(b.view(DTYPES[r.dtype], r.shape) for b, r in zip(buffers, records))
+        return Item(entry, views, tuple(buffers))
+
+    def drop(self) -> None:
+        """Wait for the reads still in flight and give their buffers back (first error raised)."""
+        error = None
+        while self.queue:
+            _, futures = self.queue.popleft()
             for fut in futures:
                 try:
                     fut.result().release()
-                except Exception as e:  # noqa: BLE001 - reported below unless another error is
-                    errors.append(e)
-        while writes:  # every write finishes before its buffer goes back to the pool
-            try:
-                finish_writes(keep=0)
-            except Exception as e:  # noqa: BLE001
-                errors.append(e)
-        if errors:
-            raise errors[0]
+                except Exception as e:  # noqa: BLE001
+                    error = error or e
+        if error is not None:
+            raise error
+
+
+def _write_back(space: SwapSpace, item: Item, writes: WriteBehind) -> None:
+    """Write ``item``'s tensors back under their names, behind the caller; its buffers go back
+    to the pool once the writes are done (at once for those whose write could not start)."""
+    futures = []
+    try:
+        for tensor, name in zip(item.tensors, _members(item.name)):
+            checksum = space.info(name).checksum is not None or None
+            futures.append(space.put(name, tensor, checksum=checksum))
+    except BaseException:
+        _release(item.buffers[len(futures) :])
+        if futures:
+            writes.add(futures, *item.buffers[: len(futures)])
+        raise
+    writes.add(futures, *item.buffers)
+
+
+def _release(buffers) -> None:
+    for buffer in buffers:
+        buffer.release()
 
 
 def _members(entry: str | tuple[str, ...]) -> tuple[str, ...]:

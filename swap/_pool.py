@@ -1,4 +1,4 @@
-"""The host buffer pool: every host buffer the engine uses, under one byte budget (DESIGN §5).
+"""The host buffer pool: every host buffer the engine uses, under one byte budget.
 
 No other code allocates pinned (or otherwise long-lived I/O) host memory: swap-in targets,
 write-behind staging, optimizer sub-group buffers and checkpoint streaming all `acquire` from a
@@ -27,7 +27,8 @@ import torch
 
 from infinity.aio import empty_aligned
 
-from ._allocator import ExtentAllocator, round_up
+from ._allocator import ExtentAllocator
+from ._common import human_size, round_up
 
 __all__ = ["HostBuffer", "HostBufferPool", "PoolExhausted"]
 
@@ -48,13 +49,6 @@ class PoolExhausted(MemoryError):
         self.held = held
         self.buffers = buffers
         self.free = free
-
-
-def _fmt(nbytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.1f} {unit}"
-    return f"{nbytes} B"
 
 
 class _Slab:
@@ -193,8 +187,8 @@ class HostBufferPool:
         size = round_up(nbytes, self.alignment)
         if size > self.budget_bytes:
             raise PoolExhausted(
-                f"host buffer pool exhausted: asked for {_fmt(nbytes)}, more than the whole budget of "
-                f"{_fmt(self.budget_bytes)}; raise memory.host_budget or use smaller buffers",
+                f"host buffer pool exhausted: asked for {human_size(nbytes)}, more than the whole budget of "
+                f"{human_size(self.budget_bytes)}; raise memory.host_budget or use smaller buffers",
                 **self._exhausted_figures(nbytes),
             )
         timeout = self.timeout if timeout is None else timeout
@@ -249,13 +243,13 @@ class HostBufferPool:
                     logger.warning(
                         "cannot register a %s host buffer slab with the %s aio engine (%s); its I/O "
                         "runs without fixed buffers (raise `ulimit -l` to allow it)",
-                        _fmt(nbytes), getattr(self.engine, "backend", "?"), e,
+                        human_size(nbytes), getattr(self.engine, "backend", "?"), e,
                     )
         self._slabs.append(slab)
         self._allocated += nbytes
         logger.debug(
             "host buffer pool: new slab of %s (%s of %s budget)",
-            _fmt(nbytes), _fmt(self._allocated), _fmt(self.budget_bytes),
+            human_size(nbytes), human_size(self._allocated), human_size(self.budget_bytes),
         )
         return slab
 
@@ -273,7 +267,7 @@ class HostBufferPool:
     def _give_back(self, slab: _Slab, offset: int, size: int, forgotten: bool) -> None:
         if forgotten:
             warnings.warn(
-                f"a host buffer of {_fmt(size)} was never released; it returned to the pool when garbage collected",
+                f"a host buffer of {human_size(size)} was never released; it returned to the pool when garbage collected",
                 ResourceWarning,
                 stacklevel=2,
             )
@@ -325,8 +319,8 @@ class HostBufferPool:
         figures = self._exhausted_figures(nbytes)
         how = "free but fragmented" if figures["free"] >= size else "free"
         return PoolExhausted(
-            f"host buffer pool exhausted: asked for {_fmt(nbytes)}, budget {_fmt(self.budget_bytes)}, "
-            f"{_fmt(self._in_use)} held by {self._buffers} buffers, {_fmt(figures['free'])} {how} "
+            f"host buffer pool exhausted: asked for {human_size(nbytes)}, budget {human_size(self.budget_bytes)}, "
+            f"{human_size(self._in_use)} held by {self._buffers} buffers, {human_size(figures['free'])} {how} "
             f"(waited {timeout:g} s for a release); raise memory.host_budget or lower prefetch",
             **figures,
         )
@@ -395,6 +389,6 @@ class HostBufferPool:
 
     def __repr__(self) -> str:
         return (
-            f"HostBufferPool(budget={_fmt(self.budget_bytes)}, allocated={_fmt(self._allocated)}, "
-            f"in_use={_fmt(self._in_use)} in {self._buffers} buffers, slabs={len(self._slabs)})"
+            f"HostBufferPool(budget={human_size(self.budget_bytes)}, allocated={human_size(self._allocated)}, "
+            f"in_use={human_size(self._in_use)} in {self._buffers} buffers, slabs={len(self._slabs)})"
         )

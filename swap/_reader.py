@@ -14,7 +14,8 @@ import torch
 from infinity import aio
 
 from ._checksum import SwapCorruption, checksum
-from ._io import Transfer, plain_alloc, round_up
+from ._common import round_up
+from ._io import Transfer, plain_alloc
 from ._manifest import (
     MANIFEST_NAME,
     SPACE_NAME,

@@ -15,7 +15,8 @@ from infinity import aio
 from ._allocator import ExtentAllocator
 from ._checksum import SwapCorruption
 from ._checksum import checksum as compute_checksum
-from ._io import ALIGNMENT, Transfer, as_uint8, round_up
+from ._common import ALIGNMENT, VERIFY_MODES, round_up
+from ._io import Transfer, as_uint8
 from ._manifest import (
     DTYPES,
     LOCK_NAME,
@@ -35,8 +36,6 @@ from ._manifest import (
     write_json_atomic,
 )
 from ._pool import HostBuffer, HostBufferPool
-
-VERIFY_MODES = ("off", "checkpoint", "always")
 
 
 class SwapFuture:

@@ -33,15 +33,12 @@ import torch
 
 from infinity import aio
 from infinity.config import format_size, parse_size  # one grammar for sizes, here and in configs
+from infinity.tools._cli import BadInput, Progress
 
 ENGINE_BACKENDS = aio.BACKENDS  # the candidates for the [aio] snippet
 ALL_BACKENDS = (*ENGINE_BACKENDS, "aiofiles")
 OPS = ("read", "write")
 MIN_SPAN = 64 << 20
-
-
-class BadInput(ValueError):
-    """A command-line value that cannot work; `main` prints it as one line and exits 2."""
 
 
 class FioError(RuntimeError):
@@ -283,29 +280,11 @@ def toml_snippet(pick: tuple, basis: str) -> str:
             f"block_size = \"{format_size(block_size)}\"\nqueue_depth = {queue_depth}\n")  # fmt: skip
 
 
-class Progress:
-    """One line on stderr redrawn with \\r; silent unless enabled (stderr a tty, no --json)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.done, self.enabled = total, 0, enabled
-
-    def show(self, label: str) -> None:
-        if self.enabled:
-            bar = "#" * (30 * self.done // max(self.total, 1))
-            sys.stderr.write(f"\r[{bar:.<30}] {self.done}/{self.total} {label}\033[K")
-            sys.stderr.flush()
-
-    def clear(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
-
-
 def run_sweep(cfg: Settings, backends: list[str], report: Report) -> list[Result]:
     """Measure every setting with each backend; the test file is removed whatever happens."""
     with_fio = {b: cfg.fio is not None and b in ENGINE_BACKENDS for b in backends}
     passes = sum(1 + with_fio[b] for b in backends) * len(cfg.block_sizes) * len(cfg.queue_depths)
-    progress = Progress(passes * len(cfg.ops) * cfg.repeat, sys.stderr.isatty() and not cfg.json)
+    progress = Progress(passes * len(cfg.ops) * cfg.repeat, live=sys.stderr.isatty() and not cfg.json)
     results = []
     path = create_test_file(cfg.directory)
     try:

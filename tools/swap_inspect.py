@@ -17,6 +17,8 @@ import sys
 import torch
 
 from infinity import aio
+from infinity.checkpoint import LATEST_NAME, META_NAME, load_meta
+from infinity.checkpoint import resolve as resolve_checkpoint
 from infinity.swap import (
     LOCK_NAME,
     MANIFEST_NAME,
@@ -24,28 +26,10 @@ from infinity.swap import (
     ManifestError,
     SpaceReader,
     SwapCorruption,
+    human_size,  # sizes for people (the tests import it from here too)
     is_space_file,
 )
-from infinity._checkpoint import LATEST_NAME, META_NAME, load_meta
-from infinity._checkpoint import resolve as resolve_checkpoint
-from infinity.tools.nvme_bench import Progress, format_size
-
-_UNITS = ("", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-class BadInput(ValueError):
-    """DIR cannot be inspected, or no such --tensor; `main` prints one line and exits 2."""
-
-
-def human_size(nbytes: int) -> str:
-    """`format_size` where it is exact and short ("64MiB"), else "1.5GiB"; "96B" below 1KiB."""
-    if nbytes < 1024:
-        return f"{nbytes}B"
-    text = format_size(nbytes)
-    if len(text.rstrip("KMGTPiB")) <= 3:
-        return text
-    k = min(len(_UNITS) - 1, (nbytes.bit_length() - 1) // 10)
-    return f"{nbytes / (1 << 10 * k):.1f}{_UNITS[k]}"
+from infinity.tools._cli import BadInput, Progress
 
 
 # -- finding and opening ranks ----------------------------------------------------------------
@@ -203,7 +187,7 @@ def read_back(reader: SpaceReader, name: str, record: dict) -> torch.Tensor | No
 def verify(readers: list[SpaceReader], summaries: list[dict], quiet: bool) -> dict:
     jobs = [(r, t) for r, s in zip(readers, summaries) for t in s["tensors"]]
     total, done = sum(t["nbytes"] for _, t in jobs), 0
-    progress = Progress(len(jobs), sys.stderr.isatty())
+    progress = Progress(len(jobs), live=sys.stderr.isatty())
     try:
         for reader, t in jobs:
             progress.show(f"tensors, {human_size(done)} of {human_size(total)}")

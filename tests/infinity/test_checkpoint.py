@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import infinity
-from infinity._checkpoint import CheckpointError
+from infinity.checkpoint import CheckpointError
 from infinity.swap import SwapCorruption
 from infinity.tools import swap_inspect
 

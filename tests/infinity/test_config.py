@@ -228,7 +228,7 @@ def test_an_empty_toml_file_is_everything_on_the_device(tmp_path):
     _assert_all_on_device(TierConfig.load(tmp_path / "tiers.toml"))
 
 
-DESIGN_EXAMPLE = """\
+DOCS_EXAMPLE = """\
 [tiers]
 params = "nvme"        # device | cpu | nvme
 grads = "cpu"
@@ -277,14 +277,14 @@ def _assert_design_example(config, drives):
 @needs_toml
 def test_the_design_example_loads(tmp_path, drives):
     path = tmp_path / "tiers.toml"
-    path.write_text(DESIGN_EXAMPLE.format(paths=", ".join(json.dumps(d) for d in drives)))
+    path.write_text(DOCS_EXAMPLE.format(paths=", ".join(json.dumps(d) for d in drives)))
     _assert_design_example(TierConfig.load(path), drives)
 
 
 @needs_toml
 def test_json_loads_the_same(tmp_path, drives):
     toml_path, json_path = tmp_path / "tiers.toml", tmp_path / "tiers.json"
-    toml_path.write_text(DESIGN_EXAMPLE.format(paths=", ".join(json.dumps(d) for d in drives)))
+    toml_path.write_text(DOCS_EXAMPLE.format(paths=", ".join(json.dumps(d) for d in drives)))
     json_path.write_text(json.dumps(tomllib.loads(toml_path.read_text())))
     _assert_design_example(TierConfig.load(json_path), drives)
     assert TierConfig.load(json_path) == TierConfig.load(toml_path)

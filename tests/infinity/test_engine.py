@@ -62,10 +62,9 @@ def _weights(engine: infinity.Engine) -> dict[str, torch.Tensor]:
     out = {}
     opt = engine.optimizer
     for group in opt.groups:
-        value = opt.stores["master"].get(group.name).result()
-        master = value if opt.stores["master"].resident else value.view(torch.float32, (group.numel,)).clone()
-        if not opt.stores["master"].resident:
-            value.release()
+        lease = opt.states["master"].get(group.name).result()
+        master = lease.tensor.clone()
+        lease.release()
         for unit in group.units:
             flat = master[group.slices[unit.index]]
             for name, off, n, shape in zip(unit.param_names, unit.offsets, unit.numels, unit.shapes):
@@ -317,7 +316,7 @@ def test_a_model_without_parameters_is_refused(tmp_path):
 
 
 def test_a_budget_too_small_is_refused_at_initialize(tmp_path):
-    """DESIGN §5: a clear error at initialize, not an OOM kill (or PoolExhausted) mid-run."""
+    """A clear error at initialize, not an OOM kill (or PoolExhausted) mid-run."""
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 4 MiB of fp32 per unit
     with pytest.raises(ValueError, match=r"memory.host_budget=8MiB is less than the \d+MiB the optimizer step needs"):
         infinity.initialize(model, _config(tmp_path, ("nvme",) * 3, memory={"host_budget": "8MiB"}))

@@ -1,4 +1,4 @@
-"""export_safetensors: one safetensors file that a fresh, unwrapped model loads strictly.
+"""Engine.export: one safetensors file that a fresh, unwrapped model loads strictly.
 
 Tolerances: the file holds the engine's fp32 master weights (cast to each parameter's dtype),
 so against `Engine.gathered_weights` the comparison is exact. Against plain torch.optim.AdamW
@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 import infinity
-from infinity._export import export_safetensors
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -96,7 +95,7 @@ def _trained(tmp_path, kind, placement="nvme", param_dtype="fp32", steps=3):
 @pytest.mark.parametrize("kind", MODELS)
 def test_a_fresh_model_loads_the_export_strictly_with_the_engines_weights(tmp_path, kind, placement, param_dtype):
     engine, _ = _trained(tmp_path, kind, placement, param_dtype)
-    path = export_safetensors(engine, tmp_path / "model.safetensors")
+    path = engine.export(tmp_path / "model.safetensors")
     gathered = engine.gathered_weights()
     tensors = safetensors_torch.load_file(path)
     fresh = MODELS[kind]()
@@ -125,7 +124,7 @@ def test_the_export_reproduces_plain_pytorch_training(tmp_path, kind, placement)
         opt.zero_grad()
         _loss(kind, initial, step).backward()
         opt.step()
-    fresh.load_state_dict(safetensors_torch.load_file(export_safetensors(engine, tmp_path / "m.safetensors")))
+    fresh.load_state_dict(safetensors_torch.load_file(engine.export(tmp_path / "m.safetensors")))
     for (name, p), ref in zip(fresh.named_parameters(), initial.parameters()):
         torch.testing.assert_close(p.detach(), ref.detach(), atol=1e-6, rtol=0, msg=name)
     engine.close()
@@ -134,7 +133,7 @@ def test_the_export_reproduces_plain_pytorch_training(tmp_path, kind, placement)
 @pytest.mark.parametrize("placement", ["device", "nvme"])
 def test_parameters_are_written_in_their_original_dtype_under_bf16(tmp_path, placement):
     engine, _ = _trained(tmp_path, "mlp", placement, "bf16")
-    tensors = safetensors_torch.load_file(export_safetensors(engine, tmp_path / "m.safetensors"))
+    tensors = safetensors_torch.load_file(engine.export(tmp_path / "m.safetensors"))
     assert {t.dtype for t in tensors.values()} == {torch.float32}
     engine.close()
 
@@ -142,7 +141,7 @@ def test_parameters_are_written_in_their_original_dtype_under_bf16(tmp_path, pla
 def test_a_model_made_in_bf16_is_written_in_bf16(tmp_path):
     torch.manual_seed(0)
     engine = _engine(tmp_path, _mlp().to(torch.bfloat16), param_dtype="bf16")
-    tensors = safetensors_torch.load_file(export_safetensors(engine, tmp_path / "m.safetensors"))
+    tensors = safetensors_torch.load_file(engine.export(tmp_path / "m.safetensors"))
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     engine.close()
 
@@ -158,7 +157,7 @@ def test_gpt2_loads_strictly_and_computes_the_engines_logits(tmp_path):
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
     fresh = transformers.GPT2LMHeadModel(cfg).eval()
-    fresh.load_state_dict(safetensors_torch.load_file(export_safetensors(engine, tmp_path / "gpt2.safetensors")))
+    fresh.load_state_dict(safetensors_torch.load_file(engine.export(tmp_path / "gpt2.safetensors")))
     engine.eval()
     with torch.no_grad():
         expected = engine(input_ids=ids).logits
@@ -168,7 +167,7 @@ def test_gpt2_loads_strictly_and_computes_the_engines_logits(tmp_path):
 
 def test_the_header_is_aligned_and_describes_contiguous_data(tmp_path):
     engine, _ = _trained(tmp_path, "tied", steps=1)
-    path = export_safetensors(engine, tmp_path / "m.safetensors")
+    path = engine.export(tmp_path / "m.safetensors")
     with safetensors_torch.safe_open(path, "pt") as f:
         assert f.metadata() == {"format": "pt", "producer": "infinity"}
         assert set(f.keys()) == set(engine.module.state_dict())
@@ -193,7 +192,7 @@ def test_the_file_mode_honours_the_umask(tmp_path, umask):
     engine, _ = _trained(tmp_path, "mlp", steps=1)
     old = os.umask(umask)
     try:
-        path = export_safetensors(engine, tmp_path / "m.safetensors")
+        path = engine.export(tmp_path / "m.safetensors")
     finally:
         os.umask(old)
     assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask
@@ -206,7 +205,7 @@ def test_a_relative_path_is_returned_absolute_and_an_existing_file_replaced(tmp_
     out.mkdir()
     (out / "m.safetensors").write_bytes(b"an older export")
     monkeypatch.chdir(out)
-    assert export_safetensors(engine, "m.safetensors") == str(out / "m.safetensors")
+    assert engine.export("m.safetensors") == str(out / "m.safetensors")
     assert os.listdir(out) == ["m.safetensors"]
     safetensors_torch.load_file(out / "m.safetensors")
     engine.close()
@@ -215,7 +214,7 @@ def test_a_relative_path_is_returned_absolute_and_an_existing_file_replaced(tmp_
 def test_one_line_is_logged_with_the_size(tmp_path, caplog):
     engine, _ = _trained(tmp_path, "mlp", steps=1)
     with caplog.at_level("INFO", logger="infinity"):
-        path = export_safetensors(engine, tmp_path / "m.safetensors")
+        path = engine.export(tmp_path / "m.safetensors")
     lines = [r.getMessage() for r in caplog.records if r.name == "infinity"]
     assert len(lines) == 1 and lines[0].startswith(f"exported {path}: {os.path.getsize(path) / 1e6:.1f} MB in ")
     engine.close()
@@ -237,7 +236,7 @@ def test_a_failed_export_leaves_the_old_file_and_no_temporary(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     with pytest.raises(OSError) as info:
-        export_safetensors(engine, out / "m.safetensors")
+        engine.export(out / "m.safetensors")
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(out / "m.safetensors")
     assert (out / "m.safetensors").read_bytes() == old
     assert os.listdir(out) == ["m.safetensors"]
@@ -249,9 +248,9 @@ def test_short_writes_are_resumed(tmp_path, monkeypatch):
     engine, _ = _trained(tmp_path, "tied", steps=1)
     real = os.pwrite
     monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: real(fd, memoryview(data)[:5], offset))
-    path = export_safetensors(engine, tmp_path / "m.safetensors")
+    path = engine.export(tmp_path / "m.safetensors")
     monkeypatch.undo()
-    expected = export_safetensors(engine, tmp_path / "expected.safetensors")
+    expected = engine.export(tmp_path / "expected.safetensors")
     assert open_bytes(path) == open_bytes(expected)
     engine.close()
 
@@ -259,7 +258,7 @@ def test_short_writes_are_resumed(tmp_path, monkeypatch):
 def test_a_missing_directory_is_named(tmp_path):
     engine, _ = _trained(tmp_path, "mlp", steps=1)
     with pytest.raises(FileNotFoundError) as info:
-        export_safetensors(engine, tmp_path / "missing" / "m.safetensors")
+        engine.export(tmp_path / "missing" / "m.safetensors")
     assert info.value.filename == str(tmp_path / "missing")
     engine.close()
 
@@ -271,7 +270,7 @@ def test_a_dtype_safetensors_cannot_hold_is_refused_before_anything_is_written(t
     engine = _engine(tmp_path, model)
     (tmp_path / "out").mkdir()
     with pytest.raises(TypeError, match=r"'phase' has dtype torch.complex64"):
-        export_safetensors(engine, tmp_path / "out" / "m.safetensors")
+        engine.export(tmp_path / "out" / "m.safetensors")
     assert os.listdir(tmp_path / "out") == []
     engine.close()
 
@@ -290,7 +289,7 @@ def test_one_unit_is_held_at_a_time(tmp_path, monkeypatch):
             del full
 
     monkeypatch.setattr(engine, "unit_weights", recording)
-    export_safetensors(engine, tmp_path / "m.safetensors")
+    engine.export(tmp_path / "m.safetensors")
     assert len(alive) == len(engine.units) > 2 and alive == [0] * len(alive)
     engine.close()
 
@@ -300,7 +299,7 @@ import errno, json, os, sys
 import torch
 from torch import nn
 import infinity
-from infinity._export import export_safetensors
+
 mode, swap, out = sys.argv[1:4]
 rank = int(os.environ["RANK"])
 torch.manual_seed(0)
@@ -319,7 +318,7 @@ if mode == "fail" and rank == 0:
         return real(fd, data, offset)
     os.pwrite = pwrite
 try:
-    result = {"path": export_safetensors(engine, os.path.join(out, "m.safetensors"))}
+    result = {"path": engine.export(os.path.join(out, "m.safetensors"))}
 except Exception as e:
     result = {"error": f"{type(e).__name__}: {e}"}
 weights = engine.gathered_weights()  # the ranks still agree on what to call next

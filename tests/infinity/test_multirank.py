@@ -110,7 +110,7 @@ def test_the_demo_runs_under_torchrun(tmp_path):
     """What a new user would type: torchrun with 2 ranks runs the same demo."""
     pytest.importorskip("transformers")
     swap = tmp_path / "swap"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "infinity.demo",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "infinity.tools.demo",
            "--size", "tiny", "--steps", "6", "--block-size", "32", "--batch-size", "2", "--log-every", "3",
            "--sample-bytes", "8", "--swap-dir", str(swap)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})

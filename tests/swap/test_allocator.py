@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infinity.swap._allocator import ExtentAllocator, OutOfSpace, round_up
+from infinity.swap import ExtentAllocator, OutOfSpace, round_up
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infinity.swap import SwapSpace
-from infinity.swap._manifest import MANIFEST_NAME, dtype_name
+from infinity.swap import MANIFEST_NAME, SwapSpace, dtype_name
 from infinity.tools import swap_inspect
 from infinity.tools.swap_inspect import human_size, main
 

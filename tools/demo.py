@@ -1,4 +1,4 @@
-"""python -m infinity.demo: train a small GPT-2 with its state on NVMe, then show the swap space.
+"""python -m infinity.tools.demo: train a small GPT-2 with its state on NVMe, then show the swap space.
 
 The model is `transformers.GPT2LMHeadModel` built from a config (random init, nothing is
 downloaded) over a byte vocabulary, trained on `infinity/data/corpus.txt`. Everything the
@@ -8,7 +8,6 @@ engine moves is reported from `engine.stats()`, so the figures on screen are the
 from __future__ import annotations
 
 import argparse
-import builtins
 import math
 import os
 import signal
@@ -22,18 +21,22 @@ import torch
 import torch.nn.functional as F
 
 import infinity
+from infinity.checkpoint import LATEST_NAME
+from infinity.config import TIERS
+from infinity.tools import swap_inspect
+from infinity.tools._cli import BadInput, Progress
 
-CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+_PACKAGE = Path(infinity.__file__).resolve().parent
+CORPUS = _PACKAGE / "data" / "corpus.txt"  # package data of `infinity`
 # The repository root when run from a checkout (the default swap dir sits beside the code and
 # is ignored by git); the current directory when installed elsewhere.
-_ROOT = CORPUS.parents[2] if (CORPUS.parents[2] / "pyproject.toml").is_file() else Path.cwd()
+_ROOT = _PACKAGE.parent if (_PACKAGE.parent / "pyproject.toml").is_file() else Path.cwd()
 VOCAB = 256  # bytes: every UTF-8 text is already tokenized
 SIZES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4),
     "small": dict(n_layer=4, n_embd=128, n_head=4),
     "medium": dict(n_layer=6, n_embd=256, n_head=8),
 }
-TIERS = ("device", "cpu", "nvme")
 VAL_FRACTION = 0.1
 
 
@@ -154,29 +157,6 @@ def format_totals(stats: dict) -> list[str]:
     return lines
 
 
-class Progress:
-    """One line redrawn with \\r on a terminal; a plain line every `log_every` steps otherwise
-    (a log file should not fill with carriage returns)."""
-
-    def __init__(self, total: int, log_every: int, tty: bool, enabled: bool = True):
-        self.total, self.log_every, self.tty, self.enabled = total, log_every, tty, enabled
-
-    def update(self, step: int, loss: float, tok_s: float, rates: str) -> None:
-        if not self.enabled:  # ranks other than 0 under torchrun
-            return
-        text = f"step {step}/{self.total} loss {loss:.3f} {tok_s:,.0f} tok/s" + (f" | {rates}" if rates else "")
-        if self.tty:
-            bar = "#" * (20 * step // self.total)
-            sys.stdout.write(f"\r[{bar:.<20}] {text}\033[K")
-            sys.stdout.flush()
-        elif step % self.log_every == 0 or step == self.total:
-            print(text, flush=True)
-
-    def close(self) -> None:
-        if self.tty and self.enabled:
-            sys.stdout.write("\n")
-
-
 # -- the run ---------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(engine, batches: list[tuple]) -> float:
@@ -226,11 +206,33 @@ class StopFlag:
             signal.signal(signal.SIGINT, self._old)
 
 
-class BadInput(ValueError):
-    """An option or tier config the run cannot use; `main` prints one line and exits 2."""
-
-
 def train(args: argparse.Namespace) -> int:
+    """The whole run: set up, train, report, then swap-inspect the space; the exit status."""
+    engine, batches, val, first, say = _setup(args)
+    rank, world = engine.rank, engine.world_size
+    try:
+        losses = _train_loop(engine, args, batches, first, say)
+        if losses is None:  # Ctrl-C: the loop has said where it stopped
+            return 130
+        if args.export:
+            path = engine.export(args.export)
+            say(f"exported the weights to {path}")
+        if not losses:
+            say(f"nothing to train: the checkpoint is at step {first - 1} of --steps {args.steps}")
+            return 0
+        _report(engine, args, val, losses, say)
+    finally:
+        # Closing flushes the manifest, so swap-inspect below reads the space as it ends.
+        engine.close()
+    if world > 1:
+        torch.distributed.barrier()  # every rank's manifest is written before rank 0 looks
+    return _inspect_swap_space(engine.swap_dirs, world) if rank == 0 else 0
+
+
+def _setup(args: argparse.Namespace) -> tuple:
+    """Build the data, model and engine, say what is trained, and go on from a checkpoint with
+    --resume. Returns (engine, training batches, validation batches, first step, print of
+    rank 0); BadInput for what the user can fix, the engine closed."""
     # Everything up to a built engine checks the user's input: a ValueError here is theirs to
     # fix (a window longer than the text, a config key, a host budget the machine lacks); one
     # raised later is a bug and keeps its traceback.
@@ -245,85 +247,94 @@ def train(args: argparse.Namespace) -> int:
     # Under torchrun: data parallel, each rank its own windows; rank 0 speaks for all.
     rank, world = engine.rank, engine.world_size
     batches = random_batches(train_data, args.block_size, args.batch_size, args.seed + 1000 * rank)
-    print = builtins.print if rank == 0 else (lambda *a, **k: None)  # noqa: A001
+    say = print if rank == 0 else _silent
     where = "" if args.config else f" (params {args.params}, grads {args.grads}, optimizer {args.optimizer})"
     ranks = f", {world} ranks" if world > 1 else ""
-    print(f"GPT-2 {args.size}: {nparams / 1e6:.2f}M parameters, {len(train_data):,} training bytes{where}{ranks}")
+    say(f"GPT-2 {args.size}: {nparams / 1e6:.2f}M parameters, {len(train_data):,} training bytes{where}{ranks}")
     first = 1
     try:
         if args.resume:
-            first = resume(engine, args, batches, print) + 1
+            first = resume(engine, args, batches, say) + 1
     except (ValueError, FileNotFoundError) as e:  # a checkpoint of another run or model
         engine.close()
         raise BadInput(str(e)) from e
     except BaseException:
         engine.close()
         raise
-    progress = Progress(args.steps, args.log_every, sys.stdout.isatty(), enabled=rank == 0)
+    return engine, batches, val, first, say
+
+
+def _silent(*args, **kwargs) -> None:
+    """The print of ranks other than 0."""
+
+
+def _train_loop(engine, args: argparse.Namespace, batches: Iterator, first: int, say) -> list[float] | None:
+    """Steps first to --steps, with the progress line and the checkpoints of --checkpoint-dir.
+    Returns the loss of every step (the mean over ranks), or None when Ctrl-C stopped the loop
+    (after saying so)."""
+    rank, world = engine.rank, engine.world_size
+    # On a terminal the line is redrawn in place; in a log, a line every --log-every steps.
+    speaks = rank == 0
+    progress = Progress(args.steps, live=speaks and sys.stdout.isatty(), log_every=args.log_every if speaks else 0,
+                        stream=sys.stdout, width=20, counter=False)  # fmt: skip
     losses: list[float] = []
-    try:
-        with StopFlag() as stop:
-            stats, t = engine.stats(), time.perf_counter()
-            for step in range(first, args.steps + 1):
-                x, y = next(batches)
-                x, y = x.to(engine.device), y.to(engine.device)  # where compute runs: the GPU if any
-                logits = engine(input_ids=x).logits
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                engine.backward(loss)
-                engine.step()
-                losses.append(_mean_over_ranks(loss.detach(), world))
-                now, new = time.perf_counter(), engine.stats()
-                progress.update(step, losses[-1], x.numel() / (now - t), format_rates(stats, new, now - t))
-                stats, t = new, now
-                if args.checkpoint_dir and (step % args.save_every == 0 or step == args.steps or stop.set):
-                    where = engine.save_checkpoint(args.checkpoint_dir, client_state={"data_seed": args.seed},
-                                                   keep_last=args.keep_last)  # fmt: skip
-                    if progress.tty:
-                        progress.close()
-                    print(f"checkpoint {where}", flush=True)
-                    stats, t = engine.stats(), time.perf_counter()  # the save is not training time
-                if stop.set:
-                    progress.close()
-                    saved = " (checkpoint saved: --resume goes on from it)" if args.checkpoint_dir else ""
-                    print(f"interrupted after step {step} of {args.steps}; the swap space is left as it is{saved}")
-                    return 130
-        progress.close()
-        if args.export:
-            path = engine.export(args.export)
-            print(f"exported the weights to {path}")
-        if not losses:
-            print(f"nothing to train: the checkpoint is at step {first - 1} of --steps {args.steps}")
-            return 0
-        window = losses[-args.log_every :]
-        print(f"train loss {sum(window) / len(window):.3f} (mean of the last {len(window)} steps), "
-              f"val loss {evaluate(engine, val):.3f} (uniform guessing: {math.log(VOCAB):.3f})")  # fmt: skip
-        print("\n".join(["engine totals:", *format_totals(engine.stats())]))
-        if args.sample_bytes:
-            text = sample(engine, args.prompt, args.sample_bytes, args.block_size, args.seed)
-            print(f"sample: {text!r}")
-    finally:
-        # Closing flushes the manifest, so swap-inspect below reads the space as it ends.
-        engine.close()
-    if world > 1:
-        torch.distributed.barrier()  # every rank's manifest is written before rank 0 looks
-    if rank != 0:
-        return 0
-    if not engine.swap_dirs:  # one rank directory per nvme path; none without nvme
+    with StopFlag() as stop:
+        stats, t = engine.stats(), time.perf_counter()
+        for step in range(first, args.steps + 1):
+            x, y = next(batches)
+            x, y = x.to(engine.device), y.to(engine.device)  # where compute runs: the GPU if any
+            logits = engine(input_ids=x).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            engine.backward(loss)
+            engine.step()
+            losses.append(_mean_over_ranks(loss.detach(), world))
+            now, new = time.perf_counter(), engine.stats()
+            rates = format_rates(stats, new, now - t)
+            progress.show(f"step {step}/{args.steps} loss {losses[-1]:.3f} {x.numel() / (now - t):,.0f} tok/s"
+                          + (f" | {rates}" if rates else ""), done=step)  # fmt: skip
+            stats, t = new, now
+            if args.checkpoint_dir and (step % args.save_every == 0 or step == args.steps or stop.set):
+                where = engine.save_checkpoint(args.checkpoint_dir, client_state={"data_seed": args.seed},
+                                               keep_last=args.keep_last)  # fmt: skip
+                progress.close()
+                say(f"checkpoint {where}", flush=True)
+                stats, t = engine.stats(), time.perf_counter()  # the save is not training time
+            if stop.set:
+                progress.close()
+                saved = " (checkpoint saved: --resume goes on from it)" if args.checkpoint_dir else ""
+                say(f"interrupted after step {step} of {args.steps}; the swap space is left as it is{saved}")
+                return None
+    progress.close()
+    return losses
+
+
+def _report(engine, args: argparse.Namespace, val: list[tuple], losses: list[float], say) -> None:
+    """The end of the run: train and validation loss, the engine's totals, a sample."""
+    window = losses[-args.log_every :]
+    say(f"train loss {sum(window) / len(window):.3f} (mean of the last {len(window)} steps), "
+        f"val loss {evaluate(engine, val):.3f} (uniform guessing: {math.log(VOCAB):.3f})")  # fmt: skip
+    say("\n".join(["engine totals:", *format_totals(engine.stats())]))
+    if args.sample_bytes:
+        text = sample(engine, args.prompt, args.sample_bytes, args.block_size, args.seed)
+        say(f"sample: {text!r}")
+
+
+def _inspect_swap_space(swap_dirs: list[str], world: int) -> int:
+    """Rank 0, once every rank has closed its engine: swap-inspect's summary of the space."""
+    if not swap_dirs:  # one rank directory per nvme path; none without nvme
         print("no swap space to inspect: nothing was placed on nvme")
         return 0
     # With several ranks, the parent of the rank directories shows them all.
-    where = os.path.dirname(engine.swap_dirs[0]) if world > 1 else engine.swap_dirs[0]
+    where = os.path.dirname(swap_dirs[0]) if world > 1 else swap_dirs[0]
     print(f"\nswap-inspect {where}", flush=True)
-    from infinity.tools.swap_inspect import main as inspect_main
-
-    return 1 if inspect_main([where]) else 0
+    return 1 if swap_inspect.main([where]) else 0
 
 
-def resume(engine, args: argparse.Namespace, batches: Iterator, print) -> int:
+def resume(engine, args: argparse.Namespace, batches: Iterator, say) -> int:
     """Load the newest checkpoint of --checkpoint-dir, if there is one, and skip the batches
     its steps used (the data order goes on as if never stopped); returns its step."""
-    if not os.path.isfile(os.path.join(args.checkpoint_dir, "latest")):
-        print(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 1")
+    if not os.path.isfile(os.path.join(args.checkpoint_dir, LATEST_NAME)):
+        say(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 1")
         return 0
     state = engine.load_checkpoint(args.checkpoint_dir)
     if state.get("data_seed") != args.seed:
@@ -331,7 +342,7 @@ def resume(engine, args: argparse.Namespace, batches: Iterator, print) -> int:
     step = engine.stats()["steps"]
     for _ in range(step):
         next(batches)
-    print(f"resumed from {args.checkpoint_dir} at step {step}")
+    say(f"resumed from {args.checkpoint_dir} at step {step}")
     return step
 
 
@@ -344,12 +355,13 @@ def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:
 
 
 # -- command line ----------------------------------------------------------------------------
-SYNOPSIS = """python -m infinity.demo [--size tiny|small|medium] [--steps 500] [--batch-size 8]
-                          [--block-size 128] [--params T] [--grads T] [--optimizer T]
-                          [--swap-dir DIR] [--param-dtype fp32|bf16|fp16] [--lr 1e-3]
-                          [--seed 0] [--log-every 50] [--sample-bytes 120] [--prompt TEXT]
-                          [--config FILE] [--checkpoint-dir DIR [--save-every 100]
-                          [--keep-last 2] [--resume]] [--export FILE]"""
+SYNOPSIS = """python -m infinity.tools.demo [--size tiny|small|medium] [--steps 500]
+                                     [--batch-size 8] [--block-size 128] [--params T]
+                                     [--grads T] [--optimizer T] [--swap-dir DIR]
+                                     [--param-dtype fp32|bf16|fp16] [--lr 1e-3] [--seed 0]
+                                     [--log-every 50] [--sample-bytes 120] [--prompt TEXT]
+                                     [--config FILE] [--checkpoint-dir DIR [--save-every 100]
+                                     [--keep-last 2] [--resume]] [--export FILE]"""
 
 DESCRIPTION = """\
 description:
@@ -359,7 +371,7 @@ description:
   --seed), the last 10% for the validation loss. Params, grads and optimizer state are
   placed on the tiers T (device, cpu or nvme) given by the flags, all nvme by default, in
   swap files under --swap-dir, which is created. --config FILE takes a TOML tier config
-  (DESIGN section 3) instead of the tier, dtype, --lr and --swap-dir flags. Ctrl-C stops
+  (docs/config.md) instead of the tier, dtype, --lr and --swap-dir flags. Ctrl-C stops
   after the current step.
 
   With --checkpoint-dir, a checkpoint is saved every --save-every steps, at the end and on
@@ -398,7 +410,7 @@ def _positive(kind, zero: bool = False):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infinity.demo", usage=SYNOPSIS, description=DESCRIPTION,
+    p = argparse.ArgumentParser(prog="python -m infinity.tools.demo", usage=SYNOPSIS, description=DESCRIPTION,
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sizes = ", ".join(f"{k} {v['n_layer']}x{v['n_embd']}" for k, v in SIZES.items())
     p.add_argument("--size", choices=SIZES, default="small", help=f"layers x width: {sizes} (default small)")

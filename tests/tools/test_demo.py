@@ -1,4 +1,4 @@
-"""The training demo (python -m infinity.demo): its data pipeline, its command line, and a short
+"""The training demo (python -m infinity.tools.demo): its data pipeline, its command line, and a short
 real run through the engine (skipped until `infinity.initialize` exists)."""
 
 import math
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import infinity
-from infinity import demo
+from infinity.tools import demo
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def test_bad_options_exit_2(argv, capsys):
 
 
 class _PlainEngine:
-    """Just enough of the engine's API (DESIGN §3) to drive the loop, in plain PyTorch."""
+    """Just enough of the engine's API to drive the loop, in plain PyTorch."""
 
     def __init__(self, model, config, interrupt_at=None):
         self.module, self.steps, self.interrupt_at, self.swap_dirs = model, 0, interrupt_at, []

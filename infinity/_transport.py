@@ -1,0 +1,121 @@
+"""Moving a unit's data between host and device, and between ranks.
+
+Owns: the CUDA copy stream and the events that say when a host buffer may be reused; the
+parameter all-gather (stage 3: each rank read only its own slice from its own drives) and the
+gradient reduction (reduce-scatter to this rank's slice, or all-reduce at stage 1). Touches:
+the units' shapes, the host pool (buffers for what it gathers or reduces on a CPU device),
+`_dist.Dist` for the collectives. It decides nothing about when: the scheduler and the
+gradient accumulator call it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import record_function
+
+from ._units import ParamUnit
+
+
+class CopyStream:
+    """Host-to-device copies on a side stream: compute waits on an event, not the host.
+
+    A host buffer goes back to the pool only once its copy's event has completed
+    (`drain`), never while the DMA may still read it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stream = None  # made on first use
+        self._copies: list = []  # (event, lease) of copies that may still be running
+
+    def to_device(self, lease) -> torch.Tensor:
+        """``lease.tensor`` (host) copied to the device; ``lease`` is released once the copy is done."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            full = lease.tensor.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        current.wait_event(event)
+        full.record_stream(current)
+        self._copies.append((event, lease))
+        self.drain(block=False)
+        return full
+
+    def drain(self, block: bool) -> None:
+        """Give back the host buffers of finished copies (all of them, waiting, when ``block``)."""
+        while self._copies and (block or self._copies[0][0].query()):
+            event, lease = self._copies.pop(0)
+            event.synchronize()
+            lease.release()
+
+
+class Transport:
+    """The collectives and copies of one engine (``dist``: `_dist.Dist`, or None at one rank)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, pool, dist=None):
+        self.device = device
+        self.dtype = dtype  # of the parameters
+        self.pool = pool
+        self.dist = dist
+        self.copies = CopyStream(device) if device.type == "cuda" else None
+
+    def to_device(self, lease) -> torch.Tensor:
+        with record_function("infinity::h2d"):
+            return self.copies.to_device(lease)
+
+    def gather(self, unit: ParamUnit, shard) -> tuple[torch.Tensor, object]:
+        """All-gather ``unit`` from every rank's shard (``shard``: a lease of this rank's slice,
+        released here). Returns the full 1-D tensor on the compute device, and the pool buffer
+        behind it on a CPU device (None on a GPU)."""
+        what = f"parameter all-gather of {unit.name}"
+        with record_function("infinity::gather"):
+            if self.device.type == "cpu":
+                full_lease = self.pool.acquire(unit.padded_numel * self.dtype.itemsize)
+                full = full_lease.view(self.dtype, (unit.padded_numel,))
+                try:
+                    self.dist.all_gather(full, shard.tensor, what)
+                except BaseException:
+                    full_lease.release()
+                    raise
+                finally:
+                    shard.release()
+                return full, full_lease
+            local = self.to_device(shard) if shard.tensor.device.type == "cpu" else shard.tensor
+            full = torch.empty(unit.padded_numel, dtype=self.dtype, device=self.device)
+            self.dist.all_gather(full, local, what)
+            if local is shard.tensor:
+                shard.release()
+            return full, None
+
+    def reduce_grad(self, unit: ParamUnit, grad: torch.Tensor, lease, *, keep_full: bool):
+        """Average ``grad`` (1-D fp32, the unit's padded length, in pool buffer ``lease`` or
+        None) over the ranks: the whole of it (``keep_full``, stage 1) or this rank's slice.
+        Returns the result and the pool buffer it is in (``lease`` is then released)."""
+        what = f"gradient reduction of {unit.name}"
+        with record_function("infinity::grad_reduce"):
+            if keep_full:
+                self.dist.all_reduce_mean(grad, what)
+                return grad, lease
+            n = unit.shard_numel
+            if grad.device.type == "cpu" and self.pool is not None:
+                reduced = self.pool.acquire(n * 4)
+                out = reduced.view(torch.float32, (n,))
+            else:
+                reduced, out = None, torch.empty(n, dtype=torch.float32, device=grad.device)
+            try:
+                self.dist.reduce_scatter_mean(out, grad, what)
+            except BaseException:
+                if reduced is not None:
+                    reduced.release()
+                raise
+            finally:
+                if lease is not None:
+                    lease.release()
+            return out, reduced
+
+    def drain(self) -> None:
+        if self.copies is not None:
+            self.copies.drain(block=True)
