@@ -46,8 +46,9 @@ class WriteBehind:
 
     def add(self, futures: _Future | Iterable[_Future], *buffers: _Releasable, key: Hashable | None = None) -> None:
         """Track ``futures`` (one write, or several that travel together) and hold ``buffers``
-        until they complete; then finish the oldest writes beyond ``limit``. A write already
-        in flight under ``key`` is finished first (the new one replaces it)."""
+        until they complete; then finish the writes that are done and the oldest beyond
+        ``limit``. A write already in flight under ``key`` is finished first (the new one
+        replaces it)."""
         futures = [futures] if hasattr(futures, "result") else list(futures)
         if key is None:
             key = ("#", self._count)
@@ -59,8 +60,7 @@ class WriteBehind:
                 _release(buffers)
                 raise
         self._queue[key] = (futures, list(buffers))
-        while len(self._queue) > self.limit:
-            self._finish(next(iter(self._queue)))
+        self.poll(keep=self.limit)
 
     def settle(self, key: Hashable) -> None:
         """Finish the write under ``key`` if one is in flight (raising its error)."""

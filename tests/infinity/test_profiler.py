@@ -1,0 +1,26 @@
+"""The engine's record_function ranges show in a user's torch.profiler trace."""
+
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import infinity
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import config, make_model, train  # noqa: E402
+
+
+def test_a_step_and_a_checkpoint_show_their_ranges(tmp_path):
+    (tmp_path / "swap").mkdir()
+    with infinity.initialize(make_model(), config(tmp_path / "swap", ("nvme", "nvme", "nvme"))) as engine:
+        train(engine, 1)  # the first step predicts the order; the profiled one prefetches
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            train(engine, 1, start=1)
+            engine.save_checkpoint(tmp_path / "ck")
+            engine.load_checkpoint(tmp_path / "ck")
+    names = {e.name for e in prof.events()}
+    expected = {"infinity::fetch", "infinity::grad_write", "infinity::optimizer.subgroup",
+                "infinity::checkpoint.save", "infinity::checkpoint.load"}  # fmt: skip
+    assert expected <= names, sorted(n for n in names if n.startswith("infinity::"))
