@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             swap_pass(spaces[verify], tensors)  # places every tensor and preallocates the arena
         space = spaces["off"]
         placed = {name: space.info(name).extents for name in tensors}
-        files = space._files  # the very arena files the space uses
+        files = space.files  # the very arena files the space uses
         out({}, "") if not args.json else None
         out(dict(type="section", name="swap vs raw"), "SwapSpace (verify=off) against the raw aio engine, same extents:")
         s1 = pairs("swap", lambda: swap_pass(space, tensors), "raw", lambda: raw_pass(engine, files, placed, tensors),

@@ -142,55 +142,72 @@ class Manifest:
         ):
             check.fail("members", f"{members!r} is not {m.directories} absolute, normalised directory paths")
         m.members = members
-        for i, f in enumerate(check.typed(data, "files", list)):
-            key = f"files[{i}]"
-            f = check.typed({key: f}, key, dict)
-            m.files.append(
-                ArenaFile(
-                    dir=check.count(f, "dir", where=key, maximum=m.directories - 1),
-                    name=check.file_name(check.typed(f, "name", str, where=key), f"{key}.name"),
-                    size=check.count(f, "size", where=key),
-                )
-            )
-        if len({(f.dir, f.name) for f in m.files}) != len(m.files):
-            check.fail("files", "the same arena file is listed twice")
+        m.files = _check_files(check, check.typed(data, "files", list), m.directories)
         for name, t in check.typed(data, "tensors", dict).items():
-            key = f"tensors[{name!r}]"
-            t = check.typed({key: t}, key, dict)
-            dtype = check.typed(t, "dtype", str, where=key)
-            if dtype not in DTYPES:
-                check.fail(f"{key}.dtype", f"unknown dtype {dtype!r}")
-            shape = tuple(check.typed(t, "shape", list, where=key))
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-                check.fail(f"{key}.shape", f"{list(shape)} is not a list of sizes")
-            nbytes = check.count(t, "nbytes", where=key)
-            numel = 1
-            for d in shape:
-                numel *= d
-            if numel * DTYPES[dtype].itemsize != nbytes:
-                check.fail(f"{key}.nbytes", f"{nbytes} is not {list(shape)} x {dtype}")
-            extents = []
-            for j, e in enumerate(check.typed(t, "extents", list, where=key)):
-                ekey = f"{key}.extents[{j}]"
-                if not (isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) and v >= 0 for v in e)):
-                    check.fail(ekey, f"{e!r} is not [file, offset, nbytes]")
-                if e[0] >= len(m.files):
-                    check.fail(ekey, f"file index {e[0]} is not in files (0..{len(m.files) - 1})")
-                if e[1] % m.alignment:
-                    check.fail(ekey, f"offset {e[1]} is not a multiple of the alignment {m.alignment}")
-                if extents and extents[-1].nbytes % m.alignment:  # see [Note: swap alignment]
-                    check.fail(ekey, f"follows an extent of {extents[-1].nbytes} bytes, not whole units")
-                extents.append(Extent(*e))
-            if sum(e.nbytes for e in extents) != nbytes:
-                check.fail(f"{key}.extents", f"extents hold {sum(e.nbytes for e in extents)} bytes, not {nbytes}")
-            checksum = t.get("checksum")
-            if checksum is not None and not (isinstance(checksum, str) and re.fullmatch(r"xxh3-64:[0-9a-f]{16}", checksum)):
-                check.fail(f"{key}.checksum", f"{checksum!r} is not 'xxh3-64:<16 hex digits>'")
-            m.tensors[name] = TensorRecord(
-                name=name, dtype=dtype, shape=shape, nbytes=nbytes, extents=tuple(extents),
-                generation=check.count(t, "generation", where=key), checksum=checksum,
-            )  # fmt: skip
+            m.tensors[name] = _check_tensor(check, name, t, m)
         return m
+
+
+def _check_files(check: "_Checker", files: list, directories: int) -> list[ArenaFile]:
+    out = []
+    for i, f in enumerate(files):
+        key = f"files[{i}]"
+        f = check.typed({key: f}, key, dict)
+        out.append(
+            ArenaFile(
+                dir=check.count(f, "dir", where=key, maximum=directories - 1),
+                name=check.file_name(check.typed(f, "name", str, where=key), f"{key}.name"),
+                size=check.count(f, "size", where=key),
+            )
+        )
+    if len({(f.dir, f.name) for f in out}) != len(out):
+        check.fail("files", "the same arena file is listed twice")
+    return out
+
+
+def _check_tensor(check: "_Checker", name: str, t, m: Manifest) -> TensorRecord:
+    """One entry of ``tensors``: its dtype, shape and size agree, and its extents lie in the
+    manifest's files, aligned (see [Note: swap alignment]), holding exactly its bytes."""
+    key = f"tensors[{name!r}]"
+    t = check.typed({key: t}, key, dict)
+    dtype = check.typed(t, "dtype", str, where=key)
+    if dtype not in DTYPES:
+        check.fail(f"{key}.dtype", f"unknown dtype {dtype!r}")
+    shape = tuple(check.typed(t, "shape", list, where=key))
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        check.fail(f"{key}.shape", f"{list(shape)} is not a list of sizes")
+    nbytes = check.count(t, "nbytes", where=key)
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * DTYPES[dtype].itemsize != nbytes:
+        check.fail(f"{key}.nbytes", f"{nbytes} is not {list(shape)} x {dtype}")
+    extents = _check_extents(check, key, check.typed(t, "extents", list, where=key), m)
+    if sum(e.nbytes for e in extents) != nbytes:
+        check.fail(f"{key}.extents", f"extents hold {sum(e.nbytes for e in extents)} bytes, not {nbytes}")
+    checksum = t.get("checksum")
+    if checksum is not None and not (isinstance(checksum, str) and re.fullmatch(r"xxh3-64:[0-9a-f]{16}", checksum)):
+        check.fail(f"{key}.checksum", f"{checksum!r} is not 'xxh3-64:<16 hex digits>'")
+    return TensorRecord(
+        name=name, dtype=dtype, shape=shape, nbytes=nbytes, extents=tuple(extents),
+        generation=check.count(t, "generation", where=key), checksum=checksum,
+    )  # fmt: skip
+
+
+def _check_extents(check: "_Checker", key: str, entries: list, m: Manifest) -> list[Extent]:
+    extents = []
+    for j, e in enumerate(entries):
+        ekey = f"{key}.extents[{j}]"
+        if not (isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) and v >= 0 for v in e)):
+            check.fail(ekey, f"{e!r} is not [file, offset, nbytes]")
+        if e[0] >= len(m.files):
+            check.fail(ekey, f"file index {e[0]} is not in files (0..{len(m.files) - 1})")
+        if e[1] % m.alignment:
+            check.fail(ekey, f"offset {e[1]} is not a multiple of the alignment {m.alignment}")
+        if extents and extents[-1].nbytes % m.alignment:  # see [Note: swap alignment]
+            check.fail(ekey, f"follows an extent of {extents[-1].nbytes} bytes, not whole units")
+        extents.append(Extent(*e))
+    return extents
 
 
 class _Checker:

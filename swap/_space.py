@@ -427,6 +427,11 @@ class SwapSpace:
     def names(self) -> list[str]:
         return list(self._records)
 
+    @property
+    def files(self) -> tuple[aio.File, ...]:
+        """The open arena files, one per directory, in the manifest's order (read-only)."""
+        return tuple(self._files)
+
     def info(self, name: str) -> TensorRecord:
         try:
             return self._records[name]
