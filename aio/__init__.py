@@ -18,8 +18,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ._files import ALIGNMENT, File, open_file
+
+if TYPE_CHECKING:
+    from ._engine import Engine
 
 __all__ = [
     "ALIGNMENT",

@@ -31,8 +31,6 @@ import time
 
 import torch
 
-from torch.profiler import record_function
-
 from infinity.swap import fsync_dir
 
 logger = logging.getLogger("infinity")

@@ -3,7 +3,6 @@
 import os
 import sys
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 import infinity
