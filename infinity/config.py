@@ -159,7 +159,9 @@ class NvmeConfig:
     grow_step: Size = "256MiB"
     """The arena file on each drive grows (preallocated) by this much at a time (a multiple of 4096)."""
     verify: str = "off"
-    """Checksums: off (none), checkpoint (written and checked for checkpoints), always (every swap)."""
+    """xxh3-64 checksums of swapped tensors: "always" writes one with every swap write and checks
+    it on every read; "off" and "checkpoint" (the same) write them only for checkpoints, whose
+    loads always check them."""
 
     def __post_init__(self) -> None:
         paths = self.paths
@@ -240,7 +242,9 @@ class MemoryConfig:
     _section: ClassVar[str] = "memory"
 
     host_budget: Size = "4GiB"
-    """All host buffers the engine may hold, pinned or not: staging for NVMe and the cpu tier."""
+    """All host buffers the engine may hold, pinned or not: reads from and writes to NVMe, the
+    optimizer's streamed sub-groups, gradients gathered on a CPU device. The cpu tier's own
+    tensors are not in it: initialize checks them against the memory the machine has available."""
 
     def __post_init__(self) -> None:
         _size(self, "host_budget")
