@@ -85,6 +85,23 @@ class _PreBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class _RootBackward(torch.autograd.Function):
+    """Identity on the root module's outputs: its backward runs first in a backward pass (in the
+    outermost graph task, even with reentrant checkpointing inside), and queues the end of the
+    pass to run when autograd is done, so ``loss.backward()`` alone ends it as
+    ``engine.backward`` does."""
+
+    @staticmethod
+    def forward(ctx, scheduler, tensor):
+        ctx.scheduler = scheduler
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.scheduler.backward_started()
+        return None, grad
+
+
 def _map_tensors(obj, fn):
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -137,9 +154,30 @@ class Scheduler:
         self._handles = []
         self._by_storage: dict[int, ParamUnit] = {}  # storage address -> READY unit (released-able)
         self._in_backward = False  # between a grad-enabled forward and the end of its backward
+        # Per module, grad-enabled calls whose gradient uses were counted in forward, and calls
+        # run again inside backward (activation checkpointing): a reentrant checkpoint's first
+        # forward runs without grad, so its uses are counted when backward runs it again.
+        self._calls: dict[nn.Module, int] = {}
+        self._recomputed: dict[nn.Module, int] = {}
+        self._depth = 0  # nested calls of the root module
+        self._began = False  # the outermost root call set up the pass
+        self._saved_hooks = None  # the saved-tensor hooks of the pass, while the root runs
+        self._end_queued = False  # the end of this backward is queued with autograd
+        self._before_forward = None  # the engine's checks, before each pass
+        self._after_backward = None  # the engine's end of a backward pass
 
     # -- hooks ------------------------------------------------------------------------------
-    def install(self) -> None:
+    def install(self, root: nn.Module, *, before_forward, after_backward) -> None:
+        """Hook ``root`` and every module that uses a unit. Calling ``root`` itself (what
+        ``engine(...)``, transformers' Trainer and accelerate do alike) runs a whole pass:
+        ``before_forward()`` first, the saved-tensor hooks around it; and a backward through
+        its outputs ends with ``after_backward()``."""
+        self._before_forward, self._after_backward = before_forward, after_backward
+        self._handles.append(root.register_forward_pre_hook(self._root_pre_hook, prepend=True))
+        self._install_modules()
+        self._handles.append(root.register_forward_hook(self._root_post_hook, always_call=True))
+
+    def _install_modules(self) -> None:
         # Per module: for each unit, how many of its gradients one grad-enabled call will bring
         # (the parameters the module holds itself that require grad). Fixed: counted once here.
         self._uses_per_call = {
@@ -160,6 +198,47 @@ class Scheduler:
             h.remove()
         self._handles.clear()
 
+    def _root_pre_hook(self, module, args):
+        self._depth += 1
+        if self._depth == 1:
+            self._before_forward()
+            self.begin_forward()
+            self._began = True
+            # See [Note: saved parameter views].
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self._saved_hooks.__enter__()
+
+    def _root_post_hook(self, module, args, output):
+        """Runs also when the forward raised (``always_call``): the pass always ends."""
+        self._depth -= 1
+        if self._depth > 0 or not self._began:
+            return output
+        self._began = False
+        try:
+            if torch.is_grad_enabled() and any(u.requires_grad for u in self.units) and output is not None:
+                output = _map_tensors(output, lambda t: _RootBackward.apply(self, t) if t.requires_grad else t)
+        finally:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+            self.end_forward()
+            if not torch.is_grad_enabled():
+                self.release_all()
+        return output
+
+    def backward_started(self) -> None:
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self._end_queued = False
+        self._after_backward()
+
+    @property
+    def in_backward(self) -> bool:
+        """A grad-enabled pass ran and its backward has not ended."""
+        return self._in_backward
+
     def _pre_forward_hook(self, module, args):
         self._trace.append(module)
         pos = self.forward_order.advance(module)
@@ -174,10 +253,17 @@ class Scheduler:
         for unit in units:
             unit.active -= 1
         if self._in_backward:
-            # A forward recomputed inside backward (activation checkpointing): its uses were
-            # counted by the first forward; its units stay until their gradients arrive.
+            # A forward recomputed inside backward (activation checkpointing): its units stay
+            # until their gradients arrive. Its uses were counted by the first forward, unless
+            # that ran without grad (reentrant checkpointing): then they are counted now.
+            if torch.is_grad_enabled():
+                self._recomputed[module] = self._recomputed.get(module, 0) + 1
+                if self._recomputed[module] > self._calls.get(module, 0):
+                    for unit, uses in self._uses_per_call[module]:
+                        unit.uses += uses
             return output
         if torch.is_grad_enabled():
+            self._calls[module] = self._calls.get(module, 0) + 1
             for unit, uses in self._uses_per_call[module]:
                 unit.uses += uses
             if any(unit.requires_grad for unit in units):
@@ -252,6 +338,8 @@ class Scheduler:
                 self.release(unit)
             self.backward_order = _Order([])
             self._in_backward = False
+            self._calls.clear()
+            self._recomputed.clear()
             self.transport.drain()
 
     def drop_grads(self) -> None:

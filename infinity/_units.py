@@ -56,6 +56,10 @@ class ParamUnit:
         self.uses = 0  # gradient accumulations still expected in this backward
         self.grad: torch.Tensor | None = None  # 1-D fp32, this backward's gradient, being gathered
         self.grad_lease = None  # the pool buffer holding ``grad`` (CPU device)
+        # What a released parameter reports: the dtype and device it has when fetched, so that
+        # a model reading ``weight.dtype`` before the module runs (T5, ViT) sees the truth.
+        self.placeholder_dtype: torch.dtype | None = None
+        self.placeholder_device: torch.device | None = None
 
     @property
     def shard_numel(self) -> int:
@@ -81,7 +85,7 @@ class ParamUnit:
     def unbind(self) -> None:
         """Replace every parameter's data by an empty placeholder (the shard stays in its tier)."""
         for p in self.params:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.data = torch.empty(0, dtype=self.placeholder_dtype or p.dtype, device=self.placeholder_device or p.device)
         self.full = None
         self.state = UnitState.RELEASED
 

@@ -22,6 +22,7 @@ import logging
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _checkpoint, _resources
 from ._dist import Dist
@@ -67,6 +68,7 @@ class Engine:
         self._scaler = LossScaler(cfg.precision) if self.dtype == torch.float16 else None
         self._closed = True
         self._unusable: str | None = None  # why training cannot go on (a load that failed half-way)
+        self._scaled_backward = False  # inside engine.backward (fp16: the loss is scaled)
         self.aio = self.pool = self.space = None
         builder = next((p._infinity_builder for p in module.parameters() if hasattr(p, "_infinity_builder")), None)
         if builder is not None and builder.config.to_dict() != cfg.to_dict():
@@ -106,6 +108,9 @@ class Engine:
         # their tier. Parameters `build` stored are read back from it.
         self.optimizer.init_state(load=builder.load if builder is not None else None)
         for unit in units:
+            unit.placeholder_dtype, unit.placeholder_device = self.dtype, dev
+            for p in unit.params:
+                p._infinity_managed = True  # see _refuse_foreign_step
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
             if builder is not None:
                 for p in unit.params:
@@ -123,7 +128,7 @@ class Engine:
             for key, buf in mod._buffers.items():
                 if buf is not None and buf.device != dev:
                     mod._buffers[key] = buf.to(dev)
-        self.scheduler.install()
+        self.scheduler.install(module, before_forward=self._check_usable, after_backward=self._end_backward)
 
     def _check_memory(self, cfg: TierConfig, units) -> None:
         """Refuse at initialize a host budget the pipelines cannot run in, or a placement the
@@ -149,25 +154,21 @@ class Engine:
 
     # -- training ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        self._check_usable()
-        self.scheduler.begin_forward()
+        """The module's forward. Calling ``engine.module(...)`` is the same: the engine's work
+        is in hooks on the module itself (see `_schedule.Scheduler.install`)."""
         try:
-            # See [Note: saved parameter views] in _schedule.py.
-            with torch.autograd.graph.saved_tensors_hooks(self.scheduler.pack, self.scheduler.unpack):
-                return self.module(*args, **kwargs)
+            return self.module(*args, **kwargs)
         except BaseException as e:
             self.dist.report_failure(e)  # see [Note: rank failures]
             raise
-        finally:
-            self.scheduler.end_forward()
-            if not torch.is_grad_enabled():
-                self.scheduler.release_all()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss``; gradients accumulate over calls until `step`."""
+        """Backward of ``loss``; gradients accumulate over calls until `step`. A plain
+        ``loss.backward()`` does the same in fp32 and bf16; fp16 needs this (loss scaling)."""
         self._check_open()
         if self._scaler is not None:
             loss = loss * self._scaler.scale
+        self._scaled_backward = True
         try:
             loss.backward()
         except BaseException as e:
@@ -177,6 +178,20 @@ class Engine:
             except Exception as cleanup:  # noqa: BLE001 - the first error is the one to see
                 e.add_note(f"(ending the backward pass after that also failed: {cleanup})")
             raise
+        finally:
+            self._scaled_backward = False
+        if self.scheduler.in_backward:  # a loss that reached none of the module's outputs
+            self.scheduler.end_backward()
+
+    def _end_backward(self) -> None:
+        """The end of a backward pass (autograd calls it once the pass is done)."""
+        if self._scaler is not None and not self._scaled_backward:
+            self.scheduler.end_backward()
+            self.zero_grad()
+            raise RuntimeError(
+                "precision.param_dtype = \"fp16\" needs engine.backward(loss), which scales the loss; "
+                "a plain loss.backward() would step on unscaled gradients (they were dropped)"
+            )
         self.scheduler.end_backward()
 
     def step(self) -> bool:
@@ -347,6 +362,25 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _refuse_foreign_step(optimizer, args, kwargs):
+    """A torch optimizer other than the engine's, stepping parameters the engine manages, would
+    step on empty placeholders without gradients and train nothing, silently: refuse it."""
+    if getattr(optimizer, "_infinity_engine_optimizer", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_infinity_managed", False):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() on parameters that an infinity engine manages: they "
+                    "are placeholders whose gradients and updates live in the engine's tiers, so this step "
+                    "would train nothing. Use engine.step() (engine.optimizer is the engine's optimizer; "
+                    "with transformers' Trainer, use infinity.integrations.transformers)"
+                )
+
+
+register_optimizer_step_pre_hook(_refuse_foreign_step)
 
 
 def _one_line(step: dict) -> str:

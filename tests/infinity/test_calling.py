@@ -1,0 +1,148 @@
+"""The engine called the ways users and their frameworks call it, with no silent wrong result.
+
+transformers' Trainer, accelerate and Lightning call the module itself and run
+``loss.backward()``; models read ``weight.dtype`` before a module runs; reentrant activation
+checkpointing runs forwards without grad. Each gives exactly what ``engine(...)`` with
+``engine.backward`` gives, or a clear error.
+"""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import config  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+NVME = ("nvme", "nvme", "nvme")
+
+
+def _gpt2(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _ids(step):
+    return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+
+
+def test_calling_the_module_and_loss_backward_equals_the_engine_bit_for_bit(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = infinity.initialize(_gpt2(), config(tmp_path / "a", NVME))
+    b = infinity.initialize(_gpt2(), config(tmp_path / "b", NVME))
+    for step in range(3):
+        ids = _ids(step)
+        a.backward(a(input_ids=ids, labels=ids).loss)
+        a.step()
+        b.module(input_ids=ids, labels=ids).loss.backward()  # as Trainer and accelerate do
+        b.step()
+    wa, wb = a.gathered_weights(), b.gathered_weights()
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    a.close()
+    b.close()
+
+
+def _train_gpt2(tmp_path, checkpointing):
+    model = _gpt2()
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    model.train()
+    ref = copy.deepcopy(model)
+    engine = infinity.initialize(model, config(tmp_path, NVME))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    losses = []
+    for step in range(3):
+        ids = _ids(step)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        losses.append((loss.item(), ref_loss.item()))
+    weights = engine.gathered_weights()
+    engine.close()
+    return losses, weights
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
+def test_activation_checkpointing_gives_the_weights_of_a_run_without_it(tmp_path, checkpointing):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    losses, weights = _train_gpt2(tmp_path / "a", checkpointing)
+    _, plain = _train_gpt2(tmp_path / "b", None)
+    # Against torch: fp32 rounding (the fused AdamW kernel against torch's default one).
+    assert all(abs(a - b) < 1e-5 for a, b in losses), losses
+    # Against the engine without checkpointing: the same arithmetic, so the same bits.
+    assert weights.keys() == plain.keys()
+    assert all(torch.equal(weights[k], plain[k]) for k in weights)
+
+
+def test_a_released_parameter_reports_the_parameter_dtype_and_device(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with infinity.initialize(model, config(tmp_path, NVME, precision={"param_dtype": "bf16"})) as engine:
+        for p in model.parameters():
+            assert p.numel() == 0 and p.dtype == torch.bfloat16 and p.device == engine.device
+
+
+@pytest.mark.parametrize("family", ["t5", "vit"])
+def test_models_that_read_weight_dtype_before_running_train_in_bf16(tmp_path, family):
+    torch.manual_seed(0)
+    if family == "t5":
+        cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                    decoder_start_token_id=0, dropout_rate=0.0)  # fmt: skip
+        model = transformers.T5ForConditionalGeneration(cfg)
+        batch = {"input_ids": _ids(0), "labels": _ids(1)}
+    else:
+        cfg = transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64, num_labels=3)  # fmt: skip
+        model = transformers.ViTForImageClassification(cfg)
+        batch = {"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.tensor([0, 2])}
+    with infinity.initialize(model, config(tmp_path, NVME, precision={"param_dtype": "bf16"})) as engine:
+        for _ in range(2):
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+        assert torch.isfinite(loss)
+
+
+def test_a_foreign_optimizer_on_managed_parameters_is_refused(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with infinity.initialize(model, config(tmp_path, NVME)) as engine:
+        opt = torch.optim.AdamW(model.parameters())  # what Trainer(model=engine.module) makes
+        engine.module(torch.randn(3, 4)).sum().backward()
+        with pytest.raises(RuntimeError, match="AdamW.step.. on parameters that an infinity engine manages"):
+            opt.step()
+    other = nn.Linear(2, 2)  # an optimizer of parameters the engine does not manage is left alone
+    torch.optim.SGD(other.parameters(), lr=0.1).step()
+
+
+def test_fp16_with_a_plain_backward_is_refused_not_trained_unscaled(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with infinity.initialize(model, config(tmp_path, NVME, precision={"param_dtype": "fp16", "initial_scale": 8})) as engine:
+        with pytest.raises(RuntimeError, match="needs engine.backward"):
+            engine.module(torch.randn(3, 4).half()).float().sum().backward()
+        engine.backward(engine(torch.randn(3, 4).half()).float().sum())  # the supported way still works
+        assert engine.step()
+
+
+def test_a_forward_that_raises_ends_its_pass_and_the_next_one_runs(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with infinity.initialize(model, config(tmp_path, NVME)) as engine:
+        with pytest.raises(RuntimeError):
+            engine(torch.randn(3, 5))  # wrong width
+        engine.zero_grad()
+        engine.backward(engine(torch.randn(3, 4)).sum())
+        engine.step()
