@@ -35,7 +35,6 @@ from torch.profiler import record_function
 from infinity.swap import SpaceReader, SwapSpace, WriteBehind, fsync_dir, round_up, write_bytes_atomic, write_json_atomic
 
 from . import _rng
-from ._optim import KINDS
 from .checkpoint import (
     FORMAT, LATEST_NAME, META_NAME, TMP_PREFIX, VERSION, CheckpointError, check_tag, list_checkpoints, load_meta,
     resolve,
@@ -65,6 +64,8 @@ def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
         "param_dtype": engine.config.precision.param_dtype,
         "config": engine.config.to_dict(),
         "loss_scaler": None if scaler is None else scaler.state_dict(),
+        "optimizer": {k: v for k, v in parts["optimizer"].state_dict().items() if k != "unit_steps"},
+        "lr_scheduler": None if parts["lr_scheduler"] is None else parts["lr_scheduler"].state_dict(),
         "units": _units_layout(engine),
         "rng": rng,
         "client_state": client_state,
@@ -77,6 +78,11 @@ def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
             f"client_state must be JSON-serialisable (checkpoints hold no pickle): {e}; "
             "convert tensors with .tolist() or save them yourself"
         ) from None
+    try:
+        json.dumps(meta["lr_scheduler"], allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"the state_dict() of lr_scheduler {type(parts['lr_scheduler']).__name__} is not JSON "
+                        f"(checkpoints hold no pickle): {e}") from None  # fmt: skip
     return meta
 
 
@@ -109,7 +115,7 @@ def _rank_bytes(engine) -> int:
     itemsize = engine.dtype.itemsize
     total = round_up(len(engine.units) * 4)
     for u in engine.units:
-        total += 3 * round_up(u.shard_numel * 4) + round_up(u.shard_numel * itemsize)
+        total += len(engine.optimizer.kinds) * round_up(u.shard_numel * 4) + round_up(u.shard_numel * itemsize)
     return total
 
 
@@ -118,7 +124,7 @@ def _write_state(engine, out: _Writer) -> None:
     opt = engine.optimizer
     for group in opt.groups:
         # The group's optimizer state, kind by kind, as leases of the tier.
-        for kind in KINDS:
+        for kind in opt.kinds:
             lease = opt.states[kind].get(group.name).result()
             try:
                 for u in group.units:
@@ -132,7 +138,7 @@ def _write_state(engine, out: _Writer) -> None:
                 out.put(f"{u.name}/param", flat if flat.numel() == u.shard_numel else flat[u.shard])
             finally:
                 lease.release()
-    out.put("optimizer/steps", opt.state_dict()["steps"])
+    out.put("optimizer/steps", opt.state_dict()["unit_steps"])
 
 
 def _save_rank(engine, tmp: str) -> int:
@@ -374,6 +380,14 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
     parts = engine.components
     if parts["loss_scaler"] is not None and meta["loss_scaler"] is not None:
         parts["loss_scaler"].load_state_dict(meta["loss_scaler"])
+    if meta.get("optimizer") is not None:  # the groups' hyperparameters (the LR schedule's lr, say)
+        saved = meta["optimizer"]
+        try:
+            parts["optimizer"].load_hyperparameters(saved["type"], saved["param_groups"])
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("checkpoint %s: optimizer hyperparameters not restored (%s)", where, e)
+    if parts["lr_scheduler"] is not None and meta.get("lr_scheduler") is not None:
+        parts["lr_scheduler"].load_state_dict(meta["lr_scheduler"])
     parts["stats"].load_state_dict({"steps": meta["step"]})
     rank = engine.rank
     if rank < meta["world_size"]:
@@ -411,7 +425,7 @@ def _load_rank(engine, where: str, meta: dict) -> None:
         saved_numel = {s["name"]: s["numel"] for s in meta["units"]}
         padded = {u.name: -(-saved_numel[u.name] // meta["world_size"]) * meta["world_size"] for u in engine.units}
         for group in opt.groups:
-            for kind in KINDS:
+            for kind in opt.kinds:
                 def fill(flat, group=group, kind=kind):
                     for u in group.units:
                         s = group.slices[u.index]
@@ -435,7 +449,7 @@ def _load_rank(engine, where: str, meta: dict) -> None:
         q = engine.rank if engine.rank < meta["world_size"] else 0
         steps = src.reader(q).read("optimizer/steps", verify=True)
         try:
-            opt.load_state_dict({"steps": steps})
+            opt.load_state_dict({"unit_steps": steps})
         except ValueError as e:
             raise CheckpointError(f"{src.reader(q).rank_dir}: optimizer/steps: {e}") from None
         writes.drain()

@@ -1,22 +1,29 @@
-"""The optimizer step: AdamW on fp32 master weights where the optimizer states live.
+"""The optimizer: a `torch.optim.Optimizer` whose update runs where the optimizer states live.
 
-Owns: the sub-groups, the optimizer-state stores, the per-unit step counts, the read-ahead, and
-the write-behind of the new low-precision parameters. Touches: the grads (to read them and their
-norm), the params store (to write the new parameters), ``dist`` at stages 1 and 2 (to gather
-them).
+Owns: the parameter groups (the user's parameters and hyperparameters, which LR schedulers
+change between steps), the sub-groups, the optimizer-state stores, the per-unit step counts,
+the read-ahead, and the write-behind of the new low-precision parameters. Touches: the grads
+(to read them and their norm), the params store (to write the new parameters), ``dist`` at
+stages 1 and 2 (to gather them).
 
-States (master, exp_avg, exp_avg_sq) are kept per sub-group: consecutive units whose fp32
-state fits ``optimizer.sub_group_size`` bytes, stored as one flat tensor per kind, so NVMe sees
-a few large transfers rather than many small ones. The step streams the sub-groups
-(`_store.stream_together`): on nvme group i+1 is read and i-1 written back while AdamW runs on
-i, with torch's fused CPU kernel (``torch._fused_adamw_``, about 2.2 G params/s here), and each
-unit's new low-precision parameters are written to the params tier as they are made.
+States (fp32 master weights and the optimizer's own kinds: AdamW's and Adam's exp_avg and
+exp_avg_sq, SGD's momentum_buffer, Adagrad's sum) are kept per sub-group: consecutive units
+whose fp32 state fits ``optimizer.sub_group_size`` bytes, stored as one flat tensor per kind,
+so NVMe sees a few large transfers rather than many small ones. The step streams the
+sub-groups (`_store.stream_together`): on nvme group i+1 is read and i-1 written back while
+the update runs on i, with torch's fused CPU kernels (``torch._fused_adamw_``,
+``_fused_adam_``, ``_fused_sgd_``, ``_fused_adagrad_``), one call per parameter group with
+that group's hyperparameters, and each unit's new low-precision parameters are written to the
+params tier as they are made.
 
-Semantics follow ``torch.optim.AdamW``: a parameter without a gradient this step is left alone
-(no decay, no moment update), and each keeps its own step count.
+Semantics follow the matching ``torch.optim`` class: only parameters in a group are updated
+(frozen ones are left alone), a unit without a gradient this step is left alone (no decay, no
+state update), and each unit keeps its own step count.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.profiler import record_function
@@ -27,8 +34,83 @@ from ._grads import GradAccumulator
 from ._store import Store, stream_together
 from ._units import ParamUnit
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-READ_AHEAD = 3  # sub-groups; see AdamW.fit_read_ahead
+READ_AHEAD = 3  # sub-groups; see Optimizer.fit_read_ahead
+
+# Per optimizer: its state kinds besides the fp32 master weights, and the hyperparameters a
+# parameter group holds (with torch's defaults where the config has no key).
+KINDS = {
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "sgd": ("momentum_buffer",),
+    "adagrad": ("sum",),
+}
+HYPERPARAMETERS = {
+    "adamw": ("lr", "betas", "eps", "weight_decay"),
+    "adam": ("lr", "betas", "eps", "weight_decay"),
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+    "adagrad": ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value"),
+}
+TORCH_CLASSES = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd",
+                 torch.optim.Adagrad: "adagrad"}  # fmt: skip
+# Options of the torch classes the fused kernels here do not run: refused when set.
+_UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+
+
+def config_defaults(cfg) -> dict:
+    """The hyperparameters ``[optimizer]`` gives every group of its ``type``."""
+    every = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
+             "momentum": cfg.momentum, "dampening": 0.0, "nesterov": cfg.nesterov, "lr_decay": 0.0,
+             "initial_accumulator_value": 0.0}  # fmt: skip
+    return {k: every[k] for k in HYPERPARAMETERS[cfg.type]}
+
+
+def resolve(spec, model_params: list, cfg) -> tuple[str, list[dict], dict]:
+    """(optimizer type, parameter groups, defaults) from what `initialize` was given.
+
+    ``spec``: None (``[optimizer]`` over every trainable parameter), parameters or parameter
+    groups (``[{"params": [...], "weight_decay": 0.0}, ...]``: ``[optimizer]`` fills in the
+    rest), a ``torch.optim`` optimizer, its class, ``(class, kwargs)``, or a callable that
+    builds one from the parameters (``functools.partial(torch.optim.SGD, lr=0.1)``)."""
+    trainable = [p for p in model_params if p.requires_grad]
+    if spec is None:
+        return cfg.type, [{"params": trainable}], config_defaults(cfg)
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], type) and isinstance(spec[1], dict):
+        spec = functools.partial(spec[0], **spec[1])
+    if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer) or (
+        callable(spec) and not isinstance(spec, (torch.optim.Optimizer, list, tuple))
+    ):
+        built = spec(trainable)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"optimizer={spec!r} built a {type(built).__name__}, not a torch.optim.Optimizer")
+        spec = built
+    if isinstance(spec, torch.optim.Optimizer):
+        kind = TORCH_CLASSES.get(type(spec))
+        if kind is None:
+            raise ValueError(
+                f"optimizer {type(spec).__name__} cannot run on offloaded state: the engine runs "
+                f"{', '.join(c.__name__ for c in TORCH_CLASSES)} (torch.optim), or [optimizer] type = "
+                f"{' | '.join(repr(k) for k in KINDS)}"
+            )
+        for group in spec.param_groups:
+            for key, allowed in _UNSUPPORTED.items():
+                if group.get(key, allowed) != allowed:
+                    raise ValueError(f"{type(spec).__name__}({key}={group[key]!r}) is not supported on offloaded "
+                                     f"state; use {key}={allowed!r}")  # fmt: skip
+        keys = HYPERPARAMETERS[kind]
+        groups = [{"params": list(g["params"]), **{k: g[k] for k in keys}} for g in spec.param_groups]
+        return kind, groups, {k: spec.defaults[k] for k in keys}
+    groups = list(spec)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    defaults = config_defaults(cfg)
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"optimizer parameter group {i} must be a dict with 'params', got {type(g).__name__}")
+        unknown = set(g) - {"params", *defaults}
+        if unknown:
+            raise ValueError(f"optimizer parameter group {i}: {sorted(unknown)} are not hyperparameters of "
+                             f"{cfg.type!r} ({', '.join(defaults)})")  # fmt: skip
+    return cfg.type, [dict(g, params=list(g["params"])) for g in groups], defaults
 
 
 class SubGroup:
@@ -45,10 +127,11 @@ class SubGroup:
         self.numel = pos
 
 
-def make_groups(units: list[ParamUnit], sub_group_bytes: int) -> list[SubGroup]:
+def make_groups(units: list[ParamUnit], sub_group_bytes: int, kinds: int = 3) -> list[SubGroup]:
+    """Consecutive units whose fp32 state (``kinds`` tensors a parameter) fits ``sub_group_bytes``."""
     groups, current, size = [], [], 0
     for u in units:
-        nbytes = 3 * 4 * u.shard_numel
+        nbytes = kinds * 4 * u.shard_numel
         if current and size + nbytes > sub_group_bytes:
             groups.append(SubGroup(len(groups), current))
             current, size = [], 0
@@ -59,16 +142,26 @@ def make_groups(units: list[ParamUnit], sub_group_bytes: int) -> list[SubGroup]:
     return groups
 
 
-class AdamW:
-    def __init__(self, units, groups, states: dict[str, Store], param_store: Store, grads: GradAccumulator,
-                 config, param_dtype: torch.dtype, device: torch.device, dist=None,
-                 params_sharded: bool = True):  # fmt: skip
+class Optimizer(torch.optim.Optimizer):
+    """The engine's optimizer, ``engine.optimizer``: a `torch.optim.Optimizer` whose
+    ``param_groups`` hold the user's parameters and hyperparameters, so LR schedulers work on
+    it unmodified; ``step()`` is ``engine.step()`` and ``zero_grad()`` is ``engine.zero_grad()``.
+    Its state lives in the optimizer tier, not in ``state``."""
+
+    _infinity_engine_optimizer = True  # its step is the engine's (see engine._refuse_foreign_step)
+
+    def __init__(self, kind: str, param_groups: list[dict], defaults: dict, *, units, groups,
+                 states: dict[str, Store], param_store: Store, grads: GradAccumulator, max_grad_norm,
+                 param_dtype: torch.dtype, dist=None, params_sharded: bool = True):  # fmt: skip
+        self._ready = False
+        super().__init__(param_groups, defaults)
+        self.kind = kind
         self.units = units
-        self.groups = groups
-        self.states = states  # kind -> Store, all in the optimizer tier
+        self.groups = groups  # SubGroups
+        self.states = states  # kind -> Store, all in the optimizer tier: "master" and KINDS[kind]
         self.param_store = param_store
         self.grads = grads
-        self.cfg = config
+        self.max_grad_norm = max_grad_norm
         self.param_dtype = param_dtype
         self.device = states["master"].device
         self.dist = dist
@@ -77,27 +170,102 @@ class AdamW:
         self.steps = {u.index: torch.zeros((), dtype=torch.float32, device=self.device) for u in units}
         self.ahead = READ_AHEAD
         self._param_writes = WriteBehind(2)  # new parameters, each from its own pool copy
+        self._engine_step = None  # set by the engine: what step() runs
+        self._engine_zero_grad = None
+        # Per sub-group, per parameter group: (unit, slice of the sub-group's state, slice of
+        # the unit's gradient shard) of every parameter in that group, cut to this rank's shard.
+        self._slices = self._map_slices()
+        self._ready = True
 
-    # -- state ------------------------------------------------------------------------------
+    def _map_slices(self) -> list[dict[int, list]]:
+        where = {}  # id(param) -> (unit, index in the unit)
+        for u in self.units:
+            for i, p in enumerate(u.params):
+                where[id(p)] = (u, i)
+        owner = {}  # (unit index, param index) -> parameter group index
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if id(p) not in where:
+                    raise ValueError(f"optimizer parameter group {gi} holds a tensor of shape {tuple(p.shape)} that "
+                                     "is not a parameter of the model given to initialize")  # fmt: skip
+                u, i = where[id(p)]
+                owner[(u.index, i)] = gi
+        out = []
+        for sg in self.groups:
+            per_group: dict[int, list] = {}
+            for u in sg.units:
+                lo, hi = u.shard.start, u.shard.stop
+                base = sg.slices[u.index].start
+                for i, (off, n) in enumerate(zip(u.offsets, u.numels)):
+                    gi = owner.get((u.index, i))
+                    a, b = max(off, lo), min(off + n, hi)
+                    if gi is None or a >= b:
+                        continue
+                    per_group.setdefault(gi, []).append((u, slice(base + a - lo, base + b - lo), slice(a - lo, b - lo)))
+            out.append(per_group)
+        return out
+
+    # -- torch.optim.Optimizer --------------------------------------------------------------
+    def step(self, closure=None):
+        """The engine's step (``engine.step()``): returns False when it was skipped (an fp16
+        overflow or a non-finite gradient)."""
+        if closure is not None:
+            raise ValueError("engine.optimizer.step(closure) is not supported: run forward and backward, then step()")
+        return self._engine_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``engine.zero_grad()``: forget the gradients accumulated since the last step."""
+        self._engine_zero_grad()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_ready", False):
+            raise ValueError("the engine's parameter groups are fixed at initialize: pass every group there")
+        super().add_param_group(param_group)
+
     def state_dict(self) -> dict:
-        """The optimizer's small state: each unit's step count (fp32, in unit order). The
-        master weights and moments are per sub-group in ``states`` and are streamed, not here."""
-        return {"steps": torch.stack([self.steps[u.index].detach().to("cpu", torch.float32) for u in self.units])}
+        """The groups' hyperparameters (JSON-able, parameters as indices as torch does) and each
+        unit's step count. The master weights and states live in ``states`` and are streamed by
+        checkpoints, not here."""
+        return {
+            "type": self.kind,
+            "param_groups": [_json_group(g) for g in self.param_groups],
+            "unit_steps": torch.stack([self.steps[u.index].detach().to("cpu", torch.float32) for u in self.units]),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        steps = state["steps"]
-        if steps.numel() != len(self.units):
-            raise ValueError(f"optimizer state has {steps.numel()} step counts, this model has {len(self.units)} units")
-        for u in self.units:
-            self.steps[u.index].fill_(float(steps[u.index]))
+        """Restore what `state_dict` gave (any part of it may be missing)."""
+        if "unit_steps" in state:
+            steps = state["unit_steps"]
+            if steps.numel() != len(self.units):
+                raise ValueError(f"optimizer state has {steps.numel()} step counts, this model has {len(self.units)} units")
+            for u in self.units:
+                self.steps[u.index].fill_(float(steps[u.index]))
+        if "param_groups" in state:
+            self.load_hyperparameters(state.get("type", self.kind), state["param_groups"])
+
+    def load_hyperparameters(self, kind: str, groups: list[dict]) -> None:
+        if kind != self.kind or len(groups) != len(self.param_groups):
+            raise ValueError(f"saved optimizer {kind!r} with {len(groups)} parameter group(s); this engine's is "
+                             f"{self.kind!r} with {len(self.param_groups)}")  # fmt: skip
+        for mine, saved in zip(self.param_groups, groups):
+            for key, value in saved.items():
+                if key != "params":
+                    mine[key] = tuple(value) if key == "betas" else value
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The state kinds stored per sub-group: "master" and this optimizer's own."""
+        return ("master", *KINDS[self.kind])
 
     def init_state(self, load=None) -> None:
         """Master weights from the parameters' values as the user made them (``load(param)``
-        for those `build` already stored), moments zero; and each unit's low-precision
-        parameters into the params tier. One sub-group is in memory at a time."""
-        for g in self.groups:
+        for those `build` already stored), the optimizer's states as torch starts them; and
+        each unit's low-precision parameters into the params tier. One sub-group is in memory
+        at a time."""
+        for sg, per_group in zip(self.groups, self._slices):
             flats = []
-            for u in g.units:
+            for u in sg.units:
                 whole = u.flat(torch.float32, load)
                 flat = whole[u.shard]
                 kept = flat if not self.gather_params else whole  # see [Note: unit partition]
@@ -105,27 +273,32 @@ class AdamW:
                 flats.append(flat)
             master = torch.cat(flats)
             del flats
-            for kind, value in (("master", master), ("exp_avg", torch.zeros_like(master)),
-                                ("exp_avg_sq", torch.zeros_like(master))):  # fmt: skip
-                self.states[kind].put(g.name, value).result()
+            self.states["master"].put(sg.name, master).result()
+            for kind in KINDS[self.kind]:
+                value = torch.zeros_like(master)
+                if kind == "sum":  # Adagrad starts each parameter's sum at its group's value
+                    for gi, entries in per_group.items():
+                        for _, s, _ in entries:
+                            value[s] = self.param_groups[gi]["initial_accumulator_value"]
+                self.states[kind].put(sg.name, value).result()
 
-    # -- the step ---------------------------------------------------------------------------
-    def step(self, loss_scale: float = 1.0) -> bool:
-        """One AdamW step over every unit with a gradient; False when skipped (fp16 overflow)."""
+    # -- the update -------------------------------------------------------------------------
+    def update(self, loss_scale: float = 1.0) -> bool:
+        """One update of every parameter with a gradient; False when skipped (non-finite)."""
         self.grads.flush()
         if not self.grads.all_finite():
             return False
         divide = loss_scale  # gradients are stored multiplied by the loss scale
-        if self.cfg.max_grad_norm is not None:
+        if self.max_grad_norm is not None:
             norm = self.grads.global_norm() / loss_scale
-            coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
             divide = loss_scale / coef
         grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=self.device)
         grads_now = grads_next = None
         try:
             # The next sub-group's gradients are read while this one is updated.
             grads_next = self._read_grads(self.groups[0]) if self.groups else None
-            stores = [self.states[k] for k in KINDS]
+            stores = [self.states[k] for k in self.kinds]
             items = stream_together(stores, [g.name for g in self.groups], ahead=self.ahead)
             # Iterate the stream itself (not a zip with the groups, which would stop without
             # resuming the generator after its last item, and so skip that item's write-back).
@@ -133,7 +306,7 @@ class AdamW:
                 group, grads_now = self.groups[i], grads_next
                 grads_next = self._read_grads(self.groups[i + 1]) if i + 1 < len(self.groups) else None
                 with record_function("infinity::optimizer.subgroup"):
-                    item.write_back = self._update(group, *item.tensors, grad_scale, grads_now)
+                    item.write_back = self._update(i, item.tensors, grad_scale, grads_now)
         except BaseException:
             # Every buffer goes back; the first error is the one raised.
             for pending in (*(grads_now or {}).values(), *(grads_next or {}).values()):
@@ -150,12 +323,14 @@ class AdamW:
         """Issue the reads of ``group``'s gradients (unit index -> store Pending of a lease)."""
         return {u.index: self.grads.store.get(u.name) for u in group.units if u.index in self.grads.has_grad}
 
-    def _update(self, group: SubGroup, master, exp_avg, exp_avg_sq, grad_scale, pending: dict) -> bool:
-        """AdamW on ``group``'s units that have a gradient; False when none has (nothing changed)."""
+    def _update(self, index: int, tensors, grad_scale, pending: dict) -> bool:
+        """Update sub-group ``index``'s parameters that have a gradient; False when none has."""
+        group = self.groups[index]
         have = [u for u in group.units if u.index in pending]
         if not have:
             return False
-        grads, leases = [], []
+        master, states = tensors[0], tensors[1:]
+        grads, leases = {}, []
         try:
             for u in have:
                 lease = pending[u.index].result()
@@ -163,20 +338,19 @@ class AdamW:
                 value = lease.tensor
                 if value.numel() != u.shard_numel:  # stage 1 keeps the whole gradient
                     value = value[u.shard]
-                grads.append(value if value.device == master.device else value.to(master.device))
-            sl = [group.slices[u.index] for u in have]
-            steps = [self.steps[u.index] for u in have]
-            torch._foreach_add_(steps, 1.0)
-            beta1, beta2 = self.cfg.betas
-            torch._fused_adamw_(
-                [master[s] for s in sl], grads, [exp_avg[s] for s in sl], [exp_avg_sq[s] for s in sl], [], steps,
-                lr=self.cfg.lr, beta1=beta1, beta2=beta2, weight_decay=self.cfg.weight_decay, eps=self.cfg.eps,
-                amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
-            )  # fmt: skip
+                grads[u.index] = value if value.device == master.device else value.to(master.device)
+            stepped = {u.index for u in have}
+            first = {i for i in stepped if self.steps[i].item() == 0} if self.kind == "sgd" else set()
+            torch._foreach_add_([self.steps[i] for i in stepped], 1.0)
+            for gi, entries in self._slices[index].items():
+                entries = [e for e in entries if e[0].index in stepped]
+                if entries:
+                    self._run_kernel(self.param_groups[gi], entries, master, states, grads, grad_scale, first)
         finally:
             for lease in leases:
                 lease.release()
-        for u, s in zip(have, sl):
+        for u in have:
+            s = group.slices[u.index]
             if self.gather_params:
                 self._gather_new_params(u, master[s])
             else:
@@ -184,6 +358,34 @@ class AdamW:
                 # this write is done.
                 self._param_writes.add(self.param_store.put(u.name, master[s], copy=True))
         return True
+
+    def _run_kernel(self, hp: dict, entries, master, states, grads, grad_scale, first: set) -> None:
+        """torch's fused kernel of this optimizer over ``entries`` with one group's hyperparameters."""
+        params = [master[s] for _, s, _ in entries]
+        g = [grads[u.index][gs] for u, _, gs in entries]
+        steps = [self.steps[u.index] for u, _, _ in entries]
+        lr = float(hp["lr"])
+        if self.kind in ("adamw", "adam"):
+            fused = torch._fused_adamw_ if self.kind == "adamw" else torch._fused_adam_
+            beta1, beta2 = hp["betas"]
+            fused(params, g, [states[0][s] for _, s, _ in entries], [states[1][s] for _, s, _ in entries], [], steps,
+                  lr=lr, beta1=float(beta1), beta2=float(beta2), weight_decay=float(hp["weight_decay"]),
+                  eps=float(hp["eps"]), amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None)  # fmt: skip
+        elif self.kind == "sgd":
+            momentum = float(hp["momentum"])
+            for is_first in (True, False):  # the kernel starts a momentum buffer at a unit's first step
+                part = [i for i, (u, _, _) in enumerate(entries) if (u.index in first) == is_first]
+                if not part:
+                    continue
+                bufs = [] if momentum == 0 else [states[0][entries[i][1]] for i in part]
+                torch._fused_sgd_([params[i] for i in part], [g[i] for i in part], bufs,
+                                  weight_decay=float(hp["weight_decay"]), momentum=momentum, lr=lr,
+                                  dampening=float(hp["dampening"]), nesterov=bool(hp["nesterov"]), maximize=False,
+                                  is_first_step=is_first and momentum != 0, grad_scale=grad_scale, found_inf=None)  # fmt: skip
+        else:  # adagrad
+            torch._fused_adagrad_(params, g, [states[0][s] for _, s, _ in entries], steps, lr=lr,
+                                  lr_decay=float(hp["lr_decay"]), weight_decay=float(hp["weight_decay"]),
+                                  eps=float(hp["eps"]), maximize=False, grad_scale=grad_scale, found_inf=None)  # fmt: skip
 
     def _gather_new_params(self, unit: ParamUnit, master: torch.Tensor) -> None:
         """Stages 1 and 2: every rank updated its slice; all gather the whole parameters."""
@@ -201,13 +403,13 @@ class AdamW:
 
     # -- host memory ------------------------------------------------------------------------
     def host_bytes_needed(self) -> int:
-        """Pool bytes the step holds at most: the stream's sub-groups (``ahead`` read ahead,
+        """Pool bytes the update holds at most: the stream's sub-groups (``ahead`` read ahead,
         one in hand, one written behind), the gradients of one sub-group and the next one's,
         and three parameter write-behinds; each only where its store uses the pool."""
         largest = max(g.numel for g in self.groups)
         need = 0
         if self.states["master"].uses_pool:
-            need += (self.ahead + 2) * 3 * 4 * largest
+            need += (self.ahead + 2) * len(self.kinds) * 4 * largest
         if self.grads.store.uses_pool:
             need += 2 * 4 * largest
         if self.param_store.uses_pool:
@@ -217,9 +419,23 @@ class AdamW:
     def fit_read_ahead(self, budget: int) -> int:
         """Read as many sub-groups ahead as ``budget`` allows, from `READ_AHEAD` (3 measured
         best here: step time over the I/O floor 1.3 at 1, 1.2 at 2, 1.0-1.1 at 3;
-        benchmarks/engine_bench.py) down to 1; returns the pool bytes the step then needs."""
+        benchmarks/engine_bench.py) down to 1; returns the pool bytes the update then needs."""
         for ahead in range(READ_AHEAD, 0, -1):
             self.ahead = ahead
             if self.host_bytes_needed() <= budget:
                 break
         return self.host_bytes_needed()
+
+
+def _json_group(group: dict) -> dict:
+    """A parameter group's hyperparameters as JSON holds them (tuples as lists, tensors as floats)."""
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, tuple):
+            value = list(value)
+        out[key] = value
+    return out

@@ -30,6 +30,7 @@ from infinity.swap import VERIFY_MODES
 TIERS = ("device", "cpu", "nvme")
 AIO_BACKENDS = ("auto", *BACKENDS)
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad")
 ADAM_STATE_BYTES = 12  # fp32 master weight + exp_avg + exp_avg_sq, per parameter
 
 # The same grammar as nvme-bench's --size, so a figure it prints pastes into a config.
@@ -308,10 +309,13 @@ class PrecisionConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerConfig:
-    """AdamW, stepped one sub-group of parameters at a time."""
+    """The optimizer the engine runs where its states live, one sub-group of parameters at a
+    time. These are its defaults; parameter groups given to `initialize` override them."""
 
     _section: ClassVar[str] = "optimizer"
 
+    type: str = "adamw"
+    """adamw, adam, sgd or adagrad (torch.optim's semantics, torch's fused CPU kernels)."""
     lr: float = 1e-4
     """Learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -319,7 +323,11 @@ class OptimizerConfig:
     eps: float = 1e-8
     """Added to the denominator (> 0)."""
     weight_decay: float = 0.01
-    """Decoupled weight decay (AdamW)."""
+    """Weight decay: decoupled for adamw, added to the gradient (L2) for the others."""
+    momentum: float = 0.0
+    """SGD's momentum (0: none)."""
+    nesterov: bool = False
+    """SGD: Nesterov momentum (needs momentum > 0)."""
     max_grad_norm: float | None = None
     """Clip the global gradient norm to this, when set."""
     sub_group_size: Size = "256MiB"
@@ -327,7 +335,13 @@ class OptimizerConfig:
     step of the optimizer holds in host memory at a time."""
 
     def __post_init__(self) -> None:
+        _choice(self, "type", OPTIMIZERS)
         _float(self, "lr", lo=0.0)
+        _float(self, "momentum", lo=0.0)
+        if not isinstance(self.nesterov, bool):
+            raise _type_error(self, "nesterov", "true or false", self.nesterov)
+        if self.nesterov and self.momentum <= 0:
+            raise ValueError(f"optimizer.nesterov: needs optimizer.momentum > 0, got {self.momentum}")
         betas = self.betas
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
             raise _type_error(self, "betas", "two numbers", betas)

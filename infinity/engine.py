@@ -28,7 +28,7 @@ from . import _checkpoint, _resources
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
-from ._optim import KINDS, AdamW, make_groups
+from ._optim import KINDS, Optimizer, make_groups, resolve
 from ._scaler import LossScaler
 from ._schedule import Scheduler
 from ._stats import Stats
@@ -47,7 +47,7 @@ class Engine:
     placeholders while released; ``engine.module`` is for calling, not for reading weights:
     use `gathered_weights` or `export` for that)."""
 
-    def __init__(self, module: nn.Module, config, *, log_every: int | None = None):
+    def __init__(self, module: nn.Module, config, *, optimizer=None, lr_scheduler=None, log_every: int | None = None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"initialize takes a torch.nn.Module, got {type(module).__name__}")
         self.config = cfg = _resources.as_config(config)
@@ -78,7 +78,8 @@ class Engine:
                 self.aio, self.pool, self.space = builder.adopt()
             else:
                 self.aio, self.pool, self.space = _resources.open_io(cfg, rank, local_rank)
-            self._setup(module, cfg, builder)
+            self._setup(module, cfg, builder, optimizer)
+            self.lr_scheduler = self._make_scheduler(lr_scheduler)
         except BaseException as e:
             try:
                 _resources.close_io(self.space, self.pool, self.aio)
@@ -88,7 +89,7 @@ class Engine:
         self._closed = False
         _resources.close_at_exit(self)
 
-    def _setup(self, module: nn.Module, cfg: TierConfig, builder) -> None:
+    def _setup(self, module: nn.Module, cfg: TierConfig, builder, optimizer_spec) -> None:
         units, module_units = build_units(module, self.world_size, self.rank)
         if not units:
             raise ValueError("the module has no parameters: there is nothing to offload or train")
@@ -96,13 +97,18 @@ class Engine:
         tiers = cfg.tiers
         self.param_store = Store(tiers.params, "param", device=dev, space=space, stats=stats)
         grad_store = Store(tiers.grads, "grad", device=dev, space=space, stats=stats)
-        states = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in KINDS}
+        kind, param_groups, defaults = resolve(optimizer_spec, [p for u in units for p in u.params], cfg.optimizer)
+        kinds = ("master", *KINDS[kind])
+        states = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in kinds}
         self.units = units
         self.transport = Transport(dev, self.dtype, self.pool, self.dist)
         self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full)
-        self.optimizer = AdamW(units, make_groups(units, cfg.optimizer.sub_group_size), states,
-                               self.param_store, self.grads, cfg.optimizer, self.dtype, dev,
-                               dist=self.dist, params_sharded=self.params_sharded)  # fmt: skip
+        self.optimizer = Optimizer(
+            kind, param_groups, defaults, units=units, groups=make_groups(units, cfg.optimizer.sub_group_size, len(kinds)),
+            states=states, param_store=self.param_store, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
+            param_dtype=self.dtype, dist=self.dist, params_sharded=self.params_sharded,
+        )  # fmt: skip
+        self.optimizer._engine_step, self.optimizer._engine_zero_grad = self._step, self.zero_grad
         self._check_memory(cfg, units)  # before anything is written: that needs the pool too
         # fp32 master weights from the values as the user made them; low-precision params to
         # their tier. Parameters `build` stored are read back from it.
@@ -146,7 +152,7 @@ class Engine:
         kinds = {
             "params": (self.param_store, (full if self.optimizer.gather_params else shard) * self.dtype.itemsize),
             "grads": (self.grads.store, (full if self.grads_full else shard) * 4),
-            "optimizer": (self.optimizer.states["master"], 3 * 4 * shard),
+            "optimizer": (self.optimizer.states["master"], len(self.optimizer.kinds) * 4 * shard),
         }
         host = torch.device("cpu")
         resident = {k: n for k, (store, n) in kinds.items() if store.in_place_on(host)}
@@ -195,13 +201,17 @@ class Engine:
         self.scheduler.end_backward()
 
     def step(self) -> bool:
-        """The optimizer step, then gradients cleared. False when it was skipped (fp16 overflow,
-        or a non-finite gradient in any precision)."""
+        """The optimizer step, then gradients cleared, then the LR scheduler given to
+        `initialize` stepped. False when it was skipped (fp16 overflow, or a non-finite
+        gradient in any precision). The same as ``engine.optimizer.step()``."""
+        return self.optimizer.step()
+
+    def _step(self) -> bool:
         self._check_usable()
         self.scheduler.release_all()
         scale = self._scaler.scale if self._scaler is not None else 1.0
         try:
-            stepped = self.optimizer.step(scale)
+            stepped = self.optimizer.update(scale)
         except BaseException as e:
             self.dist.report_failure(e)
             raise
@@ -213,6 +223,8 @@ class Engine:
             if self._scaler is None:
                 logger.warning("non-finite gradient: step %d skipped", self._stats.steps + 1)
         self.grads.zero()  # resident parameters are views of the tier, updated in place: nothing to rebind
+        if stepped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         last = self._stats.end_step()
         self._last_step = last
         if self.log_every and self._stats.steps % self.log_every == 0:
@@ -233,11 +245,30 @@ class Engine:
     def eval(self) -> "Engine":
         return self.train(False)
 
+    def _make_scheduler(self, spec):
+        """The LR scheduler the engine steps after each step: ``spec(engine.optimizer)`` for a
+        callable (as DeepSpeed takes it), or a scheduler already built on ``engine.optimizer``."""
+        if spec is None:
+            return None
+        if isinstance(spec, torch.optim.lr_scheduler.LRScheduler):
+            if spec.optimizer is not self.optimizer:
+                raise ValueError("lr_scheduler was built on another optimizer: pass a callable that builds it "
+                                 "from engine.optimizer, e.g. lambda opt: LambdaLR(opt, f)")  # fmt: skip
+            return spec
+        if not callable(spec):
+            raise TypeError(f"lr_scheduler must be a callable taking the optimizer, got {type(spec).__name__}")
+        built = spec(self.optimizer)
+        if not hasattr(built, "step") or not hasattr(built, "state_dict"):
+            raise TypeError(f"lr_scheduler(optimizer) returned a {type(built).__name__}, not an LR scheduler")
+        return built
+
     @property
     def components(self) -> dict:
         """The stateful pieces a checkpoint saves and restores through their ``state_dict()`` /
-        ``load_state_dict()``: "optimizer", "loss_scaler" (None unless fp16) and "stats"."""
-        return {"optimizer": self.optimizer, "loss_scaler": self._scaler, "stats": self._stats}
+        ``load_state_dict()``: "optimizer", "lr_scheduler" (None unless given), "loss_scaler"
+        (None unless fp16) and "stats"."""
+        return {"optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler, "loss_scaler": self._scaler,
+                "stats": self._stats}  # fmt: skip
 
     # -- reporting --------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -389,8 +420,17 @@ def _one_line(step: dict) -> str:
             f"write {nvme.get('write_bytes', 0) / 1e6:.1f} MB, stall {step['stall_seconds']:.3f}s")  # fmt: skip
 
 
-def initialize(model: nn.Module, config=None, *, log_every: int | None = None) -> Engine:
+def initialize(model: nn.Module, config=None, *, optimizer=None, lr_scheduler=None,
+               log_every: int | None = None) -> Engine:  # fmt: skip
     """Move ``model``'s parameters into the tiers ``config`` names and return the engine that
-    trains it (AdamW from ``[optimizer]``). ``config``: a TierConfig, a dict, a path to a TOML
-    or JSON file, or None (everything on the device)."""
-    return Engine(model, config, log_every=log_every)
+    trains it. ``config``: a TierConfig, a dict, a path to a TOML or JSON file, or None
+    (everything on the device).
+
+    ``optimizer``: None (``[optimizer]`` of the config over every trainable parameter),
+    parameters or parameter groups (``[{"params": [...], "weight_decay": 0.0}, ...]``, the
+    config filling in the rest), a torch.optim AdamW, Adam, SGD or Adagrad (an instance, its
+    class, ``(class, kwargs)`` or a callable building one from the parameters). The engine runs
+    its update on the offloaded state; ``engine.optimizer`` is a torch.optim.Optimizer with the
+    same ``param_groups``. ``lr_scheduler``: a callable building a scheduler from
+    ``engine.optimizer``; the engine steps it after every step that was not skipped."""
+    return Engine(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler, log_every=log_every)

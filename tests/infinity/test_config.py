@@ -123,6 +123,12 @@ BAD = [
     ({"optimizer": {"sub_group_size": "1X"}}, "optimizer.sub_group_size"),
     ({"optimizer": {"sub_group_size": 11}}, "optimizer.sub_group_size: 11 bytes must be at least 12"),
     ({"optimizer": {"sub_group_size": 12.0}}, "optimizer.sub_group_size: expected a size"),
+    ({"optimizer": {"type": "lamb"}}, "optimizer.type: 'lamb' is not one of adamw, adam, sgd, adagrad"),
+    ({"optimizer": {"type": 1}}, "optimizer.type"),
+    ({"optimizer": {"momentum": -0.5}}, "optimizer.momentum"),
+    ({"optimizer": {"momentum": "0.9"}}, "optimizer.momentum"),
+    ({"optimizer": {"nesterov": "yes"}}, "optimizer.nesterov: expected true or false"),
+    ({"optimizer": {"nesterov": True}}, "optimizer.nesterov: needs optimizer.momentum > 0"),
     ({"partition": {"stage": 0}}, "partition.stage: 0 must be in [1, 3]"),
     ({"partition": {"stage": 4}}, "partition.stage"),
     ({"partition": {"stage": "3"}}, "partition.stage"),
@@ -157,6 +163,7 @@ def _all(value, right) -> bool:
 # the right type that is refused is out of range: a bad choice, a bound, an unparseable size).
 _RIGHT_TYPE = {
     "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
     "int": lambda v: _number(v, int),
     "float": lambda v: _number(v, (int, float)),
     "float | None": lambda v: v is None or _number(v, (int, float)),
@@ -195,7 +202,8 @@ def test_constructors_check_too():
 @pytest.mark.parametrize(
     "data, message",
     [({"optimizer": {"learning_rate": 1e-3}},
-      "unknown key 'optimizer.learning_rate' (known: lr, betas, eps, weight_decay, max_grad_norm, sub_group_size)"),
+      "unknown key 'optimizer.learning_rate' (known: type, lr, betas, eps, weight_decay, momentum, nesterov, "
+      "max_grad_norm, sub_group_size)"),
      ({"offload": {}}, "unknown section 'offload' (known: tiers, nvme, aio, memory, prefetch, precision"),
      ([1, 2], "a tier config is a table of sections, got list")],
 )  # fmt: skip

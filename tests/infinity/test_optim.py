@@ -1,0 +1,222 @@
+"""engine.optimizer is a torch.optim.Optimizer: parameter groups, four optimizers, LR schedulers.
+
+Each runs against the matching torch.optim class on the same model, data and schedule, with
+params, grads and optimizer state all on nvme. Tolerance 1e-5: the engine runs torch's fused
+CPU kernels, torch.optim its default (foreach) ones; the same arithmetic up to float rounding.
+"""
+
+import copy
+import functools
+import math
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import config  # noqa: E402
+
+NVME = ("nvme", "nvme", "nvme")
+STEPS = 10
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def _groups(model):
+    """As transformers' Trainer makes them: no weight decay on biases and norm weights."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and not n.startswith("3.")]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and not n.startswith("3."))]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _warmup_cosine(step, warmup=3, total=STEPS):
+    # transformers' get_cosine_schedule_with_warmup, written out so it runs without transformers
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.8, 0.99), "eps": 1e-7}),
+    "adam": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05}),
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.01,
+                                      "initial_accumulator_value": 0.1, "eps": 1e-10}),
+}  # fmt: skip
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _loss(model, step):
+    x, y = _batch(step)
+    return ((model(x) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_each_optimizer_with_groups_and_a_schedule_matches_torch(tmp_path, name):
+    cls, kwargs = OPTIMIZERS[name]
+    model = _model()
+    ref = copy.deepcopy(model)
+    ref_opt = cls(_groups(ref), **kwargs)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, _warmup_cosine)
+    engine = infinity.initialize(model, config(tmp_path, NVME), optimizer=cls(_groups(model), **kwargs),
+                                 lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine))  # fmt: skip
+    assert isinstance(engine.optimizer, torch.optim.Optimizer)
+    assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [kwargs["weight_decay"], 0.0]
+    for step in range(STEPS):
+        loss = _loss(engine, step)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = _loss(ref, step)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_sched.step()
+        assert abs(loss.item() - ref_loss.item()) < 1e-5, (step, loss.item(), ref_loss.item())
+        assert [g["lr"] for g in engine.optimizer.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    got = engine.gathered_weights()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), atol=1e-5, rtol=0)
+    engine.close()
+
+
+@pytest.mark.parametrize("form", ["groups", "class", "class-kwargs", "partial", "config-type"])
+def test_the_shapes_users_pass_an_optimizer_in(tmp_path, form):
+    model = _model()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    cfg = config(tmp_path, NVME, optimizer={"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0})
+    spec = {
+        "groups": [{"params": list(model.parameters())}],
+        "class": None,
+        "class-kwargs": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+        "partial": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+        "config-type": None,
+    }[form]
+    if form == "class":
+        spec = torch.optim.SGD
+        ref_opt = torch.optim.SGD(ref.parameters())  # torch's own defaults, as the engine takes them
+    with infinity.initialize(model, cfg, optimizer=spec) as engine:
+        assert engine.optimizer.kind == "sgd"
+        for step in range(3):
+            engine.backward(_loss(engine, step))
+            engine.step()
+            ref_opt.zero_grad()
+            _loss(ref, step).backward()
+            ref_opt.step()
+        got = engine.gathered_weights()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS),
+    lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS),
+    lambda opt: pytest.importorskip("transformers").get_cosine_schedule_with_warmup(opt, 3, STEPS),
+], ids=["OneCycleLR", "CosineAnnealingLR", "transformers-cosine"])  # fmt: skip
+def test_torch_and_transformers_schedulers_work_on_engine_optimizer_unmodified(tmp_path, make):
+    model = _model()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_sched = make(ref_opt)
+    engine = infinity.initialize(model, config(tmp_path, NVME, optimizer={"lr": 1e-2}))
+    sched = make(engine.optimizer)  # built by the user on engine.optimizer, stepped by the user
+    for step in range(STEPS):
+        engine.backward(_loss(engine, step))
+        engine.optimizer.step()
+        sched.step()
+        ref_opt.zero_grad()
+        _loss(ref, step).backward()
+        ref_opt.step()
+        ref_sched.step()
+        assert engine.optimizer.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    got = engine.gathered_weights()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), atol=1e-5, rtol=0)
+    engine.close()
+
+
+def test_a_resumed_run_continues_the_schedule_bit_exactly(tmp_path):
+    def run(engine, start, stop):
+        for step in range(start, stop):
+            engine.backward(_loss(engine, step))
+            engine.step()
+
+    def make(swap):
+        (tmp_path / swap).mkdir()
+        model = _model()
+        return infinity.initialize(model, config(tmp_path / swap, NVME), optimizer=_groups(model),
+                                   lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup_cosine))  # fmt: skip
+
+    straight = make("a")
+    run(straight, 0, STEPS)
+    first = make("b")
+    run(first, 0, 5)
+    first.save_checkpoint(tmp_path / "ck")
+    first.close()
+    resumed = make("c")
+    resumed.load_checkpoint(tmp_path / "ck")
+    assert resumed.lr_scheduler.last_epoch == 5
+    run(resumed, 5, STEPS)
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [g["lr"] for g in straight.optimizer.param_groups]
+    a, b = straight.gathered_weights(), resumed.gathered_weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    straight.close()
+    resumed.close()
+
+
+def test_a_changed_hyperparameter_takes_effect_at_the_next_step(tmp_path):
+    model = _model()
+    with infinity.initialize(model, config(tmp_path, NVME, optimizer={"weight_decay": 0.0})) as engine:
+        engine.backward(_loss(engine, 0))
+        engine.step()
+        before = engine.gathered_weights()
+        engine.optimizer.param_groups[0]["lr"] = 0.0
+        engine.backward(_loss(engine, 1))
+        engine.step()
+        after = engine.gathered_weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_frozen_parameters_are_left_alone_even_beside_trained_ones(tmp_path):
+    model = _model()
+    model[0].bias.requires_grad_(False)  # in the same unit as the trained model[0].weight
+    frozen = model[0].bias.detach().clone()
+    with infinity.initialize(model, config(tmp_path, NVME, optimizer={"weight_decay": 0.5})) as engine:
+        for step in range(3):
+            engine.backward(_loss(engine, step))
+            engine.step()
+        got = engine.gathered_weights()
+    assert torch.equal(got["0.bias"], frozen)
+    assert not torch.equal(got["0.weight"], _model()[0].weight.detach())
+
+
+@pytest.mark.parametrize("spec, message", [
+    (lambda m: torch.optim.RMSprop(m.parameters()), "RMSprop cannot run on offloaded state.*AdamW, Adam, SGD, Adagrad"),
+    (lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True), r"AdamW\(amsgrad=True\) is not supported"),
+    (lambda m: [{"params": list(m.parameters()), "momentum": 0.9}], "'momentum'.* not hyperparameters of 'adamw'"),
+    (lambda m: [nn.Parameter(torch.zeros(3))], "not a parameter of the model"),
+])  # fmt: skip
+def test_an_optimizer_the_engine_cannot_run_is_a_clear_error(tmp_path, spec, message):
+    model = _model()
+    with pytest.raises(ValueError, match=message):
+        infinity.initialize(model, config(tmp_path, NVME), optimizer=spec(model))
+    with infinity.initialize(_model(), config(tmp_path, NVME)):  # the directory was let go of
+        pass
+
+
+def test_add_param_group_after_initialize_is_refused(tmp_path):
+    with infinity.initialize(_model(), config(tmp_path, NVME)) as engine:
+        with pytest.raises(ValueError, match="fixed at initialize"):
+            engine.optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
