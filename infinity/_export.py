@@ -54,7 +54,7 @@ class _Layout:
         self.params: dict[int, list[int]] = {}  # id(param) -> file offsets of its keys (tied: several)
         self.buffers: list[tuple[int, torch.Tensor]] = []  # (file offset, tensor), persistent buffers
         end = 0
-        for key, value in engine.module.state_dict(keep_vars=True).items():
+        for key, value in engine.module.state_dict(keep_vars=True).items():  # the parameters themselves
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"state_dict key {key!r} is a {type(value).__name__}, not a tensor; "
                                 "safetensors holds tensors only")  # fmt: skip

@@ -282,6 +282,37 @@ class Optimizer(torch.optim.Optimizer):
                             value[s] = self.param_groups[gi]["initial_accumulator_value"]
                 self.states[kind].put(sg.name, value).result()
 
+    def load_master(self, values: dict) -> None:
+        """Write new weights (``(unit index, parameter index) -> tensor``, the whole parameter)
+        into the master weights and the params tier; the optimizer states stay as they are."""
+        for sg in self.groups:
+            units = [u for u in sg.units if any((u.index, i) in values for i in range(len(u.params)))]
+            if not units:
+                continue
+            lease = self.states["master"].get(sg.name).result()
+            try:
+                master = lease.tensor
+                for u in units:
+                    base, lo, hi = sg.slices[u.index].start, u.shard.start, u.shard.stop
+                    for i, (off, n) in enumerate(zip(u.offsets, u.numels)):
+                        value = values.get((u.index, i))
+                        a, b = max(off, lo), min(off + n, hi)
+                        if value is not None and a < b:
+                            master[base + a - lo : base + b - lo].copy_(value.detach().reshape(-1)[a - off : b - off])
+                self.states["master"].put(sg.name, master).result()
+                for u in units:
+                    s = sg.slices[u.index]
+                    if self.gather_params:
+                        self._gather_new_params(u, master[s])
+                    else:
+                        self._param_writes.add(self.param_store.put(u.name, master[s], copy=True))
+                self._param_writes.drain()
+            except BaseException:
+                self._param_writes.discard_errors()
+                raise
+            finally:
+                lease.release()
+
     # -- the update -------------------------------------------------------------------------
     def update(self, loss_scale: float = 1.0) -> bool:
         """One update of every parameter with a gradient; False when skipped (non-finite)."""

@@ -31,6 +31,7 @@ from ._grads import GradAccumulator
 from ._optim import KINDS, Optimizer, make_groups, resolve
 from ._scaler import LossScaler
 from ._schedule import Scheduler
+from ._statedict import StateDictHooks
 from ._stats import Stats
 from ._store import Store
 from ._transport import Transport
@@ -135,6 +136,7 @@ class Engine:
                 if buf is not None and buf.device != dev:
                     mod._buffers[key] = buf.to(dev)
         self.scheduler.install(module, before_forward=self._check_usable, after_backward=self._end_backward)
+        self._state_hooks = StateDictHooks(self, module)
 
     def _check_memory(self, cfg: TierConfig, units) -> None:
         """Refuse at initialize a host budget the pipelines cannot run in, or a placement the
@@ -295,6 +297,23 @@ class Engine:
                 out[store.tier] += store.held_bytes
         return out
 
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """``engine.module.load_state_dict``: the weights go into the tiers (see `_statedict`)."""
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def state_dict(self) -> dict:
+        """``engine.module.state_dict()``: every weight gathered into memory (one rank only);
+        for a large model, `export` streams them to a file instead."""
+        return self.module.state_dict()
+
+    def load_weights(self, values: dict) -> None:
+        """New weights (``(unit index, parameter index) -> tensor``) into the tiers."""
+        self._check_usable()
+        if self.grads.has_grad:
+            raise RuntimeError("load_state_dict between backward and step: call step() or zero_grad() first")
+        self.scheduler.release_all()
+        self.optimizer.load_master(values)
+
     def unit_weights(self):
         """Yield ``(unit, full)`` per parameter unit in order: ``full`` is the unit's fp32 master
         weights, whole (gathered from every rank's shard: every rank must iterate to the end),
@@ -373,6 +392,7 @@ class Engine:
         self.scheduler.release_all()
         self.grads.flush()
         self.scheduler.remove()
+        self._state_hooks.remove()
         _resources.close_io(self.space, self.pool, self.aio)
 
     def _refuse(self, why: str) -> None:

@@ -146,3 +146,59 @@ def test_a_forward_that_raises_ends_its_pass_and_the_next_one_runs(tmp_path):
         engine.zero_grad()
         engine.backward(engine(torch.randn(3, 4)).sum())
         engine.step()
+
+
+def _pair(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("tiers", [NVME, ("device", "device", "device"), ("cpu", "nvme", "cpu")])
+def test_load_state_dict_into_a_live_engine_writes_the_tiers(tmp_path, tiers):
+    model = _pair(0)
+    source = _pair(1).state_dict()
+    ref = _pair(0)
+    ref.load_state_dict(source)
+    with infinity.initialize(model, config(tmp_path, tiers, optimizer={"weight_decay": 0.0})) as engine:
+        result = engine.module.load_state_dict(source)
+        assert result.missing_keys == [] and result.unexpected_keys == []
+        got = engine.gathered_weights()
+        assert all(torch.equal(got[k], source[k]) for k in source)
+        opt = torch.optim.AdamW(ref.parameters(), lr=config(tmp_path, tiers)["optimizer"]["lr"], weight_decay=0.0)
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            ref_loss = ref(x).pow(2).mean()
+            opt.zero_grad()
+            ref_loss.backward()
+            opt.step()
+            assert abs(loss.item() - ref_loss.item()) < 1e-5
+
+
+def test_state_dict_gives_the_weights_not_placeholders_and_round_trips(tmp_path):
+    model = _pair(0)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with infinity.initialize(model, config(tmp_path, NVME, precision={"param_dtype": "bf16"})) as engine:
+        sd = engine.module.state_dict()
+        assert sd.keys() == expected.keys()
+        assert all(sd[k].dtype == torch.float32 and torch.equal(sd[k], expected[k]) for k in sd)
+        fresh = _pair(5)
+        fresh.load_state_dict(engine.state_dict())  # strict, into a plain module
+        assert all(torch.equal(fresh.state_dict()[k], expected[k]) for k in expected)
+
+
+def test_load_state_dict_reports_missing_unexpected_and_mis_shaped_keys_as_torch_does(tmp_path):
+    with infinity.initialize(_pair(0), config(tmp_path, NVME)) as engine:
+        sd = _pair(1).state_dict()
+        del sd["2.bias"]
+        sd["extra"] = torch.zeros(1)
+        with pytest.raises(RuntimeError, match=r"(?s)Missing key\(s\) in state_dict: \"2.bias\".*Unexpected key\(s\) in state_dict: \"extra\""):
+            engine.module.load_state_dict(sd)
+        result = engine.module.load_state_dict(sd, strict=False)
+        assert result.missing_keys == ["2.bias"] and result.unexpected_keys == ["extra"]
+        bad = _pair(1).state_dict()
+        bad["0.weight"] = torch.zeros(3, 3)
+        with pytest.raises(RuntimeError, match=r"size mismatch for 0.weight: copying a param with shape \(3, 3\)"):
+            engine.module.load_state_dict(bad)
