@@ -30,6 +30,7 @@ units are fetched on demand: a departure costs speed, never correctness.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -71,35 +72,11 @@ class _UnitView:
         self.unit, self.offset, self.size, self.stride = unit, offset, size, stride
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity whose backward tells the scheduler that ``module``'s backward is next."""
-
-    @staticmethod
-    def forward(ctx, scheduler, module, *tensors):
-        ctx.scheduler, ctx.module = scheduler, module
-        return tensors if len(tensors) > 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.scheduler.pre_backward(ctx.module)
-        return (None, None, *grads)
-
-
-class _RootBackward(torch.autograd.Function):
-    """Identity on the root module's outputs: its backward runs first in a backward pass (in the
-    outermost graph task, even with reentrant checkpointing inside), and queues the end of the
-    pass to run when autograd is done, so ``loss.backward()`` alone ends it as
-    ``engine.backward`` does."""
-
-    @staticmethod
-    def forward(ctx, scheduler, tensor):
-        ctx.scheduler = scheduler
-        return tensor
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.scheduler.backward_started()
-        return None, grad
+def _on_grad(t, hook):
+    """Call ``hook(grad)`` when backward computes the gradient of ``t`` (a tensor that needs one)."""
+    if isinstance(t, torch.Tensor) and t.requires_grad:
+        t.register_hook(hook)
+    return t
 
 
 def _map_tensors(obj, fn):
@@ -216,7 +193,10 @@ class Scheduler:
         self._began = False
         try:
             if torch.is_grad_enabled() and any(u.requires_grad for u in self.units) and output is not None:
-                output = _map_tensors(output, lambda t: _RootBackward.apply(self, t) if t.requires_grad else t)
+                # The root's outputs get their gradients first in a backward pass, in its outermost
+                # graph task (also with reentrant checkpointing inside): the end of the pass is
+                # queued from there, so ``loss.backward()`` alone ends it as ``engine.backward`` does.
+                _map_tensors(output, lambda t: _on_grad(t, self._root_grad_arrives))
         finally:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
@@ -224,6 +204,12 @@ class Scheduler:
             if not torch.is_grad_enabled():
                 self.release_all()
         return output
+
+    def _grad_arrives(self, module, grad) -> None:
+        self.pre_backward(module)
+
+    def _root_grad_arrives(self, grad) -> None:
+        self.backward_started()
 
     def backward_started(self) -> None:
         if not self._end_queued:
@@ -267,10 +253,10 @@ class Scheduler:
             for unit, uses in self._uses_per_call[module]:
                 unit.uses += uses
             if any(unit.requires_grad for unit in units):
-                output = _map_tensors(
-                    output,
-                    lambda t: _PreBackward.apply(self, module, t) if t.requires_grad else t,
-                )
+                # The gradient of an output arrives just before the module's own backward runs.
+                # A hook on the tensor (not an identity Function, whose output would be a view
+                # that the model may not change in place) says so.
+                _map_tensors(output, lambda t: _on_grad(t, functools.partial(self._grad_arrives, module)))
         for unit in units:
             self.release(unit, after_forward=True)
         return output

@@ -297,6 +297,14 @@ class Engine:
                 out[store.tier] += store.held_bytes
         return out
 
+    def grad_norm(self) -> float:
+        """The global L2 norm of the gradients accumulated since the last step (all ranks,
+        unscaled, before clipping), as ``torch.nn.utils.clip_grad_norm_`` returns it."""
+        self._check_open()
+        self.grads.flush()
+        scale = self._scaler.scale if self._scaler is not None else 1.0
+        return self.grads.global_norm() / scale
+
     def load_state_dict(self, state_dict, strict: bool = True):
         """``engine.module.load_state_dict``: the weights go into the tiers (see `_statedict`)."""
         return self.module.load_state_dict(state_dict, strict=strict)

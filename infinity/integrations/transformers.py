@@ -1,0 +1,104 @@
+"""transformers' Trainer with params, grads and optimizer state in infinity's tiers.
+
+    from infinity.integrations.transformers import InfinityTrainer
+
+    trainer = InfinityTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                              infinity_config="tiers.toml")
+    trainer.train()                                  # or train(resume_from_checkpoint=...)
+
+Everything the Trainer does stays the Trainer's: its data loading, logging, evaluation,
+gradient accumulation, LR schedule (``lr_scheduler_type``, ``warmup_steps``), weight-decay
+groups (no decay on biases and norms), ``save_steps`` and ``resume_from_checkpoint``. What
+changes, when training starts:
+
+- the optimizer the Trainer would make (``TrainingArguments.optim``: the adamw_torch family,
+  sgd or adagrad, with its ``learning_rate``, betas, eps and groups) is given to
+  `infinity.initialize`, and the Trainer uses ``engine.optimizer``;
+- gradient clipping (``max_grad_norm``) is the engine's, at its step, on the gradients in the
+  tiers; the logged ``grad_norm`` is their global norm before clipping;
+- a checkpoint's optimizer state is the engine's checkpoint in ``<checkpoint>/infinity``
+  (every tensor in the tiers, checksummed, resharded on load), beside the Trainer's own files.
+
+The model's weights are saved as the Trainer saves them (``save_pretrained``, through the
+module's ``state_dict``, which gathers them from the tiers into memory).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+import infinity
+
+ENGINE_DIR = "infinity"  # inside a Trainer checkpoint directory
+_SCHEDULER_NAME = "scheduler.pt"  # the Trainer's name for it
+
+
+class InfinityTrainer(transformers.Trainer):
+    """`transformers.Trainer` whose model is trained by an infinity engine
+    (``infinity_config``: what `infinity.initialize` takes). ``engine`` is None until
+    training starts."""
+
+    def __init__(self, *args, infinity_config=None, **kwargs):
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers and optimizers[0] is not None:
+            raise ValueError("InfinityTrainer makes its optimizer from TrainingArguments (optim, learning_rate, "
+                             "weight_decay, ...) and runs it in the engine: pass optimizers=(None, scheduler)")  # fmt: skip
+        self.infinity_config = infinity_config
+        self.engine = None
+        super().__init__(*args, **kwargs)
+
+    # -- the optimizer is the engine's ------------------------------------------------------
+    def create_optimizer(self, model=None):
+        if self.engine is None:
+            self.engine = infinity.initialize(self.model, self.infinity_config, optimizer=self._torch_optimizer())
+        self.optimizer = self.engine.optimizer
+        return self.optimizer
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer plain Trainer would make (its groups, class and hyperparameters)."""
+        decay = set(self.get_decay_parameter_names(self.model))
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        if cls not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad):
+            raise ValueError(f"TrainingArguments.optim={self.args.optim!r} ({getattr(cls, '__name__', cls)}) cannot "
+                             "run on offloaded state; use adamw_torch, adamw_torch_fused, sgd or adagrad")  # fmt: skip
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}  # the engine's kernels are fused
+        return cls(groups, **kwargs)
+
+    # -- clipping and the logged norm: the engine's -----------------------------------------
+    def _clip_grad_norm(self, model):
+        self.engine.optimizer.max_grad_norm = self.args.max_grad_norm
+        return torch.tensor(self.engine.grad_norm())
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:  # max_grad_norm = 0: no clipping
+            self.engine.optimizer.max_grad_norm = None
+            grad_norm = torch.tensor(self.engine.grad_norm())
+        return grad_norm
+
+    # -- checkpoints: the engine's state beside the Trainer's files -------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.engine is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_DIR), tag="state")  # every rank
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        saved = os.path.join(checkpoint, ENGINE_DIR)
+        if self.engine is None or not os.path.isdir(saved):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.engine.load_checkpoint(saved, tag="state")
+        scheduler = os.path.join(checkpoint, _SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

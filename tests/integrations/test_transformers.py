@@ -1,0 +1,103 @@
+"""InfinityTrainer against plain transformers.Trainer: same model, data, schedule, logged losses.
+
+Tolerance 1e-5 on every logged loss: both run AdamW in fp32 (the engine with torch's fused CPU
+kernel, the Trainer with its default), the same clipping formula and the same data order, so
+they differ by float rounding only.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+from infinity.integrations.transformers import ENGINE_DIR, InfinityTrainer  # noqa: E402
+
+STEPS = 20
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=48, length=16):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attention_dropout=0.0)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _args(out, **over):
+    kw = dict(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              learning_rate=3e-3, weight_decay=0.1, lr_scheduler_type="cosine", warmup_steps=4, max_grad_norm=1.0,
+              logging_steps=1, save_steps=10, save_strategy="steps", report_to=[], use_cpu=True, seed=0,
+              dataloader_num_workers=0, disable_tqdm=True)  # fmt: skip
+    kw.update(over)
+    return transformers.TrainingArguments(**kw)
+
+
+def _losses(trainer):
+    return {h["step"]: (h["loss"], h["grad_norm"], h["learning_rate"]) for h in trainer.state.log_history if "loss" in h}
+
+
+def _nvme(tmp_path):
+    (tmp_path / "swap").mkdir(exist_ok=True)
+    return {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
+            "nvme": {"paths": [str(tmp_path / "swap")], "grow_step": "4MiB"}, "memory": {"host_budget": "256MiB"}}
+
+
+def test_the_trainer_on_nvme_logs_the_losses_of_plain_trainer_and_resumes_identically(tmp_path):
+    plain = transformers.Trainer(model=_llama(), args=_args(tmp_path / "plain"), train_dataset=_Tokens())
+    plain.train()
+    want = _losses(plain)
+
+    ours = InfinityTrainer(model=_llama(), args=_args(tmp_path / "ours"), train_dataset=_Tokens(),
+                           infinity_config=_nvme(tmp_path))  # fmt: skip
+    ours.train()
+    got = _losses(ours)
+    assert got.keys() == want.keys() and len(got) == STEPS
+    for step in want:
+        (loss, norm, lr), (ref_loss, ref_norm, ref_lr) = got[step], want[step]
+        assert abs(loss - ref_loss) < 1e-5, (step, loss, ref_loss)
+        assert abs(norm - ref_norm) < 1e-4 * max(1.0, ref_norm), (step, norm, ref_norm)
+        assert lr == pytest.approx(ref_lr, rel=1e-12), step
+    checkpoint = tmp_path / "ours" / "checkpoint-10"
+    assert (checkpoint / ENGINE_DIR / "state" / "meta.json").is_file()
+    ours.engine.close()
+
+    resumed = InfinityTrainer(model=_llama(), args=_args(tmp_path / "resumed"), train_dataset=_Tokens(),
+                              infinity_config=_nvme(tmp_path))  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    after = {s: v for s, v in _losses(resumed).items() if s > 10}  # the history before is the checkpoint's
+    assert sorted(after) == list(range(11, STEPS + 1))
+    assert all(after[s] == got[s] for s in after), [(s, after[s], got[s]) for s in after if after[s] != got[s]]
+    resumed.engine.close()
+
+
+def test_a_trainer_given_its_own_optimizer_is_refused(tmp_path):
+    model = _llama()
+    with pytest.raises(ValueError, match="makes its optimizer from TrainingArguments"):
+        InfinityTrainer(model=model, args=_args(tmp_path), train_dataset=_Tokens(),
+                        optimizers=(torch.optim.AdamW(model.parameters()), None))  # fmt: skip
+
+
+def test_plain_trainer_on_an_engine_module_is_refused_not_trained_silently(tmp_path):
+    import infinity
+
+    model = _llama()
+    engine = infinity.initialize(model, _nvme(tmp_path))
+    trainer = transformers.Trainer(model=engine.module, args=_args(tmp_path / "out", max_steps=1), train_dataset=_Tokens())
+    with pytest.raises(RuntimeError, match="on parameters that an infinity engine manages"):
+        trainer.train()
+    engine.close()
