@@ -115,7 +115,10 @@ def _rank_bytes(engine) -> int:
     itemsize = engine.dtype.itemsize
     total = round_up(len(engine.units) * 4)
     for u in engine.units:
-        total += len(engine.optimizer.kinds) * round_up(u.shard_numel * 4) + round_up(u.shard_numel * itemsize)
+        total += round_up(u.shard_numel * itemsize)
+    for g in engine.optimizer.groups:
+        for u in g.units:
+            total += len(engine.optimizer.kinds) * round_up(u.shard_numel * 4)
     return total
 
 
@@ -131,13 +134,13 @@ def _write_state(engine, out: _Writer) -> None:
                     out.put(f"{u.name}/{kind}", lease.tensor[group.slices[u.index]])
             finally:
                 lease.release()
-        for u in group.units:
-            lease = engine.param_store.get(u.name).result()
-            try:
-                flat = lease.tensor.reshape(-1)  # stages 1, 2 keep the whole unit: save the slice
-                out.put(f"{u.name}/param", flat if flat.numel() == u.shard_numel else flat[u.shard])
-            finally:
-                lease.release()
+    for u in engine.units:  # frozen units too: they have parameters and no optimizer state
+        lease = engine.param_store.get(u.name).result()
+        try:
+            flat = lease.tensor.reshape(-1)  # stages 1, 2 keep the whole unit: save the slice
+            out.put(f"{u.name}/param", flat if flat.numel() == u.shard_numel else flat[u.shard])
+        finally:
+            lease.release()
     out.put("optimizer/steps", opt.state_dict()["unit_steps"])
 
 
@@ -433,16 +436,21 @@ def _load_rank(engine, where: str, meta: dict) -> None:
 
                 _load_into(opt.states[kind], group.name, writes, fill)
         same_dtype = meta["param_dtype"] == engine.config.precision.param_dtype
+        frozen = {u.index for u in opt.frozen}
+        saved_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[meta["param_dtype"]]
         for u in engine.units:
             lo, hi = (0, u.padded_numel) if opt.gather_params else (u.shard.start, u.shard.stop)
 
             def fill(flat, u=u, lo=lo, hi=hi):
                 if same_dtype:
                     _fill(src, flat, u, padded[u.name], "param", engine.dtype, lo, hi)
-                else:  # the precision changed: the parameters are the master weights, cast
-                    master = torch.empty(hi - lo, dtype=torch.float32)
-                    _fill(src, master, u, padded[u.name], "master", torch.float32, lo, hi)
-                    flat.copy_(master)
+                    return
+                # The precision changed: the parameters are the master weights, cast (a frozen
+                # unit has no master weights: its saved parameters, cast).
+                kind, dtype = ("param", saved_dtype) if u.index in frozen else ("master", torch.float32)
+                value = torch.empty(hi - lo, dtype=dtype)
+                _fill(src, value, u, padded[u.name], kind, dtype, lo, hi)
+                flat.copy_(value)
 
             _load_into(engine.param_store, u.name, writes, fill)
         # Step counts: this rank's own (the same on every rank; a new rank takes rank 0's).

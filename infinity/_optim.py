@@ -157,7 +157,9 @@ class Optimizer(torch.optim.Optimizer):
         super().__init__(param_groups, defaults)
         self.kind = kind
         self.units = units
-        self.groups = groups  # SubGroups
+        self.groups = groups  # SubGroups of the trainable units
+        grouped = {u.index for g in groups for u in g.units}
+        self.frozen = [u for u in units if u.index not in grouped]  # no optimizer state, never written
         self.states = states  # kind -> Store, all in the optimizer tier: "master" and KINDS[kind]
         self.param_store = param_store
         self.grads = grads
@@ -262,7 +264,12 @@ class Optimizer(torch.optim.Optimizer):
         """Master weights from the parameters' values as the user made them (``load(param)``
         for those `build` already stored), the optimizer's states as torch starts them; and
         each unit's low-precision parameters into the params tier. One sub-group is in memory
-        at a time."""
+        at a time. Frozen units (no parameter requires grad) have no optimizer state: only
+        their parameters are stored."""
+        for u in self.frozen:
+            whole = u.flat(torch.float32, load)
+            kept = whole[u.shard] if not self.gather_params else whole
+            self.param_store.put(u.name, kept.to(self.param_dtype)).result()
         for sg, per_group in zip(self.groups, self._slices):
             flats = []
             for u in sg.units:
@@ -285,6 +292,9 @@ class Optimizer(torch.optim.Optimizer):
     def load_master(self, values: dict) -> None:
         """Write new weights (``(unit index, parameter index) -> tensor``, the whole parameter)
         into the master weights and the params tier; the optimizer states stay as they are."""
+        for u in self.frozen:
+            if any((u.index, i) in values for i in range(len(u.params))):
+                self._load_frozen(u, values)
         for sg in self.groups:
             units = [u for u in sg.units if any((u.index, i) in values for i in range(len(u.params)))]
             if not units:
@@ -312,6 +322,20 @@ class Optimizer(torch.optim.Optimizer):
                 raise
             finally:
                 lease.release()
+
+    def _load_frozen(self, u: ParamUnit, values: dict) -> None:
+        lease = self.param_store.get(u.name).result()
+        try:
+            flat = lease.tensor.reshape(-1)
+            lo = 0 if flat.numel() == u.padded_numel else u.shard.start  # stages 1, 2 keep all of it
+            for i, (off, n) in enumerate(zip(u.offsets, u.numels)):
+                value = values.get((u.index, i))
+                a, b = max(off, lo), min(off + n, lo + flat.numel())
+                if value is not None and a < b:
+                    flat[a - lo : b - lo].copy_(value.detach().reshape(-1)[a - off : b - off])
+            self.param_store.put(u.name, lease.tensor).result()
+        finally:
+            lease.release()
 
     # -- the update -------------------------------------------------------------------------
     def update(self, loss_scale: float = 1.0) -> bool:
@@ -437,6 +461,8 @@ class Optimizer(torch.optim.Optimizer):
         """Pool bytes the update holds at most: the stream's sub-groups (``ahead`` read ahead,
         one in hand, one written behind), the gradients of one sub-group and the next one's,
         and three parameter write-behinds; each only where its store uses the pool."""
+        if not self.groups:
+            return 0
         largest = max(g.numel for g in self.groups)
         need = 0
         if self.states["master"].uses_pool:

@@ -104,8 +104,9 @@ class Engine:
         self.units = units
         self.transport = Transport(dev, self.dtype, self.pool, self.dist)
         self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full)
+        trainable = [u for u in units if any(u.requires_grad)]  # frozen units get no optimizer state
         self.optimizer = Optimizer(
-            kind, param_groups, defaults, units=units, groups=make_groups(units, cfg.optimizer.sub_group_size, len(kinds)),
+            kind, param_groups, defaults, units=units, groups=make_groups(trainable, cfg.optimizer.sub_group_size, len(kinds)),
             states=states, param_store=self.param_store, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
             param_dtype=self.dtype, dist=self.dist, params_sharded=self.params_sharded,
         )  # fmt: skip
@@ -151,10 +152,11 @@ class Engine:
         # machine without a GPU.
         shard = sum(u.shard_numel for u in units)
         full = sum(u.padded_numel for u in units)
+        trained = sum(u.shard_numel for g in self.optimizer.groups for u in g.units)
         kinds = {
             "params": (self.param_store, (full if self.optimizer.gather_params else shard) * self.dtype.itemsize),
             "grads": (self.grads.store, (full if self.grads_full else shard) * 4),
-            "optimizer": (self.optimizer.states["master"], len(self.optimizer.kinds) * 4 * shard),
+            "optimizer": (self.optimizer.states["master"], len(self.optimizer.kinds) * 4 * trained),
         }
         host = torch.device("cpu")
         resident = {k: n for k, (store, n) in kinds.items() if store.in_place_on(host)}
@@ -332,16 +334,30 @@ class Engine:
             master = lease.tensor.detach()
             try:
                 for unit in group.units:
-                    shard = master[group.slices[unit.index]]
-                    if self.dist.active:
-                        full = torch.empty(unit.padded_numel, dtype=torch.float32)
-                        self.dist.all_gather(full, shard.cpu(), f"weight gather of {unit.name}")
-                    else:  # one copy, whether master is on the device, in memory or a pool buffer
-                        full = shard.to("cpu", copy=True)
+                    full = self._whole(unit, master[group.slices[unit.index]])
                     yield unit, full
                     del full  # one unit's weights alive at a time
             finally:
                 lease.release()
+        for unit in opt.frozen:  # no master weights: the parameters are the weights
+            lease = self.param_store.get(unit.name).result()
+            try:
+                value = lease.tensor.reshape(-1)
+                if value.numel() == unit.padded_numel:  # stages 1, 2 keep all of it
+                    value = value[unit.shard]
+                full = self._whole(unit, value.to("cpu", torch.float32))
+            finally:
+                lease.release()
+            yield unit, full
+            del full
+
+    def _whole(self, unit, shard: torch.Tensor) -> torch.Tensor:
+        """``unit``'s weights from every rank's ``shard`` (fp32), 1-D on the CPU, a copy."""
+        if self.dist.active:
+            full = torch.empty(unit.padded_numel, dtype=torch.float32)
+            self.dist.all_gather(full, shard.to("cpu", torch.float32), f"weight gather of {unit.name}")
+            return full
+        return shard.to("cpu", torch.float32, copy=True)  # one copy, wherever the shard lives
 
     def gathered_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name, whole (gathered from every rank's shard;

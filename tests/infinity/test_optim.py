@@ -220,3 +220,36 @@ def test_add_param_group_after_initialize_is_refused(tmp_path):
     with infinity.initialize(_model(), config(tmp_path, NVME)) as engine:
         with pytest.raises(ValueError, match="fixed at initialize"):
             engine.optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+
+def test_a_frozen_unit_has_no_optimizer_state_and_survives_checkpoint_and_export(tmp_path):
+    def make(swap):
+        (tmp_path / swap).mkdir()
+        model = _model()
+        model[2].requires_grad_(False)  # a whole frozen module: a unit without optimizer state
+        return infinity.initialize(model, config(tmp_path / swap, NVME))
+
+    def run(engine, start, stop):
+        for step in range(start, stop):
+            engine.backward(_loss(engine, step))
+            engine.step()
+
+    straight = make("a")
+    assert [u.name for u in straight.optimizer.frozen] == ["2"]
+    assert "2/master" not in straight.space.names() and "0/param" in straight.space.names()
+    run(straight, 0, 6)
+    first = make("b")
+    run(first, 0, 3)
+    first.save_checkpoint(tmp_path / "ck")
+    first.close()
+    resumed = make("c")
+    resumed.load_checkpoint(tmp_path / "ck")
+    run(resumed, 3, 6)
+    a, b = straight.gathered_weights(), resumed.gathered_weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(a["2.weight"], _model()[2].weight.detach())  # frozen: as made
+    fresh = _model()
+    fresh.load_state_dict(resumed.state_dict())
+    assert all(torch.equal(fresh.state_dict()[k], a[k]) for k in a)
+    straight.close()
+    resumed.close()
