@@ -64,7 +64,7 @@ def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
         "param_dtype": engine.config.precision.param_dtype,
         "config": engine.config.to_dict(),
         "loss_scaler": None if scaler is None else scaler.state_dict(),
-        "optimizer": {k: v for k, v in parts["optimizer"].state_dict().items() if k != "unit_steps"},
+        "optimizer": {k: v for k, v in parts["optimizer"].state_dict().items() if k != "unit_steps"},  # JSON
         "lr_scheduler": None if parts["lr_scheduler"] is None else parts["lr_scheduler"].state_dict(),
         "units": _units_layout(engine),
         "rng": rng,
@@ -119,6 +119,8 @@ def _rank_bytes(engine) -> int:
     for g in engine.optimizer.groups:
         for u in g.units:
             total += len(engine.optimizer.kinds) * round_up(u.shard_numel * 4)
+    for _, tensor in engine.optimizer.foreign_tensors():
+        total += round_up(max(tensor.numel() * tensor.element_size(), 1))
     return total
 
 
@@ -142,6 +144,8 @@ def _write_state(engine, out: _Writer) -> None:
         finally:
             lease.release()
     out.put("optimizer/steps", opt.state_dict()["unit_steps"])
+    for name, tensor in opt.foreign_tensors():  # a torch optimizer run as it is: its own state
+        out.put(name, tensor.detach().reshape(-1))
 
 
 def _save_rank(engine, tmp: str) -> int:
@@ -460,6 +464,13 @@ def _load_rank(engine, where: str, meta: dict) -> None:
             opt.load_state_dict({"unit_steps": steps})
         except ValueError as e:
             raise CheckpointError(f"{src.reader(q).rank_dir}: optimizer/steps: {e}") from None
+        saved_state = (meta.get("optimizer") or {}).get("torch_state")
+        if opt.foreign is not None and saved_state:
+            reader = src.reader(q)
+            state = {idx: {key: (reader.read(v["tensor"], verify=True).view(v["shape"])
+                                 if isinstance(v, dict) and "tensor" in v else v) for key, v in st.items()}
+                     for idx, st in saved_state.items()}  # fmt: skip
+            opt.load_foreign_state(state)
         writes.drain()
     finally:
         writes.discard_errors()  # after an error: every buffer back, the first error propagating

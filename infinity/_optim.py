@@ -43,6 +43,7 @@ KINDS = {
     "adam": ("exp_avg", "exp_avg_sq"),
     "sgd": ("momentum_buffer",),
     "adagrad": ("sum",),
+    "torch": (),  # any other torch optimizer, every tier on the device: its state is its own
 }
 HYPERPARAMETERS = {
     "adamw": ("lr", "betas", "eps", "weight_decay"),
@@ -64,8 +65,9 @@ def config_defaults(cfg) -> dict:
     return {k: every[k] for k in HYPERPARAMETERS[cfg.type]}
 
 
-def resolve(spec, model_params: list, cfg) -> tuple[str, list[dict], dict]:
-    """(optimizer type, parameter groups, defaults) from what `initialize` was given.
+def resolve(spec, model_params: list, cfg, *, all_device: bool = False):
+    """(optimizer type, parameter groups, defaults, the torch optimizer to run as it is or
+    None) from what `initialize` was given.
 
     ``spec``: None (``[optimizer]`` over every trainable parameter), parameters or parameter
     groups (``[{"params": [...], "weight_decay": 0.0}, ...]``: ``[optimizer]`` fills in the
@@ -73,7 +75,7 @@ def resolve(spec, model_params: list, cfg) -> tuple[str, list[dict], dict]:
     builds one from the parameters (``functools.partial(torch.optim.SGD, lr=0.1)``)."""
     trainable = [p for p in model_params if p.requires_grad]
     if spec is None:
-        return cfg.type, [{"params": trainable}], config_defaults(cfg)
+        return cfg.type, [{"params": trainable}], config_defaults(cfg), None
     if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], type) and isinstance(spec[1], dict):
         spec = functools.partial(spec[0], **spec[1])
     if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer) or (
@@ -85,20 +87,26 @@ def resolve(spec, model_params: list, cfg) -> tuple[str, list[dict], dict]:
         spec = built
     if isinstance(spec, torch.optim.Optimizer):
         kind = TORCH_CLASSES.get(type(spec))
+        if kind is None or any(g.get(k, v) != v for g in spec.param_groups for k, v in _UNSUPPORTED.items()):
+            if all_device:  # nothing offloaded: the optimizer runs as it is, on fp32 master weights
+                groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                          for g in spec.param_groups]  # fmt: skip
+                return "torch", groups, dict(spec.defaults), spec
         if kind is None:
             raise ValueError(
                 f"optimizer {type(spec).__name__} cannot run on offloaded state: the engine runs "
                 f"{', '.join(c.__name__ for c in TORCH_CLASSES)} (torch.optim), or [optimizer] type = "
-                f"{' | '.join(repr(k) for k in KINDS)}"
+                f"{' | '.join(repr(k) for k in KINDS if k != 'torch')}; with every tier on the device, "
+                "any torch optimizer runs"
             )
         for group in spec.param_groups:
             for key, allowed in _UNSUPPORTED.items():
                 if group.get(key, allowed) != allowed:
                     raise ValueError(f"{type(spec).__name__}({key}={group[key]!r}) is not supported on offloaded "
-                                     f"state; use {key}={allowed!r}")  # fmt: skip
+                                     f"state; use {key}={allowed!r} (with every tier on the device, it runs)")  # fmt: skip
         keys = HYPERPARAMETERS[kind]
         groups = [{"params": list(g["params"]), **{k: g[k] for k in keys}} for g in spec.param_groups]
-        return kind, groups, {k: spec.defaults[k] for k in keys}
+        return kind, groups, {k: spec.defaults[k] for k in keys}, None
     groups = list(spec)
     if groups and not isinstance(groups[0], dict):
         groups = [{"params": groups}]
@@ -110,7 +118,7 @@ def resolve(spec, model_params: list, cfg) -> tuple[str, list[dict], dict]:
         if unknown:
             raise ValueError(f"optimizer parameter group {i}: {sorted(unknown)} are not hyperparameters of "
                              f"{cfg.type!r} ({', '.join(defaults)})")  # fmt: skip
-    return cfg.type, [dict(g, params=list(g["params"])) for g in groups], defaults
+    return cfg.type, [dict(g, params=list(g["params"])) for g in groups], defaults, None
 
 
 class SubGroup:
@@ -152,8 +160,11 @@ class Optimizer(torch.optim.Optimizer):
 
     def __init__(self, kind: str, param_groups: list[dict], defaults: dict, *, units, groups,
                  states: dict[str, Store], param_store: Store, grads: GradAccumulator, max_grad_norm,
-                 param_dtype: torch.dtype, dist=None, params_sharded: bool = True):  # fmt: skip
+                 param_dtype: torch.dtype, dist=None, params_sharded: bool = True, foreign=None):  # fmt: skip
         self._ready = False
+        if foreign is not None and dist is not None and dist.active:
+            raise ValueError(f"optimizer {type(foreign).__name__}: the engine runs a torch optimizer it does not "
+                             "implement itself only with one rank (every tier on the device)")  # fmt: skip
         super().__init__(param_groups, defaults)
         self.kind = kind
         self.units = units
@@ -175,8 +186,11 @@ class Optimizer(torch.optim.Optimizer):
         self._engine_step = None  # set by the engine: what step() runs
         self._engine_zero_grad = None
         # Per sub-group, per parameter group: (unit, slice of the sub-group's state, slice of
-        # the unit's gradient shard) of every parameter in that group, cut to this rank's shard.
+        # the unit's gradient shard, index of the parameter in the unit) of every parameter in
+        # that group, cut to this rank's shard.
         self._slices = self._map_slices()
+        self.foreign = foreign  # kind "torch": the user's optimizer, stepped on views of the masters
+        self._shadows: dict[tuple[int, int], torch.nn.Parameter] = {}
         self._ready = True
 
     def _map_slices(self) -> list[dict[int, list]]:
@@ -203,7 +217,7 @@ class Optimizer(torch.optim.Optimizer):
                     a, b = max(off, lo), min(off + n, hi)
                     if gi is None or a >= b:
                         continue
-                    per_group.setdefault(gi, []).append((u, slice(base + a - lo, base + b - lo), slice(a - lo, b - lo)))
+                    per_group.setdefault(gi, []).append((u, slice(base + a - lo, base + b - lo), slice(a - lo, b - lo), i))
             out.append(per_group)
         return out
 
@@ -228,11 +242,33 @@ class Optimizer(torch.optim.Optimizer):
         """The groups' hyperparameters (JSON-able, parameters as indices as torch does) and each
         unit's step count. The master weights and states live in ``states`` and are streamed by
         checkpoints, not here."""
-        return {
+        out = {
             "type": self.kind,
             "param_groups": [_json_group(g) for g in self.param_groups],
             "unit_steps": torch.stack([self.steps[u.index].detach().to("cpu", torch.float32) for u in self.units]),
         }
+        if self.foreign is not None:  # its per-parameter state: tensors by name (see foreign_tensors), the rest as is
+            out["torch_state"] = {
+                str(idx): {key: ({"tensor": f"torch_optimizer/{idx}/{key}", "shape": list(v.shape),
+                                  "dtype": str(v.dtype).removeprefix("torch.")}
+                                 if isinstance(v, torch.Tensor) else v) for key, v in st.items()}
+                for idx, st in self.foreign.state_dict()["state"].items()
+            }  # fmt: skip
+        return out
+
+    def foreign_tensors(self):
+        """(name, tensor) of every tensor in the state of a torch optimizer run as it is."""
+        if self.foreign is None:
+            return
+        for idx, st in self.foreign.state_dict()["state"].items():
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    yield f"torch_optimizer/{idx}/{key}", v
+
+    def load_foreign_state(self, state: dict) -> None:
+        """The per-parameter state of a torch optimizer run as it is (index -> key -> value)."""
+        groups = self.foreign.state_dict()["param_groups"]
+        self.foreign.load_state_dict({"state": {int(k): v for k, v in state.items()}, "param_groups": groups})
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` gave (any part of it may be missing)."""
@@ -285,9 +321,30 @@ class Optimizer(torch.optim.Optimizer):
                 value = torch.zeros_like(master)
                 if kind == "sum":  # Adagrad starts each parameter's sum at its group's value
                     for gi, entries in per_group.items():
-                        for _, s, _ in entries:
+                        for _, s, _, _ in entries:
                             value[s] = self.param_groups[gi]["initial_accumulator_value"]
                 self.states[kind].put(sg.name, value).result()
+        if self.foreign is not None:
+            self._bind_foreign()
+
+    def _bind_foreign(self) -> None:
+        """Point the user's optimizer at fp32 Parameters that are views of the master weights
+        (on the device, resident: they stay put), one per parameter of its groups."""
+        by_param = {}
+        for sg, per_group in zip(self.groups, self._slices):
+            master = self.states["master"].get(sg.name).result().tensor
+            for entries in per_group.values():
+                for u, s, _, i in entries:
+                    shadow = torch.nn.Parameter(master[s].view(u.shapes[i]))
+                    self._shadows[(u.index, i)] = shadow
+                    by_param[id(u.params[i])] = shadow
+        old_state = dict(self.foreign.state)
+        for group in self.foreign.param_groups:
+            group["params"] = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
+        self.foreign.state.clear()
+        for p, st in old_state.items():  # state it had already (a loaded one, say) follows its parameter
+            if id(p) in by_param:
+                self.foreign.state[by_param[id(p)]] = st
 
     def load_master(self, values: dict) -> None:
         """Write new weights (``(unit index, parameter index) -> tensor``, the whole parameter)
@@ -395,6 +452,9 @@ class Optimizer(torch.optim.Optimizer):
                     value = value[u.shard]
                 grads[u.index] = value if value.device == master.device else value.to(master.device)
             stepped = {u.index for u in have}
+            if self.foreign is not None:
+                self._step_foreign(index, grads, grad_scale)
+                return self._write_params(group, have, master)
             first = {i for i in stepped if self.steps[i].item() == 0} if self.kind == "sgd" else set()
             torch._foreach_add_([self.steps[i] for i in stepped], 1.0)
             for gi, entries in self._slices[index].items():
@@ -404,6 +464,9 @@ class Optimizer(torch.optim.Optimizer):
         finally:
             for lease in leases:
                 lease.release()
+        return self._write_params(group, have, master)
+
+    def _write_params(self, group: SubGroup, have: list, master: torch.Tensor) -> bool:
         for u in have:
             s = group.slices[u.index]
             if self.gather_params:
@@ -414,22 +477,41 @@ class Optimizer(torch.optim.Optimizer):
                 self._param_writes.add(self.param_store.put(u.name, master[s], copy=True))
         return True
 
+    def _step_foreign(self, index: int, grads: dict, grad_scale) -> None:
+        """The user's torch optimizer on sub-group ``index``: gradients as ``.grad`` of the
+        master views (unscaled and clipped first), hyperparameters as ours are now."""
+        used = []
+        for entries in self._slices[index].values():
+            for u, _, gs, i in entries:
+                if u.index in grads:
+                    shadow = self._shadows[(u.index, i)]
+                    g = grads[u.index][gs].view(u.shapes[i])
+                    shadow.grad = g if grad_scale is None else g / grad_scale
+                    used.append(shadow)
+        for mine, theirs in zip(self.param_groups, self.foreign.param_groups):
+            theirs.update({k: v for k, v in mine.items() if k != "params"})
+        try:
+            self.foreign.step()
+        finally:
+            for shadow in used:
+                shadow.grad = None
+
     def _run_kernel(self, hp: dict, entries, master, states, grads, grad_scale, first: set) -> None:
         """torch's fused kernel of this optimizer over ``entries`` with one group's hyperparameters."""
-        params = [master[s] for _, s, _ in entries]
-        g = [grads[u.index][gs] for u, _, gs in entries]
-        steps = [self.steps[u.index] for u, _, _ in entries]
+        params = [master[s] for _, s, _, _ in entries]
+        g = [grads[u.index][gs] for u, _, gs, _ in entries]
+        steps = [self.steps[u.index] for u, _, _, _ in entries]
         lr = float(hp["lr"])
         if self.kind in ("adamw", "adam"):
             fused = torch._fused_adamw_ if self.kind == "adamw" else torch._fused_adam_
             beta1, beta2 = hp["betas"]
-            fused(params, g, [states[0][s] for _, s, _ in entries], [states[1][s] for _, s, _ in entries], [], steps,
+            fused(params, g, [states[0][s] for _, s, _, _ in entries], [states[1][s] for _, s, _, _ in entries], [], steps,
                   lr=lr, beta1=float(beta1), beta2=float(beta2), weight_decay=float(hp["weight_decay"]),
                   eps=float(hp["eps"]), amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None)  # fmt: skip
         elif self.kind == "sgd":
             momentum = float(hp["momentum"])
             for is_first in (True, False):  # the kernel starts a momentum buffer at a unit's first step
-                part = [i for i, (u, _, _) in enumerate(entries) if (u.index in first) == is_first]
+                part = [i for i, (u, _, _, _) in enumerate(entries) if (u.index in first) == is_first]
                 if not part:
                     continue
                 bufs = [] if momentum == 0 else [states[0][entries[i][1]] for i in part]
@@ -438,7 +520,7 @@ class Optimizer(torch.optim.Optimizer):
                                   dampening=float(hp["dampening"]), nesterov=bool(hp["nesterov"]), maximize=False,
                                   is_first_step=is_first and momentum != 0, grad_scale=grad_scale, found_inf=None)  # fmt: skip
         else:  # adagrad
-            torch._fused_adagrad_(params, g, [states[0][s] for _, s, _ in entries], steps, lr=lr,
+            torch._fused_adagrad_(params, g, [states[0][s] for _, s, _, _ in entries], steps, lr=lr,
                                   lr_decay=float(hp["lr_decay"]), weight_decay=float(hp["weight_decay"]),
                                   eps=float(hp["eps"]), maximize=False, grad_scale=grad_scale, found_inf=None)  # fmt: skip
 

@@ -98,7 +98,9 @@ class Engine:
         tiers = cfg.tiers
         self.param_store = Store(tiers.params, "param", device=dev, space=space, stats=stats)
         grad_store = Store(tiers.grads, "grad", device=dev, space=space, stats=stats)
-        kind, param_groups, defaults = resolve(optimizer_spec, [p for u in units for p in u.params], cfg.optimizer)
+        all_device = tiers.params == tiers.grads == tiers.optimizer == "device"
+        kind, param_groups, defaults, foreign = resolve(optimizer_spec, [p for u in units for p in u.params],
+                                                        cfg.optimizer, all_device=all_device)  # fmt: skip
         kinds = ("master", *KINDS[kind])
         states = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in kinds}
         self.units = units
@@ -108,7 +110,7 @@ class Engine:
         self.optimizer = Optimizer(
             kind, param_groups, defaults, units=units, groups=make_groups(trainable, cfg.optimizer.sub_group_size, len(kinds)),
             states=states, param_store=self.param_store, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
-            param_dtype=self.dtype, dist=self.dist, params_sharded=self.params_sharded,
+            param_dtype=self.dtype, dist=self.dist, params_sharded=self.params_sharded, foreign=foreign,
         )  # fmt: skip
         self.optimizer._engine_step, self.optimizer._engine_zero_grad = self._step, self.zero_grad
         self._check_memory(cfg, units)  # before anything is written: that needs the pool too

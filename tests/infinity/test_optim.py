@@ -253,3 +253,44 @@ def test_a_frozen_unit_has_no_optimizer_state_and_survives_checkpoint_and_export
     assert all(torch.equal(fresh.state_dict()[k], a[k]) for k in a)
     straight.close()
     resumed.close()
+
+
+DEVICE = ("device", "device", "device")
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+    lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+], ids=["RMSprop", "NAdam", "AdamW-amsgrad"])  # fmt: skip
+def test_with_every_tier_on_the_device_any_torch_optimizer_runs_and_resumes(tmp_path, make):
+    model = _model()
+    ref = copy.deepcopy(model)
+    ref_opt = make(_groups(ref))
+    engine = infinity.initialize(model, config(tmp_path, DEVICE), optimizer=make(_groups(model)),
+                                 lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup_cosine))  # fmt: skip
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, _warmup_cosine)
+    assert engine.optimizer.kind == "torch"
+    for step in range(4):
+        engine.backward(_loss(engine, step))
+        engine.step()
+        ref_opt.zero_grad()
+        _loss(ref, step).backward()
+        ref_opt.step()
+        ref_sched.step()
+    got = engine.gathered_weights()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), atol=1e-6, rtol=0)  # the same optimizer: rounding only
+    engine.save_checkpoint(tmp_path / "ck")
+    other = _model()
+    again = infinity.initialize(other, config(tmp_path, DEVICE), optimizer=make(_groups(other)),
+                                lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup_cosine))  # fmt: skip
+    again.load_checkpoint(tmp_path / "ck")
+    for e in (engine, again):
+        for step in range(4, 7):
+            e.backward(_loss(e, step))
+            e.step()
+    a, b = engine.gathered_weights(), again.gathered_weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    engine.close()
+    again.close()
