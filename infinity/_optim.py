@@ -174,7 +174,8 @@ class Optimizer(torch.optim.Optimizer):
         self.states = states  # kind -> Store, all in the optimizer tier: "master" and KINDS[kind]
         self.param_store = param_store
         self.grads = grads
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm = max_grad_norm  # clip every step to this (the config's)
+        self.clip_next: float | None = None  # clip the next step to this (Engine.clip_grad_norm_)
         self.param_dtype = param_dtype
         self.device = states["master"].device
         self.dist = dist
@@ -401,9 +402,10 @@ class Optimizer(torch.optim.Optimizer):
         if not self.grads.all_finite():
             return False
         divide = loss_scale  # gradients are stored multiplied by the loss scale
-        if self.max_grad_norm is not None:
+        clip, self.clip_next = (self.clip_next if self.clip_next is not None else self.max_grad_norm), None
+        if clip is not None:
             norm = self.grads.global_norm() / loss_scale
-            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+            coef = min(1.0, clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
             divide = loss_scale / coef
         grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=self.device)
         grads_now = grads_next = None

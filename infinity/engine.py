@@ -309,6 +309,16 @@ class Engine:
         scale = self._scaler.scale if self._scaler is not None else 1.0
         return self.grads.global_norm() / scale
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """What ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` does in a plain
+        loop (whose parameters here have no ``.grad``: their gradients are in the tiers): the
+        next step clips the gradients to the global norm ``max_norm``; returns the norm before
+        clipping. For accelerate loops: call it where ``accelerator.clip_grad_norm_`` was."""
+        if not max_norm > 0:
+            raise ValueError(f"{max_norm=} must be > 0")
+        self.optimizer.clip_next = float(max_norm)
+        return torch.tensor(self.grad_norm())
+
     def load_state_dict(self, state_dict, strict: bool = True):
         """``engine.module.load_state_dict``: the weights go into the tiers (see `_statedict`)."""
         return self.module.load_state_dict(state_dict, strict=strict)

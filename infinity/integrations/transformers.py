@@ -75,12 +75,10 @@ class InfinityTrainer(transformers.Trainer):
 
     # -- clipping and the logged norm: the engine's -----------------------------------------
     def _clip_grad_norm(self, model):
-        self.engine.optimizer.max_grad_norm = self.args.max_grad_norm
-        return torch.tensor(self.engine.grad_norm())
+        return self.engine.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None:  # max_grad_norm = 0: no clipping
-            self.engine.optimizer.max_grad_norm = None
             grad_norm = torch.tensor(self.engine.grad_norm())
         return grad_norm
 
