@@ -368,12 +368,7 @@ class Optimizer(torch.optim.Optimizer):
                         if value is not None and a < b:
                             master[base + a - lo : base + b - lo].copy_(value.detach().reshape(-1)[a - off : b - off])
                 self.states["master"].put(sg.name, master).result()
-                for u in units:
-                    s = sg.slices[u.index]
-                    if self.gather_params:
-                        self._gather_new_params(u, master[s])
-                    else:
-                        self._param_writes.add(self.param_store.put(u.name, master[s], copy=True))
+                self._write_params(sg, units, master)
                 self._param_writes.drain()
             except BaseException:
                 self._param_writes.discard_errors()
@@ -469,6 +464,7 @@ class Optimizer(torch.optim.Optimizer):
         return self._write_params(group, have, master)
 
     def _write_params(self, group: SubGroup, have: list, master: torch.Tensor) -> bool:
+        """The new low-precision parameters of ``have`` (units of ``group``) from ``master``."""
         for u in have:
             s = group.slices[u.index]
             if self.gather_params:
