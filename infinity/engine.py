@@ -79,8 +79,7 @@ class Engine:
                 self.aio, self.pool, self.space = builder.adopt()
             else:
                 self.aio, self.pool, self.space = _resources.open_io(cfg, rank, local_rank)
-            self._setup(module, cfg, builder, optimizer)
-            self.lr_scheduler = self._make_scheduler(lr_scheduler)
+            self._setup(module, cfg, builder, optimizer, lr_scheduler)
         except BaseException as e:
             try:
                 _resources.close_io(self.space, self.pool, self.aio)
@@ -90,7 +89,7 @@ class Engine:
         self._closed = False
         _resources.close_at_exit(self)
 
-    def _setup(self, module: nn.Module, cfg: TierConfig, builder, optimizer_spec) -> None:
+    def _setup(self, module: nn.Module, cfg: TierConfig, builder, optimizer_spec, scheduler_spec) -> None:
         units, module_units = build_units(module, self.world_size, self.rank)
         if not units:
             raise ValueError("the module has no parameters: there is nothing to offload or train")
@@ -113,6 +112,8 @@ class Engine:
             param_dtype=self.dtype, dist=self.dist, params_sharded=self.params_sharded, foreign=foreign,
         )  # fmt: skip
         self.optimizer._engine_step, self.optimizer._engine_zero_grad = self._step, self.zero_grad
+        # Everything that can refuse the user's arguments, before the module's weights move.
+        self.lr_scheduler = self._make_scheduler(scheduler_spec)
         self._check_memory(cfg, units)  # before anything is written: that needs the pool too
         # fp32 master weights from the values as the user made them; low-precision params to
         # their tier. Parameters `build` stored are read back from it.

@@ -294,3 +294,11 @@ def test_with_every_tier_on_the_device_any_torch_optimizer_runs_and_resumes(tmp_
     assert all(torch.equal(a[k], b[k]) for k in a)
     engine.close()
     again.close()
+
+
+def test_a_refused_lr_scheduler_leaves_the_model_as_it_was(tmp_path):
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match="lr_scheduler"):
+        infinity.initialize(model, config(tmp_path, NVME), lr_scheduler="cosine")
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)  # nothing moved to the tiers
