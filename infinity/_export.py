@@ -42,41 +42,56 @@ DTYPES = {
 }  # fmt: skip
 
 
-class _Layout:
-    """Where every state-dict key goes in the file, computed before anything is read."""
+class _Entry:
+    """One state_dict key: its tensor (a managed parameter or a buffer), dtype and shape in the file."""
 
-    def __init__(self, engine):
-        # id(param) -> its dtype in the file: the original one, what a fresh instance of the
-        # model has (`unit.dtypes`; the placeholders take param_dtype once bound).
-        self.dtypes = {id(p): dt for unit in engine.units for p, dt in zip(unit.params, unit.dtypes)}
-        shapes = {id(p): s for u in engine.units for p, s in zip(u.params, u.shapes)}
+    __slots__ = ("key", "value", "is_param", "dtype", "shape", "nbytes")
+
+    def __init__(self, key, value, is_param, dtype, shape):
+        self.key, self.value, self.is_param, self.dtype, self.shape = key, value, is_param, dtype, tuple(shape)
+        self.nbytes = torch.Size(self.shape).numel() * dtype.itemsize
+
+
+def _entries(engine) -> list[_Entry]:
+    """Every state_dict key of the module, in order, its shape and dtype known before any
+    weight is read (a parameter's dtype is the one the model was made in: `unit.dtypes`)."""
+    dtypes = {id(p): dt for unit in engine.units for p, dt in zip(unit.params, unit.dtypes)}
+    shapes = {id(p): s for u in engine.units for p, s in zip(u.params, u.shapes)}
+    out = []
+    for key, value in engine.module.state_dict(keep_vars=True).items():  # the parameters themselves
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state_dict key {key!r} is a {type(value).__name__}, not a tensor; "
+                            "safetensors holds tensors only")  # fmt: skip
+        is_param = id(value) in shapes
+        dtype = dtypes[id(value)] if is_param else value.dtype
+        if dtype not in DTYPES:
+            raise TypeError(f"state_dict key {key!r} has dtype {dtype}, which safetensors cannot hold "
+                            f"(supported: {', '.join(str(d) for d in DTYPES)})")  # fmt: skip
+        out.append(_Entry(key, value, is_param, dtype, shapes[id(value)] if is_param else value.shape))
+    return out
+
+
+class _Layout:
+    """Where each of ``entries`` goes in one file, computed before anything is read."""
+
+    def __init__(self, entries: list[_Entry]):
         header = {"__metadata__": {"format": "pt", "producer": "infinity"}}
-        self.params: dict[int, list[int]] = {}  # id(param) -> file offsets of its keys (tied: several)
+        self.params: dict[int, list[tuple[int, torch.dtype]]] = {}  # id(param) -> (offset, dtype) of its keys
         self.buffers: list[tuple[int, torch.Tensor]] = []  # (file offset, tensor), persistent buffers
         end = 0
-        for key, value in engine.module.state_dict(keep_vars=True).items():  # the parameters themselves
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"state_dict key {key!r} is a {type(value).__name__}, not a tensor; "
-                                "safetensors holds tensors only")  # fmt: skip
-            is_param = id(value) in shapes
-            dtype = self.dtypes[id(value)] if is_param else value.dtype
-            shape = shapes[id(value)] if is_param else tuple(value.shape)
-            if dtype not in DTYPES:
-                raise TypeError(f"state_dict key {key!r} has dtype {dtype}, which safetensors cannot hold "
-                                f"(supported: {', '.join(str(d) for d in DTYPES)})")  # fmt: skip
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
-            header[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [end, end + nbytes]}
-            if is_param:
-                self.params.setdefault(id(value), []).append(end)
+        for e in entries:
+            header[e.key] = {"dtype": DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [end, end + e.nbytes]}
+            if e.is_param:
+                self.params.setdefault(id(e.value), []).append((end, e.dtype))
             else:
-                self.buffers.append((end, value))
-            end += nbytes
+                self.buffers.append((end, e.value))
+            end += e.nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # the data starts 8-aligned
         self.header = struct.pack("<Q", len(text)) + text
         self.size = len(self.header) + end
         # Offsets above are relative to the data; make them absolute in the file.
-        self.params = {k: [len(self.header) + o for o in v] for k, v in self.params.items()}
+        self.params = {k: [(len(self.header) + o, dt) for o, dt in v] for k, v in self.params.items()}
         self.buffers = [(len(self.header) + o, t) for o, t in self.buffers]
 
 
@@ -88,51 +103,63 @@ def export_safetensors(engine, path) -> str:
     whole or not at all: an existing file at ``path`` is replaced atomically, or left as it was
     when the export fails. Its mode honours the umask."""
     path = os.path.abspath(os.fspath(path))
-    layout = _Layout(engine)  # on every rank: a TypeError here raises before any gather
+    layout = _Layout(_entries(engine))  # on every rank: a TypeError here raises before any gather
+    write_files(engine, [(path, layout)], f"the export to {path}", done=f"exported {path}")
+    return path
+
+
+def write_files(engine, files: list[tuple[str, _Layout]], what: str, *, done: str, before_commit=None) -> None:
+    """Write each ``(path, layout)`` as a safetensors file, streaming the weights one unit at a
+    time (every rank iterates; rank 0 writes), and commit them all, or none; ``before_commit``
+    runs on rank 0 just before the commit (to write what must appear with them). ``what``
+    names the work in errors, ``done`` in the log line."""
     start = time.monotonic()
-    out, error = None, None
+    outs, error = [], None
     try:
         if engine.rank == 0:
             try:
-                out = _AtomicFile(path, layout.size)
-                out.write(layout.header, 0)
-                for offset, buf in layout.buffers:
-                    out.write(buf.detach().to("cpu").contiguous(), offset)
+                for path, layout in files:
+                    out = _AtomicFile(path, layout.size)
+                    outs.append(out)
+                    out.write(layout.header, 0)
+                    for offset, buf in layout.buffers:
+                        out.write(buf.detach().to("cpu").contiguous(), offset)
             except Exception as e:  # noqa: BLE001 - raised below, once the ranks agree
                 error = e
         if error is None or engine.dist.active:
             with contextlib.closing(engine.unit_weights()) as weights:
                 for unit, full in weights:
-                    if out is not None and error is None:
+                    if outs and error is None:
                         try:
-                            _write_unit(out, layout, unit, full)
+                            for out, (_, layout) in zip(outs, files):
+                                _write_unit(out, layout, unit, full)
                         except Exception as e:  # noqa: BLE001 - as above
                             error = e
                     if error is not None and not engine.dist.active:
                         break  # no other rank waits on the gathers
                     del full  # one unit at a time
-        if out is not None and error is None:
+        if outs and error is None:
             try:
-                out.commit()
+                if before_commit is not None:
+                    before_commit()
+                for out in outs:
+                    out.commit()
             except OSError as e:
                 error = e
-        engine.dist.agree_on_outcome(error, f"the export to {path}")
+        engine.dist.agree_on_outcome(error, what)
     finally:
-        if out is not None:
+        for out in outs:
             out.discard()
     if engine.rank == 0:
         seconds = time.monotonic() - start
-        logger.info("exported %s: %.1f MB in %.2fs (%.0f MB/s)", path, layout.size / 1e6, seconds,
-                    layout.size / 1e6 / max(seconds, 1e-9))  # fmt: skip
-    return path
+        size = sum(layout.size for _, layout in files)
+        logger.info("%s: %.1f MB in %.2fs (%.0f MB/s)", done, size / 1e6, seconds, size / 1e6 / max(seconds, 1e-9))
 
 
 def _write_unit(out: "_AtomicFile", layout: _Layout, unit, full: torch.Tensor) -> None:
     for p, off, n in zip(unit.params, unit.offsets, unit.numels):
-        if id(p) in layout.params:  # a parameter missing from state_dict is not exported
-            value = full[off : off + n].to(layout.dtypes[id(p)])  # 1-D, original dtype, cpu
-            for offset in layout.params[id(p)]:
-                out.write(value, offset)
+        for offset, dtype in layout.params.get(id(p), ()):  # a parameter not in this file is not written
+            out.write(full[off : off + n].to(dtype), offset)  # 1-D, the file's dtype, cpu
 
 
 class _AtomicFile:
