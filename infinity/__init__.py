@@ -27,6 +27,7 @@ _LAZY = {
     "build": "._build",
     "Engine": ".engine",
     "initialize": ".engine",
+    "from_pretrained": "._pretrained",
 }
 
 __all__ = sorted(_LAZY)

@@ -329,6 +329,23 @@ class Engine:
         for a large model, `export` streams them to a file instead."""
         return self.module.state_dict()
 
+    def parameter_keys(self) -> dict:
+        """Every state_dict key of a parameter the engine manages -> (unit, index in the unit);
+        tied weights have several keys."""
+        return {name: (unit, i) for name, unit, i in self._state_hooks.names}
+
+    def save_pretrained(self, directory, max_shard_size="2GB") -> str:
+        """Write the weights as a Hugging Face checkpoint directory that
+        ``AutoModel*.from_pretrained(directory)`` loads: ``config.json`` (and
+        ``generation_config.json``) when the module has one, and safetensors shards of at most
+        ``max_shard_size`` (transformers' sizes: "2GB", "500MB", "1GiB") with their index, each
+        written atomically and streamed one unit at a time (each parameter in the dtype the
+        model was made in). Every rank calls it; rank 0 writes. Returns the directory."""
+        self._check_usable()
+        from ._pretrained import save_pretrained
+
+        return save_pretrained(self, directory, max_shard_size)
+
     def load_weights(self, values: dict) -> None:
         """New weights (``(unit index, parameter index) -> tensor``) into the tiers."""
         self._check_usable()

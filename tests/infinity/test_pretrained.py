@@ -1,0 +1,108 @@
+"""Hugging Face checkpoint directories in (streamed into the tiers) and out (save_pretrained).
+
+Round trip: a plain model's save_pretrained (sharded; bf16 and fp32) -> infinity.from_pretrained
+into nvme tiers -> the weights bit-equal -> 3 steps equal plain torch (1e-5: fused AdamW against
+torch's default kernel) -> engine.save_pretrained -> AutoModelForCausalLM.from_pretrained gives
+the engine's logits.
+"""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import infinity  # noqa: E402
+
+
+def _llama(dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).to(dtype)
+
+
+def _nvme(tmp_path, **sections):
+    (tmp_path / "swap").mkdir(exist_ok=True)
+    cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
+           "nvme": {"paths": [str(tmp_path / "swap")], "grow_step": "4MiB"},
+           "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}  # fmt: skip
+    cfg.update(sections)
+    return cfg
+
+
+def _ids(step):
+    return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_round_trip_through_hugging_face_directories(tmp_path, dtype):
+    plain = _llama(dtype)
+    plain.save_pretrained(tmp_path / "in", max_shard_size="20KB")  # several shards and an index
+    assert (tmp_path / "in" / "model.safetensors.index.json").is_file()
+    saved = {k: v.clone() for k, v in plain.state_dict().items()}
+
+    engine = infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "in", _nvme(tmp_path))
+    got = engine.gathered_weights()
+    for key, value in saved.items():
+        if key in got:  # tied weights appear once
+            assert torch.equal(got[key], value.float()), key
+
+    ref = copy.deepcopy(plain).float()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    for step in range(3):
+        loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert abs(loss.item() - ref_loss.item()) < 1e-5
+
+    out = engine.save_pretrained(tmp_path / "out", max_shard_size="20KB")
+    index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
+    assert len(set(index["weight_map"].values())) > 1 and (tmp_path / "out" / "config.json").is_file()
+    with torch.no_grad():
+        want = engine(input_ids=_ids(9)).logits
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert next(back.parameters()).dtype == dtype  # saved in the dtype the model was made in
+    with torch.no_grad():
+        logits = back.float()(input_ids=_ids(9)).logits
+    torch.testing.assert_close(logits, want.float(), atol=0, rtol=0) if dtype == torch.float32 else \
+        torch.testing.assert_close(logits, want.float(), atol=5e-2, rtol=0)  # fmt: skip
+    engine.close()
+
+
+def test_one_shard_when_it_fits_and_stale_shards_go(tmp_path):
+    engine = infinity.initialize(_llama(), _nvme(tmp_path))
+    engine.save_pretrained(tmp_path / "out", max_shard_size="20KB")
+    engine.save_pretrained(tmp_path / "out")  # 2GB: one file; the shards and index of before go
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "generation_config.json",
+                                                                    "model.safetensors"]  # fmt: skip
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    got = engine.gathered_weights()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in got.items())
+    engine.close()
+
+
+def test_missing_and_mis_shaped_keys_are_errors_that_name_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _llama().save_pretrained(tmp_path / "in")
+    tensors = load_file(tmp_path / "in" / "model.safetensors")
+    del tensors["model.norm.weight"]
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, tmp_path / "in" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"mis-shaped tensors: model.layers.0.mlp.up_proj.weight: \[3, 3\]"):
+        infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "in", _nvme(tmp_path))
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(64, 32)
+    save_file(tensors, tmp_path / "in" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing from the checkpoint: model.norm.weight"):
+        infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "in", _nvme(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path, _nvme(tmp_path))
