@@ -1,127 +1,138 @@
-"""`build`: construct a model straight into offloaded storage (DeepSpeed's zero.Init).
+"""`build`: construct a model with its parameters on the meta device, initialise it at
+`initialize`, one unit at a time, with the model's own initialisation (DeepSpeed's zero.Init).
 
-Owns: the swap space a model is built into until `initialize` adopts it, and the parameters it
-stored there. Touches: `_resources` (to open and close the I/O), module registration hooks.
+Owns: the parameter-registration hook that puts every parameter made inside
+``with infinity.build(...)`` on the meta device (no memory, no initialisation work; buffers
+stay real, since models compute them in their constructors), and `materialize`, which
+`initialize` calls for one unit at a time: allocate its parameters, run the model's own
+initialisation for them, hand them over to the tiers, free them. Touches: module hooks, the
+units; nothing of the I/O.
 
-While the context is open, every module registered into a parent (which happens right after
-the child's constructor returns) has its parameters written to the swap space in fp32 and
-replaced by empty placeholders, so the whole model never sits in host memory: at most one
-module's parameters do. `initialize` then adopts the swap space and reads each unit back
-one sub-group at a time.
-
-A module is stored when it joins its parent, so a model that builds a whole list of modules
-before wrapping them (``nn.Sequential(*[nn.Linear(...) for _ in range(n)])``) holds that list
-in memory until then; registering each as it is made (``ModuleList.append`` in a loop, or
-submodules assigned in ``__init__``, as transformers' blocks do) keeps one at a time.
-
-Caveat: an initialisation pass that runs over the whole model *after* its submodules are
-built (transformers' ``post_init`` / ``_init_weights``) finds placeholders and changes
-nothing; the weights keep the values each module's own constructor gave them (PyTorch's
-defaults). Build the model normally when that initialisation matters and it fits in memory.
+[Note: meta initialisation]
+What runs for a unit owned by module M is what ``post_init`` runs over the whole model, for
+M's parameters: transformers' ``_init_weights`` of the nearest ``PreTrainedModel`` at or above
+each module, on M and then each of its ancestors (``post_init`` goes children first, so a
+parent's init, such as GPT-2's scaled ``c_proj``, has the last word); the other units'
+parameters are still on the meta device meanwhile, where an init is a no-op. A model without
+transformers' ``_init_weights`` gets ``M.reset_parameters()``. A module with parameters and
+neither cannot be initialised this way and is an error at `initialize` naming it: give it a
+``reset_parameters()``, or construct the model outside ``build()``. A model whose own
+whole-model init does more than per-module inits (a custom ``post_init``) must do that
+again after `initialize`, for instance through ``engine.module.load_state_dict``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import sys
 
 import torch
 from torch import nn
 
-from infinity.swap import DTYPES
-
-from . import _resources
-
-
-class Builder:
-    """What `build` opened (the aio engine, the pool, the swap space) and the parameters it
-    stored, until `initialize` adopts them or `close` gives them up."""
-
-    def __init__(self, config):
-        self.config = cfg = _resources.as_config(config)
-        self.space = self.pool = self.aio = None
-        self._count = 0
-        self.adopted = False
-        if cfg.tiers.params != "nvme":
-            return  # params that live in host memory or on the device are built there anyway
-        # Before initialize there is no process group yet: the rank is torchrun's, so each rank
-        # builds into its own rank directory (which its engine then adopts).
-        rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-        self.aio, self.pool, self.space = _resources.open_io(cfg, rank, local_rank)
-        _resources.close_at_exit(self)  # a model built and never initialized still lets go
-
-    def on_child(self, parent: nn.Module, name: str, child: nn.Module):
-        if self.space is None or child is None:
-            return None
-        for p in child.parameters():  # grandchildren were stored when they joined the child
-            self._store(p)
-        return None
-
-    def _store(self, p: nn.Parameter) -> None:
-        if hasattr(p, "_infinity_key") or p.device.type == "meta":
-            return
-        key = f"build.{self._count}/staged"
-        self._count += 1
-        value = p.detach().float() if p.is_floating_point() else p.detach()
-        self.space.put(key, value.contiguous()).result()
-        p._infinity_shape = tuple(p.shape)
-        p._infinity_key = key
-        p._infinity_builder = self
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-
-    def load(self, p: nn.Parameter) -> torch.Tensor:
-        info = self.space.info(p._infinity_key)
-        out = torch.empty(info.shape, dtype=DTYPES[info.dtype])
-        return self.space.get(p._infinity_key, out).result()
-
-    def forget(self, p: nn.Parameter) -> None:
-        self.space.delete(p._infinity_key)
-        for attr in ("_infinity_key", "_infinity_shape", "_infinity_builder"):
-            delattr(p, attr)
-
-    def discard_unadopted(self) -> None:
-        """Staged parameters no unit took (replaced by tying, say) free their space."""
-        for name in self.space.names():
-            if name.startswith("build."):
-                self.space.delete(name)
-
-    def adopt(self):
-        """Hand the aio engine, pool and swap space over to an engine (which closes them)."""
-        if self.adopted:
-            raise ValueError("this model was already given to initialize: build a new one for another engine")
-        if self.space is None:
-            raise ValueError("the build this model came from was closed (its block raised): build the model again")
-        self.adopted = True
-        _resources.closed(self)
-        return self.aio, self.pool, self.space
-
-    def close(self) -> None:
-        """Give up what was opened, unless an engine adopted it (the swap directory is then unlocked)."""
-        _resources.closed(self)
-        if self.adopted:
-            return
-        space, pool, engine = self.space, self.pool, self.aio
-        self.space = self.pool = self.aio = None
-        _resources.close_io(space, pool, engine)
-
 
 @contextlib.contextmanager
-def build(config):
-    """Construct a model inside ``with infinity.build(config):`` and its parameters go straight
-    to the params tier, one module at a time; pass it to `initialize` with the same config.
+def build(config=None):
+    """Construct a model inside ``with infinity.build():`` and its parameters take no memory
+    and no time until `initialize` fills them, one unit at a time, with the model's own
+    initialisation (see [Note: meta initialisation]), straight into the tiers. ``config`` is
+    accepted for symmetry with `initialize` and not needed."""
 
-    A block that raises closes what the build opened (the swap directory is unlocked and can be
-    used again). A model built and never given to `initialize` keeps its swap space until the
-    process exits."""
-    builder = Builder(config)
-    handle = nn.modules.module.register_module_module_registration_hook(builder.on_child)
+    # The random state at the start: `initialize` draws the initial values from it, so a model
+    # built after torch.manual_seed(s) gets the same values on every run (and, for a model
+    # whose constructor draws them module by module in order, the values it would have had).
+    state = torch.get_rng_state()
+
+    def on_parameter(module, name, param):
+        if param is None or param.device.type == "meta":
+            return None
+        meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        meta._infinity_rng = state
+        return meta
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(on_parameter)
     try:
-        yield builder
-    except BaseException as e:
-        try:
-            builder.close()
-        except Exception as cleanup:  # noqa: BLE001 - the block's error is the one to see
-            e.add_note(f"(closing the build's swap space after that also failed: {cleanup})")
-        raise
+        yield
     finally:
         handle.remove()
+
+
+def on_meta(unit) -> bool:
+    return any(p.device.type == "meta" for p in unit.params)
+
+
+def rng_of(units) -> torch.Tensor | None:
+    """The random state `build` started from, for the first of ``units`` it made."""
+    for u in units:
+        for p in u.params:
+            if p.is_meta and hasattr(p, "_infinity_rng"):
+                return p._infinity_rng
+    return None
+
+
+def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
+    """Give ``unit``'s parameters memory (host) and their initial values, as the model's
+    initialisation would (see [Note: meta initialisation])."""
+    path = "" if unit.name == "<root>" else unit.name
+    owner = modules[path]
+    for p in unit.params:  # the Parameter objects stay (groups, ties hold them): their contents change
+        _swap(p, torch.empty(p.shape, dtype=p.dtype, device="cpu"))
+    chain = [path]  # the module, then its ancestors up to the root: post_init's order
+    while chain[-1]:
+        chain.append(chain[-1].rpartition(".")[0])
+    init = _hf_init(model, chain, modules)
+    with torch.no_grad(), _guard():
+        if init is not None:
+            for where in chain:
+                fn = init(where)
+                if fn is not None:
+                    fn(modules[where])
+        elif hasattr(owner, "reset_parameters"):
+            owner.reset_parameters()
+        else:
+            raise ValueError(
+                f"module {unit.name!r} ({type(owner).__name__}) was built on the meta device by infinity.build and "
+                "has no reset_parameters() to initialise its parameters: give it one, or construct the model "
+                "outside build()"
+            )
+
+
+def release(unit) -> None:
+    """The unit's parameters back on the meta device (their values are in the tiers now), where
+    the initialisation of a later unit's ancestors leaves them alone."""
+    for p in unit.params:
+        _swap(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+
+
+def _swap(p: nn.Parameter, value: torch.Tensor) -> None:
+    """Give ``p`` the contents of ``value`` in place (``.data`` cannot move a tensor off the meta device)."""
+    torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+
+
+def _hf_init(model, chain, modules):
+    """where -> the ``_init_weights`` of the nearest transformers PreTrainedModel at or above
+    it, or None when the model has none."""
+    transformers = sys.modules.get("transformers")  # a transformers model means it is imported already
+    PreTrainedModel = getattr(transformers, "PreTrainedModel", None)
+    if PreTrainedModel is None:
+        return None
+    if not any(isinstance(modules[w], PreTrainedModel) for w in chain):
+        return None
+
+    def init(where):
+        for above in chain[chain.index(where):]:
+            m = modules[above]
+            if isinstance(m, PreTrainedModel):
+                return m._init_weights
+        return None
+
+    return init
+
+
+def _guard():
+    if "transformers" not in sys.modules:  # not a transformers model: nothing to guard (and no import)
+        return contextlib.nullcontext()
+    try:
+        from transformers.initialization import guard_torch_init_functions
+    except ImportError:
+        return contextlib.nullcontext()
+    return guard_torch_init_functions()

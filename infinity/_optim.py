@@ -297,20 +297,31 @@ class Optimizer(torch.optim.Optimizer):
         """The state kinds stored per sub-group: "master" and this optimizer's own."""
         return ("master", *KINDS[self.kind])
 
-    def init_state(self, load=None) -> None:
-        """Master weights from the parameters' values as the user made them (``load(param)``
-        for those `build` already stored), the optimizer's states as torch starts them; and
-        each unit's low-precision parameters into the params tier. One sub-group is in memory
-        at a time. Frozen units (no parameter requires grad) have no optimizer state: only
-        their parameters are stored."""
+    def init_state(self, prepare=None, done=None) -> None:
+        """Master weights from the parameters' values as the user made them, the optimizer's
+        states as torch starts them; and each unit's low-precision parameters into the params
+        tier. One sub-group is in memory at a time; ``prepare(unit)`` runs before a unit's
+        values are read and ``done(unit)`` after (`build`'s models get their values there).
+        Frozen units (no parameter requires grad) have no optimizer state: only their
+        parameters are stored."""
+
+        def values(u):
+            if prepare is not None:
+                prepare(u)
+            try:
+                return u.flat(torch.float32)
+            finally:
+                if done is not None:
+                    done(u)
+
         for u in self.frozen:
-            whole = u.flat(torch.float32, load)
+            whole = values(u)
             kept = whole[u.shard] if not self.gather_params else whole
             self.param_store.put(u.name, kept.to(self.param_dtype)).result()
         for sg, per_group in zip(self.groups, self._slices):
             flats = []
             for u in sg.units:
-                whole = u.flat(torch.float32, load)
+                whole = values(u)
                 flat = whole[u.shard]
                 kept = flat if not self.gather_params else whole  # see [Note: unit partition]
                 self.param_store.put(u.name, kept.to(self.param_dtype, copy=True)).result()

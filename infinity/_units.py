@@ -36,8 +36,7 @@ class ParamUnit:
         self.name = name  # module path, e.g. "transformer.h.0.attn.c_attn"; stable across runs
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
-        # A parameter that `build` already stored is an empty placeholder: its shape is kept.
-        self.shapes = [tuple(getattr(p, "_infinity_shape", p.shape)) for p in self.params]
+        self.shapes = [tuple(p.shape) for p in self.params]  # on the meta device too (`build`)
         self.numels = [int(torch.Size(s).numel()) for s in self.shapes]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
         self.numel = sum(self.numels)
@@ -66,13 +65,11 @@ class ParamUnit:
         """Elements of this rank's slice (the whole padded unit at world size 1)."""
         return self.shard.stop - self.shard.start
 
-    def flat(self, dtype: torch.dtype, load=None) -> torch.Tensor:
-        """The parameters' current values as one padded 1-D tensor of ``dtype`` (on the CPU);
-        ``load(param)`` gives the value of a parameter that `build` stored."""
+    def flat(self, dtype: torch.dtype) -> torch.Tensor:
+        """The parameters' current values as one padded 1-D tensor of ``dtype`` (on the CPU)."""
         out = torch.zeros(self.padded_numel, dtype=dtype)
         for p, off, n in zip(self.params, self.offsets, self.numels):
-            value = load(p) if load is not None and hasattr(p, "_infinity_key") else p.detach()
-            out[off : off + n].copy_(value.reshape(-1))
+            out[off : off + n].copy_(p.detach().reshape(-1))
         return out
 
     def bind(self, full: torch.Tensor) -> None:
@@ -85,7 +82,11 @@ class ParamUnit:
     def unbind(self) -> None:
         """Replace every parameter's data by an empty placeholder (the shard stays in its tier)."""
         for p in self.params:
-            p.data = torch.empty(0, dtype=self.placeholder_dtype or p.dtype, device=self.placeholder_device or p.device)
+            empty = torch.empty(0, dtype=self.placeholder_dtype or p.dtype, device=self.placeholder_device or p.device)
+            if p.is_meta:  # `build`'s: ``.data`` cannot move a tensor off the meta device
+                torch.utils.swap_tensors(p, nn.Parameter(empty, requires_grad=p.requires_grad))
+            else:
+                p.data = empty
         self.full = None
         self.state = UnitState.RELEASED
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _checkpoint, _resources
+from . import _build, _checkpoint, _resources
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -71,15 +71,9 @@ class Engine:
         self._unusable: str | None = None  # why training cannot go on (a load that failed half-way)
         self._scaled_backward = False  # inside engine.backward (fp16: the loss is scaled)
         self.aio = self.pool = self.space = None
-        builder = next((p._infinity_builder for p in module.parameters() if hasattr(p, "_infinity_builder")), None)
-        if builder is not None and builder.config.to_dict() != cfg.to_dict():
-            raise ValueError("initialize got a config other than the one the model was built with")
         try:
-            if builder is not None:  # the model was built into this swap space: adopt it
-                self.aio, self.pool, self.space = builder.adopt()
-            else:
-                self.aio, self.pool, self.space = _resources.open_io(cfg, rank, local_rank)
-            self._setup(module, cfg, builder, optimizer, lr_scheduler)
+            self.aio, self.pool, self.space = _resources.open_io(cfg, rank, local_rank)
+            self._setup(module, cfg, optimizer, lr_scheduler)
         except BaseException as e:
             try:
                 _resources.close_io(self.space, self.pool, self.aio)
@@ -89,7 +83,7 @@ class Engine:
         self._closed = False
         _resources.close_at_exit(self)
 
-    def _setup(self, module: nn.Module, cfg: TierConfig, builder, optimizer_spec, scheduler_spec) -> None:
+    def _setup(self, module: nn.Module, cfg: TierConfig, optimizer_spec, scheduler_spec) -> None:
         units, module_units = build_units(module, self.world_size, self.rank)
         if not units:
             raise ValueError("the module has no parameters: there is nothing to offload or train")
@@ -116,19 +110,22 @@ class Engine:
         self.lr_scheduler = self._make_scheduler(scheduler_spec)
         self._check_memory(cfg, units)  # before anything is written: that needs the pool too
         # fp32 master weights from the values as the user made them; low-precision params to
-        # their tier. Parameters `build` stored are read back from it.
-        self.optimizer.init_state(load=builder.load if builder is not None else None)
+        # their tier. A model made in `infinity.build` gets its values now, one unit at a time.
+        built = {u.index for u in units if _build.on_meta(u)}
+        modules = dict(module.named_modules(remove_duplicate=False)) if built else {}
+        state = _build.rng_of(units)
+        with torch.random.fork_rng(devices=[], enabled=state is not None):
+            if state is not None:
+                torch.set_rng_state(state)
+            self.optimizer.init_state(
+                prepare=lambda u: _build.materialize(module, u, modules) if u.index in built else None,
+                done=lambda u: _build.release(u) if u.index in built else None,
+            )
         for unit in units:
             unit.placeholder_dtype, unit.placeholder_device = self.dtype, dev
             for p in unit.params:
                 p._infinity_managed = True  # see _refuse_foreign_step
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
-            if builder is not None:
-                for p in unit.params:
-                    if hasattr(p, "_infinity_key"):
-                        builder.forget(p)
-        if builder is not None:
-            builder.discard_unadopted()
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes,
                                    gather=self.params_sharded and self.dist.active)  # fmt: skip
