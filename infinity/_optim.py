@@ -359,8 +359,9 @@ class Optimizer(torch.optim.Optimizer):
                 self.foreign.state[by_param[id(p)]] = st
 
     def load_master(self, values: dict) -> None:
-        """Write new weights (``(unit index, parameter index) -> tensor``, the whole parameter)
-        into the master weights and the params tier; the optimizer states stay as they are."""
+        """Write new weights (``(unit index, parameter index) -> tensor``: the whole parameter,
+        or a `Piece` of it holding at least this rank's slice) into the master weights and the
+        params tier; the optimizer states stay as they are."""
         for u in self.frozen:
             if any((u.index, i) in values for i in range(len(u.params))):
                 self._load_frozen(u, values)
@@ -377,7 +378,7 @@ class Optimizer(torch.optim.Optimizer):
                         value = values.get((u.index, i))
                         a, b = max(off, lo), min(off + n, hi)
                         if value is not None and a < b:
-                            master[base + a - lo : base + b - lo].copy_(value.detach().reshape(-1)[a - off : b - off])
+                            master[base + a - lo : base + b - lo].copy_(_elements(value, a - off, b - off))
                 self.states["master"].put(sg.name, master).result()
                 self._write_params(sg, units, master)
                 self._param_writes.drain()
@@ -396,7 +397,7 @@ class Optimizer(torch.optim.Optimizer):
                 value = values.get((u.index, i))
                 a, b = max(off, lo), min(off + n, lo + flat.numel())
                 if value is not None and a < b:
-                    flat[a - lo : b - lo].copy_(value.detach().reshape(-1)[a - off : b - off])
+                    flat[a - lo : b - lo].copy_(_elements(value, a - off, b - off))
             self.param_store.put(u.name, lease.tensor).result()
         finally:
             lease.release()
@@ -573,6 +574,25 @@ class Optimizer(torch.optim.Optimizer):
             if self.host_bytes_needed() <= budget:
                 break
         return self.host_bytes_needed()
+
+
+class Piece:
+    """Elements ``[start, start + tensor.numel())`` of a parameter, flattened."""
+
+    __slots__ = ("start", "tensor")
+
+    def __init__(self, start: int, tensor: torch.Tensor):
+        self.start, self.tensor = start, tensor
+
+
+def _elements(value, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of a flattened parameter given whole or as a `Piece`."""
+    if isinstance(value, Piece):
+        flat = value.tensor.detach().reshape(-1)
+        if a < value.start or b > value.start + flat.numel():
+            raise ValueError(f"elements [{a}, {b}) are not in the piece [{value.start}, {value.start + flat.numel()})")
+        return flat[a - value.start : b - value.start]
+    return value.detach().reshape(-1)[a:b]
 
 
 def _json_group(group: dict) -> dict:

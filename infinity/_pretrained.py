@@ -19,6 +19,7 @@ import torch
 from infinity.swap import fsync_dir, write_bytes_atomic
 
 from ._export import _entries, _Layout, write_files
+from ._optim import Piece
 
 logger = logging.getLogger("infinity")
 
@@ -131,17 +132,19 @@ def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_schedule
         model = model_cls(hf_config, **model_kwargs)
     engine = infinity.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler)
     try:
-        load_weights(engine, files, path)
+        engine.pretrained_bytes_read = load_weights(engine, files, path)
     except BaseException:
         engine.close()
         raise
+    logger.info("%s: %.1f MB read into the tiers (rank %d)", path, engine.pretrained_bytes_read / 1e6, engine.rank)
     return engine
 
 
 def load_weights(engine, files: dict[str, str], where: str) -> None:
     """Stream the checkpoint's tensors into the engine's tiers, one optimizer sub-group (or
-    frozen unit) at a time; buffers into the module. Keys are checked first: a mis-shaped or
-    missing parameter is an error naming every such key; an unexpected key is a warning."""
+    frozen unit) at a time; buffers into the module; return the bytes of parameters read.
+    Keys are checked first: a mis-shaped or missing parameter is an error naming every such
+    key; an unexpected key is a warning."""
     from safetensors import safe_open
 
     params = engine.parameter_keys()  # key -> (unit, index)
@@ -170,16 +173,39 @@ def load_weights(engine, files: dict[str, str], where: str) -> None:
         if k in files:
             by_unit.setdefault(u.index, []).append(k)
     opt = engine.optimizer
+    # Stage 3 with several ranks: each rank reads only the rows that hold its slice of each
+    # parameter (bandwidth-centric, as the engine's own reads are).
+    sliced = engine.params_sharded and engine.dist.active
+    read = 0
     batches = [g.units for g in opt.groups] + [[u] for u in opt.frozen]
     with torch.no_grad():
         for units in batches:  # one sub-group's tensors in memory at a time
             values = {}
             for u in units:
                 for k in by_unit.get(u.index, ()):
-                    values.setdefault((u.index, params[k][1]), tensor(k))
+                    i = params[k][1]
+                    if (u.index, i) in values:
+                        continue  # a tied parameter: read once
+                    values[(u.index, i)] = _mine(tensor(k, full=False), u, i) if sliced and u.shapes[i] else tensor(k)
+                    t = values[(u.index, i)]
+                    t = t.tensor if isinstance(t, Piece) else t
+                    read += t.numel() * t.element_size()
             if values:
                 engine.load_weights(values)
             del values
         for k, buf in buffers.items():
             if k in files:
                 buf.copy_(tensor(k))
+    return read
+
+
+def _mine(view, unit, i: int):
+    """The rows of parameter ``i`` of ``unit`` that hold this rank's slice of the unit, as a
+    `Piece` (a safetensors slice ``view`` reads only what is indexed)."""
+    off, n, shape = unit.offsets[i], unit.numels[i], unit.shapes[i]
+    a, b = max(off, unit.shard.start) - off, min(off + n, unit.shard.stop) - off
+    if a >= b:  # none of it is this rank's
+        return Piece(0, torch.empty(0))
+    row = n // shape[0] if shape[0] else 1  # elements per index of the first dimension
+    first, last = a // row, -(-b // row)
+    return Piece(first * row, view[first:last])

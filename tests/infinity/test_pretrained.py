@@ -106,3 +106,66 @@ def test_missing_and_mis_shaped_keys_are_errors_that_name_them(tmp_path):
         infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "in", _nvme(tmp_path))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path, _nvme(tmp_path))
+
+
+_WORKER = r"""
+import json, os, sys
+import torch, transformers
+import infinity
+path, swap, out = sys.argv[1:4]
+rank = int(os.environ["RANK"])
+cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
+       "nvme": {"paths": [os.path.join(swap, "{rank}")], "grow_step": "4MiB"},
+       "partition": {"stage": 3, "timeout": 60}}
+engine = infinity.from_pretrained(transformers.LlamaForCausalLM, path, cfg)
+weights = engine.gathered_weights()
+ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    loss = engine(input_ids=ids, labels=ids).loss.item()
+if rank == 0:
+    torch.save(weights, os.path.join(out, "weights.pt"))
+with open(os.path.join(out, f"{rank}.json"), "w") as f:
+    json.dump({"read": engine.pretrained_bytes_read, "loss": loss}, f)
+engine.close()
+"""
+
+
+@pytest.mark.multirank
+def test_two_ranks_at_stage_3_each_read_only_their_slice(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    plain = _llama()
+    plain.save_pretrained(tmp_path / "in", max_shard_size="20KB")
+    total = sum(p.numel() * p.element_size() for p in plain.parameters())  # tied weights once
+    (tmp_path / "out").mkdir()
+    (tmp_path / "swap").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path / "in"), str(tmp_path / "swap"),
+                                       str(tmp_path / "out")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))  # fmt: skip
+    logs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    results = [json.loads((tmp_path / "out" / f"{r}.json").read_text()) for r in range(2)]
+    # Each rank reads its half, and at most one row more per parameter where a slice starts mid-row.
+    for r in results:
+        assert total / 2 <= r["read"] < total / 2 + total / 10, (r, total)
+    assert sum(r["read"] for r in results) < 1.1 * total
+    weights = torch.load(tmp_path / "out" / "weights.pt", weights_only=True)
+    for key, value in plain.state_dict().items():
+        if key in weights:
+            assert torch.equal(weights[key], value), key
+    with torch.no_grad():
+        want = plain(input_ids=_ids_for_worker(), labels=_ids_for_worker()).loss.item()
+    assert all(abs(r["loss"] - want) < 1e-5 for r in results), (results, want)
+
+
+def _ids_for_worker():
+    return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
