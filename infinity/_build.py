@@ -31,11 +31,12 @@ from torch import nn
 
 
 @contextlib.contextmanager
-def build(config=None):
+def build(config=None, *, init: bool = True):
     """Construct a model inside ``with infinity.build():`` and its parameters take no memory
     and no time until `initialize` fills them, one unit at a time, with the model's own
     initialisation (see [Note: meta initialisation]), straight into the tiers. ``config`` is
-    accepted for symmetry with `initialize` and not needed."""
+    accepted for symmetry with `initialize` and not needed. ``init=False``: the values are
+    zeros, for weights that a checkpoint overwrites anyway (`from_pretrained`)."""
 
     # The random state at the start: `initialize` draws the initial values from it, so a model
     # built after torch.manual_seed(s) gets the same values on every run (and, for a model
@@ -47,6 +48,7 @@ def build(config=None):
             return None
         meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
         meta._infinity_rng = state
+        meta._infinity_init = init
         return meta
 
     handle = nn.modules.module.register_module_parameter_registration_hook(on_parameter)
@@ -74,6 +76,10 @@ def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
     initialisation would (see [Note: meta initialisation])."""
     path = "" if unit.name == "<root>" else unit.name
     owner = modules[path]
+    if not all(getattr(p, "_infinity_init", True) for p in unit.params):  # a checkpoint will fill them
+        for p in unit.params:
+            _swap(p, torch.zeros(p.shape, dtype=p.dtype, device="cpu"))
+        return
     for p in unit.params:  # the Parameter objects stay (groups, ties hold them): their contents change
         _swap(p, torch.empty(p.shape, dtype=p.dtype, device="cpu"))
     chain = [path]  # the module, then its ancestors up to the root: post_init's order

@@ -128,7 +128,9 @@ def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_schedule
         raise FileNotFoundError(f"{path}: no config.json: not a Hugging Face checkpoint directory")
     files = checkpoint_files(path)
     hf_config = model_cls.config_class.from_pretrained(path)
-    with infinity.build(config):
+    from ._build import build
+
+    with build(config, init=False):  # the checkpoint gives every value: no initialisation to run
         model = model_cls(hf_config, **model_kwargs)
     engine = infinity.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler)
     try:
