@@ -52,10 +52,36 @@ def build(config=None, *, init: bool = True):
         return meta
 
     handle = nn.modules.module.register_module_parameter_registration_hook(on_parameter)
+    restore = _refuse_hf_from_pretrained()
     try:
         yield
     finally:
         handle.remove()
+        restore()
+
+
+def _refuse_hf_from_pretrained():
+    """Inside `build`, transformers' own ``from_pretrained`` would load weights into parameters
+    on the meta device: make it a clear error that names the way that works."""
+    transformers = sys.modules.get("transformers")
+    cls = getattr(transformers, "PreTrainedModel", None)
+    if cls is None:
+        return lambda: None
+    original = cls.__dict__["from_pretrained"]
+
+    def refuse(model_cls, *args, **kwargs):
+        raise ValueError(
+            f"{model_cls.__name__}.from_pretrained inside infinity.build(): the weights would go to parameters "
+            "on the meta device. Use infinity.from_pretrained(ModelClass, path, config), which streams the "
+            "checkpoint into the tiers, outside build()"
+        )
+
+    cls.from_pretrained = classmethod(refuse)
+
+    def restore():
+        cls.from_pretrained = original
+
+    return restore
 
 
 def on_meta(unit) -> bool:

@@ -169,3 +169,12 @@ def test_two_ranks_at_stage_3_each_read_only_their_slice(tmp_path):
 
 def _ids_for_worker():
     return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def test_transformers_from_pretrained_inside_build_is_a_clear_error(tmp_path):
+    _llama().save_pretrained(tmp_path / "in")
+    with pytest.raises(ValueError, match=r"Use infinity.from_pretrained\(ModelClass, path, config\)"):
+        with infinity.build():
+            transformers.LlamaForCausalLM.from_pretrained(tmp_path / "in")
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "in")  # outside build: as ever
+    assert not any(p.is_meta for p in model.parameters())
