@@ -1,8 +1,11 @@
-"""python -m infinity.tools.demo: train a small GPT-2 with its state on NVMe, then show the swap space.
+"""python -m infinity.tools.demo: train a GPT-2 whose training state is many times the host
+memory it is given, with that state on NVMe; save it as a Hugging Face directory, stream it
+back in, and show the swap space.
 
 The model is `transformers.GPT2LMHeadModel` built from a config (random init, nothing is
 downloaded) over a byte vocabulary, trained on `infinity/data/corpus.txt`. Everything the
-engine moves is reported from `engine.stats()`, so the figures on screen are the engine's own.
+engine moves is reported from `engine.stats()`, so the figures on screen are the engine's own;
+the process's peak RSS comes from /proc/self/status.
 """
 
 from __future__ import annotations
@@ -36,7 +39,25 @@ SIZES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4),
     "small": dict(n_layer=4, n_embd=128, n_head=4),
     "medium": dict(n_layer=6, n_embd=256, n_head=8),
+    "large": dict(n_layer=14, n_embd=384, n_head=6),  # 25.0M parameters: 381 MiB of fp32 state
 }
+DEFAULT_SIZE = "large"
+# Per size, the defaults of --steps, --host-budget, --sample-bytes, --log-every and
+# --gradient-checkpointing (host_budget None: the engine's own memory.host_budget). Recomputing
+# the activations in backward keeps the process's memory far below the state it trains.
+# "large" runs in a few minutes on 2 CPU cores with a budget 8.3 times below its state. Its
+# largest unit (an MLP projection, 0.59M parameters) sets the floor: the optimizer step holds 3
+# sub-groups of it (12 bytes a parameter) and its gradient and parameter write-behinds, 33 MiB
+# (what initialize checks); the recomputing backward has held up to 41 MiB of the pool, and
+# 40 MiB has run out there, hence 46 MiB.
+SIZE_DEFAULTS = {
+    "large": dict(steps=30, host_budget="46MiB", sample_bytes=40, log_every=5, gradient_checkpointing=True),
+}
+DEFAULTS = dict(steps=500, host_budget=None, sample_bytes=120, log_every=50, gradient_checkpointing=False)
+# Optimizer sub-groups small enough for a budget of tens of MiB (a unit larger than this is a
+# sub-group of its own); the engine lowers its read-ahead to what the budget holds.
+SUB_GROUP_SIZE = "4MiB"
+FP32_STATE_BYTES = 16  # a parameter's fp32 value and gradient (4 + 4) and AdamW's master and moments (12)
 VAL_FRACTION = 0.1
 
 
@@ -83,7 +104,9 @@ def eval_batches(data: torch.Tensor, block_size: int, batch_size: int) -> list[t
 
 
 # -- model and config ------------------------------------------------------------------------
-def build_model(size: str, block_size: int, seed: int) -> torch.nn.Module:
+def build_model(size: str, block_size: int, seed: int, meta: bool = False) -> torch.nn.Module:
+    """The GPT-2 of ``size``; with ``meta``, built inside `infinity.build`: its parameters take
+    no memory until `infinity.initialize` gives them their values (the same as without)."""
     from transformers import GPT2Config, GPT2LMHeadModel, logging
 
     logging.set_verbosity_error()  # its notes about a config built from scratch are noise here
@@ -92,21 +115,104 @@ def build_model(size: str, block_size: int, seed: int) -> torch.nn.Module:
     # fall of the loss. GPT-2's token ids 50256 for bos/eos do not exist in a byte vocabulary.
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=block_size, bos_token_id=None, eos_token_id=None,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **SIZES[size])  # fmt: skip
+    if meta:
+        with infinity.build():
+            return GPT2LMHeadModel(cfg)
     return GPT2LMHeadModel(cfg)
+
+
+def _default(args: argparse.Namespace, name: str):
+    """The value of option ``name``: as given, else the default of --size."""
+    value = getattr(args, name)
+    return SIZE_DEFAULTS.get(args.size, DEFAULTS).get(name, DEFAULTS[name]) if value is None else value
 
 
 def tier_config(args: argparse.Namespace):
     """The TierConfig for the run: --config's file, else one built from the flags."""
-    if args.config:
-        return infinity.TierConfig.load(args.config)
+    if args.config:  # the file's settings; an explicit --host-budget replaces its memory.host_budget
+        cfg = infinity.TierConfig.load(args.config)
+        return cfg.replace(memory={"host_budget": args.host_budget}) if args.host_budget else cfg
     if "nvme" in (args.params, args.grads, args.optimizer):
         os.makedirs(args.swap_dir, exist_ok=True)  # the config checks that nvme paths exist
+    budget = _default(args, "host_budget")
     return infinity.TierConfig.from_dict({
         "tiers": {"params": args.params, "grads": args.grads, "optimizer": args.optimizer},
         "nvme": {"paths": [os.path.abspath(args.swap_dir)]},
         "precision": {"param_dtype": args.param_dtype},
-        "optimizer": {"lr": args.lr},
+        "optimizer": {"lr": args.lr, "sub_group_size": SUB_GROUP_SIZE},
+        **({"memory": {"host_budget": budget}} if budget else {}),
     })  # fmt: skip
+
+
+def reload_config(cfg, args: argparse.Namespace):
+    """``cfg`` for the engine that streams the saved model back in: its nvme swap space in
+    <--swap-dir>/reload, since the trained engine's space is kept for swap-inspect."""
+    if cfg is None or not cfg.tiers.on_nvme:
+        return cfg
+    where = os.path.abspath(os.path.join(args.swap_dir, "reload"))
+    os.makedirs(where, exist_ok=True)
+    return cfg.replace(nvme={"paths": [where]})
+
+
+# -- host memory -----------------------------------------------------------------------------
+def _status_kib(field: str) -> int | None:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM), or None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class PeakRSS:
+    """The growth of the process's peak resident memory (VmHWM) from the moment it is made:
+    the peak is reset there (/proc/self/clear_refs) where the kernel allows it, else the peak
+    is the one since the process started (``since_start``)."""
+
+    def __init__(self):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.since_start = False
+        except OSError:
+            self.since_start = True
+        self.base = _status_kib("VmRSS")
+
+    def growth(self) -> int | None:
+        """Bytes the peak RSS is above the RSS at the start, or None without /proc."""
+        peak = _status_kib("VmHWM")
+        return None if peak is None or self.base is None else max(peak - self.base, 0) * 1024
+
+
+def state_bytes(nparams: int) -> int:
+    """The fp32 training state of ``nparams`` parameters as the engine keeps it with AdamW:
+    value and gradient (4 + 4 bytes) and the optimizer's master weight and two moments (12)."""
+    return nparams * FP32_STATE_BYTES
+
+
+def format_memory(nparams: int, budget: int | None, pool_peak: int | None, rss_growth: int | None,
+                  since_start: bool = False) -> list[str]:  # fmt: skip
+    """The lines that show the point of the engine: the training state against the host
+    budget and against what the process's peak resident memory grew by."""
+    state = state_bytes(nparams)
+    lines = [f"  training state: {state / 2**20:.1f} MiB ({nparams / 1e6:.2f}M parameters x {FP32_STATE_BYTES} "
+             "bytes: fp32 param 4, grad 4, AdamW master and moments 12)"]  # fmt: skip
+    ratios = []
+    if budget:
+        used = f", of which the engine's buffer pool held at most {pool_peak / 2**20:.1f} MiB" if pool_peak else ""
+        lines.append(f"  host budget (memory.host_budget): {budget / 2**20:.1f} MiB{used}")
+        ratios.append(f"state / host budget {state / budget:.1f}x")
+    if rss_growth is not None:
+        since = "process start" if since_start else "just before the model was built"
+        lines.append(f"  peak RSS growth: {rss_growth / 2**20:.1f} MiB (VmHWM of /proc/self/status, from {since})")
+        if rss_growth:
+            ratios.append(f"state / peak RSS growth {state / rss_growth:.1f}x")
+    if ratios:
+        lines.append("  " + ", ".join(ratios))
+    return lines
 
 
 # -- what the engine reports -----------------------------------------------------------------
@@ -208,7 +314,7 @@ class StopFlag:
 
 def train(args: argparse.Namespace) -> int:
     """The whole run: set up, train, report, then swap-inspect the space; the exit status."""
-    engine, batches, val, first, say = _setup(args)
+    engine, batches, val, first, say, memory = _setup(args)
     rank, world = engine.rank, engine.world_size
     try:
         losses = _train_loop(engine, args, batches, first, say)
@@ -220,13 +326,41 @@ def train(args: argparse.Namespace) -> int:
         if not losses:
             say(f"nothing to train: the checkpoint is at step {first - 1} of --steps {args.steps}")
             return 0
-        _report(engine, args, val, losses, say)
+        val_loss = _report(engine, args, val, losses, say, memory)
+        saved = engine.save_pretrained(_pretrained_dir(args))
     finally:
         # Closing flushes the manifest, so swap-inspect below reads the space as it ends.
         engine.close()
+    _check_reload(args, saved, val, val_loss, say)
     if world > 1:
         torch.distributed.barrier()  # every rank's manifest is written before rank 0 looks
     return _inspect_swap_space(engine.swap_dirs, world) if rank == 0 else 0
+
+
+def _pretrained_dir(args: argparse.Namespace) -> str:
+    return args.save_pretrained or os.path.join(args.swap_dir, "pretrained")
+
+
+def _check_reload(args: argparse.Namespace, saved: str, val: list[tuple], val_loss: float, say) -> None:
+    """Stream the saved directory back in with infinity.from_pretrained and say whether the
+    reloaded engine gives the trained engine's validation loss."""
+    from transformers import GPT2LMHeadModel
+
+    say(f"saved the trained model to {saved} (save_pretrained: config.json + safetensors)")
+    try:
+        cfg = reload_config(tier_config(args), args)
+    except (ValueError, FileNotFoundError) as e:
+        raise BadInput(str(e)) from e
+    engine = infinity.from_pretrained(GPT2LMHeadModel, saved, cfg)
+    try:
+        again = evaluate(engine, val)
+    finally:
+        engine.close()
+    same = "the same" if again == val_loss else ("the same within 1e-6" if abs(again - val_loss) <= 1e-6 else "DIFFERENT")
+    say(f"reloaded with infinity.from_pretrained(GPT2LMHeadModel, {saved!r}): val loss {again:.6f}, "
+        f"trained engine {val_loss:.6f}: {same}")  # fmt: skip
+    if same == "DIFFERENT":
+        raise RuntimeError(f"the reloaded model's val loss {again!r} is not the trained one's {val_loss!r}")
 
 
 def _setup(args: argparse.Namespace) -> tuple:
@@ -239,11 +373,20 @@ def _setup(args: argparse.Namespace) -> tuple:
     try:
         train_data, val_data = split_corpus(load_corpus())
         val = eval_batches(val_data, args.block_size, args.batch_size)
-        model = build_model(args.size, args.block_size, args.seed)
+        cfg = tier_config(args)
+        import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (its import is not the model's memory)
+
+        memory = PeakRSS()  # from here: the model, the engine, training
+        model = build_model(args.size, args.block_size, args.seed, meta=True)
+        if _default(args, "gradient_checkpointing"):
+            # Activations recomputed in backward, layer by layer (transformers 5 renamed the method).
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
         nparams = sum(p.numel() for p in model.parameters())  # before the engine swaps them out
-        engine = infinity.initialize(model, tier_config(args))
+        engine = infinity.initialize(model, cfg)
     except (ValueError, FileNotFoundError) as e:
         raise BadInput(str(e)) from e
+    memory.nparams = nparams
     # Under torchrun: data parallel, each rank its own windows; rank 0 speaks for all.
     rank, world = engine.rank, engine.world_size
     batches = random_batches(train_data, args.block_size, args.batch_size, args.seed + 1000 * rank)
@@ -251,6 +394,9 @@ def _setup(args: argparse.Namespace) -> tuple:
     where = "" if args.config else f" (params {args.params}, grads {args.grads}, optimizer {args.optimizer})"
     ranks = f", {world} ranks" if world > 1 else ""
     say(f"GPT-2 {args.size}: {nparams / 1e6:.2f}M parameters, {len(train_data):,} training bytes{where}{ranks}")
+    budget = engine.stats().get("host_budget_bytes")
+    of = f", {state_bytes(nparams) / budget:.1f}x its host budget of {budget / 2**20:.1f} MiB" if budget else ""
+    say(f"training state {state_bytes(nparams) / 2**20:.1f} MiB{of}")
     first = 1
     try:
         if args.resume:
@@ -261,7 +407,7 @@ def _setup(args: argparse.Namespace) -> tuple:
     except BaseException:
         engine.close()
         raise
-    return engine, batches, val, first, say
+    return engine, batches, val, first, say, memory
 
 
 def _silent(*args, **kwargs) -> None:
@@ -308,15 +454,23 @@ def _train_loop(engine, args: argparse.Namespace, batches: Iterator, first: int,
     return losses
 
 
-def _report(engine, args: argparse.Namespace, val: list[tuple], losses: list[float], say) -> None:
-    """The end of the run: train and validation loss, the engine's totals, a sample."""
+def _report(engine, args: argparse.Namespace, val: list[tuple], losses: list[float], say, memory=None) -> float:
+    """The end of the run: train and validation loss, the engine's totals, a sample, host
+    memory against the training state; returns the validation loss."""
     window = losses[-args.log_every :]
+    val_loss = evaluate(engine, val)
     say(f"train loss {sum(window) / len(window):.3f} (mean of the last {len(window)} steps), "
-        f"val loss {evaluate(engine, val):.3f} (uniform guessing: {math.log(VOCAB):.3f})")  # fmt: skip
-    say("\n".join(["engine totals:", *format_totals(engine.stats())]))
+        f"val loss {val_loss:.3f} (uniform guessing: {math.log(VOCAB):.3f})")  # fmt: skip
+    stats = engine.stats()
+    say("\n".join(["engine totals:", *format_totals(stats)]))
     if args.sample_bytes:
         text = sample(engine, args.prompt, args.sample_bytes, args.block_size, args.seed)
         say(f"sample: {text!r}")
+    if memory is not None:
+        lines = format_memory(memory.nparams, stats.get("host_budget_bytes"), stats.get("peak_host_pool_bytes"),
+                              memory.growth(), memory.since_start)  # fmt: skip
+        say("\n".join(["host memory:", *lines]))
+    return val_loss
 
 
 def _inspect_swap_space(swap_dirs: list[str], world: int) -> int:
@@ -355,13 +509,14 @@ def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:
 
 
 # -- command line ----------------------------------------------------------------------------
-SYNOPSIS = """python -m infinity.tools.demo [--size tiny|small|medium] [--steps 500]
-                                     [--batch-size 8] [--block-size 128] [--params T]
-                                     [--grads T] [--optimizer T] [--swap-dir DIR]
+SYNOPSIS = """python -m infinity.tools.demo [--size tiny|small|medium|large] [--steps N]
+                                     [--host-budget SIZE] [--batch-size 8] [--block-size 128]
+                                     [--params T] [--grads T] [--optimizer T] [--swap-dir DIR]
                                      [--param-dtype fp32|bf16|fp16] [--lr 1e-3] [--seed 0]
-                                     [--log-every 50] [--sample-bytes 120] [--prompt TEXT]
+                                     [--[no-]gradient-checkpointing] [--log-every N] [--sample-bytes N] [--prompt TEXT]
                                      [--config FILE] [--checkpoint-dir DIR [--save-every 100]
-                                     [--keep-last 2] [--resume]] [--export FILE]"""
+                                     [--keep-last 2] [--resume]] [--export FILE]
+                                     [--save-pretrained DIR]"""
 
 DESCRIPTION = """\
 description:
@@ -371,8 +526,17 @@ description:
   --seed), the last 10% for the validation loss. Params, grads and optimizer state are
   placed on the tiers T (device, cpu or nvme) given by the flags, all nvme by default, in
   swap files under --swap-dir, which is created. --config FILE takes a TOML tier config
-  (docs/config.md) instead of the tier, dtype, --lr and --swap-dir flags. Ctrl-C stops
-  after the current step.
+  (docs/config.md) instead of the tier, dtype, --lr and --swap-dir flags (an explicit
+  --host-budget still replaces its memory.host_budget). Ctrl-C stops after the current step.
+
+  The default size, large (14 layers x 384, 25.0M parameters), has 381 MiB of fp32 training
+  state (16 bytes a parameter: value, gradient, AdamW's master weight and two moments) and
+  trains with a host budget (memory.host_budget, --host-budget) of 46 MiB, 8.3 times less;
+  the model is built with infinity.build(), so not even its initial weights are ever whole
+  in memory. At the end the state is set against the budget and against the growth of the
+  process's peak RSS (VmHWM) since just before the model was built. The trained model is
+  then saved with engine.save_pretrained (a Hugging Face directory, --save-pretrained) and
+  streamed back in with infinity.from_pretrained, whose validation loss must be the same.
 
   With --checkpoint-dir, a checkpoint is saved every --save-every steps, at the end and on
   Ctrl-C (the newest --keep-last are kept); a run killed in any way, even in the middle of a
@@ -388,8 +552,10 @@ output:
   of wall time) read and written since the previous step. Then the train loss (mean of
   the last --log-every steps), the validation loss over every window of the held-out text,
   the engine's totals (bytes and busy-time GB/s per tier, stall time, peak host buffer
-  pool), a sample of --sample-bytes bytes generated from --prompt, and the swap-inspect
-  summary of the rank directory of the swap space.
+  pool), a sample of --sample-bytes bytes generated from --prompt, the host memory lines
+  (training state, host budget, peak RSS growth and the ratios of the state to both), the
+  reload check (the val loss of the model streamed back from --save-pretrained) and the
+  swap-inspect summary of the rank directory of the swap space.
 
 exit status:
   0 trained; 1 an I/O error, or swap-inspect found the swap space unreadable; 2 bad input
@@ -413,8 +579,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infinity.tools.demo", usage=SYNOPSIS, description=DESCRIPTION,
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sizes = ", ".join(f"{k} {v['n_layer']}x{v['n_embd']}" for k, v in SIZES.items())
-    p.add_argument("--size", choices=SIZES, default="small", help=f"layers x width: {sizes} (default small)")
-    p.add_argument("--steps", metavar="N", type=_positive(int), default=500, help="optimizer steps (default 500)")
+    big = ", ".join(f"{k} {v['steps']}" for k, v in SIZE_DEFAULTS.items())
+    p.add_argument("--size", choices=SIZES, default=DEFAULT_SIZE,
+                   help=f"layers x width: {sizes} (default {DEFAULT_SIZE})")  # fmt: skip
+    p.add_argument("--steps", metavar="N", type=_positive(int),
+                   help=f"optimizer steps (default {DEFAULTS['steps']}; {big})")  # fmt: skip
+    budgets = ", ".join(f"{k} {v['host_budget']}" for k, v in SIZE_DEFAULTS.items())
+    p.add_argument("--host-budget", metavar="SIZE",
+                   help=f"memory.host_budget, e.g. 46MiB (default: {budgets}; the engine's own otherwise)")
     p.add_argument("--batch-size", metavar="N", type=_positive(int), default=8, help="windows per step (default 8)")
     p.add_argument("--block-size", metavar="N", type=_positive(int), default=128, help="bytes per window (default 128)")
     for state in ("params", "grads", "optimizer"):
@@ -425,11 +597,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="dtype of the training weights (default fp32)")  # fmt: skip
     p.add_argument("--lr", metavar="LR", type=_positive(float), default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", metavar="N", type=int, default=0, help="seeds weights, batches and sample (default 0)")
-    p.add_argument("--log-every", metavar="N", type=_positive(int), default=50,
-                   help="steps per log line off a terminal, and of the train loss (default 50)")
-    p.add_argument("--sample-bytes", metavar="N", type=_positive(int, zero=True), default=120,
-                   help="bytes to generate at the end, 0 for none (default 120)")
+    logs = ", ".join(f"{k} {v['log_every']}" for k, v in SIZE_DEFAULTS.items())
+    p.add_argument("--log-every", metavar="N", type=_positive(int),
+                   help=f"steps per log line off a terminal, and of the train loss (default {DEFAULTS['log_every']}; {logs})")
+    samples = ", ".join(f"{k} {v['sample_bytes']}" for k, v in SIZE_DEFAULTS.items())
+    p.add_argument("--sample-bytes", metavar="N", type=_positive(int, zero=True),
+                   help=f"bytes to generate at the end, 0 for none (default {DEFAULTS['sample_bytes']}; {samples})")
     p.add_argument("--prompt", metavar="TEXT", default="The ", help="text the sample starts from (default 'The ')")
+    checkpointed = ", ".join(k for k, v in SIZE_DEFAULTS.items() if v.get("gradient_checkpointing"))
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
+                   help=f"recompute each layer's activations in backward (default: on for {checkpointed})")
     p.add_argument("--config", metavar="FILE", help="a TOML tier config instead of the tier flags")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (default: none)")
     p.add_argument("--save-every", metavar="N", type=_positive(int), default=100,
@@ -438,6 +615,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="checkpoints kept in --checkpoint-dir (default 2)")
     p.add_argument("--resume", action="store_true", help="go on from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--export", metavar="FILE", help="write the trained weights to FILE (safetensors)")
+    p.add_argument("--save-pretrained", metavar="DIR",
+                   help="the Hugging Face directory the trained model is saved to and reloaded from "
+                        "(default: pretrained in --swap-dir)")  # fmt: skip
     return p
 
 
@@ -446,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
+    for name in ("steps", "sample_bytes", "log_every"):
+        setattr(args, name, _default(args, name))
     try:
         return train(args)
     except BadInput as e:

@@ -118,6 +118,8 @@ class _PlainEngine:
     """Just enough of the engine's API to drive the loop, in plain PyTorch."""
 
     def __init__(self, model, config, interrupt_at=None):
+        if any(p.is_meta for p in model.parameters()):  # built inside infinity.build: give it values
+            model = demo.build_model("tiny", model.config.n_positions, seed=0)
         self.module, self.steps, self.interrupt_at, self.swap_dirs = model, 0, interrupt_at, []
         self.device = torch.device("cpu")
         self.rank, self.world_size = 0, 1
@@ -203,3 +205,72 @@ def test_demo_resumes_exactly_and_exports_what_transformers_loads(tmp_path, caps
     # --resume with another --seed is someone else's run: refused, exit 2
     code = demo.main([*common, "--steps", "8", "--seed", "5", "--swap-dir", str(tmp_path / "s2"), *ck, "--resume"])
     assert code == 2 and "--seed 0, not 5" in capsys.readouterr().err
+
+
+def test_the_default_size_trains_at_least_8_times_its_host_budget():
+    """make demo's claim: the large model's fp32 training state is >= 8x the default host budget."""
+    pytest.importorskip("transformers")
+    args = demo._parser().parse_args([])
+    assert args.size == demo.DEFAULT_SIZE == "large"
+    model = demo.build_model("large", block_size=128, seed=0, meta=True)  # no memory, no init
+    assert all(p.is_meta for p in model.parameters())
+    nparams = sum(p.numel() for p in model.parameters())
+    budget = infinity.TierConfig.from_dict({"memory": {"host_budget": demo._default(args, "host_budget")}})
+    assert 20e6 < nparams < 30e6
+    assert demo.state_bytes(nparams) == 16 * nparams
+    assert demo.state_bytes(nparams) / budget.memory.host_budget >= 8
+
+
+def test_memory_lines_show_state_budget_peak_rss_and_ratios():
+    lines = demo.format_memory(1_000_000, budget=2 << 20, pool_peak=1 << 20, rss_growth=4 << 20)
+    assert lines == [
+        "  training state: 15.3 MiB (1.00M parameters x 16 bytes: fp32 param 4, grad 4, AdamW master and moments 12)",
+        "  host budget (memory.host_budget): 2.0 MiB, of which the engine's buffer pool held at most 1.0 MiB",
+        "  peak RSS growth: 4.0 MiB (VmHWM of /proc/self/status, from just before the model was built)",
+        "  state / host budget 7.6x, state / peak RSS growth 3.8x",
+    ]
+    assert demo.format_memory(10, None, None, None) == [lines[0].replace("1.00M", "0.00M").replace("15.3", "0.0")]
+
+
+def test_peak_rss_grows_with_what_the_process_holds():
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc")
+    peak = demo.PeakRSS()
+    held = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    assert peak.growth() >= 60 << 20
+    del held
+
+
+@pytest.mark.skipif(not hasattr(infinity, "from_pretrained"), reason="infinity.from_pretrained is not written yet")
+def test_a_short_run_shows_state_against_budget_and_reloads_what_it_saved(tmp_path, capsys):
+    """The tiny model with a small host budget: the state/budget line and the reload check are
+    printed (a ratio under 8 is fine for a small size), and the save_pretrained directory loads
+    both through the streaming loader and into transformers."""
+    transformers = pytest.importorskip("transformers")
+    saved = tmp_path / "hf"
+    code = demo.main(["--size", "tiny", "--steps", "2", "--block-size", "32", "--batch-size", "2",
+                      "--host-budget", "8MiB", "--sample-bytes", "0", "--swap-dir", str(tmp_path / "swap"),
+                      "--save-pretrained", str(saved)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "host budget (memory.host_budget): 8.0 MiB" in out
+    assert "training state: " in out and "peak RSS growth: " in out
+    assert "state / host budget " in out and "x, state / peak RSS growth " in out
+    assert "reloaded with infinity.from_pretrained(GPT2LMHeadModel" in out and ": the same" in out
+    assert (saved / "config.json").is_file() and (saved / "model.safetensors").is_file()
+    # the directory is a Hugging Face checkpoint: transformers itself loads it, with the demo's weights
+    model = transformers.GPT2LMHeadModel.from_pretrained(saved)
+    assert model.config.n_layer == demo.SIZES["tiny"]["n_layer"] and model.config.vocab_size == demo.VOCAB
+    val = demo.eval_batches(demo.split_corpus(demo.load_corpus())[1], 32, 2)
+    with torch.no_grad():
+        x, y = val[0]
+        loss = torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+    assert loss.item() < math.log(256)  # trained a little from near-uniform
+
+
+def test_a_budget_too_small_for_the_model_is_bad_input(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    code = demo.main(["--size", "large", "--steps", "1", "--host-budget", "8MiB", "--sample-bytes", "0",
+                      "--swap-dir", str(tmp_path / "swap")])  # fmt: skip
+    assert code == 2
+    assert "memory.host_budget=8MiB is less than" in capsys.readouterr().err
