@@ -424,7 +424,7 @@ class Optimizer(torch.optim.Optimizer):
             # Iterate the stream itself (not a zip with the groups, which would stop without
             # resuming the generator after its last item, and so skip that item's write-back).
             for i, item in enumerate(items):
-                group, grads_now = self.groups[i], grads_next
+                grads_now = grads_next
                 grads_next = self._read_grads(self.groups[i + 1]) if i + 1 < len(self.groups) else None
                 with record_function("infinity::optimizer.subgroup"):
                     item.write_back = self._update(i, item.tensors, grad_scale, grads_now)

@@ -5,8 +5,6 @@ kernel, the Trainer with its default), the same clipping formula and the same da
 they differ by float rounding only.
 """
 
-import os
-
 import pytest
 import torch
 
