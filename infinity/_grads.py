@@ -33,6 +33,7 @@ class GradAccumulator:
         self.norm_sq: dict[int, torch.Tensor] = {}  # 0-d fp64 per unit, read once at the step
         self.finite: dict[int, torch.Tensor] = {}  # 0-d bool per unit
         self._writes = WriteBehind(max_writes)  # keyed by unit index
+        self._norm: float | None = None  # global_norm of the gradients as they are now
 
     def add(self, unit: ParamUnit, grad: torch.Tensor, lease=None) -> None:
         """Accumulate ``grad`` (1-D fp32, the unit's padded length; in ``lease``, a pool buffer,
@@ -78,6 +79,7 @@ class GradAccumulator:
         mine = acc[unit.shard] if self.grads_full else acc  # norms of this rank's slice only
         # Kept as tensors: reading them (a device sync on CUDA) waits for the step, once.
         self.norm_sq[unit.index] = torch.linalg.vector_norm(mine, dtype=torch.float64) ** 2
+        self._norm = None
         self.finite[unit.index] = torch.isfinite(mine).all()
         self._writes.add(pending, hold, key=unit.index)
 
@@ -86,6 +88,13 @@ class GradAccumulator:
         self._writes.drain()
 
     def global_norm(self) -> float:
+        """The L2 norm of every rank's accumulated gradients (an all-reduce with several ranks),
+        computed once per accumulation: clipping and the caller that logs it share it."""
+        if self._norm is None:
+            self._norm = self._global_norm()
+        return self._norm
+
+    def _global_norm(self) -> float:
         local = torch.stack(list(self.norm_sq.values())).sum().cpu() if self.norm_sq else torch.zeros((), dtype=torch.float64)
         total = local.reshape(1).to(torch.float64)
         if self.dist is not None and self.dist.active:  # each rank holds the norm of its slices
@@ -104,5 +113,6 @@ class GradAccumulator:
         Write-behinds are finished first; one that failed does not matter: it is forgotten."""
         self._writes.discard_errors()
         self.has_grad.clear()
+        self._norm = None
         self.norm_sq.clear()
         self.finite.clear()

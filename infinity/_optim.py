@@ -182,6 +182,7 @@ class Optimizer(torch.optim.Optimizer):
         # ZeRO stages 1 and 2 keep whole parameters on every rank: new shards are gathered.
         self.gather_params = not params_sharded and dist is not None and dist.active
         self.steps = {u.index: torch.zeros((), dtype=torch.float32, device=self.device) for u in units}
+        self._never_stepped = {u.index for u in units}  # SGD's first step starts a momentum buffer; no device read
         self.ahead = READ_AHEAD
         self._param_writes = WriteBehind(2)  # new parameters, each from its own pool copy
         self._engine_step = None  # set by the engine: what step() runs
@@ -279,6 +280,7 @@ class Optimizer(torch.optim.Optimizer):
                 raise ValueError(f"optimizer state has {steps.numel()} step counts, this model has {len(self.units)} units")
             for u in self.units:
                 self.steps[u.index].fill_(float(steps[u.index]))
+            self._never_stepped = {u.index for u in self.units if float(steps[u.index]) == 0}
         if "param_groups" in state:
             self.load_hyperparameters(state.get("type", self.kind), state["param_groups"])
 
@@ -464,7 +466,8 @@ class Optimizer(torch.optim.Optimizer):
             if self.foreign is not None:
                 self._step_foreign(index, grads, grad_scale)
                 return self._write_params(group, have, master)
-            first = {i for i in stepped if self.steps[i].item() == 0} if self.kind == "sgd" else set()
+            first = stepped & self._never_stepped
+            self._never_stepped -= stepped
             torch._foreach_add_([self.steps[i] for i in stepped], 1.0)
             for gi, entries in self._slices[index].items():
                 entries = [e for e in entries if e[0].index in stepped]

@@ -159,8 +159,9 @@ def load_weights(engine, files: dict[str, str], where: str) -> None:
             handles[file] = safe_open(file, framework="pt")
         return handles[file].get_tensor(key) if full else handles[file].get_slice(key)
 
-    bad = [f"{k}: {list(tensor(k, full=False).get_shape())} in the checkpoint, {list(params[k][0].shapes[params[k][1]])} here"
-           for k in params if k in files and tuple(tensor(k, full=False).get_shape()) != params[k][0].shapes[params[k][1]]]  # fmt: skip
+    shapes = {k: tuple(tensor(k, full=False).get_shape()) for k in params if k in files}  # headers only
+    bad = [f"{k}: {list(shape)} in the checkpoint, {list(params[k][0].shapes[params[k][1]])} here"
+           for k, shape in shapes.items() if shape != params[k][0].shapes[params[k][1]]]  # fmt: skip
     if bad:
         raise ValueError(f"{where}: mis-shaped tensors: " + "; ".join(bad))
     loaded = {(params[k][0].index, params[k][1]) for k in params if k in files}  # (unit, index): a tied one once
