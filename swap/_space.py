@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import os
@@ -423,6 +424,23 @@ class SwapSpace:
         if record is None:
             raise KeyError(f"no tensor {name!r} in swap space {self.rank_dirs[0]}")
         self._free(record)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Give ``src``'s bytes the name ``dst``, replacing what ``dst`` held (whose extents
+        are freed); ``src`` is gone after. Nothing is copied: the manifest's next write
+        records the new name."""
+        self._check_open()
+        if src == dst:
+            raise ValueError(f"rename of {src!r} onto itself")
+        self._settle(self._pending.get(src, ()))
+        self._settle(self._pending.get(dst, ()))
+        record = self.info(src)  # raises naming src (and its failed write) when it has none
+        old = self._records.pop(dst, None)
+        if old is not None:
+            self._free(old)
+        del self._records[src]
+        self._failed.pop(dst, None)
+        self._records[dst] = dataclasses.replace(record, name=dst, generation=(old.generation + 1) if old else 1)
 
     def names(self) -> list[str]:
         return list(self._records)
