@@ -10,34 +10,51 @@ State is kept per unit, not per optimizer sub-group, so a checkpoint does not de
 of each unit a rank reads (resharding).
 
 [Note: atomic checkpoint]
-Every rank writes its own ``rank<r>`` in ``.tmp-<tag>`` (its own swap space: checksummed,
-fsynced, manifest written atomically); the ranks then agree that all succeeded, and only rank 0
-writes meta.json, renames the directory to ``<tag>`` (exchanging it with an old ``<tag>``), and
-then replaces ``latest``. A save that fails or is killed at any point leaves ``latest`` naming
-the previous checkpoint, which is untouched; a ``.tmp-`` directory is never loaded. No two ranks
-create, rename or remove the same path. Ranks share ``DIR`` (one machine, or a shared
-filesystem), as with any multi-rank checkpoint.
+Every rank writes its own ``rank<r>`` in ``.tmp-<tag>.<pid>.<hex>`` (its own swap space:
+checksummed, fsynced, manifest written atomically); the ranks then agree that all succeeded, and
+only rank 0 writes meta.json, renames the directory to ``<tag>`` (exchanging it with an old
+``<tag>``), and then replaces ``latest``. A save that fails or is killed at any point leaves
+``latest`` naming the previous checkpoint, which is untouched; a ``.tmp-`` directory is never
+loaded. No two ranks create, rename or remove the same path. Ranks share ``DIR`` (one machine,
+or a shared filesystem), as with any multi-rank checkpoint.
+
+[Note: checkpoint root lock]
+Rank 0 holds an exclusive flock on ``DIR/.lock`` from before it creates its temporary directory
+until pruning is done, and a second save to ``DIR`` (another run's, or another engine's) fails
+at once naming the holder's process rather than waiting: two runs saving to one root would
+replace each other's ``latest`` and prune each other's checkpoints however their saves were
+ordered. So a save that holds the lock is the only live one, and every ``.tmp-``/``.trash-``
+entry it finds was left by a save that failed or was killed: it removes them, and nothing else
+does. Removing a checkpoint (pruning, or the old one of a replaced tag) first renames it to a
+``.trash-`` name and fsyncs the root, so a kill part-way through leaves a dot entry that is
+never listed nor loaded, and that the next save removes, never a ``<tag>`` without its meta.json.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
+import socket
 import time
 
 import torch
 from torch.profiler import record_function
 
-from infinity.swap import SpaceReader, SwapSpace, WriteBehind, fsync_dir, round_up, write_bytes_atomic, write_json_atomic
+from infinity.swap import (
+    SpaceReader, SwapSpace, WriteBehind, fsync_dir, read_json, round_up, write_bytes_atomic, write_json_atomic,
+)  # fmt: skip
 
 from . import _rng
 from .checkpoint import (
-    FORMAT, LATEST_NAME, META_NAME, TMP_PREFIX, VERSION, CheckpointError, check_tag, list_checkpoints, load_meta,
-    resolve,
+    FORMAT, LATEST_NAME, LOCK_NAME, META_NAME, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, check_tag,
+    list_checkpoints, load_meta, resolve,
 )  # fmt: skip
 
 logger = logging.getLogger("infinity")
@@ -70,6 +87,7 @@ def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
         "rng": rng,
         "client_state": client_state,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "run": _run(),
     }
     try:
         json.dumps(client_state, allow_nan=True)
@@ -84,6 +102,92 @@ def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
         raise TypeError(f"the state_dict() of lr_scheduler {type(parts['lr_scheduler']).__name__} is not JSON "
                         f"(checkpoints hold no pickle): {e}") from None  # fmt: skip
     return meta
+
+
+_RUN: dict = {}  # this process's identity as a saving run, made on first use
+
+
+def _run() -> dict:
+    """This process, as the run that saves: host, pid and a random id (new in a forked child)."""
+    if _RUN.get("pid") != os.getpid():
+        _RUN.update(host=socket.gethostname(), pid=os.getpid(), id=secrets.token_hex(8))
+    return dict(_RUN)
+
+
+# -- the checkpoint root ----------------------------------------------------------------------
+class _RootLock:
+    """The exclusive flock on ``root/.lock`` that rank 0 holds for a whole save (see
+    [Note: checkpoint root lock]); the file names the holder as "<pid> <host>"."""
+
+    def __init__(self, root: str):
+        self.path = os.path.join(root, LOCK_NAME)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid, _, host = os.pread(fd, 300, 0).decode(errors="replace").strip().partition(" ")
+            os.close(fd)
+            raise RuntimeError(
+                f"checkpoint root {root} is in use by another save (process {pid or '?'} on {host or '?'}, "
+                f"which holds {self.path}): two runs saving to one root would replace and prune each other's "
+                "checkpoints; give each run its own checkpoint directory"
+            ) from None
+        except OSError as e:
+            os.close(fd)
+            raise OSError(e.errno, f"cannot lock the checkpoint root ({e.strerror}): its filesystem must "
+                          "support flock", self.path) from None  # fmt: skip
+        me = f"{os.getpid()} {socket.gethostname()}\n".encode()
+        os.pwrite(fd, me, 0)  # written before truncating: a reader never finds the file empty
+        os.ftruncate(fd, len(me))
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the flock
+            self.fd = None
+
+
+def _own_name(prefix: str, tag: str) -> str:
+    """A temporary name that is this save's alone: ``<prefix><tag>.<pid>.<random hex>``."""
+    return f"{prefix}{tag}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+_LATEST_TMP = re.compile(re.escape(f".{LATEST_NAME}.") + r".*\.tmp")  # write_bytes_atomic's, for `latest`
+
+
+def _collect(root: str) -> None:
+    """Holding the root's lock: remove what saves that did not finish left in ``root`` (their
+    temporary directories, checkpoints they were removing, temporary ``latest`` files)."""
+    gone = []
+    for entry in os.scandir(root):
+        name = entry.name
+        if not (name.startswith((TMP_PREFIX, TRASH_PREFIX)) or _LATEST_TMP.fullmatch(name)):
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        except OSError as e:  # only space is lost: the save goes on
+            logger.warning("checkpoint: cannot remove %s, left by a save that did not finish: %s", entry.path, e)
+            continue
+        gone.append(name)
+    if gone:
+        logger.info("checkpoint: removed %s in %s, left by saves that did not finish", ", ".join(sorted(gone)), root)
+
+
+def _remove(root: str, names: list[str]) -> None:
+    """Remove the checkpoints ``root/<name>``: each renamed to a ``.trash-`` name first and the
+    root fsynced, so no kill leaves a ``<tag>`` without its meta.json behind."""
+    trash = []
+    for name in names:
+        aside = os.path.join(root, _own_name(TRASH_PREFIX, name))
+        os.rename(os.path.join(root, name), aside)
+        trash.append(aside)
+    if trash:
+        fsync_dir(root)
+    for aside in trash:
+        shutil.rmtree(aside)
 
 
 # -- saving -----------------------------------------------------------------------------------
@@ -188,15 +292,30 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, f"cannot exchange {a} with the old checkpoint: {os.strerror(err)}", b)
 
 
+def _warn_if_from_another_run(final: str, tag: str) -> None:
+    """Log a warning when the checkpoint ``final``, about to be replaced, was saved by another run."""
+    try:
+        old = read_json(os.path.join(final, META_NAME))
+        run = old.get("run")
+    except (OSError, ValueError, AttributeError):
+        return  # not readable: nothing to name
+    if isinstance(run, dict) and run.get("id") != _run()["id"]:
+        logger.warning("checkpoint %s: replacing tag %r, which another run saved (process %s on %s, at %s); "
+                       "runs that share a checkpoint root replace each other's tags", final, tag, run.get("pid"),
+                       run.get("host"), old.get("saved_at"))  # fmt: skip
+
+
 def _publish(root: str, tmp: str, tag: str) -> None:
-    """Rank 0: move the finished ``tmp`` to ``root/tag``, then point ``latest`` at it."""
+    """Rank 0: move the finished ``tmp`` to ``root/tag`` (replacing an old one), then point
+    ``latest`` at it."""
     final = os.path.join(root, tag)
     if os.path.exists(final):
+        _warn_if_from_another_run(final, tag)
         if _exchange(tmp, final):
             fsync_dir(root)
-            shutil.rmtree(tmp)  # the old checkpoint of this tag, now under the temporary name
+            shutil.rmtree(tmp)  # the old checkpoint of this tag, now under this save's own name
         else:
-            aside = os.path.join(root, f"{TMP_PREFIX}old-{tag}")
+            aside = os.path.join(root, _own_name(TRASH_PREFIX, tag))
             os.rename(final, aside)
             os.rename(tmp, final)
             fsync_dir(root)
@@ -208,12 +327,11 @@ def _publish(root: str, tmp: str, tag: str) -> None:
 
 
 def _prune(root: str, keep_last: int, current: str) -> list[str]:
+    """Rank 0, holding the root's lock: remove all but the newest ``keep_last`` checkpoints
+    (never ``current``); returns their tags."""
     found = [tag for _, _, tag in list_checkpoints(root)]
     doomed = [t for t in found[: max(len(found) - keep_last, 0)] if t != current]
-    for tag in doomed:
-        shutil.rmtree(os.path.join(root, tag))
-    if doomed:
-        fsync_dir(root)
+    _remove(root, doomed)
     return doomed
 
 
@@ -231,37 +349,44 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
             "step are not saved; call step() first"
         )
     root = os.path.abspath(os.fspath(path))
-    tmp = os.path.join(root, TMP_PREFIX + tag)
     start = time.perf_counter()
     with record_function("infinity::checkpoint.save"):
         engine.scheduler.release_all()  # prefetched parameters give their pool buffers back
-        rng = dist.gather_text(json.dumps(_rng.state_dict()), "checkpoint RNG states")
-        error = meta = None
+        # Rank 0 names the temporary directory (its own: see [Note: checkpoint root lock]).
+        mine = {"rng": _rng.state_dict(), "tmp": _own_name(TMP_PREFIX, tag) if dist.rank == 0 else ""}
+        every = [json.loads(t) for t in dist.gather_text(json.dumps(mine), "checkpoint RNG states")]
+        tmp = os.path.join(root, every[0]["tmp"])
+        lock = None  # rank 0's, held until the end
         try:
-            meta = _meta(engine, tag, [json.loads(r) for r in rng], client_state)
-            if dist.rank == 0:
-                _prepare(root, tmp)
-        except BaseException as e:  # noqa: BLE001 - every rank learns of it (see [Note: atomic checkpoint])
-            error = e
-        _agree(dist, error, "preparing the checkpoint directory")
-        nbytes = 0
-        try:
-            nbytes = _save_rank(engine, tmp)
-        except BaseException as e:  # noqa: BLE001
-            error = e
-        _agree(dist, error, "writing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
-        if dist.rank == 0:
+            error = meta = None
             try:
-                write_json_atomic(os.path.join(tmp, META_NAME), meta)
-                fsync_dir(tmp)
-                _publish(root, tmp, tag)
-                if keep_last is not None:
-                    removed = _prune(root, keep_last, tag)
-                    if removed:
-                        logger.info("checkpoint: removed %s (keep_last=%d)", ", ".join(removed), keep_last)
+                meta = _meta(engine, tag, [r["rng"] for r in every], client_state)
+                if dist.rank == 0:
+                    lock = _prepare(root, tmp)
+            except BaseException as e:  # noqa: BLE001 - every rank learns of it (see [Note: atomic checkpoint])
+                error = e
+            _agree(dist, error, "preparing the checkpoint directory")
+            nbytes = 0
+            try:
+                nbytes = _save_rank(engine, tmp)
             except BaseException as e:  # noqa: BLE001
                 error = e
-        _agree(dist, error, "publishing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
+            _agree(dist, error, "writing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
+            if dist.rank == 0:
+                try:
+                    write_json_atomic(os.path.join(tmp, META_NAME), meta)
+                    fsync_dir(tmp)
+                    _publish(root, tmp, tag)
+                    if keep_last is not None:
+                        removed = _prune(root, keep_last, tag)
+                        if removed:
+                            logger.info("checkpoint: removed %s (keep_last=%d)", ", ".join(removed), keep_last)
+                except BaseException as e:  # noqa: BLE001
+                    error = e
+            _agree(dist, error, "publishing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
+        finally:
+            if lock is not None:
+                lock.release()
     where = os.path.join(root, tag)
     elapsed = time.perf_counter() - start
     if dist.rank == 0:
@@ -270,13 +395,18 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
     return where
 
 
-def _prepare(root: str, tmp: str) -> None:
-    """Rank 0: the checkpoint root exists, saves that were killed are gone, ``tmp`` is new."""
+def _prepare(root: str, tmp: str) -> _RootLock:
+    """Rank 0: the checkpoint root exists and is locked (the lock is returned), what saves that
+    did not finish left is gone, ``tmp`` is new."""
     os.makedirs(root, mode=0o700, exist_ok=True)
-    for entry in os.listdir(root):  # saves that were killed: never loaded, removed now
-        if entry.startswith(TMP_PREFIX):
-            shutil.rmtree(os.path.join(root, entry))
-    os.mkdir(tmp, 0o700)
+    lock = _RootLock(root)
+    try:
+        _collect(root)
+        os.mkdir(tmp, 0o700)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def _agree(dist, error: BaseException | None, what: str, cleanup: str | None = None) -> None:

@@ -10,7 +10,13 @@ Layout of a checkpoint root ``DIR``::
                             per unit "<unit>/param" (low precision), "<unit>/master",
                             "<unit>/exp_avg", "<unit>/exp_avg_sq" (fp32), each the rank's slice of
                             the unit padded to the world size; "optimizer/steps" (fp32, per unit)
-    DIR/.tmp-<tag>/         a save in progress (or one that was killed: the next save removes it)
+    DIR/.lock               flocked by the save in progress (rank 0's), naming its process
+    DIR/.tmp-<tag>.<pid>.<hex>/   a save in progress, or one that failed or was killed
+    DIR/.trash-<tag>.<pid>.<hex>/ a checkpoint being removed (pruned or replaced)
+
+A save holds the lock from start to end, so whatever ``.tmp-``/``.trash-`` entry a save finds
+once it holds the lock was left by one that did not finish, and it removes them. Entries
+starting with a dot are never checkpoints: `list_checkpoints` and `resolve` ignore them.
 
 This module reads and checks; it writes nothing and imports nothing of the engine, so
 `swap-inspect` and other tools can use it. Saving and loading live in the engine
@@ -20,7 +26,6 @@ This module reads and checks; it writes nothing and imports nothing of the engin
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 
@@ -30,7 +35,9 @@ FORMAT = "infinity-checkpoint"
 VERSION = 1
 META_NAME = "meta.json"
 LATEST_NAME = "latest"
+LOCK_NAME = ".lock"
 TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 
 
@@ -124,8 +131,7 @@ def list_checkpoints(root: str) -> list[tuple[int, float, str]]:
             continue
         meta_path = os.path.join(entry.path, META_NAME)
         try:
-            with open(meta_path) as f:
-                step = json.load(f).get("step")
+            step = read_json(meta_path).get("step")
             found.append((int(step), os.stat(meta_path).st_mtime, entry.name))
         except (OSError, ValueError, TypeError, AttributeError):
             continue  # not a checkpoint: not ours to prune

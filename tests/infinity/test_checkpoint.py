@@ -107,7 +107,7 @@ def test_keep_last_prunes_and_latest_names_the_newest(tmp_path):
     for _ in range(4):
         train(engine, 1)
         engine.save_checkpoint(root, keep_last=2)
-    assert sorted(p for p in os.listdir(root)) == ["latest", "step-3", "step-4"]
+    assert sorted(os.listdir(root)) == [".lock", "latest", "step-3", "step-4"]
     assert (root / "latest").read_text().strip() == "step-4"
     engine.save_checkpoint(root, tag="best", keep_last=5)  # a named tag counts by its step
     assert (root / "latest").read_text().strip() == "best"
@@ -121,7 +121,7 @@ def test_saving_a_tag_again_replaces_it_atomically(tmp_path):
     train(engine, 2)
     engine.save_checkpoint(root, tag="last")
     now = engine.gathered_weights()
-    assert sorted(os.listdir(root)) == ["last", "latest"]  # no leftovers of the old one
+    assert sorted(os.listdir(root)) == [".lock", "last", "latest"]  # no leftovers of the old one
     train(engine, 1)
     engine.load_checkpoint(root)
     _assert_equal(engine.gathered_weights(), now)
@@ -148,7 +148,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     assert info.value.errno == errno.ENOSPC
     assert "arena-0.bin" in str(info.value.filename) and "bytes" in str(info.value)
     monkeypatch.setattr(os, "posix_fallocate", real)
-    assert sorted(os.listdir(root)) == ["latest", "step-0"]
+    assert sorted(os.listdir(root)) == [".lock", "latest", "step-0"]
     assert (root / "latest").read_text().strip() == "step-0"
     engine.save_checkpoint(tmp_path / "elsewhere")
     engine.load_checkpoint(root)
