@@ -32,6 +32,11 @@ class GradAccumulator:
         self.has_grad: set[int] = set()  # units with a gradient this step
         self.norm_sq: dict[int, torch.Tensor] = {}  # 0-d fp64 per unit, read once at the step
         self.finite: dict[int, torch.Tensor] = {}  # 0-d bool per unit
+        self.version: dict[int, int] = {}  # unit -> gradients stored for it this step
+        # The overlap's: keep(unit, nbytes) says whether to keep a stored gradient's buffer
+        # for an early update (which then reads it from memory, not back from nvme).
+        self.keep = None
+        self._kept: dict[int, tuple[torch.Tensor, object]] = {}  # unit -> (gradient, its buffer)
         self._writes = WriteBehind(max_writes)  # keyed by unit index
         self._norm: float | None = None  # global_norm of the gradients as they are now
 
@@ -44,6 +49,7 @@ class GradAccumulator:
         with record_function("infinity::grad_write"):
             try:
                 self._writes.settle(unit.index)  # its previous write, before reading it back
+                self._drop_kept(unit.index)
                 acc, hold = self._accumulate(unit, grad, lease)
             except BaseException:
                 if lease is not None:
@@ -76,16 +82,56 @@ class GradAccumulator:
             self.has_grad.discard(unit.index)
             raise
         self.has_grad.add(unit.index)
+        self.version[unit.index] = self.version.get(unit.index, 0) + 1
         mine = acc[unit.shard] if self.grads_full else acc  # norms of this rank's slice only
-        # Kept as tensors: reading them (a device sync on CUDA) waits for the step, once.
-        self.norm_sq[unit.index] = torch.linalg.vector_norm(mine, dtype=torch.float64) ** 2
+        # Kept as tensors: reading them (a device sync on CUDA) waits for the step, once. The
+        # norm in fp32, as torch.nn.utils.clip_grad_norm_ computes it (no fp64 copy of the
+        # gradient), squared in fp64. It is finite exactly when every element is, unless the
+        # norm itself passes the fp32 range (3.4e38): that counts as an overflow too, as in
+        # clip_grad_norm_. So no second pass over the gradient checks finiteness.
+        norm_sq = torch.linalg.vector_norm(mine).to(torch.float64) ** 2
+        self.norm_sq[unit.index] = norm_sq
         self._norm = None
-        self.finite[unit.index] = torch.isfinite(mine).all()
+        self.finite[unit.index] = torch.isfinite(norm_sq)
+        if hold is not None and self.keep is not None and self.keep(unit, acc.numel() * acc.element_size()):
+            self._kept[unit.index] = (acc, hold)
+            hold = None
         self._writes.add(pending, hold, key=unit.index)
+
+    def take_kept(self, index: int):
+        """(gradient, buffer) of unit ``index`` kept in memory, its write finished, or None.
+        The caller releases the buffer."""
+        if index not in self._kept:
+            return None
+        self._writes.settle(index)  # written before anyone may change it (or give it back)
+        return self._kept.pop(index)
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t, _ in self._kept.values())
+
+    def _drop_kept(self, index: int) -> None:
+        kept = self._kept.pop(index, None)
+        if kept is not None:
+            self._writes.settle(index)
+            kept[1].release()
+
+    def writing(self, index: int) -> bool:
+        """True while unit ``index``'s gradient write is in flight (finished writes are reaped)."""
+        self._writes.poll()
+        return index in self._writes
 
     def flush(self) -> None:
         """Wait for every write-behind (raising its error)."""
         self._writes.drain()
+
+    def drop_kept(self) -> None:
+        """Give back every gradient buffer kept for the overlap (their writes finished first)."""
+        try:
+            self._writes.drain()
+        finally:
+            for index in list(self._kept):
+                self._kept.pop(index)[1].release()
 
     def global_norm(self) -> float:
         """The L2 norm of every rank's accumulated gradients (an all-reduce with several ranks),
@@ -112,7 +158,10 @@ class GradAccumulator:
         """Forget this step's gradients (the next backward writes afresh; nothing is read).
         Write-behinds are finished first; one that failed does not matter: it is forgotten."""
         self._writes.discard_errors()
+        for index in list(self._kept):
+            self._kept.pop(index)[1].release()
         self.has_grad.clear()
         self._norm = None
         self.norm_sq.clear()
         self.finite.clear()
+        self.version.clear()

@@ -193,6 +193,8 @@ class Optimizer(torch.optim.Optimizer):
         self._slices = self._map_slices()
         self.foreign = foreign  # kind "torch": the user's optimizer, stepped on views of the masters
         self._shadows: dict[tuple[int, int], torch.nn.Parameter] = {}
+        self.overlap = None  # _overlap.Overlap, set by the engine where it applies
+        self.clipped_last = False  # the last step clipped (early updates would be discarded)
         self._ready = True
 
     def _map_slices(self) -> list[dict[int, list]]:
@@ -405,31 +407,43 @@ class Optimizer(torch.optim.Optimizer):
             lease.release()
 
     # -- the update -------------------------------------------------------------------------
+    def hyperparameters(self) -> list[dict]:
+        """Every parameter group's hyperparameters as they are now (comparable with ``==``)."""
+        return [_json_group(g) for g in self.param_groups]
+
     def update(self, loss_scale: float = 1.0) -> bool:
-        """One update of every parameter with a gradient; False when skipped (non-finite)."""
+        """One update of every parameter with a gradient; False when skipped (non-finite).
+        Sub-groups updated early under backward are committed where valid, see
+        [Note: exact overlap] in `_overlap`."""
         self.grads.flush()
         if not self.grads.all_finite():
+            if self.overlap is not None:
+                self.overlap.discard()
             return False
         divide = loss_scale  # gradients are stored multiplied by the loss scale
         clip, self.clip_next = (self.clip_next if self.clip_next is not None else self.max_grad_norm), None
+        self.clipped_last = False
         if clip is not None:
             norm = self.grads.global_norm() / loss_scale
             coef = min(1.0, clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
             divide = loss_scale / coef
+            self.clipped_last = coef < 1.0
+        committed = self.overlap.commit(divide) if self.overlap is not None else set()
+        groups = [g for g in self.groups if g.index not in committed]
         grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=self.device)
         grads_now = grads_next = None
         try:
             # The next sub-group's gradients are read while this one is updated.
-            grads_next = self._read_grads(self.groups[0]) if self.groups else None
+            grads_next = self._read_grads(groups[0]) if groups else None
             stores = [self.states[k] for k in self.kinds]
-            items = stream_together(stores, [g.name for g in self.groups], ahead=self.ahead)
+            items = stream_together(stores, [g.name for g in groups], ahead=self.ahead)
             # Iterate the stream itself (not a zip with the groups, which would stop without
             # resuming the generator after its last item, and so skip that item's write-back).
             for i, item in enumerate(items):
                 grads_now = grads_next
-                grads_next = self._read_grads(self.groups[i + 1]) if i + 1 < len(self.groups) else None
+                grads_next = self._read_grads(groups[i + 1]) if i + 1 < len(groups) else None
                 with record_function("infinity::optimizer.subgroup"):
-                    item.write_back = self._update(i, item.tensors, grad_scale, grads_now)
+                    item.write_back = self._update(groups[i].index, item.tensors, grad_scale, grads_now)
         except BaseException:
             # Every buffer goes back; the first error is the one raised.
             for pending in (*(grads_now or {}).values(), *(grads_next or {}).values()):
@@ -469,14 +483,24 @@ class Optimizer(torch.optim.Optimizer):
             first = stepped & self._never_stepped
             self._never_stepped -= stepped
             torch._foreach_add_([self.steps[i] for i in stepped], 1.0)
-            for gi, entries in self._slices[index].items():
-                entries = [e for e in entries if e[0].index in stepped]
-                if entries:
-                    self._run_kernel(self.param_groups[gi], entries, master, states, grads, grad_scale, first)
+            self._apply_kernels(index, master, states, grads, grad_scale, self.steps, first)
         finally:
             for lease in leases:
                 lease.release()
         return self._write_params(group, have, master)
+
+    def apply(self, index: int, master, states, grads: dict, divide: float, steps: dict, first: set) -> None:
+        """Sub-group ``index``'s update in place on ``master`` and ``states`` from ``grads``
+        (unit -> its gradient shard, divided by ``divide``), with the step counts ``steps``
+        (unit -> the count this update makes) and ``first`` the units stepping for the first time."""
+        grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=self.device)
+        self._apply_kernels(index, master, states, grads, grad_scale, steps, first)
+
+    def _apply_kernels(self, index, master, states, grads, grad_scale, steps, first) -> None:
+        for gi, entries in self._slices[index].items():
+            entries = [e for e in entries if e[0].index in grads]
+            if entries:
+                self._run_kernel(self.param_groups[gi], entries, master, states, grads, grad_scale, first, steps)
 
     def _write_params(self, group: SubGroup, have: list, master: torch.Tensor) -> bool:
         """The new low-precision parameters of ``have`` (units of ``group``) from ``master``."""
@@ -509,11 +533,11 @@ class Optimizer(torch.optim.Optimizer):
             for shadow in used:
                 shadow.grad = None
 
-    def _run_kernel(self, hp: dict, entries, master, states, grads, grad_scale, first: set) -> None:
+    def _run_kernel(self, hp: dict, entries, master, states, grads, grad_scale, first: set, step_of: dict) -> None:
         """torch's fused kernel of this optimizer over ``entries`` with one group's hyperparameters."""
         params = [master[s] for _, s, _, _ in entries]
         g = [grads[u.index][gs] for u, _, gs, _ in entries]
-        steps = [self.steps[u.index] for u, _, _, _ in entries]
+        steps = [step_of[u.index] for u, _, _, _ in entries]
         lr = float(hp["lr"])
         if self.kind in ("adamw", "adam"):
             fused = torch._fused_adamw_ if self.kind == "adamw" else torch._fused_adam_

@@ -142,6 +142,10 @@ class Scheduler:
         self._end_queued = False  # the end of this backward is queued with autograd
         self._before_forward = None  # the engine's checks, before each pass
         self._after_backward = None  # the engine's end of a backward pass
+        # The engine's overlap (see _overlap): told when a backward is due, with the units
+        # expecting gradients, and when a unit's gradient is stored.
+        self.on_backward_due = None
+        self.on_unit_final = None
 
     # -- hooks ------------------------------------------------------------------------------
     def install(self, root: nn.Module, *, before_forward, after_backward) -> None:
@@ -272,14 +276,21 @@ class Scheduler:
     def _grad_hook(self, unit: ParamUnit, i: int):
         def hook(param: torch.Tensor) -> None:
             if unit.grad is None:
+                # Not zeroed: each parameter's first gradient is copied in, later ones added,
+                # and what none arrived for is zeroed when the unit is handed on.
                 if self.device.type == "cpu" and self.pool is not None:
                     # From the pool: budgeted, and aligned so its write-behind is direct.
                     unit.grad_lease = self.pool.acquire(unit.padded_numel * 4)
-                    unit.grad = unit.grad_lease.view(torch.float32, (unit.padded_numel,)).zero_()
+                    unit.grad = unit.grad_lease.view(torch.float32, (unit.padded_numel,))
                 else:
-                    unit.grad = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
+                    unit.grad = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
+                unit.grad_seen = set()
             off, n = unit.offsets[i], unit.numels[i]
-            unit.grad[off : off + n].add_(param.grad.reshape(-1))
+            if i in unit.grad_seen:
+                unit.grad[off : off + n].add_(param.grad.reshape(-1))
+            else:
+                unit.grad[off : off + n].copy_(param.grad.reshape(-1))
+                unit.grad_seen.add(i)
             param.grad = None  # the fp32 copy is the gradient now; the param-dtype one goes
             unit.uses -= 1
             if unit.uses <= 0:
@@ -300,14 +311,23 @@ class Scheduler:
             self._in_backward = True
             self.backward_order = _Order(list(reversed(self._trace)))
             self._prefetch(self.backward_order, 0)
+            if self.on_backward_due is not None:
+                self.on_backward_due([u for u in self.units if u.uses > 0])
 
     def finish_unit_backward(self, unit: ParamUnit) -> None:
         grad, lease = unit.grad, unit.grad_lease
         unit.grad = unit.grad_lease = None  # handed on, or (if that fails) dropped: never twice
+        if grad is not None:  # zeros where no gradient arrived: parameters unused, the padding
+            for i, (off, n) in enumerate(zip(unit.offsets, unit.numels)):
+                if i not in unit.grad_seen:
+                    grad[off : off + n].zero_()
+            grad[unit.numel :].zero_()
         unit.uses = 0
         if grad is not None:
             self.grads.add(unit, grad, lease)  # owns the lease from here, failing or not
         self.release(unit)
+        if grad is not None and self.on_unit_final is not None:
+            self.on_unit_final(unit)
 
     def end_backward(self) -> None:
         """Gradients not yet handed on (a unit whose uses never reached zero: activation

@@ -43,14 +43,17 @@ class Lease:
 
 
 class Pending:
-    """A store operation: ``result()`` waits and returns its value (idempotent); ``done()`` polls."""
+    """A store operation: ``result()`` waits and returns its value or raises its error, the
+    same on every call; ``done()`` polls. An interrupt (KeyboardInterrupt) while it waits leaves
+    it pending, its staged buffer held: the next ``result()`` waits again (see `SwapFuture`)."""
 
-    __slots__ = ("_future", "_span", "_value", "_done", "_wrap", "_staged")
+    __slots__ = ("_future", "_span", "_value", "_error", "_done", "_wrap", "_staged")
 
     def __init__(self, future: SwapFuture | None, span=None, value=None, wrap=None, staged=None):
         self._future = future
         self._span = span  # the I/O span to close when done (stats)
         self._value = value
+        self._error: Exception | None = None
         self._wrap = wrap  # turns the future's value into what result() returns
         self._staged = staged  # a pool buffer the write went from, given back when done
         self._done = future is None
@@ -61,15 +64,19 @@ class Pending:
     def result(self):
         if not self._done:
             try:
-                value = self._future.result()
+                value = self._future.result()  # an interrupt propagates with nothing marked
+            except Exception as e:  # noqa: BLE001 - the operation's outcome, raised to every caller
+                self._error = e
+            else:
                 self._value = value if self._wrap is None else self._wrap(value)
-            finally:
-                self._done = True
-                if self._span is not None:
-                    self._span.done()
-                if self._staged is not None:
-                    self._staged.release()
-                    self._staged = None
+            self._done = True
+            if self._span is not None:
+                self._span.done()
+            if self._staged is not None:
+                self._staged.release()
+                self._staged = None
+        if self._error is not None:
+            raise self._error
         return self._value
 
 
@@ -109,8 +116,9 @@ class Store:
     def _key(self, name: str) -> str:
         return f"{name}/{self.kind}"
 
-    def put(self, name: str, tensor: torch.Tensor, *, copy: bool = False) -> Pending:
-        """Store ``tensor``'s values under ``name`` (cast to the stored dtype where one exists).
+    def put(self, name: str, tensor: torch.Tensor, *, copy: bool = False, dtype: torch.dtype | None = None) -> Pending:
+        """Store ``tensor``'s values under ``name`` (cast to the stored dtype where one exists,
+        or to ``dtype`` for a copy under a new name).
 
         Resident: copied now (nothing when ``tensor`` is the tier's own tensor). nvme: written
         behind from ``tensor``, which must stay unchanged until the result, unless ``copy``,
@@ -126,7 +134,7 @@ class Store:
         key = self._key(name)
         staged = None
         if copy or tensor.device.type != "cpu" or not tensor.is_contiguous():
-            dtype = DTYPES[self._space.info(key).dtype] if key in self._space else tensor.dtype
+            dtype = DTYPES[self._space.info(key).dtype] if key in self._space else (dtype or tensor.dtype)
             staged = self._space.pool.acquire(max(tensor.numel() * dtype.itemsize, 1))
             view = staged.view(dtype, tuple(tensor.shape))
             view.copy_(tensor.detach())
@@ -148,11 +156,24 @@ class Store:
         if self._resident is not None:
             return Pending(None, value=Lease(self._resident[name]))
         key = self._key(name)
+        future = self._space.get(key, timeout=timeout)  # after a write of ``name`` in flight
         record = self._space.info(key)
         dtype, shape = DTYPES[record.dtype], record.shape
-        future = self._space.get(key, timeout=timeout)
         span = self._stats.io("nvme", False, record.nbytes)
         return Pending(future, span, wrap=lambda buffer: Lease(buffer.view(dtype, shape), buffer))
+
+    def rename(self, src: str, dst: str) -> None:
+        """nvme: ``src``'s tensor becomes ``dst``'s, replacing it, without a copy."""
+        if self._resident is not None:
+            raise ValueError(f"the {self.kind} store is on the {self.tier} tier: only nvme renames")
+        self._space.rename(self._key(src), self._key(dst))
+
+    def discard(self, name: str) -> None:
+        """Forget ``name``'s tensor if there is one (its bytes are freed)."""
+        if self._resident is not None:
+            self._resident.pop(name, None)
+        elif self._key(name) in self._space:
+            self._space.delete(self._key(name))
 
     def writable(self, name: str) -> Lease:
         """A tensor shaped as ``name``'s to fill and then `put`: the tier's own on a resident

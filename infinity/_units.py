@@ -55,6 +55,7 @@ class ParamUnit:
         self.uses = 0  # gradient accumulations still expected in this backward
         self.grad: torch.Tensor | None = None  # 1-D fp32, this backward's gradient, being gathered
         self.grad_lease = None  # the pool buffer holding ``grad`` (CPU device)
+        self.grad_seen: set[int] = set()  # parameters whose gradient ``grad`` holds
         # What a released parameter reports: the dtype and device it has when fetched, so that
         # a model reading ``weight.dtype`` before the module runs (T5, ViT) sees the truth.
         self.placeholder_dtype: torch.dtype | None = None

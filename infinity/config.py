@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -35,14 +36,16 @@ ADAM_STATE_BYTES = 12  # fp32 master weight + exp_avg + exp_avg_sq, per paramete
 
 # The same grammar as nvme-bench's --size, so a figure it prints pastes into a config.
 _SHIFTS = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50, "e": 60}
-_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?)\s*(?:([kmgtpe])(?:i?b)?|b)?", re.IGNORECASE)
+# ASCII: Python's \d takes any script's digits ("１", "١") and IGNORECASE takes the Kelvin sign for k.
+_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?)\s*(?:([kmgtpe])(?:i?b)?|b)?", re.IGNORECASE | re.ASCII)
 
 
 def parse_size(text: str) -> int:
     """Bytes in "1GiB", "64MiB", "128K", "4M", "1.5G", "4096": binary units (KB = KiB, as fio)."""
     m = _SIZE_RE.fullmatch(text.strip())
     if not m:
-        raise ValueError(f"size {text!r} is not a number with an optional unit (K, M, G, KiB, MiB, ...)")
+        ascii_only = "" if text.isascii() else "; only ASCII digits and letters count"
+        raise ValueError(f"size {text!r} is not a number with an optional unit (K, M, G, KiB, MiB, ...){ascii_only}")
     number, shift = m.group(1), _SHIFTS[(m.group(2) or "").lower()]
     value = float(number) * (1 << shift) if "." in number else int(number) << shift
     if value != int(value):
@@ -333,6 +336,15 @@ class OptimizerConfig:
     sub_group_size: Size = "256MiB"
     """Bytes of fp32 optimizer state (12 a parameter: master weight and two moments) that one
     step of the optimizer holds in host memory at a time."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches (backward passes) per optimizer step. The last one's backward runs the
+    update of each sub-group whose gradients are final (see ``overlap``); a step after more or
+    fewer backward passes is still exact, only not overlapped."""
+    overlap: bool = True
+    """Update sub-groups during the last micro-batch's backward, as their gradients become
+    final, into new extents on nvme that the step commits, or discards when the step turns out
+    to clip, skip (a non-finite gradient) or change hyperparameters: then it updates
+    sequentially. Results are the same either way; it applies when the optimizer tier is nvme."""
 
     def __post_init__(self) -> None:
         _choice(self, "type", OPTIMIZERS)
@@ -353,6 +365,9 @@ class OptimizerConfig:
         _float(self, "weight_decay", lo=0.0)
         _float(self, "max_grad_norm", lo=0.0, open_lo=True, none_ok=True)
         _size(self, "sub_group_size", lo=ADAM_STATE_BYTES)
+        _int(self, "gradient_accumulation_steps", lo=1)
+        if not isinstance(self.overlap, bool):
+            raise _type_error(self, "overlap", "true or false", self.overlap)
 
     @property
     def sub_group_numel(self) -> int:
@@ -444,21 +459,31 @@ class TierConfig:
     def load(cls, path: str | os.PathLike) -> TierConfig:
         """Read a .toml or .json file; another name is tried as TOML, then JSON."""
         path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(errno.ENOENT, "tier config file not found", path)
-        with open(path, "rb") as f:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO is not waited on
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "tier config file not found", path) from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # /dev/null would read as an empty file: every default
+            os.close(fd)
+            kind = _FILE_KINDS.get(stat.S_IFMT(mode), "a special file")
+            raise ValueError(f"{path}: is {kind}, not a regular file: a tier config is a .toml or .json file")
+        with os.fdopen(fd, "rb") as f:
             raw = f.read()
         ext = os.path.splitext(path)[1].lower()
         formats = {".toml": ("TOML",), ".json": ("JSON",)}.get(ext, ("TOML", "JSON"))
         errors = []
         for fmt in formats:
             try:
-                data = _loads_toml(raw) if fmt == "TOML" else json.loads(raw)
+                data = _loads_toml(raw) if fmt == "TOML" else _loads_json(raw)
                 break
             except json.JSONDecodeError as e:
-                errors.append(f"not valid JSON: {e.msg} (at line {e.lineno}, column {e.colno})")
+                where = "the file is empty" if not raw.strip() else f"{e.msg} (at line {e.lineno}, column {e.colno})"
+                errors.append(f"not valid JSON: {where}")
             except ValueError as e:  # TOMLDecodeError says "(at line 3, column 9)"; bad UTF-8 too
                 errors.append(f"not valid {fmt}: {e}")
+            except RecursionError:
+                errors.append(f"not valid {fmt}: nested too deeply")
         else:
             hint = "" if len(formats) == 1 else "; a tier config is TOML (.toml) or JSON (.json)"
             raise ValueError(f"{path}: {' and '.join(errors)}{hint}")
@@ -499,6 +524,29 @@ def _build(cls: type, name: str, values: Any) -> Any:
 
 def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
+
+
+_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}  # fmt: skip
+
+
+def _loads_json(raw: bytes) -> Any:
+    """JSON that refuses a key twice in one table, as TOML does (json keeps the last silently)."""
+    twice: list[tuple[dict, str]] = []
+
+    def unique(pairs: list) -> dict:
+        table = dict(pairs)
+        if len(table) != len(pairs) and not twice:
+            keys = [k for k, _ in pairs]
+            twice.append((table, next(k for i, k in enumerate(keys) if k in keys[:i])))
+        return table
+
+    data = json.loads(raw, object_pairs_hook=unique)
+    if twice:  # the hook sees a table before its parent: name the section once the parent exists
+        table, key = twice[0]
+        section = next((f"{name}." for name, v in data.items() if v is table), "") if isinstance(data, dict) else ""
+        raise ValueError(f"key '{section}{key}' appears twice")
+    return data
 
 
 def _loads_toml(raw: bytes) -> dict:

@@ -29,6 +29,7 @@ from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
 from ._optim import KINDS, Optimizer, make_groups, resolve
+from ._overlap import Overlap
 from ._scaler import LossScaler
 from ._schedule import Scheduler
 from ._statedict import StateDictHooks
@@ -138,6 +139,12 @@ class Engine:
                     mod._buffers[key] = buf.to(dev)
         self.scheduler.install(module, before_forward=self._check_usable, after_backward=self._end_backward)
         self._state_hooks = StateDictHooks(self, module)
+        self._backwards = 0  # backward passes since the last step
+        self._told_accumulation = False
+        if self._overlap_window:
+            self.optimizer.overlap = Overlap(self.optimizer, self._overlap_window, self._loss_scale)
+            self.scheduler.on_backward_due = self._backward_due
+            self.scheduler.on_unit_final = self.optimizer.overlap.unit_final
 
     def _check_memory(self, cfg: TierConfig, units) -> None:
         """Refuse at initialize a host budget the pipelines cannot run in, or a placement the
@@ -148,6 +155,7 @@ class Engine:
             itemsize = self.dtype.itemsize
             needs["forward/backward"] = ((cfg.prefetch.depth + 1) * itemsize + (self.grads.max_writes + 1) * 4) * largest
         _resources.check_host_budget(cfg, needs, largest * 4)
+        self._overlap_window = self._fit_overlap(cfg, needs.get("forward/backward", 0))
         # State the resident tiers keep in host memory: the cpu tier, and the device tier on a
         # machine without a GPU.
         shard = sum(u.shard_numel for u in units)
@@ -161,6 +169,36 @@ class Engine:
         host = torch.device("cpu")
         resident = {k: n for k, (store, n) in kinds.items() if store.in_place_on(host)}
         _resources.check_host_memory(resident, max(needs.values()))
+
+    def _fit_overlap(self, cfg: TierConfig, backward_bytes: int) -> int:
+        """Sub-groups the optimizer may update under backward at once (0: no overlap): where
+        it applies (see [Note: exact overlap] in `_overlap`), as many as the host budget holds
+        beside the backward's own buffers, at most 2."""
+        opt = self.optimizer
+        if not (cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and opt.states["master"].uses_pool
+                and self.param_store.uses_pool and not opt.gather_params):  # fmt: skip
+            return 0
+        # Per sub-group in hand: its states and its gradients read, its parameters' copies
+        # written; and one sub-group's gradients kept in memory for the next to start.
+        largest = max(g.numel for g in opt.groups)
+        per_group = (len(opt.kinds) * 4 + 4 + self.dtype.itemsize) * largest
+        window = min(2, (cfg.memory.host_budget - backward_bytes - 4 * largest) // per_group)
+        if window < 1:
+            logger.info("optimizer.overlap: the host budget leaves no room for a sub-group under backward "
+                        "(%d bytes each); the optimizer runs after backward", per_group)  # fmt: skip
+        return max(0, window)
+
+    def _loss_scale(self) -> float:
+        return self._scaler.scale if self._scaler is not None else 1.0
+
+    def _backward_due(self, expected) -> None:
+        """A grad-enabled forward ended: arm the overlap when this is the step's last micro-batch
+        (and the last step did not clip: an early update would then likely be discarded)."""
+        overlap = self.optimizer.overlap
+        if self._backwards + 1 == self.config.optimizer.gradient_accumulation_steps and not self.optimizer.clipped_last:
+            overlap.arm(expected)
+        else:
+            overlap.disarm()
 
     # -- training ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -203,6 +241,9 @@ class Engine:
                 "a plain loss.backward() would step on unscaled gradients (they were dropped)"
             )
         self.scheduler.end_backward()
+        self._backwards += 1
+        if self.optimizer.overlap is not None:
+            self.optimizer.overlap.backward_ended()
 
     def step(self) -> bool:
         """The optimizer step, then gradients cleared, then the LR scheduler given to
@@ -214,11 +255,22 @@ class Engine:
         self._check_usable()
         self.scheduler.release_all()
         scale = self._scaler.scale if self._scaler is not None else 1.0
+        self._tell_accumulation()
         try:
             stepped = self.optimizer.update(scale)
         except BaseException as e:
             self.dist.report_failure(e)
+            # Part of the sub-groups may be updated and part not: training on would be silently
+            # inconsistent. The optimizer's state is whole again once a checkpoint loads.
+            self._refuse(f"the optimizer step failed part-way ({type(e).__name__}: {e}); the parameters and "
+                         "optimizer states are partly updated: load the last checkpoint (engine.load_checkpoint) "
+                         "to train on")  # fmt: skip
+            try:  # this step's gradients are of no use now, and a load wants none
+                self.zero_grad()
+            except Exception as cleanup:  # noqa: BLE001 - the first error is the one to see
+                e.add_note(f"(dropping the gradients after that also failed: {cleanup})")
             raise
+        self._backwards = 0
         if self._scaler is not None:
             self._scaler.update(overflow=not stepped)
         if not stepped:
@@ -240,7 +292,20 @@ class Engine:
         the step can then be redone from its first micro-batch)."""
         self._check_open()
         self.scheduler.drop_grads()
+        if self.optimizer.overlap is not None:
+            self.optimizer.overlap.discard()
         self.grads.zero()
+        self._backwards = 0
+
+    def _tell_accumulation(self) -> None:
+        """Say once when steps follow another number of backward passes than configured: the
+        optimizer then runs after backward (results are the same)."""
+        want = self.config.optimizer.gradient_accumulation_steps
+        if self.optimizer.overlap is not None and self._backwards != want and not self._told_accumulation:
+            self._told_accumulation = True
+            logger.warning("optimizer.gradient_accumulation_steps = %d, but this step follows %d backward passes: "
+                           "set it to the number of micro-batches per step to overlap the optimizer with the "
+                           "last one's backward", want, self._backwards)  # fmt: skip
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -441,6 +506,8 @@ class Engine:
         self._closed = True
         _resources.closed(self)
         self.scheduler.release_all()
+        if self.optimizer.overlap is not None:
+            self.optimizer.overlap.discard()
         self.grads.flush()
         self.scheduler.remove()
         self._state_hooks.remove()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pickle
+import re
+import signal
 
 import pytest
 
@@ -123,6 +126,9 @@ BAD = [
     ({"optimizer": {"sub_group_size": "1X"}}, "optimizer.sub_group_size"),
     ({"optimizer": {"sub_group_size": 11}}, "optimizer.sub_group_size: 11 bytes must be at least 12"),
     ({"optimizer": {"sub_group_size": 12.0}}, "optimizer.sub_group_size: expected a size"),
+    ({"optimizer": {"gradient_accumulation_steps": 0}}, "optimizer.gradient_accumulation_steps: 0 must be at least 1"),
+    ({"optimizer": {"gradient_accumulation_steps": 2.0}}, "optimizer.gradient_accumulation_steps: expected an int"),
+    ({"optimizer": {"overlap": 1}}, "optimizer.overlap: expected true or false"),
     ({"optimizer": {"type": "lamb"}}, "optimizer.type: 'lamb' is not one of adamw, adam, sgd, adagrad"),
     ({"optimizer": {"type": 1}}, "optimizer.type"),
     ({"optimizer": {"momentum": -0.5}}, "optimizer.momentum"),
@@ -174,6 +180,9 @@ _RIGHT_TYPE = {
 }
 
 
+_EVERY_VALUE_IN_RANGE = {"optimizer.overlap"}
+
+
 def test_the_table_has_a_wrong_type_and_an_out_of_range_value_for_every_key():
     config, kinds = TierConfig(), {}
     for data, _ in BAD:
@@ -186,6 +195,8 @@ def test_the_table_has_a_wrong_type_and_an_out_of_range_value_for_every_key():
         kind = "out of range" if _RIGHT_TYPE[annotation](value) else "wrong type"
         kinds.setdefault(f"{section}.{key}", set()).add(kind)
     every = [f"{name}.{key}" for name, section in config.to_dict().items() for key in section]
+    for key in _EVERY_VALUE_IN_RANGE:  # any value of the right type is valid: no out-of-range row
+        kinds.setdefault(key, set()).add("out of range")
     missing = [f"{k}: {kind}" for k in every for kind in ("wrong type", "out of range") if kind not in kinds.get(k, ())]
     assert missing == [], "rows missing from BAD: " + "; ".join(missing)
 
@@ -203,7 +214,7 @@ def test_constructors_check_too():
     "data, message",
     [({"optimizer": {"learning_rate": 1e-3}},
       "unknown key 'optimizer.learning_rate' (known: type, lr, betas, eps, weight_decay, momentum, nesterov, "
-      "max_grad_norm, sub_group_size)"),
+      "max_grad_norm, sub_group_size, gradient_accumulation_steps, overlap)"),
      ({"offload": {}}, "unknown section 'offload' (known: tiers, nvme, aio, memory, prefetch, precision"),
      ([1, 2], "a tier config is a table of sections, got list")],
 )  # fmt: skip
@@ -480,3 +491,66 @@ def test_choices_match_the_layers_that_use_them():
 
     assert config.AIO_BACKENDS == ("auto", *aio.BACKENDS)
     assert config.VERIFY_MODES == _space.VERIFY_MODES
+
+
+# -- what load refuses to read ----------------------------------------------------------------
+@contextlib.contextmanager
+def _fails_after(seconds: float):
+    """Turn a hang (an open that waits on a FIFO for a writer) into a failure."""
+
+    def hung(signum, frame):
+        raise TimeoutError(f"still blocked after {seconds}s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("text", ["１GiB", "١٢٨MiB", "4\u212a"])  # fullwidth 1, Arabic-Indic 128, Kelvin sign K
+def test_sizes_take_only_ascii_digits_and_units(text):
+    with pytest.raises(ValueError, match=re.escape(f"memory.host_budget: size {text!r}") + ".*only ASCII"):
+        _host_budget_of(text)
+
+
+def test_dev_null_is_not_a_config():
+    """It reads as an empty file, which would mean every default: refused instead."""
+    with pytest.raises(ValueError, match="^/dev/null: is a character device, not a regular file"):
+        TierConfig.load("/dev/null")
+
+
+def test_a_fifo_is_not_a_config_and_is_not_waited_on(tmp_path):
+    fifo = tmp_path / "tiers.toml"
+    os.mkfifo(fifo)
+    with _fails_after(5), pytest.raises(ValueError, match=f"^{re.escape(str(fifo))}: is a FIFO, not a regular file"):
+        TierConfig.load(fifo)
+
+
+def test_a_directory_is_not_a_config(tmp_path):
+    (tmp_path / "tiers.toml").mkdir()
+    with pytest.raises(ValueError, match="tiers.toml: is a directory, not a regular file"):
+        TierConfig.load(tmp_path / "tiers.toml")
+
+
+def test_an_empty_json_file_is_not_valid_json(tmp_path):
+    """An empty TOML file is every default (an empty table); JSON has no empty document."""
+    path = tmp_path / "tiers.json"
+    path.write_text("")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: not valid JSON: the file is empty"):
+        TierConfig.load(path)
+
+
+@pytest.mark.parametrize("text, key", [
+    ('{"aio": {"queue_depth": 8, "queue_depth": 64}}', "aio.queue_depth"),
+    ('{"aio": {"queue_depth": 8}, "aio": {}}', "aio"),
+])  # fmt: skip
+def test_a_key_twice_in_a_json_config_names_it_and_the_file(tmp_path, text, key):
+    """TOML refuses a key twice; json would keep the last one silently."""
+    path = tmp_path / "tiers.json"
+    path.write_text(text)
+    message = f"{path}: not valid JSON: key '{key}' appears twice"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        TierConfig.load(path)

@@ -1,0 +1,289 @@
+"""The billion-parameter step against plain PyTorch and against its floor. Not run by CI
+(about 25 GB on disk, 16 GB of RAM for the plain side, tens of seconds a step).
+
+Two worker processes train the same Llama-shaped model (``benchmarks/scale.py``'s: hidden
+2048, 16 layers, intermediate 5632, vocab 32000; 953M parameters) on the same batches:
+
+- plain: the whole model in RAM, fp32, ``torch.optim.AdamW(fused=True)``;
+- infinity: params, grads and optimizer states all on nvme, fp32, loaded from the plain
+  side's initial weights (``save_pretrained`` then ``infinity.from_pretrained``), so the two
+  losses must agree step for step.
+
+Steps are interleaved (plain, infinity, plain, infinity ...), one worker idle while the other
+runs, and between pairs the drive's read and write throughput are measured (the engine's
+uring backend, 1 MiB blocks, queue depth 32, as ``nvme-bench`` measures them). Reported, as
+medians over the pairs (the first step of each side is a warm-up and not counted):
+
+- infinity step / plain step;
+- infinity step / floor, where floor = max(compute, I/O), compute = the plain side's forward
+  + backward, I/O = bytes read ÷ read throughput + bytes written ÷ write throughput;
+- the phase split of both sides, backward / forward, and the largest loss difference;
+- the infinity side's peak RSS growth, and the fp32 state (16 bytes a parameter) over it.
+
+    python benchmarks/scale_step.py [--pairs 3] [--dir bench-data/] [--host-budget 4GiB] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM back to the current RSS
+
+
+def _llama_config(args):
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                                    num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=16,
+                                    max_position_embeddings=max(args.tokens, 64))  # fmt: skip
+
+
+def _batch(args, step: int):
+    import torch
+
+    return torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(1000 + step))
+
+
+# -- the workers: one JSON line in ("step N" or "quit"), one JSON line out ---------------------
+def _serve(run_step) -> None:
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        print(json.dumps(run_step(int(cmd[1]))), flush=True)
+
+
+def _plain_worker(args) -> None:
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama_config(args))
+    model.save_pretrained(args.weights)  # the infinity side starts from these weights
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+
+    def run_step(step: int) -> dict:
+        ids = _batch(args, step)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        return {"loss": loss.item(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0}
+
+    _serve(run_step)
+
+
+def _infinity_worker(args) -> None:
+    import torch
+    import transformers
+
+    import infinity
+
+    transformers.logging.set_verbosity_error()
+    tiers = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [args.swap]},
+             "memory": {"host_budget": args.host_budget},
+             "optimizer": {"lr": args.lr, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap}}  # fmt: skip
+    if args.tile_size:
+        tiers["memory"]["tile_size"] = args.tile_size
+    base = _rss()
+    _reset_peak()
+    engine = infinity.from_pretrained(transformers.LlamaForCausalLM, args.weights, tiers)
+    init_growth = _peak() - base
+
+    def run_step(step: int) -> dict:
+        ids = _batch(args, step)
+        _reset_peak()
+        t0 = time.perf_counter()
+        loss = engine(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        t2 = time.perf_counter()
+        engine.step()
+        t3 = time.perf_counter()
+        st = engine.stats()["step"]
+        return {"loss": loss.item(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0,
+                "read_bytes": st["nvme"]["read_bytes"], "write_bytes": st["nvme"]["write_bytes"],
+                "stall": st["stall_seconds"], "peak_growth": _peak() - base, "init_growth": init_growth,
+                "pool_peak": engine.stats()["peak_host_pool_bytes"],
+                "params": sum(u.numel for u in engine.units)}  # fmt: skip
+
+    try:
+        _serve(run_step)
+    finally:
+        engine.close()
+
+
+# -- the driver -------------------------------------------------------------------------------
+class _Worker:
+    def __init__(self, kind: str, argv: list[str]):
+        self.kind = kind
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", kind, *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.kind} worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def step(self, n: int) -> dict:
+        self.proc.stdin.write(f"step {n}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default=str(Path(__file__).resolve().parent.parent / "bench-data"))
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--host-budget", default="4GiB")
+    p.add_argument("--sub-group-size", default="256MiB")
+    p.add_argument("--tile-size", default=None, help="memory.tile_size for the infinity side (default: the config's)")
+    p.add_argument("--no-overlap", action="store_true", help="optimizer.overlap = false on the infinity side")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--worker", choices=("plain", "infinity"), help=argparse.SUPPRESS)
+    p.add_argument("--weights", help=argparse.SUPPRESS)
+    p.add_argument("--swap", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker == "plain":
+        _plain_worker(args)
+        return 0
+    if args.worker == "infinity":
+        _infinity_worker(args)
+        return 0
+    from infinity.tools.nvme_bench import create_test_file, fill_test_file, open_runner
+
+    def report(obj, text):
+        print(json.dumps(obj) if args.json else text, flush=True)
+
+    os.makedirs(args.dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="scale-step-", dir=args.dir)
+    shared = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--json")]
+    shared += ["--weights", os.path.join(work, "weights"), "--swap", os.path.join(work, "swap")]
+    os.makedirs(os.path.join(work, "swap"))
+    workers = []
+    try:
+        plain = _Worker("plain", shared)  # saves the initial weights before it answers
+        workers.append(plain)
+        infinity_side = _Worker("infinity", shared)
+        workers.append(infinity_side)
+        bench_file = create_test_file(work)
+        size = 1 << 30
+        fill_test_file(bench_file, size)
+        rows = []
+        with open_runner("uring", bench_file, size, 1 << 20, 32) as run:
+            for step in range(args.pairs + 1):
+                a = plain.step(step)
+                b = infinity_side.step(step)
+                read_gbps, write_gbps = run("read"), run("write")
+                if step == 0:
+                    report({"type": "warmup", "plain": a, "infinity": b},
+                           f"warm-up: plain {a['step']:.1f}s, infinity {b['step']:.1f}s")  # fmt: skip
+                    continue
+                io = b["read_bytes"] / (read_gbps * 1e9) + b["write_bytes"] / (write_gbps * 1e9)
+                compute = a["forward"] + a["backward"]
+                floor = max(compute, io)
+                row = {"type": "pair", "pair": step, "plain": a, "infinity": b, "read_gbps": read_gbps,
+                       "write_gbps": write_gbps, "io_s": io, "compute_s": compute, "floor_s": floor,
+                       "vs_plain": b["step"] / a["step"], "vs_floor": b["step"] / floor,
+                       "loss_diff": abs(a["loss"] - b["loss"])}  # fmt: skip
+                rows.append(row)
+                report(row, f"pair {step}: plain {a['step']:.1f}s (fwd {a['forward']:.1f} bwd {a['backward']:.1f} "
+                            f"opt {a['optimizer']:.1f}), infinity {b['step']:.1f}s (fwd {b['forward']:.1f} "
+                            f"bwd {b['backward']:.1f} opt {b['optimizer']:.1f}, read {b['read_bytes'] / 1e9:.1f} GB, "
+                            f"written {b['write_bytes'] / 1e9:.1f} GB); nvme {read_gbps:.2f}/{write_gbps:.2f} GB/s, "
+                            f"floor {floor:.1f}s (compute {compute:.1f}, I/O {io:.1f}); infinity/plain "
+                            f"{row['vs_plain']:.3f}, infinity/floor {row['vs_floor']:.3f}; |loss diff| "
+                            f"{row['loss_diff']:.2e}")  # fmt: skip
+        os.unlink(bench_file)
+
+        def med(f):
+            return statistics.median(f(r) for r in rows)
+
+        params = rows[-1]["infinity"]["params"]
+        growth = max(max(r["infinity"]["peak_growth"] for r in rows), rows[-1]["infinity"]["init_growth"])
+        summary = {
+            "type": "summary", "params": params, "pairs": len(rows),
+            "vs_plain": med(lambda r: r["vs_plain"]), "vs_floor": med(lambda r: r["vs_floor"]),
+            "infinity_bwd_over_fwd": med(lambda r: r["infinity"]["backward"] / r["infinity"]["forward"]),
+            "plain_bwd_over_fwd": med(lambda r: r["plain"]["backward"] / r["plain"]["forward"]),
+            "max_loss_diff": max(r["loss_diff"] for r in rows), "state_bytes": 16 * params, "peak_growth": growth,
+            "state_over_rss": 16 * params / growth, "host_budget": args.host_budget,
+            "pool_peak": max(r["infinity"]["pool_peak"] for r in rows),
+        }  # fmt: skip
+        for side in ("plain", "infinity"):
+            for phase in ("forward", "backward", "optimizer", "step"):
+                summary[f"{side}_{phase}"] = med(lambda r, s=side, p=phase: r[s][p])
+        report(summary, f"{params / 1e9:.3f}B parameters, {len(rows)} pairs (medians):\n"
+                        f"  infinity / plain PyTorch: {summary['vs_plain']:.3f}   (target <= 0.9)\n"
+                        f"  infinity / floor:         {summary['vs_floor']:.3f}   (target <= 1.15)\n"
+                        f"  plain    fwd {summary['plain_forward']:.1f}s bwd {summary['plain_backward']:.1f}s "
+                        f"opt {summary['plain_optimizer']:.1f}s step {summary['plain_step']:.1f}s\n"
+                        f"  infinity fwd {summary['infinity_forward']:.1f}s bwd {summary['infinity_backward']:.1f}s "
+                        f"opt {summary['infinity_optimizer']:.1f}s step {summary['infinity_step']:.1f}s\n"
+                        f"  backward / forward: infinity {summary['infinity_bwd_over_fwd']:.2f}, plain "
+                        f"{summary['plain_bwd_over_fwd']:.2f}   (target <= 2.3)\n"
+                        f"  largest |loss difference|: {summary['max_loss_diff']:.2e}\n"
+                        f"  fp32 state {16 * params / 2**30:.1f} GiB / peak RSS growth {growth / 2**30:.2f} GiB = "
+                        f"{summary['state_over_rss']:.1f}x (host_budget {args.host_budget}, pool peak "
+                        f"{summary['pool_peak'] / 2**30:.2f} GiB)")  # fmt: skip
+    finally:
+        for w in workers:
+            w.close()
+        shutil.rmtree(work, ignore_errors=True)  # our own directory only
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

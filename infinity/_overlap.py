@@ -1,0 +1,295 @@
+"""The optimizer under backward: sub-groups updated as their gradients become final, committed
+at the step only when the step turns out to be the one they assumed.
+
+Owns: which sub-groups wait for which units' gradients in the last micro-batch's backward,
+the updates started early (their reads, their staged writes, the step counts and
+hyperparameters they used), and their commit or discard. Touches: the optimizer (its stores,
+kernels and step counts), the grads (their version per unit).
+
+[Note: exact overlap]
+A sub-group's update reads its states and its units' gradients and writes new states and
+parameters; nothing else. Once every unit of the sub-group has received its last gradient of
+the step, that update can run, except that the step may still (a) clip, since the global norm
+is known only once backward ends, (b) be skipped, an fp16 overflow or a non-finite gradient
+anywhere, (c) run with other hyperparameters, when the user changes them between backward and
+step, or (d) see more gradients: another micro-batch, or a module run again in backward. So
+the early update assumes none of these happens: clip coefficient 1 (what clipping multiplies
+by when the norm is under the limit), the loss scale of now, the hyperparameters of now, and
+the gradients of now (each unit's version). It writes its states and parameters under staged
+names (``<name>~next``), new extents of the swap space, so the states and parameters under
+the real names stay those of the previous step; its step counts are kept aside. At the step,
+once everything is known, each early update whose assumptions all hold is committed: its
+staged tensors take the real names (`infinity.swap.SwapSpace.rename`, no copy) and its step
+counts replace the old ones. Every other one is discarded and its sub-group updated then, as
+without overlap. A committed update ran the same kernel on the same inputs (old states,
+final gradients, step counts, hyperparameters, gradient scale) as the step would have run,
+so the result is bit-identical.
+
+Overlap applies when the optimizer states and the parameters are both on nvme (staging
+needs the swap space, and parameters on a resident tier would be visible to a forward run
+again inside backward), with one rank or at stage 3 (stages 1 and 2 all-gather the new
+parameters: a collective cannot run at a point that differs across ranks).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.profiler import record_function
+
+from infinity.swap import PoolExhausted, WriteBehind
+
+from ._store import Lease
+
+STAGED = "~next"  # the suffix of a staged name: see [Note: exact overlap]
+
+
+class _Early:
+    """One sub-group updated early: what it assumed, and what it wrote."""
+
+    __slots__ = ("index", "versions", "steps", "first", "hyper", "divide", "units", "reads", "grads", "written")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.versions: dict[int, int] = {}  # unit -> the gradient version it read
+        self.steps: dict[int, torch.Tensor] = {}  # unit -> its step count after this update
+        self.first: set[int] = set()  # units whose first step this is
+        self.hyper: list | None = None
+        self.divide = 1.0
+        self.units: list = []  # the units updated (those with a gradient)
+        self.reads: list = []  # Pendings of the state leases, in kind order
+        self.grads: dict = {}  # unit -> Pending of its gradient lease
+        self.written = False  # staged tensors exist under the staged names
+
+
+class Overlap:
+    """Early updates of one step (see [Note: exact overlap]). ``window``: sub-groups whose
+    buffers are in hand at once (reads issued, or written behind)."""
+
+    def __init__(self, optimizer, window: int, loss_scale):
+        self.opt = optimizer
+        self.window = window
+        self.loss_scale = loss_scale  # () -> the loss scale gradients are multiplied by now
+        self.group_of = {u.index: sg.index for sg in optimizer.groups for u in sg.units}
+        self._writes = WriteBehind(window)
+        self._waiting: dict[int, set[int]] = {}  # sub-group -> units whose final gradient is due
+        self._ready: collections.deque[int] = collections.deque()
+        self._reading: collections.deque[_Early] = collections.deque()
+        self._early: dict[int, _Early] = {}  # sub-group -> its early update, once read
+        self.armed = False
+        self.committed = 0  # sub-groups committed at the last step (for tests and stats)
+        # Gradients kept in memory for sub-groups not started yet: at most one sub-group's.
+        self.keep_bytes = 4 * max(sg.numel for sg in optimizer.groups)
+        optimizer.grads.keep = self._keep
+
+    # -- backward ---------------------------------------------------------------------------
+    def arm(self, expected) -> None:
+        """The last micro-batch's forward ended: ``expected`` units will receive gradients."""
+        self.armed = True
+        self._waiting.clear()
+        self._ready.clear()
+        for u in expected:
+            g = self.group_of.get(u.index)
+            if g is not None and g not in self._early and all(r.index != g for r in self._reading):
+                self._waiting.setdefault(g, set()).add(u.index)
+
+    def _keep(self, unit, nbytes: int) -> bool:
+        """Keep ``unit``'s stored gradient in memory for its sub-group's early update?"""
+        return (self.armed and self.group_of.get(unit.index) in self._waiting
+                and self.opt.grads.kept_bytes + nbytes <= self.keep_bytes)  # fmt: skip
+
+    def disarm(self) -> None:
+        """This backward is not the step's last: nothing is updated early in it."""
+        self.armed = False
+        self._waiting.clear()
+        self._ready.clear()  # their gradients are about to change
+
+    def unit_final(self, unit) -> None:
+        """``unit``'s gradient of this backward is stored (it is final unless it comes again)."""
+        if not self.armed:
+            return
+        g = self.group_of.get(unit.index)
+        waiting = self._waiting.get(g)
+        if waiting is None or unit.index not in waiting:
+            return  # not expected (its sub-group is already started, or none waits): checked at commit
+        waiting.discard(unit.index)
+        if not waiting:
+            del self._waiting[g]
+            self._ready.append(g)
+        self.pump()
+
+    def backward_ended(self) -> None:
+        self.armed = False
+        self._waiting.clear()
+        self.pump()
+
+    def pump(self, block: bool = False) -> None:
+        """Start what can start and finish what has arrived; with ``block``, all of it."""
+        while self._ready:
+            if len(self._reading) + len(self._writes) >= self.window:
+                if not block:
+                    break
+                if self._reading:  # make room: finish the oldest first
+                    self._apply(self._reading.popleft())
+                else:
+                    self._writes.poll(keep=self.window - 1)
+                continue
+            if not self._start(self._ready[0], wait=block):
+                break
+            self._ready.popleft()
+        while self._reading and (block or self._arrived(self._reading[0])):
+            self._apply(self._reading.popleft())
+        if block:
+            self._writes.drain()
+        else:
+            self._writes.poll()
+
+    def _start(self, index: int, wait: bool) -> bool:
+        """Issue the reads of sub-group ``index``'s states and gradients; False when the pool
+        has no room now (``wait=False``)."""
+        opt = self.opt
+        sg = opt.groups[index]
+        early = _Early(index)
+        early.units = [u for u in sg.units if u.index in opt.grads.has_grad]
+        if not early.units:
+            return True  # nothing to update early; the step finds it without a gradient too
+        if not wait and any(opt.grads.writing(u.index) for u in early.units):
+            return False  # read back once written, not by waiting for the write here
+        timeout = None if wait else 0
+        try:
+            for kind in opt.kinds:
+                early.reads.append(opt.states[kind].get(sg.name, timeout=timeout))
+            for u in early.units:
+                early.versions[u.index] = opt.grads.version[u.index]
+                kept = opt.grads.take_kept(u.index)
+                if kept is not None:  # still in memory: nothing to read
+                    early.grads[u.index] = _InHand(Lease(*kept))
+                else:
+                    early.grads[u.index] = opt.grads.store.get(u.name, timeout=timeout)
+        except PoolExhausted:
+            _give_back(early)
+            return False
+        self._reading.append(early)
+        return True
+
+    @staticmethod
+    def _arrived(early: _Early) -> bool:
+        return all(p.done() for p in early.reads) and all(p.done() for p in early.grads.values())
+
+    def _apply(self, early: _Early) -> None:
+        """Run ``early``'s update on what it read and write the results under staged names."""
+        opt = self.opt
+        sg = opt.groups[early.index]
+        leases = []
+        try:
+            tensors = []
+            for p in early.reads:
+                leases.append(p.result())
+                tensors.append(leases[-1].tensor)
+            grads = {}
+            for i, p in early.grads.items():
+                leases.append(p.result())
+                grads[i] = leases[-1].tensor
+            early.divide = self.loss_scale()
+            early.hyper = opt.hyperparameters()
+            early.first = {u.index for u in early.units} & opt._never_stepped
+            early.steps = {u.index: opt.steps[u.index] + 1 for u in early.units}
+            with record_function("infinity::optimizer.early"):
+                opt.apply(early.index, tensors[0], tensors[1:], grads, early.divide, early.steps, early.first)
+            futures = [opt.states[k].put(sg.name + STAGED, t) for k, t in zip(opt.kinds, tensors)]
+            for u in early.units:
+                s = sg.slices[u.index]
+                futures.append(opt.param_store.put(u.name + STAGED, tensors[0][s], copy=True, dtype=opt.param_dtype))
+            early.written = True
+            self._early[early.index] = early
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            _give_back(early)
+            raise
+        # The state buffers go back once their staged writes are done; gradients now.
+        state_leases, grad_leases = leases[: len(early.reads)], leases[len(early.reads) :]
+        for lease in grad_leases:
+            lease.release()
+        self._writes.add(futures, *state_leases)
+
+    # -- the step ---------------------------------------------------------------------------
+    def commit(self, divide: float) -> set[int]:
+        """Finish every early update, then commit those whose assumptions hold (``divide``: the
+        gradient divisor the step uses); discard the rest. Returns the committed sub-groups."""
+        self.pump(block=True)
+        opt = self.opt
+        hyper = opt.hyperparameters()
+        done = set()
+        try:
+            for index, early in list(self._early.items()):
+                sg = opt.groups[index]
+                valid = (
+                    early.divide == divide
+                    and early.hyper == hyper
+                    and all(opt.grads.version.get(i) == v for i, v in early.versions.items())
+                    and {u.index for u in sg.units if u.index in opt.grads.has_grad} == set(early.versions)
+                )
+                if not valid:
+                    continue
+                for kind in opt.kinds:
+                    opt.states[kind].rename(sg.name + STAGED, sg.name)
+                for u in early.units:
+                    opt.param_store.rename(u.name + STAGED, u.name)
+                    opt.steps[u.index].copy_(early.steps[u.index])
+                opt._never_stepped -= set(early.steps)
+                del self._early[index]
+                done.add(index)
+        finally:
+            self.discard()
+            self.committed = len(done)
+        return done
+
+    def discard(self) -> None:
+        """Forget every early update (their staged tensors are deleted)."""
+        self.committed = 0
+        self.armed = False
+        self._waiting.clear()
+        self._ready.clear()
+        while self._reading:
+            _give_back(self._reading.popleft())
+        self._writes.discard_errors()
+        opt = self.opt
+        for index, early in list(self._early.items()):
+            sg = opt.groups[index]
+            for kind in opt.kinds:
+                opt.states[kind].discard(sg.name + STAGED)
+            for u in early.units:
+                opt.param_store.discard(u.name + STAGED)
+        self._early.clear()
+
+    @property
+    def pending(self) -> int:
+        """Sub-groups updated early and not yet committed or discarded."""
+        return len(self._early) + len(self._reading)
+
+
+class _InHand:
+    """A Pending whose lease is already here."""
+
+    __slots__ = ("_lease",)
+
+    def __init__(self, lease):
+        self._lease = lease
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        return self._lease
+
+
+def _give_back(early: _Early) -> None:
+    """Wait for ``early``'s reads and give their buffers back (errors dropped: unused)."""
+    for p in (*early.reads, *early.grads.values()):
+        try:
+            p.result().release()
+        except Exception:  # noqa: BLE001 - a read that failed holds nothing
+            pass
+    early.reads, early.grads = [], {}
