@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import weakref
 
 logger = logging.getLogger("infinity.aio")
@@ -89,13 +90,14 @@ class File:
         return f"File({self.path!r}, {state}, direct={self.direct})"
 
 
-def open_file(path: str | os.PathLike, mode: str = "r", *, direct: bool = True) -> File:
+def open_file(path: str | os.PathLike, mode: str = "r", *, direct: bool = True, regular: bool = False) -> File:
     """Open ``path`` for the aio engines.
 
     ``mode`` is one of r, r+, w, w+, x, x+ (as for ``open``) or a+ (read-write, created if
     missing, never truncated). New files get mode 0600. With ``direct=True`` the file is opened
     with O_DIRECT; where the filesystem refuses it (EINVAL) it is reopened buffered, with one
-    warning per filesystem.
+    warning per filesystem. With ``regular=True`` only a regular file is opened (see
+    `open_regular`): a symlink, a FIFO or a device raises OSError naming the path and what it is.
     """
     path = os.fspath(path)
     try:
@@ -103,15 +105,16 @@ def open_file(path: str | os.PathLike, mode: str = "r", *, direct: bool = True) 
     except KeyError:
         raise ValueError(f"{mode=} is not one of {sorted(_MODES)}") from None
     flags |= os.O_CLOEXEC
+    opener = open_regular if regular else _open_plain
     if direct:
         try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            fd = opener(path, flags | os.O_DIRECT, 0o600)
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            if e.errno != errno.EINVAL or isinstance(e, NotRegularFile):
                 raise
             # The kernel creates the file before it refuses O_DIRECT, so an exclusive create
             # must not insist again: EEXIST would have come before EINVAL had it existed.
-            fd = os.open(path, flags & ~os.O_EXCL, 0o600)
+            fd = opener(path, flags & ~os.O_EXCL, 0o600)
             dev = os.fstat(fd).st_dev
             if dev not in _warned_buffered:
                 _warned_buffered.add(dev)
@@ -122,8 +125,64 @@ def open_file(path: str | os.PathLike, mode: str = "r", *, direct: bool = True) 
             mem_align, offset_align = _dio_alignment(fd)
             return File(path, fd, True, mem_align, offset_align)
     else:
-        fd = os.open(path, flags, 0o600)
+        fd = opener(path, flags, 0o600)
     return File(path, fd, False, 1, 1)
+
+
+def _open_plain(path: str, flags: int, mode: int) -> int:
+    return os.open(path, flags, mode)
+
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def file_kind(mode: int) -> str:
+    """What ``st_mode`` says a file is, in words ("a FIFO (named pipe)", "a regular file")."""
+    return "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+class NotRegularFile(OSError):
+    """A path that `open_regular` refused: a symlink, FIFO, device, socket or directory."""
+
+
+def open_regular(path: str, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` that opens only a regular file, and never blocks doing so.
+
+    O_NOFOLLOW refuses a symlink in the last component (no byte of its target is read or
+    written) and O_NONBLOCK keeps the open of a FIFO from waiting for a writer; ``fstat`` right
+    after the open, before any read or write, refuses everything but a regular file. O_NONBLOCK
+    is cleared again (it means nothing for a regular file, but the caller asked for none).
+    Raises `NotRegularFile` (an OSError: ELOOP for a symlink, EINVAL otherwise) naming the
+    path and what it is.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):  # ENXIO: a FIFO opened write-only, no reader
+            try:
+                kind = file_kind(os.lstat(path).st_mode)
+            except OSError:
+                raise e from None
+            if kind != "a regular file":
+                raise NotRegularFile(e.errno, f"is {kind}, not a regular file: refused", path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL, f"is {file_kind(st.st_mode)}, not a regular file: refused", path)
+        if not flags & os.O_NONBLOCK:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def fd_info(fd: int) -> tuple[str, bool, int, int]:

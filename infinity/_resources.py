@@ -47,14 +47,19 @@ def open_io(cfg: TierConfig, rank: int, local_rank: int):
         if "nvme" in (cfg.tiers.params, cfg.tiers.grads, cfg.tiers.optimizer):
             cfg.nvme.check_paths()  # again: a drive may have gone since the config was made
             paths = list(cfg.nvme.resolve_paths(rank, local_rank))
-            for path in paths:  # "{rank}" templates name a directory per rank: make it
-                os.makedirs(path, mode=0o700, exist_ok=True)
+            for template, path in zip(cfg.nvme.paths, paths):
+                # "{rank}" templates name a directory per rank below the part the config
+                # checked: make it. A plain path's last component, when missing, is made by
+                # the swap space (its parent must exist: a mistyped mount point is not made).
+                if template.format(rank=0, local_rank=0) != template.format(rank=1, local_rank=1):
+                    os.makedirs(path, mode=0o700, exist_ok=True)
             # A run's swap is scratch: what a previous run left there is stale (a checkpoint, not
-            # the swap, is how a run resumes).
+            # the swap, is how a run resumes). At close the arenas shrink to what they hold, or
+            # go with nvme.keep = false (a key of the config once it has one).
             space = SwapSpace(
                 paths, rank=rank, engine=engine, pool=pool, verify=cfg.nvme.verify, fresh=True,
                 stripe_size=cfg.nvme.stripe_size, stripe_threshold=cfg.nvme.stripe_threshold,
-                grow_step=cfg.nvme.grow_step,
+                grow_step=cfg.nvme.grow_step, keep=getattr(cfg.nvme, "keep", True),
             )  # fmt: skip
     except BaseException:
         if pool is not None:
@@ -107,13 +112,23 @@ def check_host_budget(cfg: TierConfig, needs: dict[str, int], largest_unit_bytes
     bytes), naming the largest need and the settings that move it."""
     need, what = max((v, k) for k, v in needs.items())
     if need > cfg.memory.host_budget:
+        budget, need_s, unit, group = distinct_sizes(cfg.memory.host_budget, need, largest_unit_bytes,
+                                                     cfg.optimizer.sub_group_size)  # fmt: skip
         raise ValueError(
-            f"memory.host_budget={cfg.memory.host_budget / 2**20:.0f}MiB is less than the "
-            f"{need / 2**20:.0f}MiB the {what} needs with this model and config (largest unit "
-            f"{largest_unit_bytes / 2**20:.1f}MiB in fp32, optimizer.sub_group_size="
-            f"{cfg.optimizer.sub_group_size / 2**20:.0f}MiB, prefetch.depth={cfg.prefetch.depth}); "
+            f"memory.host_budget={budget} is less than the {need_s} the {what} needs with this model and "
+            f"config (largest unit {unit} in fp32, optimizer.sub_group_size={group}, "
+            f"prefetch.depth={cfg.prefetch.depth}); "
             "raise memory.host_budget, or lower optimizer.sub_group_size or prefetch.depth"
         )
+
+
+def distinct_sizes(*sizes: int) -> list[str]:
+    """``human_size`` of each of ``sizes``, except that sizes which differ but would read the
+    same ("1.0MiB" twice) are written in bytes: a message never shows two different figures as
+    equal (nor, as ``human_size`` never does, one that is not zero as zero)."""
+    text = [human_size(n) for n in sizes]
+    clash = {t for t in text if len({n for n, u in zip(sizes, text) if u == t}) > 1}
+    return [f"{n} bytes" if t in clash else t for n, t in zip(sizes, text)]
 
 
 def mem_available() -> int | None:
@@ -138,9 +153,10 @@ def check_host_memory(resident: dict[str, int], pool_bytes: int) -> None:
     if available is None or held == 0 or held + pool_bytes <= available:
         return
     parts = ", ".join(f"{kind} {human_size(n)}" for kind, n in resident.items() if n)
+    held_s, pool_s, available_s = distinct_sizes(held, pool_bytes, available)
     raise ValueError(
-        f"this placement keeps {human_size(held)} in host memory ({parts}) and its host buffers "
-        f"need {human_size(pool_bytes)} more, but the machine has {human_size(available)} available "
+        f"this placement keeps {held_s} in host memory ({parts}) and its host buffers "
+        f"need {pool_s} more, but the machine has {available_s} available "
         "(MemAvailable in /proc/meminfo); put more state on nvme ([tiers] params, grads, optimizer "
         '= "nvme"), or free memory'
     )

@@ -46,8 +46,9 @@ class ExtentAllocator:
 
     ``alignment`` (a power of two) applies to every offset and length: requests are rounded up
     to it. ``grow_step`` (a multiple of the alignment; 0 = never grow) is the least amount by
-    which the capacity grows when a request does not fit; ``max_capacity`` (None = unbounded)
-    caps growth. Best fit takes the smallest free extent that holds the request, the lowest
+    which the capacity grows when a request does not fit; with ``grow_floor`` the step is
+    instead the capacity itself (doubling), at least ``grow_floor`` and at most ``grow_step``, so
+    a small arena stays small. ``max_capacity`` (None = unbounded) caps growth. Best fit takes the smallest free extent that holds the request, the lowest
     offset among equals, and places the request at that extent's start, so that what is freed
     and asked for again in the same sizes lands where it was and the space does not creep.
     """
@@ -58,6 +59,7 @@ class ExtentAllocator:
         grow_step: int = 1 << 30,
         capacity: int = 0,
         max_capacity: int | None = None,
+        grow_floor: int | None = None,
     ):
         _check_int("alignment", alignment, minimum=1)
         if alignment & (alignment - 1):
@@ -73,8 +75,13 @@ class ExtentAllocator:
                 raise ValueError(f"{max_capacity=} is not a multiple of {alignment=}")
             if max_capacity < capacity:
                 raise ValueError(f"{max_capacity=} is below {capacity=}")
+        if grow_floor is not None:
+            _check_int("grow_floor", grow_floor, minimum=1)
+            if grow_floor % alignment:
+                raise ValueError(f"{grow_floor=} is not a multiple of {alignment=}")
         self.alignment = alignment
         self.grow_step = grow_step
+        self.grow_floor = grow_floor
         self.max_capacity = max_capacity
         self._capacity = 0
         # Free extents four ways: by start and by end (O(1) neighbour lookup when coalescing),
@@ -150,7 +157,10 @@ class ExtentAllocator:
         # growth is never more than the request's shortfall + grow_step.
         tail = self._free_end.get(self._capacity, self._capacity)
         needed = tail + size
-        new = max(self._capacity + self.grow_step, needed)
+        step = self.grow_step
+        if self.grow_floor is not None:
+            step = min(step, max(self.grow_floor, self._capacity))
+        new = max(self._capacity + step, needed)
         if self.max_capacity is not None:
             new = min(new, self.max_capacity)
         if self.grow_step == 0 or new < needed:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from infinity.aio import ALIGNMENT
 
-# How a SwapSpace uses xxh3-64 checksums. "off" and "checkpoint" (the same): a write computes one
-# only where its caller asks (checkpoints always do, and their loads check them); "always":
-# every write computes one and every read checks it.
+# When a SwapSpace's reads check the xxh3-64 checksum that every write records (see [Note:
+# checksums] in _manifest.py): "off" and "checkpoint", not on `get` ("checkpoint" is for the
+# layers above: checkpoint loads check); "always", every `get`.
 VERIFY_MODES = ("off", "checkpoint", "always")
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")

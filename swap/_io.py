@@ -15,6 +15,7 @@ Staging buffers come from the caller's allocator (the host buffer pool in a Swap
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -46,7 +47,8 @@ class Transfer:
     """The requests that move ``data`` (1-D uint8) to (``write``) or from its extents.
 
     ``wait()`` waits for every request, copies staged bytes home (reads), releases staging
-    and raises the first error; it is idempotent.
+    and raises the first error (an OSError naming ``name``, the tensor, and the file); it is
+    idempotent, and one interrupted (KeyboardInterrupt) may be called again: it then finishes.
     """
 
     def __init__(
@@ -58,7 +60,9 @@ class Transfer:
         *,
         write: bool,
         alloc: Allocator,
+        name: str = "",
     ):
+        self._name = name  # the tensor, for error messages
         self._data = data
         self._write = write
         self._staged: list[tuple[torch.Tensor, int, int, Callable[[], None]]] = []  # (buf, lo, hi, release)
@@ -116,18 +120,25 @@ class Transfer:
         return self._done or all(fut.done() for fut, *_ in self._requests)
 
     def _drain(self) -> OSError | None:
+        # Every step can run again after an interrupt: waiting on a future and copying staged
+        # bytes are idempotent, and a staging buffer leaves the list only once it is released.
         error = None
+        what = f"tensor {self._name!r}: " if self._name else ""
         for fut, length, file, offset in self._requests:
             try:
                 moved = fut.result()
             except OSError as e:
-                error = error or e
+                error = error or OSError(e.errno, f"{what}{e.strerror}", e.filename)
                 continue
             if moved != length and error is None:
+                try:
+                    ends = f", the file ends at byte {os.fstat(file.fileno()).st_size}"
+                except OSError:
+                    ends = ""
                 error = OSError(
                     errno.EIO,
-                    f"{'write' if self._write else 'read'} of {length} bytes at offset {offset} moved "
-                    f"{moved}: the arena file is shorter than its manifest says",
+                    f"{what}{'write' if self._write else 'read'} of {length} bytes at offset {offset} (to "
+                    f"{offset + length}) moved {moved}{ends}: the arena file is shorter than its manifest says",
                     file.path,
                 )
         if error is None and not self._write:
@@ -135,9 +146,9 @@ class Transfer:
             for buf, lo, _, _ in self._staged:
                 n = min(nbytes - lo, buf.numel())
                 self._data[lo : lo + n].copy_(buf[:n])
-        for _, _, _, release in self._staged:
-            release()
-        self._staged.clear()
+        while self._staged:
+            self._staged[-1][3]()  # release (idempotent), then forget
+            self._staged.pop()
         return error
 
     def wait(self) -> None:

@@ -5,6 +5,14 @@ Other directories' rank directories hold only arena files and a ``space.json`` t
 space, so a directory that belongs to another space is recognised. Everything a path in a
 manifest names is relative to a rank directory: the loader refuses anything else (absolute
 paths, separators, ``..``), so a tampered manifest cannot point the engine outside it.
+
+[Note: checksums]
+Every write of a tensor records the xxh3-64 of its bytes, whatever the space's ``verify`` says
+(that says only when reads check them). A version-2 manifest (what this code writes) therefore
+has a checksum for every tensor, and a record without one is damage: the loader refuses it,
+naming the tensor and the manifest. Version 1 (older infinity) wrote checksums only where asked;
+its records without one load only for a reader that says it accepts unchecked tensors
+(``allow_unchecked=True``: swap-inspect, which then reports them as not verified).
 """
 
 from __future__ import annotations
@@ -12,13 +20,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import tempfile
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
+from infinity.aio._files import file_kind, open_regular
 
 FORMAT = "infinity-swap"
-VERSION = 1
+VERSION = 2  # of the manifest; see [Note: checksums]
+READ_VERSIONS = (1, 2)  # manifests this code reads
+SPACE_VERSION = 1  # of space.json, unchanged since version 1
 MANIFEST_NAME = "manifest.json"
 SPACE_NAME = "space.json"
 
@@ -75,7 +88,7 @@ class TensorRecord:
     nbytes: int
     extents: tuple[Extent, ...]
     generation: int = 0  # times written
-    checksum: str | None = None  # "xxh3-64:<16 hex digits>" of the nbytes, or None
+    checksum: str | None = None  # "xxh3-64:<16 hex digits>" of the nbytes; None only in version 1
 
     @property
     def kind(self) -> str:
@@ -90,6 +103,7 @@ class Manifest:
     directories: int  # stripe members; member k is the space's k-th directory
     alignment: int
     generation: int = 0  # bumped by every write of the manifest
+    version: int = VERSION  # as read (1 or 2); every write is VERSION
     # Absolute path of each member's rank directory when last opened. Informational, for tools
     # (swap-inspect); a SwapSpace trusts the directories its caller gives, and a tool trusts a
     # member only if its space.json names this space. Arena paths stay relative (file names).
@@ -122,17 +136,25 @@ class Manifest:
             },
         }
 
+    def unchecked(self) -> list[str]:
+        """Names of the tensors without a checksum (only a version-1 manifest has any)."""
+        return [t.name for t in self.tensors.values() if t.checksum is None]
+
     @classmethod
-    def from_json(cls, data, source: str) -> "Manifest":
-        """Validate everything a reader will rely on; raise ManifestError naming the field."""
+    def from_json(cls, data, source: str, *, allow_unchecked: bool = False) -> "Manifest":
+        """Validate everything a reader will rely on; raise ManifestError naming the field.
+
+        A tensor without a checksum is refused (see [Note: checksums]), except in a version-1
+        manifest read with ``allow_unchecked``."""
         check = _Checker(source)
-        check.header(data)
+        version = check.header(data, READ_VERSIONS)
         m = cls(
             space_id=check.typed(data, "space_id", str),
             rank=check.count(data, "rank"),
             directories=check.count(data, "directories", minimum=1),
             alignment=check.count(data, "alignment", minimum=1),
             generation=check.count(data, "generation"),
+            version=version,
         )
         if m.alignment & (m.alignment - 1):
             check.fail("alignment", f"{m.alignment} is not a power of two")
@@ -144,7 +166,7 @@ class Manifest:
         m.members = members
         m.files = _check_files(check, check.typed(data, "files", list), m.directories)
         for name, t in check.typed(data, "tensors", dict).items():
-            m.tensors[name] = _check_tensor(check, name, t, m)
+            m.tensors[name] = _check_tensor(check, name, t, m, allow_unchecked)
         return m
 
 
@@ -165,9 +187,10 @@ def _check_files(check: "_Checker", files: list, directories: int) -> list[Arena
     return out
 
 
-def _check_tensor(check: "_Checker", name: str, t, m: Manifest) -> TensorRecord:
-    """One entry of ``tensors``: its dtype, shape and size agree, and its extents lie in the
-    manifest's files, aligned (see [Note: swap alignment]), holding exactly its bytes."""
+def _check_tensor(check: "_Checker", name: str, t, m: Manifest, allow_unchecked: bool) -> TensorRecord:
+    """One entry of ``tensors``: its dtype, shape and size agree, its extents lie in the
+    manifest's files, aligned (see [Note: swap alignment]), holding exactly its bytes, and it
+    has a checksum (see [Note: checksums])."""
     key = f"tensors[{name!r}]"
     t = check.typed({key: t}, key, dict)
     dtype = check.typed(t, "dtype", str, where=key)
@@ -186,7 +209,14 @@ def _check_tensor(check: "_Checker", name: str, t, m: Manifest) -> TensorRecord:
     if sum(e.nbytes for e in extents) != nbytes:
         check.fail(f"{key}.extents", f"extents hold {sum(e.nbytes for e in extents)} bytes, not {nbytes}")
     checksum = t.get("checksum")
-    if checksum is not None and not (isinstance(checksum, str) and re.fullmatch(r"xxh3-64:[0-9a-f]{16}", checksum)):
+    if checksum is None:
+        if m.version >= 2:
+            check.fail(f"{key}.checksum", f"missing: a version-{m.version} manifest records a checksum for every "
+                       "tensor, so this one is damaged (its bytes cannot be trusted)")  # fmt: skip
+        if not allow_unchecked:
+            check.fail(f"{key}.checksum", "none recorded (a version-1 manifest, written without checksums), so the "
+                       "tensor cannot be verified; only a reader that accepts unchecked tensors opens it")  # fmt: skip
+    elif not (isinstance(checksum, str) and re.fullmatch(r"xxh3-64:[0-9a-f]{16}", checksum)):
         check.fail(f"{key}.checksum", f"{checksum!r} is not 'xxh3-64:<16 hex digits>'")
     return TensorRecord(
         name=name, dtype=dtype, shape=shape, nbytes=nbytes, extents=tuple(extents),
@@ -217,13 +247,16 @@ class _Checker:
     def fail(self, key: str, why: str):
         raise ManifestError(f"{self.source}: {key}: {why}")
 
-    def header(self, data) -> None:
+    def header(self, data, versions: tuple[int, ...]) -> int:
         if not isinstance(data, dict):
             raise ManifestError(f"{self.source}: not a JSON object")
         if data.get("format") != FORMAT:
             self.fail("format", f"{data.get('format')!r} is not {FORMAT!r}: not an infinity swap manifest")
-        if data.get("version") != VERSION:
-            self.fail("version", f"unknown version {data.get('version')!r} (this infinity reads version {VERSION})")
+        version = data.get("version")
+        if type(version) is not int or version not in versions:
+            known = " and ".join(map(str, versions))
+            self.fail("version", f"unknown version {version!r} (this infinity reads version {known})")
+        return version
 
     def typed(self, data: dict, key: str, kind: type, where: str = ""):
         full = f"{where}.{key}" if where else key
@@ -279,13 +312,19 @@ def write_json_atomic(path: str, data: dict, *, before_rename=None) -> None:
 def write_bytes_atomic(path: str, data: bytes, *, before_rename=None) -> None:
     """Replace ``path`` by a file (0600) holding ``data``, as [Note: atomic manifest] says."""
     directory, base = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
+        fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create a temporary file to write {base}: {e.strerror}", path) from None
+    try:
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)
+        except OSError as e:  # ENOSPC, EIO: say which file (the temporary one is removed below)
+            raise OSError(e.errno, f"cannot write {len(data)} bytes: {e.strerror}", path) from None
         if before_rename is not None:
             before_rename(tmp)
         os.rename(tmp, path)
@@ -307,27 +346,76 @@ def fsync_dir(directory: str) -> None:
         os.close(dfd)
 
 
+MAX_JSON_DEPTH = 100  # arrays and objects; a manifest nests 5 deep, meta.json about as deep as its client_state
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
 def read_json(path: str):
+    """The JSON value in the regular file ``path``: what every reader of the swap and checkpoint
+    formats parses with. ManifestError names the path and the cause for anything else: not a
+    regular file (a FIFO is not waited on), bytes that are not UTF-8 (at which offset), invalid
+    JSON (line and column), a key twice in one object, nesting deeper than MAX_JSON_DEPTH."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # meta.json is read without `require_regular`
+        os.close(fd)
+        raise ManifestError(f"{path}: is {file_kind(mode)}, not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read()
     try:
-        with open(path) as f:
-            return json.load(f)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{path}: not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}") from None
+
+    def unique(pairs: list) -> dict:
+        obj = dict(pairs)
+        if len(obj) != len(pairs):  # json keeps the last silently; a tampered file may count on that
+            seen = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise ManifestError(f"{path}: key {key!r} appears twice in one object")
+                seen.add(key)
+        return obj
+
+    too_deep = f"{path}: nested more than {MAX_JSON_DEPTH} levels deep"
+    try:
+        data = json.loads(text, object_pairs_hook=unique)
     except json.JSONDecodeError as e:
-        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+        raise ManifestError(f"{path}: not valid JSON: {e.msg} (at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise ManifestError(too_deep) from None
+    # Valid JSON, so every bracket outside a string opens or closes a level.
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    if max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0) > MAX_JSON_DEPTH:
+        raise ManifestError(too_deep)
+    return data
 
 
-def load_manifest(path: str) -> Manifest:
-    return Manifest.from_json(read_json(path), path)
+def require_regular(path: str) -> None:
+    """Raise OSError naming ``path`` unless it is a regular file (not a symlink, a FIFO that
+    would block the reader forever, a device...): checked through an O_NOFOLLOW, non-blocking
+    open and fstat (`infinity.aio._files.open_regular`). ``read_json`` then opens it by name."""
+    os.close(open_regular(path, os.O_RDONLY | os.O_CLOEXEC))
+
+
+def load_manifest(path: str, *, allow_unchecked: bool = False) -> Manifest:
+    """The manifest at ``path``, checked (`Manifest.from_json`)."""
+    require_regular(path)
+    return Manifest.from_json(read_json(path), path, allow_unchecked=allow_unchecked)
 
 
 def space_json(space_id: str, rank: int, member: int, directories: int) -> dict:
-    return {"format": FORMAT, "version": VERSION, "space_id": space_id, "rank": rank, "member": member,
+    return {"format": FORMAT, "version": SPACE_VERSION, "space_id": space_id, "rank": rank, "member": member,
             "directories": directories}  # fmt: skip
 
 
 def load_space_json(path: str) -> dict:
+    require_regular(path)
     data = read_json(path)
     check = _Checker(path)
-    check.header(data)
+    check.header(data, (SPACE_VERSION,))
     check.typed(data, "space_id", str)
     for key in ("rank", "member", "directories"):
         check.count(data, key)

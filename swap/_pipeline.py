@@ -143,8 +143,7 @@ def _write_back(space: SwapSpace, item: Item, writes: WriteBehind) -> None:
     futures = []
     try:
         for tensor, name in zip(item.tensors, _members(item.name)):
-            checksum = space.info(name).checksum is not None or None
-            futures.append(space.put(name, tensor, checksum=checksum))
+            futures.append(space.put(name, tensor))
     except BaseException:
         _release(item.buffers[len(futures) :])
         if futures:

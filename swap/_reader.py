@@ -32,16 +32,20 @@ class SpaceReader:
     """Read the tensors of the rank whose primary rank directory is ``rank_dir``.
 
     ``engine``: an aio engine to read with (opened here, and closed by `close`, if None).
-    Raises FileNotFoundError when ``rank_dir`` has no manifest and ManifestError when the
-    manifest, or a member directory's space.json, cannot be trusted.
+    ``allow_unchecked``: open a version-1 manifest whose tensors lack checksums (see [Note:
+    checksums]); ``read(verify=True)`` of such a tensor then checks nothing, and the caller
+    must say so (swap-inspect does). Raises FileNotFoundError when ``rank_dir`` has no
+    manifest, ManifestError when the manifest, or a member directory's space.json, cannot be
+    trusted, and OSError naming the file when one is not a regular file.
     """
 
-    def __init__(self, rank_dir: str | os.PathLike, *, engine: aio.Engine | None = None):
+    def __init__(self, rank_dir: str | os.PathLike, *, engine: aio.Engine | None = None,
+                 allow_unchecked: bool = False):  # fmt: skip
         self.rank_dir = os.path.abspath(os.fspath(rank_dir))
         path = os.path.join(self.rank_dir, MANIFEST_NAME)
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise FileNotFoundError(2, "no swap manifest here (not a swap space rank directory)", path)
-        self.manifest: Manifest = load_manifest(path)
+        self.manifest: Manifest = load_manifest(path, allow_unchecked=allow_unchecked)
         # Member 0 is where the manifest lies, whatever path it was opened under before.
         self.member_dirs = [self.rank_dir, *self.manifest.members[1:]]
         for k, member in enumerate(self.member_dirs):
@@ -84,7 +88,7 @@ class SpaceReader:
     # -- reading ----------------------------------------------------------------------------
     def _file(self, index: int) -> aio.File:
         if index not in self._files:
-            self._files[index] = aio.open_file(self.file_path(index), "r")
+            self._files[index] = aio.open_file(self.file_path(index), "r", regular=True)
         return self._files[index]
 
     def read(self, name: str, *, verify: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,14 +101,18 @@ class SpaceReader:
         elif out.dtype != dtype or out.numel() * out.element_size() != record.nbytes or not out.is_contiguous():
             raise ValueError(f"out is {out.dtype} of {out.numel()} elements, tensor {name!r} is {record.dtype} {list(record.shape)}")
         data = out.reshape(-1).view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
-        files = {e.file: self._file(e.file) for e in record.extents}  # only the ones it lives in
-        Transfer(self.engine, files, record.extents, data, write=False, alloc=plain_alloc).wait()
+        try:
+            files = {e.file: self._file(e.file) for e in record.extents}  # only the ones it lives in
+        except OSError as e:
+            raise OSError(e.errno, f"tensor {name!r}: {e.strerror}", e.filename) from None
+        Transfer(self.engine, files, record.extents, data, write=False, alloc=plain_alloc, name=name).wait()
         if verify:
             self.check(record, data)
         return out
 
     def check(self, record: TensorRecord, data: torch.Tensor) -> None:
-        """Raise SwapCorruption unless ``data`` (the tensor's bytes) matches its checksum."""
+        """Raise SwapCorruption unless ``data`` (the tensor's bytes) matches its checksum. A
+        record without one (a version-1 manifest opened with ``allow_unchecked``) passes."""
         if record.checksum is None:
             return
         actual = checksum(data.numpy())

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import logging
 import os
+import stat
 import uuid
 from collections.abc import Callable, Sequence
 
 import torch
+from infinity.aio._files import file_kind, open_regular
 
 from infinity import aio
 
@@ -38,20 +41,29 @@ from ._manifest import (
 )
 from ._pool import HostBuffer, HostBufferPool
 
+logger = logging.getLogger("infinity.swap")
+
+# The arena grows by doubling from this size up to ``grow_step`` (see `SwapSpace`), so a small
+# space does not take a whole grow_step of disk.
+GROW_FLOOR = 1 << 20
+
 
 class SwapFuture:
     """Completion of one `SwapSpace.put` or `SwapSpace.get`.
 
-    ``result()`` waits, finishes the operation (for a get: copies staged bytes, checks the
-    checksum) and returns its value, or raises its error; every call after the first returns
-    or raises the same. ``done()`` polls.
+    ``result()`` waits, finishes the operation (for a put: records the tensor; for a get:
+    copies staged bytes, checks the checksum) and returns its value, or raises its error; every
+    call after the first returns or raises the same. ``done()`` polls. An interrupt
+    (KeyboardInterrupt) while ``result()`` waits or finishes leaves the future unfinished: the
+    next ``result()`` (or the space's `flush`/`close`, which finish every pending operation)
+    waits again and finishes it, so a caught Ctrl-C loses nothing.
     """
 
     __slots__ = ("_transfer", "_finish", "_value", "_error", "_finished")
 
     def __init__(self, transfer: Transfer | None, finish: Callable[[BaseException | None], object]):
         self._transfer = transfer
-        self._finish = finish  # finish(error) -> value; runs exactly once
+        self._finish = finish  # finish(error) -> value; may run again after an interrupt
         self._finished = False
         self._value = None
         self._error: BaseException | None = None
@@ -61,7 +73,8 @@ class SwapFuture:
 
     def result(self):
         if not self._finished:
-            self._finished = True
+            # Only Exceptions are the operation's outcome. KeyboardInterrupt and SystemExit
+            # propagate from here with nothing marked: the wait and the finish run again.
             error = None
             try:
                 if self._transfer is not None:
@@ -70,8 +83,9 @@ class SwapFuture:
                 error = e
             try:
                 self._value = self._finish(error)
-            except BaseException as e:  # noqa: BLE001 - kept and re-raised to every caller
+            except Exception as e:  # noqa: BLE001 - kept and re-raised to every caller
                 self._error = e
+            self._finished = True
             self._transfer = self._finish = None
         if self._error is not None:
             raise self._error
@@ -83,18 +97,27 @@ class SwapFuture:
 class SwapSpace:
     """Tensors stored under stable names in arena files under ``dirs`` (one per drive).
 
-    Each directory gets a per-rank subdirectory ``rank{rank}`` (0700) with a preallocated
-    arena file (0600) grown in ``grow_step`` steps, a ``space.json`` naming the space and a
-    lock held while the space is open; the first directory's also holds the manifest. A tensor
-    of ``stripe_threshold`` bytes or more is split over all directories in pieces of whole
-    ``stripe_size`` units, written and read in parallel; a smaller one goes to the directory
-    with the least data.
+    A directory of ``dirs`` that does not exist is created (0700) when its parent does. Each
+    gets a per-rank subdirectory ``rank{rank}`` (0700) with an arena file (0600), a
+    ``space.json`` naming the space and a lock held while the space is open; the first
+    directory's also holds the manifest. Two entries of ``dirs`` that are one directory (a
+    symlink to another entry, say) are an error. A tensor of ``stripe_threshold`` bytes or more
+    is split over all directories in pieces of whole ``stripe_size`` units, written and read in
+    parallel; a smaller one goes to the directory with the least data.
 
-    ``verify``: "off" (checksums only where `put` asks), "checkpoint" (the same; checkpoints
-    ask), "always" (every put computes one, every get checks it).
+    Arena files grow (preallocated) as tensors need room: by doubling from 1 MiB up to
+    ``grow_step`` at a time. `close` shrinks each to the end of its last tensor, so a closed
+    space takes the disk its tensors need; with ``keep=False`` it removes the space's files
+    (and the directories it created, once empty) instead: for scratch nothing reads later.
+
+    Every put records an xxh3-64 checksum of the tensor ([Note: checksums]). ``verify`` says
+    when reads check it: "off" and "checkpoint", never on `get` ("checkpoint" is for the layers
+    above: checkpoint loads check); "always", every `get`.
     Opening a directory that holds a manifest resumes that space; ``fresh=True`` first removes
-    the files the old manifest lists (nothing else). Files in a rank directory that a space
-    does not make are an error unless ``allow_foreign=True``.
+    the files the old manifest lists (or, when it cannot be read, the files whose names only a
+    swap space makes), nothing else. Files in a rank directory that a space does not make are an
+    error unless ``allow_foreign=True``. Only regular files are opened: an arena, manifest,
+    space.json or lock that is a symlink, a FIFO or a device is refused, naming it.
     """
 
     def __init__(
@@ -107,6 +130,7 @@ class SwapSpace:
         verify: str = "off",
         fresh: bool = False,
         allow_foreign: bool = False,
+        keep: bool = True,
         stripe_size: int = 1 << 20,
         stripe_threshold: int = 8 << 20,
         grow_step: int = 256 << 20,
@@ -124,6 +148,7 @@ class SwapSpace:
                 raise ValueError(f"{key}={value} must be a positive multiple of {ALIGNMENT}")
         self.verify = verify
         self.rank = rank
+        self.keep = keep
         self.stripe_size = stripe_size
         self.stripe_threshold = stripe_threshold
         self.grow_step = grow_step
@@ -131,6 +156,7 @@ class SwapSpace:
         self._locks: list[int] = []
         self._files: list[aio.File] = []
         self._allocs: list[ExtentAllocator] = []
+        self._made_dirs: list[str] = []  # swap directories this space created (removed with keep=False)
         self._pending: dict[str, list[SwapFuture]] = {}  # every unfinished put/get, by name
         self._writes: dict[str, SwapFuture] = {}  # the unfinished put of a name, if any
         self._failed: dict[str, BaseException] = {}  # names whose last write failed
@@ -139,8 +165,12 @@ class SwapSpace:
         self._own_pool = pool is None
         self.engine = engine
         self.pool = pool
+        self.rank_dirs: list[str] = []
         try:
-            self.rank_dirs = [self._prepare_dir(os.fspath(d), allow_foreign) for d in dirs]
+            paths = [os.fspath(d) for d in dirs]
+            _check_distinct(paths, [self._ensure_dir(p) for p in paths])
+            for path in paths:
+                self.rank_dirs.append(self._prepare_dir(path, allow_foreign))
             if self.engine is None:
                 self.engine = aio.open_engine(queue_depth=32 * len(dirs))
             if self.pool is None:
@@ -152,30 +182,40 @@ class SwapSpace:
         self._closed = False
 
     # -- setting up -------------------------------------------------------------------------
+    def _ensure_dir(self, directory: str) -> os.stat_result:
+        """``directory``'s stat, after creating it (0700) when it is missing and its parent is
+        there; a missing parent is an error naming it (a mistyped mount point is not made)."""
+        try:
+            st = os.stat(directory)
+        except FileNotFoundError:
+            parent = os.path.dirname(os.path.abspath(directory))
+            if not os.path.isdir(parent):
+                raise ValueError(
+                    f"swap directory {directory!r} does not exist, nor does its parent {parent!r}: create the "
+                    "parent (a swap space creates only the last component of its path)"
+                ) from None
+            try:
+                os.mkdir(directory, 0o700)
+                self._made_dirs.append(os.path.abspath(directory))
+            except FileExistsError:
+                pass  # made meanwhile by another rank
+            except OSError as e:
+                raise OSError(e.errno, f"cannot create the swap directory: {e.strerror}", directory) from None
+            st = os.stat(directory)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"swap directory {directory!r} is not a directory (it is {file_kind(st.st_mode)})")
+        return st
+
     def _prepare_dir(self, directory: str, allow_foreign: bool) -> str:
-        if not os.path.isdir(directory):
-            what = "does not exist" if not os.path.exists(directory) else "is not a directory"
-            raise ValueError(f"swap directory {directory!r} {what}")
         rank_dir = os.path.abspath(os.path.join(directory, f"rank{self.rank}"))
-        try:
-            os.makedirs(rank_dir, mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise OSError(e.errno, f"cannot create the swap rank directory: {e.strerror}", rank_dir) from None
-        if not os.access(rank_dir, os.W_OK):
-            raise PermissionError(errno.EACCES, "swap rank directory is not writable", rank_dir)
-        lock_path = os.path.join(rank_dir, LOCK_NAME)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise RuntimeError(
-                f"swap directory {rank_dir} is in use by another swap space (process {holder}); "
-                "each rank of each run needs its own directory"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        # A space closing with keep=False unlinks its lock file and removes its rank directory:
+        # one opened meanwhile is made again (a lock on an unlinked file excludes nobody).
+        for _ in range(10):
+            fd = self._lock(rank_dir)
+            if fd is not None:
+                break
+        else:
+            raise RuntimeError(f"swap directory {rank_dir}: its lock file kept being removed while it was opened")
         self._locks.append(fd)
         foreign = sorted(n for n in os.listdir(rank_dir) if not is_space_file(n))
         if foreign and not allow_foreign:
@@ -186,9 +226,67 @@ class SwapSpace:
             )
         return rank_dir
 
+    def _lock(self, rank_dir: str) -> int | None:
+        """Make ``rank_dir``, take its lock and write our pid into it: the lock's fd, or None
+        when the lock file was removed under us (try again). Every failure closes the fd."""
+        try:
+            os.makedirs(rank_dir, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot create the swap rank directory: {e.strerror}", rank_dir) from None
+        st = os.lstat(rank_dir)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"swap rank directory {rank_dir} is {file_kind(st.st_mode)}, not a directory")
+        if not os.access(rank_dir, os.W_OK):
+            raise PermissionError(errno.EACCES, "swap rank directory is not writable", rank_dir)
+        lock_path = os.path.join(rank_dir, LOCK_NAME)
+        try:
+            fd = open_regular(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            return None  # the rank directory went away (a space closing with keep=False)
+        except OSError as e:
+            if e.filename is None:
+                raise OSError(e.errno, f"cannot open the swap lock file: {e.strerror}", lock_path) from None
+            raise
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                raise RuntimeError(
+                    f"swap directory {rank_dir} is in use by another swap space (process {holder}); "
+                    "each rank of each run needs its own directory"
+                ) from None
+            try:
+                same = os.stat(lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                return None
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError as e:
+                raise OSError(e.errno, f"cannot write this process's id into the swap lock file: {e.strerror}",
+                              lock_path) from None  # fmt: skip
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def _open(self, fresh: bool) -> None:
         manifest_path = os.path.join(self.rank_dirs[0], MANIFEST_NAME)
-        old = load_manifest(manifest_path) if os.path.exists(manifest_path) else None
+        old = None
+        if os.path.lexists(manifest_path):
+            try:
+                old = load_manifest(manifest_path, allow_unchecked=fresh)  # fresh: only its file list is used
+            except (ManifestError, OSError) as e:
+                if not fresh:
+                    raise
+                # Scratch: an unreadable old manifest does not block. What it listed cannot be
+                # known, so the files whose names only a swap space makes are removed below.
+                logger.warning("swap manifest %s cannot be read (%s); fresh=True: removing the swap space files "
+                               "in %s by name", manifest_path, e, ", ".join(self.rank_dirs))  # fmt: skip
         if old is not None and fresh:
             self._remove_space(old)
             old = None
@@ -215,25 +313,41 @@ class SwapSpace:
         for f in old.files:
             if f.dir < len(self.rank_dirs):
                 path = os.path.join(self.rank_dirs[f.dir], f.name)
-                if os.path.exists(path):
+                if os.path.lexists(path):
                     os.unlink(path)
         for rank_dir in self.rank_dirs:
             for name in (SPACE_NAME, MANIFEST_NAME):
-                if os.path.exists(os.path.join(rank_dir, name)):
+                if os.path.lexists(os.path.join(rank_dir, name)):
                     os.unlink(os.path.join(rank_dir, name))
 
     def _create(self) -> None:
         space_id = uuid.uuid4().hex
         self._manifest = Manifest(space_id=space_id, rank=self.rank, directories=len(self.rank_dirs),
                                   alignment=ALIGNMENT, members=list(self.rank_dirs))  # fmt: skip
-        for k, rank_dir in enumerate(self.rank_dirs):
-            name = arena_name(0)
-            path = os.path.join(rank_dir, name)
-            self._files.append(aio.open_file(path, "x+"))
-            self._allocs.append(ExtentAllocator(alignment=ALIGNMENT, grow_step=self.grow_step))
-            self._manifest.files.append(ArenaFile(dir=k, name=name, size=0))
-            write_json_atomic(os.path.join(rank_dir, SPACE_NAME), space_json(space_id, self.rank, k, len(self.rank_dirs)))
-        self._write_manifest()
+        made: list[str] = []
+        try:
+            for k, rank_dir in enumerate(self.rank_dirs):
+                name = arena_name(0)
+                path = os.path.join(rank_dir, name)
+                self._files.append(aio.open_file(path, "x+", regular=True))
+                made.append(path)
+                self._allocs.append(self._allocator(0))
+                self._manifest.files.append(ArenaFile(dir=k, name=name, size=0))
+                marker = os.path.join(rank_dir, SPACE_NAME)
+                write_json_atomic(marker, space_json(space_id, self.rank, k, len(self.rank_dirs)))
+                made.append(marker)
+            self._write_manifest()
+        except BaseException:
+            for path in made:  # a half-made space would block the next open that is not fresh
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            raise
+
+    def _allocator(self, capacity: int) -> ExtentAllocator:
+        return ExtentAllocator(alignment=ALIGNMENT, grow_step=self.grow_step, capacity=capacity,
+                               grow_floor=min(GROW_FLOOR, self.grow_step))  # fmt: skip
 
     def _resume(self, old: Manifest) -> None:
         if old.directories != len(self.rank_dirs) or old.rank != self.rank:
@@ -250,18 +364,23 @@ class SwapSpace:
                 )
         self._manifest = old
         old.members = list(self.rank_dirs)
-        for f in old.files:
+        for i, f in enumerate(old.files):
             path = os.path.join(self.rank_dirs[f.dir], f.name)
-            file = aio.open_file(path, "r+")
+            file = aio.open_file(path, "r+", regular=True)
             size = file.size()
             if size < f.size or size % ALIGNMENT:
                 file.close()
+                lost = [(t.name, e) for t in old.tensors.values() for e in t.extents
+                        if e.file == i and e.offset + e.nbytes > size]  # fmt: skip
+                what = (f"; tensor {lost[0][0]!r} (bytes {lost[0][1].offset} to {lost[0][1].offset + lost[0][1].nbytes}) "
+                        f"lies past its end" + (f", and {len(lost) - 1} more tensors" if len(lost) > 1 else "")
+                        if lost else "")  # fmt: skip
                 raise ManifestError(
                     f"{path}: arena file is {size} bytes; the manifest says {f.size} "
-                    f"(a multiple of {ALIGNMENT}): the file was truncated or changed outside the space"
+                    f"(a multiple of {ALIGNMENT}): the file was truncated or changed outside the space{what}"
                 )
             self._files.append(file)
-            self._allocs.append(ExtentAllocator(alignment=ALIGNMENT, grow_step=self.grow_step, capacity=size))
+            self._allocs.append(self._allocator(size))
         for record in old.tensors.values():
             for e in record.extents:
                 self._allocs[e.file].reserve(e.offset, round_up(e.nbytes))
@@ -320,14 +439,18 @@ class SwapSpace:
 
     # -- the API ----------------------------------------------------------------------------
     def put(self, name: str, tensor: torch.Tensor, *, checksum: bool | None = None) -> SwapFuture:
-        """Write ``tensor`` under ``name`` (replacing what was there); do not modify the tensor
-        until the future is done. ``checksum``: None follows ``verify`` ("always": yes)."""
+        """Write ``tensor`` under ``name`` (replacing what was there), with its checksum (see
+        [Note: checksums]); do not modify the tensor until the future is done. ``checksum`` is
+        accepted as True or None for callers written when checksums were optional; False is
+        refused (every put records one)."""
         self._check_open()
+        if checksum is False:
+            raise ValueError("checksum=False: every put records the tensor's checksum; the space's verify "
+                             "says when reads check it")  # fmt: skip
         if not isinstance(name, str) or not name or "\0" in name:
             raise ValueError(f"tensor names are non-empty strings without NUL, got {name!r}")
         dtype = dtype_name(tensor.dtype)
         data = as_uint8(tensor)
-        want_checksum = self.verify == "always" if checksum is None else checksum
         self._settle(self._pending.get(name, ()))  # no read or write of the old bytes in flight
         old = self._records.get(name)
         plan = self._plan(data.numel())
@@ -345,26 +468,32 @@ class SwapSpace:
         self._records.pop(name, None)  # readable again once the write is done
         self._failed.pop(name, None)
         try:
-            transfer = Transfer(self.engine, self._files, extents, data, write=True, alloc=self._stage) if extents else None
+            transfer = Transfer(self.engine, self._files, extents, data, write=True, alloc=self._stage,
+                                name=name) if extents else None  # fmt: skip
         except BaseException as e:
             self._free(record)
             self._failed[name] = e
             raise
-        digest = compute_checksum(data.numpy()) if want_checksum else None  # overlaps the write
 
         def finish(error):
-            self._done_with(name, fut)
-            del self._writes[name]
-            if error is not None:
-                self._free(record)  # the bytes are not what the name says: forget it
+            # Each step may run again after an interrupt (see SwapFuture), so each is idempotent.
+            if error is None:
+                if record.checksum is None:  # put was interrupted before it computed it
+                    record.checksum = compute_checksum(data.numpy())
+                self._records[name] = record
+            elif self._failed.get(name) is not error:
                 self._failed[name] = error
+                self._free(record)  # the bytes are not what the name says: forget it
+            if self._writes.get(name) is fut:
+                del self._writes[name]
+            self._done_with(name, fut)
+            if error is not None:
                 raise error
-            record.checksum = digest
-            self._records[name] = record
 
         fut = SwapFuture(transfer, finish)
         self._pending.setdefault(name, []).append(fut)
         self._writes[name] = fut
+        record.checksum = compute_checksum(data.numpy())  # overlaps the write (tracked already)
         return fut
 
     def get(self, name: str, out: torch.Tensor | None = None, *, verify: bool | None = None,
@@ -372,7 +501,8 @@ class SwapSpace:
         """Read ``name``: into ``out`` (same dtype and shape; the result is ``out``) or, with
         ``out=None``, into a buffer from the pool (the result is a `HostBuffer`: use
         ``.view(dtype, shape)``, then ``release()`` it), waiting at most ``timeout`` seconds
-        for pool memory (PoolExhausted after). ``verify``: None follows the space."""
+        for pool memory (PoolExhausted after). ``verify``: check the checksum (SwapCorruption
+        on a mismatch); None follows the space's ``verify`` (checks only under "always")."""
         self._check_open()
         if name in self._writes:  # the engine does not order requests: read after the write
             self._settle([self._writes[name]])
@@ -388,28 +518,31 @@ class SwapSpace:
                     f"out is {out.dtype} {tuple(out.shape)}, tensor {name!r} is {dtype} {record.shape}"
                 )
             data = as_uint8(out)
-        check = (self.verify == "always" if verify is None else verify) and record.checksum is not None
+        check = self.verify == "always" if verify is None else verify
         try:
-            transfer = Transfer(self.engine, self._files, record.extents, data, write=False, alloc=self._stage) if record.extents else None
+            transfer = Transfer(self.engine, self._files, record.extents, data, write=False, alloc=self._stage,
+                                name=name) if record.extents else None  # fmt: skip
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
 
         def finish(error):
-            self._done_with(name, fut)
+            # An interrupt (not an Exception) keeps the lease: the next result() finishes.
             try:
                 if error is not None:
                     raise error
                 if check:
                     actual = compute_checksum(data.numpy())
                     if actual != record.checksum:
-                        first = record.extents[0]
+                        first = record.extents[0] if record.extents else Extent(0, 0, 0)
                         raise SwapCorruption(name, self._files[first.file].path, first.offset, record.checksum, actual)
-            except BaseException:
+            except Exception:
                 if lease is not None:
                     lease.release()
+                self._done_with(name, fut)
                 raise
+            self._done_with(name, fut)
             return out if lease is None else lease
 
         fut = SwapFuture(transfer, finish)
@@ -483,14 +616,65 @@ class SwapSpace:
             raise error
 
     def close(self) -> None:
-        """Flush and release everything; idempotent."""
+        """Flush, shrink each arena file to the end of its last tensor, and release everything;
+        with ``keep=False``, remove the space's files instead. Idempotent. An interrupt
+        (KeyboardInterrupt) while operations are being finished leaves the space open: a later
+        `close` finishes it."""
         if self._closed:
             return
+        error = self._settle_all()  # an interrupt here leaves everything as it was
         try:
-            self.flush()
+            if self.keep:
+                for file in self._files:
+                    os.fdatasync(file.fileno())
+                shrunk = self._shrink_manifest()
+                self._write_manifest()
+                for k, size in shrunk:  # after the manifest: a crash between leaves files longer, which is fine
+                    os.ftruncate(self._files[k].fileno(), size)
         finally:
             self._closed = True
-            self._release()
+            try:
+                if not self.keep:
+                    self._remove_files()
+            finally:
+                self._release()
+                if not self.keep:
+                    self._remove_dirs()
+        if error is not None:
+            raise error
+
+    def _shrink_manifest(self) -> list[tuple[int, int]]:
+        """Set each arena's size in the manifest to the end of its last extent (aligned); the
+        (file index, size) of those that shrink."""
+        shrunk = []
+        for k, alloc in enumerate(self._allocs):
+            used = alloc.used_extents()
+            end = used[-1][0] + used[-1][1] if used else 0
+            f = self._manifest.files[k]
+            if end < f.size:
+                self._manifest.files[k] = ArenaFile(f.dir, f.name, end)
+                shrunk.append((k, end))
+        return shrunk
+
+    def _remove_files(self) -> None:
+        """keep=False: unlink what this space made: its arenas, the manifest, the markers, the
+        locks (still held until `_release`) and temporary files of manifest writes."""
+        arenas = {(f.dir, f.name) for f in self._manifest.files}
+        for k, rank_dir in enumerate(self.rank_dirs):
+            for name in sorted(os.listdir(rank_dir)):
+                # An arena file the manifest does not list was not made by this space: left.
+                if (k, name) in arenas or (is_space_file(name) and not name.startswith("arena-")):
+                    try:
+                        os.unlink(os.path.join(rank_dir, name))
+                    except FileNotFoundError:
+                        pass
+
+    def _remove_dirs(self) -> None:
+        for d in [*self.rank_dirs, *reversed(self._made_dirs)]:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # not empty (foreign files, another rank's directory): left as it is
 
     def __enter__(self) -> "SwapSpace":
         return self
@@ -505,7 +689,7 @@ class SwapSpace:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"swap space {self.rank_dirs[0] if self._files else ''} is closed")
+            raise RuntimeError(f"swap space {self.rank_dirs[0] if self.rank_dirs else ''} is closed")
 
     def _done_with(self, name: str, fut: SwapFuture) -> None:
         futures = self._pending.get(name)
@@ -522,7 +706,7 @@ class SwapSpace:
         for fut in list(futures):
             try:
                 fut.result()
-            except (OSError, RuntimeError, ValueError, MemoryError):
+            except Exception:  # noqa: BLE001, S110 - an interrupt propagates; errors stay with the future
                 pass
 
     def _settle_all(self) -> BaseException | None:
@@ -531,7 +715,7 @@ class SwapSpace:
             for fut in list(self._pending.get(name, ())):
                 try:
                     fut.result()
-                except (OSError, RuntimeError, ValueError, MemoryError) as e:
+                except Exception as e:  # noqa: BLE001 - an interrupt propagates, the rest finish
                     first = first or e
         return first
 
@@ -543,17 +727,39 @@ class SwapSpace:
         write_json_atomic(os.path.join(self.rank_dirs[0], MANIFEST_NAME), m.to_json())
 
     def _release(self) -> None:
-        for file in self._files:
-            file.close()
-        self._files = []
+        """Close what is open: files, the pool and engine if owned, the locks; every step runs
+        (this is the cleanup of a failed open too, so it must not leak what a later step holds);
+        the first error is raised after."""
+        steps = [f.close for f in self._files]
         if self._own_pool and self.pool is not None:
-            self.pool.close()
+            steps.append(self.pool.close)
         if self._own_engine and self.engine is not None:
-            self.engine.close()
-        for fd in self._locks:
-            os.close(fd)  # releases the flock
-        self._locks = []
+            steps.append(self.engine.close)
+        steps += [lambda fd=fd: os.close(fd) for fd in self._locks]  # releases the flock
+        self._files, self._locks = [], []
+        error = None
+        for step in steps:
+            try:
+                step()
+            except BaseException as e:  # noqa: BLE001 - the rest still run
+                error = error or e
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._records)} tensors"
         return f"SwapSpace({self.rank_dirs!r}, rank={self.rank}, {state})"
+
+
+def _check_distinct(paths: list[str], stats: list[os.stat_result]) -> None:
+    """Refuse two entries of ``paths`` that are one directory (one a symlink to the other, a
+    bind mount of it): the space would lock the same rank directory twice."""
+    seen: dict[tuple[int, int], str] = {}
+    for path, st in zip(paths, stats):
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            raise ValueError(
+                f"swap directories {seen[key]!r} and {path!r} are the same directory ({os.path.realpath(path)}): "
+                "give each drive's directory once"
+            )
+        seen[key] = path

@@ -12,7 +12,8 @@ Each write holds the buffers it writes from (anything with ``release()``: a pool
 store lease) until it has completed; then they go back, whether the write succeeded or not.
 An error is raised by the call that finishes its write (the next `add` beyond the limit,
 `settle`, `poll` or `drain`), never dropped. `drain` finishes every write, also after an
-error, so no buffer is left in flight.
+error, so no buffer is left in flight. An interrupt (KeyboardInterrupt) while a write is waited
+for leaves it tracked, its buffers held: the next call that finishes writes finishes it.
 """
 
 from __future__ import annotations
@@ -51,16 +52,21 @@ class WriteBehind:
         replaces it)."""
         futures = [futures] if hasattr(futures, "result") else list(futures)
         if key is None:
-            key = ("#", self._count)
-            self._count += 1
+            key = self._new_key()
         elif key in self._queue:
             try:
                 self.settle(key)
             except BaseException:
-                _release(buffers)
+                # The new write is in flight already: tracked (under a key of its own if the old
+                # one is still there after an interrupt), its buffers held until it completes.
+                self._queue[key if key not in self._queue else self._new_key()] = (futures, list(buffers))
                 raise
         self._queue[key] = (futures, list(buffers))
         self.poll(keep=self.limit)
+
+    def _new_key(self) -> Hashable:
+        self._count += 1
+        return ("#", self._count - 1)
 
     def settle(self, key: Hashable) -> None:
         """Finish the write under ``key`` if one is in flight (raising its error)."""
@@ -78,12 +84,13 @@ class WriteBehind:
             self._finish(oldest)
 
     def drain(self) -> None:
-        """Finish every write; raise the first error once all have finished."""
+        """Finish every write; raise the first error once all have finished (an interrupt at
+        once, the writes not yet finished still tracked)."""
         error = None
         while self._queue:
             try:
                 self._finish(next(iter(self._queue)))
-            except BaseException as e:  # noqa: BLE001 - every buffer goes back; the first error is raised
+            except Exception as e:  # noqa: BLE001 - every buffer goes back; the first error is raised
                 error = error or e
         if error is not None:
             raise error
@@ -103,18 +110,17 @@ class WriteBehind:
         return key in self._queue
 
     def _finish(self, key: Hashable) -> None:
-        futures, buffers = self._queue.pop(key)
-        try:
-            error = None
-            for fut in futures:  # every future of the write is waited for, even after one failed
-                try:
-                    fut.result()
-                except BaseException as e:  # noqa: BLE001 - raised below
-                    error = error or e
-            if error is not None:
-                raise error
-        finally:
-            _release(buffers)
+        futures, buffers = self._queue[key]
+        error = None
+        for fut in futures:  # every future of the write is waited for, even after one failed
+            try:
+                fut.result()  # an interrupt propagates: the write stays queued, its buffers held
+            except Exception as e:  # noqa: BLE001 - raised below
+                error = error or e
+        del self._queue[key]
+        _release(buffers)
+        if error is not None:
+            raise error
 
 
 def _release(buffers) -> None:

@@ -25,7 +25,6 @@ from infinity.swap import (
     SPACE_NAME,
     ManifestError,
     SpaceReader,
-    SwapCorruption,
     human_size,  # sizes for people (the tests import it from here too)
     is_space_file,
 )
@@ -64,13 +63,35 @@ def open_readers(rank_dirs: list[str], engine: aio.Engine) -> list[SpaceReader]:
     readers: list[SpaceReader] = []
     try:
         for d in rank_dirs:
-            readers.append(SpaceReader(d, engine=engine))
+            readers.append(SpaceReader(d, engine=engine, allow_unchecked=True))  # --verify reports those
+            check_sizes(readers[-1])
     except (ManifestError, OSError) as e:
         for r in readers:
             r.close()
         where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
         raise BadInput(where + (e.strerror if isinstance(e, OSError) and e.strerror else str(e))) from None
     return sorted(readers, key=lambda r: (r.manifest.rank, r.rank_dir))
+
+
+def check_sizes(reader: SpaceReader) -> None:
+    """Refuse what the manifest loader lets through but a read would trip on: a shape with
+    more elements than a tensor can hold (torch refuses to allocate it whatever its nbytes),
+    an extent past the end of its arena file as the manifest sizes it (the engine's resume
+    refuses that too). ManifestError names the field, as the loader does."""
+    m, where = reader.manifest, os.path.join(reader.rank_dir, MANIFEST_NAME)
+    for t in m.tensors.values():
+        key = f"tensors[{t.name!r}]"
+        if math.prod(d for d in t.shape if d) > _INT64_MAX:  # torch multiplies the sizes before a 0 too
+            raise ManifestError(f"{where}: {key}.shape: {list(t.shape)} is no tensor's shape (its sizes multiply "
+                                "past 2**63 - 1)")  # fmt: skip
+        for j, e in enumerate(t.extents):
+            size = m.files[e.file].size
+            if e.offset + e.nbytes > size:
+                raise ManifestError(f"{where}: {key}.extents[{j}]: {e.nbytes} bytes at offset {e.offset} "
+                                    f"end past arena file {e.file} ({size} bytes)")  # fmt: skip
+
+
+_INT64_MAX = (1 << 63) - 1
 
 
 def checkpoint_summary(directory: str) -> dict | None:
@@ -173,14 +194,20 @@ def print_summary(s: dict) -> None:
 
 # -- reading tensors back ---------------------------------------------------------------------
 def read_back(reader: SpaceReader, name: str, record: dict) -> torch.Tensor | None:
-    """Read ``name`` with its checksum checked; set record's status ("ok", "unverified",
-    "bad") and, when bad, its error (SwapCorruption or the I/O error)."""
+    """Read ``name`` with its checksum checked; set record's status ("ok", "unverified": read
+    but without a checksum to check, "bad") and, when bad or unverified, its error: the
+    SwapCorruption, the I/O error, or why there was nothing to check against."""
     try:
         tensor = reader.read(name, verify=True)
-    except OSError as e:  # SwapCorruption is one, and names the tensor
-        record.update(status="bad", error=str(e) if isinstance(e, SwapCorruption) else f"tensor {name!r}: {e}")
+    except OSError as e:  # SwapCorruption is one; the reader's errors name the tensor
+        text = str(e)
+        record.update(status="bad", error=text if f"tensor {name!r}" in text else f"tensor {name!r}: {text}")
         return None
-    record["status"] = "ok" if record["checksum"] else "unverified"
+    if record["checksum"]:
+        record["status"] = "ok"
+    else:
+        record.update(status="unverified", error=f"tensor {name!r}: no checksum recorded (a version-"
+                      f"{reader.manifest.version} manifest), so its bytes could not be checked")  # fmt: skip
     return tensor
 
 
@@ -191,14 +218,17 @@ def verify(readers: list[SpaceReader], summaries: list[dict], quiet: bool) -> di
     try:
         for reader, t in jobs:
             progress.show(f"tensors, {human_size(done)} of {human_size(total)}")
-            if read_back(reader, t["name"], t) is None and not quiet:
+            read_back(reader, t["name"], t)
+            if t["status"] != "ok" and not quiet:
                 progress.clear()
-                print(f"BAD rank {reader.manifest.rank}: {t['error']}", flush=True)
+                label = "BAD" if t["status"] == "bad" else "NOT VERIFIED"
+                print(f"{label} rank {reader.manifest.rank}: {t['error']}", flush=True)
             progress.done, done = progress.done + 1, done + t["nbytes"]
     finally:
         progress.clear()
     statuses = [t["status"] for _, t in jobs]
-    return dict(tensors=len(jobs), bad=statuses.count("bad"), unverified=statuses.count("unverified"))
+    return dict(tensors=len(jobs), verified=statuses.count("ok"), bad=statuses.count("bad"),
+                unverified=statuses.count("unverified"))  # fmt: skip
 
 
 def tensor_stats(tensor: torch.Tensor) -> dict:
@@ -284,9 +314,10 @@ output:
   extents), offset of the first extent, checksum ("-" if none).
   --verify: afterwards reads every tensor back (through the aio engine) and checks its
   checksum; prints a BAD line per mismatch (tensor, file, offset of its first extent) or
-  read error, then "N tensors verified, M bad, K without checksum" (N counts every tensor
-  read; those K were read but have nothing to check against). A progress bar goes to
-  stderr when it is a terminal.
+  read error (an arena that is missing, short, a FIFO or a symlink), a NOT VERIFIED line per
+  tensor that has no checksum to check against (only a version-1 manifest, from an older
+  infinity, has such tensors), then "N tensors: V verified, M bad, K not verified (no
+  checksum)". A progress bar goes to stderr when it is a terminal.
   --tensor NAME: that tensor's record on each rank that holds it (dtype, shape, bytes,
   generation, checksum, every extent's file and offset) and, read back with its checksum
   checked, min, max, mean and L2 norm of its finite elements (in float64; of |x| for
@@ -297,15 +328,18 @@ output:
   "leaked_bytes", "leaked": [{"path", "size", "why"}], "kinds", "tensors": [{"name",
   "kind", "dtype", "shape", "nbytes", "generation", "checksum", "extents": [[file, offset,
   nbytes]], with --verify "status" (ok, unverified, bad) and "error"}]}], with --verify
-  "verify": {"tensors", "bad", "unverified"}}; with --tensor {"path", "tensor", "records":
+  "verify": {"tensors", "verified", "bad", "unverified"}}; with --tensor {"path", "tensor", "records":
   [the record, "status", "error", "stats"]}.
 
 exit status:
-  0 inspected (and with --verify or --tensor, every checksum matched);
-  1 a checksum mismatch or an error reading a tensor back;
-  2 DIR missing or not a swap space, a manifest or space.json that cannot be trusted
-  (unknown version, bad field, a path that escapes the space, a member of another space),
-  an unreadable member, an unknown --tensor NAME; 130 interrupted.
+  0 inspected (and with --verify or --tensor, every checksum matched; with --verify, every
+  tensor had one);
+  1 a checksum mismatch, an error reading a tensor back, or (--verify) a tensor that could
+  not be verified for want of a checksum;
+  2 DIR missing or not a swap space, a manifest, space.json or meta.json that cannot be
+  trusted (not UTF-8 or not JSON, a key twice, nested too deep, unknown version, bad field,
+  a shape or extent no tensor can have, a path that escapes the space, a member of another
+  space), an unreadable member, an unknown --tensor NAME; 130 interrupted.
 """
 
 
@@ -349,10 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.verify:
                 result["verify"] = v = verify(readers, summaries, quiet=args.json)
                 if not args.json:
-                    print(f"{v['tensors']} tensors verified, {v['bad']} bad, {v['unverified']} without checksum")
+                    print(f"{v['tensors']} tensors: {v['verified']} verified, {v['bad']} bad, "
+                          f"{v['unverified']} not verified (no checksum)")  # fmt: skip
             if args.json:
                 print(json.dumps(result))
-            return int(bool(args.verify and v["bad"]))
+            return int(bool(args.verify and (v["bad"] or v["unverified"])))
     except BadInput as e:
         print(f"swap-inspect: error: {e}", file=sys.stderr)
         return 2

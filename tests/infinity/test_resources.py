@@ -1,6 +1,7 @@
 """What a run opens and the memory checks at initialize; the cpu tier's bytes in stats()."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -46,3 +47,42 @@ def test_the_cpu_tier_reports_the_bytes_it_holds(tmp_path):
         if torch.cuda.is_available():  # pinned, so the copies to the device are asynchronous
             lease = engine.param_store.get(engine.units[0].name).result()
             assert lease.tensor.is_pinned()
+
+
+def test_a_small_host_budget_is_refused_with_figures_that_differ_and_are_not_zero(tmp_path):
+    """600K used to read "host_budget=1MiB is less than the 1MiB" and "largest unit 0.0MiB"."""
+    with pytest.raises(ValueError) as info:
+        infinity.initialize(make_model(width=128), config(tmp_path, ("nvme", "nvme", "nvme"),
+                                                          memory={"host_budget": "600K"}))  # fmt: skip
+    message = str(info.value)
+    m = re.search(r"memory\.host_budget=(\S+) is less than the (\S+) the .* \(largest unit (\S+) in fp32", message)
+    assert m, message
+    budget, need, unit = m.groups()
+    assert budget == "600KiB" and need != budget, message
+    assert not re.fullmatch(r"0(\.0+)?[KMG]?i?B", unit), message
+
+
+def test_sizes_that_would_read_the_same_are_written_in_bytes():
+    cfg = infinity.TierConfig.from_dict({"memory": {"host_budget": (1 << 20) + 100}})
+    with pytest.raises(ValueError, match=r"host_budget=1048676 bytes is less than the 1052672 bytes the optimizer step"):
+        _resources.check_host_budget(cfg, {"optimizer step": (1 << 20) + 4096}, 100)
+    assert _resources.distinct_sizes(614400, 1 << 20, 3) == ["600KiB", "1MiB", "3B"]
+
+
+def test_a_run_leaves_its_arena_no_larger_than_its_state(tmp_path):
+    """The arena used to stay at grow_step (256 MiB here) after close; a few dozen small runs
+    filled 15 GB. It is shrunk to what the state needs."""
+    cfg = config(tmp_path, ("nvme", "nvme", "nvme"), nvme={"grow_step": "256MiB"})
+    with infinity.initialize(make_model(), cfg) as engine:
+        train(engine, 1)
+    arena = tmp_path / "rank0" / "arena-0.bin"
+    assert arena.stat().st_blocks * 512 <= 1 << 20, arena.stat()
+
+
+def test_a_stale_unreadable_swap_manifest_does_not_block_initialize(tmp_path):
+    """The engine's swap is scratch (fresh): an old manifest it cannot parse is not a reason to stop."""
+    (tmp_path / "rank0").mkdir(mode=0o700)
+    (tmp_path / "rank0" / "manifest.json").write_bytes(b'{"format": "infinity-swap", "tensors": [')
+    (tmp_path / "rank0" / "arena-0.bin").write_bytes(b"\0" * 4096)
+    with infinity.initialize(make_model(), config(tmp_path, ("nvme", "nvme", "nvme"))) as engine:
+        train(engine, 1)

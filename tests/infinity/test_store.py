@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from infinity._stats import Stats
-from infinity._store import Store, stream_together
+from infinity._store import Pending, Store, stream_together
 from infinity.swap import HostBufferPool, SwapSpace
 
 TIERS = ("device", "cpu", "nvme")
@@ -102,3 +102,46 @@ def test_only_nvme_uses_the_pool_and_only_resident_tiers_hold_bytes(space):
     assert {t: s.held_bytes for t, s in by_tier.items()} == {"device": 1024, "cpu": 1024, "nvme": 0}
     cpu = torch.device("cpu")
     assert {t: s.in_place_on(cpu) for t, s in by_tier.items()} == {"device": True, "cpu": True, "nvme": False}
+
+
+def test_an_interrupted_put_finishes_on_the_next_result_and_keeps_its_staged_copy(space, monkeypatch):
+    """A caught Ctrl-C while a write is awaited loses nothing (the interrupt is injected)."""
+    from infinity.swap import _io
+
+    real, armed = _io.Transfer.wait, [True]
+
+    def wait(self):
+        if armed:
+            armed.pop()
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(_io.Transfer, "wait", wait)
+    store = _store("nvme", space)
+    pending = store.put("0", torch.arange(1000.0), copy=True)  # from a pool copy
+    with pytest.raises(KeyboardInterrupt):
+        pending.result()
+    assert space.pool.in_use_bytes > 0  # the copy is kept while the write may still read it
+    pending.result()
+    assert space.pool.in_use_bytes == 0
+    lease = store.get("0").result()
+    assert torch.equal(lease.tensor, torch.arange(1000.0))
+    lease.release()
+    space.flush()
+    assert "0/param" in space.names()
+
+
+def test_a_failed_operation_raises_on_every_result():
+    """A second result() used to return None after the first raised."""
+
+    class Failing:
+        def result(self):
+            raise OSError(5, "Input/output error", "arena-0.bin")
+
+        def done(self):
+            return True
+
+    failed = Pending(Failing())
+    for _ in range(2):
+        with pytest.raises(OSError, match="Input/output error"):
+            failed.result()

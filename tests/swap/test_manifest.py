@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import re
+import signal
 
 import pytest
 import torch
@@ -94,3 +97,84 @@ def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path):
     assert _manifest.read_json(path) == {"v": 1}
     assert os.listdir(tmp_path) == ["m.json"]  # the temporary file is gone too
     assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+# -- read_json: what every reader of the swap and checkpoint formats parses with ---------------
+@contextlib.contextmanager
+def _fails_after(seconds: float):
+    """Turn a hang (an open that waits on a FIFO for a writer) into a failure."""
+
+    def hung(signum, frame):
+        raise TimeoutError(f"still blocked after {seconds}s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _closed_space(open_space, dirs) -> str:
+    (path,) = dirs(1)
+    open_space(paths=[path]).close()
+    return path
+
+
+@pytest.mark.parametrize("name", [swap.MANIFEST_NAME, swap.SPACE_NAME])
+def test_bytes_that_are_not_utf8_are_refused_naming_the_file_and_offset(open_space, dirs, name):
+    path = _closed_space(open_space, dirs)
+    file = os.path.join(path, "rank0", name)
+    with open(file, "rb") as f:
+        raw = f.read()
+    at = raw.index(b'"space_id"') + 1
+    with open(file, "wb") as f:
+        f.write(raw[:at] + b"\xff" + raw[at + 1 :])
+    with pytest.raises(swap.ManifestError, match=rf"^{re.escape(file)}: not UTF-8: byte 0xff at offset {at}$"):
+        open_space(paths=[path])  # what the engine's resume opens
+
+
+def test_a_key_twice_is_refused(open_space, dirs):
+    """json keeps the last of two equal keys; a tampered manifest could hide a value behind it."""
+    path = _closed_space(open_space, dirs)
+    file = os.path.join(path, "rank0", swap.MANIFEST_NAME)
+    with open(file) as f:
+        text = f.read()
+    with open(file, "w") as f:
+        f.write(text.replace("{", '{"rank":1,', 1))
+    with pytest.raises(swap.ManifestError, match=rf"^{re.escape(file)}: key 'rank' appears twice in one object$"):
+        open_space(paths=[path])
+
+
+@pytest.mark.parametrize("depth", [_manifest.MAX_JSON_DEPTH + 1, 100_000])  # the limit; past the recursion limit
+def test_nesting_deeper_than_the_limit_is_refused(tmp_path, depth):
+    p = tmp_path / "manifest.json"
+    p.write_text('{"a":' + "[" * (depth - 1) + "]" * (depth - 1) + "}")
+    limit = _manifest.MAX_JSON_DEPTH
+    with pytest.raises(swap.ManifestError, match=f"manifest.json: nested more than {limit} levels deep"):
+        _manifest.load_manifest(str(p))
+
+
+def test_nesting_up_to_the_limit_reads_and_brackets_in_strings_do_not_count(tmp_path):
+    p = tmp_path / "m.json"
+    inner = '"[[[{{ \\" [[["'  # brackets and an escaped quote inside a string
+    p.write_text('{"a":' + "[" * (_manifest.MAX_JSON_DEPTH - 1) + inner + "]" * (_manifest.MAX_JSON_DEPTH - 1) + "}")
+    data = _manifest.read_json(str(p))
+    for _ in range(_manifest.MAX_JSON_DEPTH):
+        data = data["a"] if isinstance(data, dict) else data[0]
+    assert data == '[[[{{ " [[['
+
+
+def test_invalid_json_names_the_line_and_column(tmp_path):
+    p = tmp_path / "manifest.json"
+    p.write_text('{\n  "format": "infinity-swap",\n  "version": 1,\n}\n')
+    with pytest.raises(swap.ManifestError, match=r"manifest.json: not valid JSON: .* \(at line 4, column 1\)$"):
+        _manifest.load_manifest(str(p))
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "meta.json"  # meta.json has no loader of its own: read_json guards it
+    os.mkfifo(fifo)
+    with _fails_after(5), pytest.raises(swap.ManifestError, match=r"meta.json: is a FIFO.*, not a regular file"):
+        _manifest.read_json(str(fifo))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -194,12 +195,43 @@ def test_corruption_is_found_on_get_with_verify_always(open_space, dirs):
     assert "w/param" in str(err) and arena in str(err)
 
 
-def test_checksums_follow_the_verify_mode(open_space):
-    off = open_space(verify="off")
-    off.put("a", torch.zeros(10)).result()
-    off.put("b", torch.zeros(10), checksum=True).result()
-    assert off.info("a").checksum is None
-    assert off.info("b").checksum.startswith("xxh3-64:")
+@pytest.mark.parametrize("verify", swap.VERIFY_MODES)
+def test_every_put_records_a_checksum_whatever_verify_says(open_space, dirs, verify):
+    (path,) = dirs(1)
+    space = open_space(paths=[path], verify=verify)
+    space.put("a", torch.zeros(10)).result()
+    space.put("b", torch.zeros(10), checksum=True).result()  # the old way of asking: still fine
+    space.put("empty", torch.zeros(0)).result()
+    space.flush()
+    data = json.load(open(os.path.join(path, "rank0", "manifest.json")))
+    assert data["version"] == 2
+    assert all(t["checksum"].startswith("xxh3-64:") for t in data["tensors"].values())
+
+
+def test_a_put_without_a_checksum_is_refused(open_space):
+    with pytest.raises(ValueError, match="checksum=False: every put records"):
+        open_space().put("a", torch.zeros(10), checksum=False)
+
+
+@pytest.mark.parametrize("verify", ["off", "checkpoint"])
+def test_get_checks_the_checksum_when_asked_or_under_verify_always(open_space, dirs, verify):
+    (path,) = dirs(1)
+    space = open_space(paths=[path], verify=verify)
+    t = _random((50_000,), torch.float32)
+    space.put("w/param", t).result()
+    space.flush()
+    _flip(os.path.join(path, "rank0", "arena-0.bin"), space.info("w/param").extents[0].offset + 99)
+    space.get("w/param", torch.empty_like(t)).result()  # not checked under off and checkpoint
+    with pytest.raises(swap.SwapCorruption, match="w/param"):
+        space.get("w/param", torch.empty_like(t), verify=True).result()
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def test_fresh_removes_only_the_space_files(open_space, dirs):
@@ -231,9 +263,17 @@ def test_a_directory_in_use_is_refused(open_space, dirs):
         open_space(paths=[path])
 
 
-def test_missing_directory_is_a_clear_error(open_space, tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
-        open_space(paths=[str(tmp_path / "nope")])
+def test_a_missing_directory_whose_parent_exists_is_created_private(open_space, tmp_path):
+    space = open_space(paths=[str(tmp_path / "swap")])
+    space.put("x", torch.zeros(10)).result()
+    assert os.stat(tmp_path / "swap").st_mode & 0o777 == 0o700
+
+
+def test_a_missing_parent_is_an_error_naming_it(open_space, tmp_path):
+    parent = str(tmp_path / "not-mounted")
+    with pytest.raises(ValueError, match=rf"nor does its parent '{re.escape(parent)}'"):
+        open_space(paths=[os.path.join(parent, "swap")])
+    assert not os.path.exists(parent)
 
 
 def test_files_and_directories_are_private(open_space, dirs):
@@ -279,7 +319,7 @@ def test_manifest_lists_what_was_written(open_space, dirs):
     space.put("enc.layers.0.weight/param", torch.zeros(3, 5, dtype=torch.float16)).result()
     space.flush()
     data = json.load(open(os.path.join(path, "rank0", "manifest.json")))
-    assert data["format"] == "infinity-swap" and data["version"] == 1
+    assert data["format"] == "infinity-swap" and data["version"] == 2
     entry = data["tensors"]["enc.layers.0.weight/param"]
     assert entry["dtype"] == "float16" and entry["shape"] == [3, 5] and entry["nbytes"] == 30
     assert entry["checksum"].startswith("xxh3-64:")

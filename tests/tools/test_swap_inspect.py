@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infinity.swap import MANIFEST_NAME, SwapSpace, dtype_name
+from infinity.swap import MANIFEST_NAME, SPACE_NAME, SwapSpace, dtype_name
 from infinity.tools import swap_inspect
 from infinity.tools.swap_inspect import human_size, main
 
@@ -25,15 +26,24 @@ ALIGN = 4096
 
 def build_space(dirs: list[Path], tensors: dict[str, torch.Tensor], *, rank: int = 0,
                 no_checksum: tuple[str, ...] = ()) -> Path:  # fmt: skip
-    """Write ``tensors`` (checksummed unless named in ``no_checksum``) into a new swap space
-    over ``dirs``; return member 0's rank directory. Tensors of 2 units or more are striped."""
+    """Write ``tensors`` into a new swap space over ``dirs``; return member 0's rank directory.
+    Tensors of 2 units or more are striped. Every write records a checksum, so those named in
+    ``no_checksum`` lose theirs afterwards, the manifest made version 1 (an older infinity's,
+    which wrote checksums only where asked)."""
     for d in dirs:
         d.mkdir(exist_ok=True)
     with SwapSpace([str(d) for d in dirs], rank=rank, stripe_size=ALIGN, stripe_threshold=2 * ALIGN,
                    grow_step=16 * ALIGN, host_budget=1 << 20) as space:  # fmt: skip
         for name, t in tensors.items():
-            space.put(name, t, checksum=name not in no_checksum).result()
-        return Path(space.rank_dirs[0])
+            space.put(name, t).result()
+        rank_dir = Path(space.rank_dirs[0])
+    if no_checksum:
+        m = manifest_of(rank_dir)
+        m["version"] = 1
+        for name in no_checksum:
+            m["tensors"][name]["checksum"] = None
+        (rank_dir / MANIFEST_NAME).write_text(json.dumps(m))
+    return rank_dir
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:
@@ -116,7 +126,7 @@ def test_json_summary(space, capsys):
     assert [f["status"] for f in r["files"]] == ["ok", "ok"]
     assert r["capacity"] == sum(f["size"] for f in r["files"]) == sum(f["on_disk"] for f in r["files"])
     assert r["used"] == sum(-(-e[2] // ALIGN) * ALIGN for t in r["tensors"] for e in t["extents"])
-    assert r["free"] == r["capacity"] - r["used"] > 0
+    assert r["free"] == r["capacity"] - r["used"] == 0  # close shrinks each arena to its last tensor's end
     assert r["leaked_bytes"] == 0 and r["leaked"] == []
     params = [t for n, t in tensors.items() if n.endswith("/param")]
     assert r["kinds"]["param"] == {"tensors": 5, "bytes": sum(t.nbytes for t in params)}
@@ -164,14 +174,29 @@ def test_leaked_files_are_listed(space, capsys):
 
 
 # -- --verify ---------------------------------------------------------------------------------
-def test_verify_good_space(space, capsys):
-    rank_dir, _ = space
+def test_verify_good_space(tmp_path, capsys):
+    rank_dir = build_space([tmp_path / "d0", tmp_path / "d1"], sample_tensors())
     code, out, err = run(capsys, rank_dir, "--verify")
     assert code == 0 and err == ""
-    assert out.splitlines()[-1] == "9 tensors verified, 0 bad, 1 without checksum"
+    assert out.splitlines()[-1] == "9 tensors: 9 verified, 0 bad, 0 not verified (no checksum)"
     code, out, _ = run(capsys, rank_dir, "--verify", "--json")
     result = json.loads(out)
-    assert result["verify"] == {"tensors": 9, "bad": 0, "unverified": 1}
+    assert code == 0 and result["verify"] == {"tensors": 9, "verified": 9, "bad": 0, "unverified": 0}
+    assert {t["status"] for t in result["ranks"][0]["tensors"]} == {"ok"}
+
+
+def test_verify_says_what_it_could_not_check_and_fails(space, capsys):
+    """A tensor without a checksum (a version-1 manifest) is read but not verified: said, and
+    the exit status is 1, not the 0 of a space whose every byte was checked."""
+    rank_dir, _ = space
+    code, out, err = run(capsys, rank_dir, "--verify")
+    assert code == 1 and err == ""
+    (line,) = [line for line in out.splitlines() if line.startswith("NOT VERIFIED")]
+    assert "'scratch/param': no checksum recorded (a version-1 manifest)" in line
+    assert out.splitlines()[-1] == "9 tensors: 8 verified, 0 bad, 1 not verified (no checksum)"
+    code, out, _ = run(capsys, rank_dir, "--verify", "--json")
+    result = json.loads(out)
+    assert code == 1 and result["verify"] == {"tensors": 9, "verified": 8, "bad": 0, "unverified": 1}
     statuses = {t["name"]: t["status"] for t in result["ranks"][0]["tensors"]}
     assert statuses.pop("scratch/param") == "unverified" and set(statuses.values()) == {"ok"}
 
@@ -186,7 +211,7 @@ def test_verify_names_the_corrupt_tensor(space, capsys, name):
     m = manifest_of(rank_dir)
     file, offset, _ = m["tensors"][name]["extents"][0]
     assert repr(name) in bad and f"offset {offset}" in bad and m["files"][file]["name"] in bad
-    assert out.splitlines()[-1] == "9 tensors verified, 1 bad, 1 without checksum"
+    assert out.splitlines()[-1] == "9 tensors: 7 verified, 1 bad, 1 not verified (no checksum)"
     code, out, _ = run(capsys, rank_dir, "--verify", "--json")
     assert code == 1
     assert [t["name"] for t in json.loads(out)["ranks"][0]["tensors"] if t["status"] == "bad"] == [name]
@@ -208,7 +233,7 @@ def test_verify_progress_bar_on_a_terminal(space, capsys, monkeypatch):
     rank_dir, _ = space
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     code, _, err = run(capsys, rank_dir, "--verify")
-    assert code == 0 and "\r[" in err and "/9 tensors, " in err
+    assert code == 1 and "\r[" in err and "/9 tensors, " in err  # 1: scratch/param has no checksum
     assert err.endswith("\r\033[K")  # cleared at the end
 
 
@@ -323,7 +348,7 @@ def test_installed_script(space):
     script = Path(sys.executable).parent / "swap-inspect"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "infinity.tools.swap_inspect"]
     proc = subprocess.run([*cmd, str(rank_dir), "--verify", "--json"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # scratch/param has no checksum: not verified
     assert json.loads(proc.stdout)["verify"]["bad"] == 0
     proc = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
@@ -357,3 +382,68 @@ def test_a_checkpoint_root_shows_its_newest_checkpoint(tmp_path, capsys):
     (tmp_path / "ck" / "latest").write_text("../elsewhere\n")
     assert main([str(tmp_path / "ck")]) == 2
     assert "checkpoint tag '../elsewhere'" in capsys.readouterr().err
+
+
+# -- files that cannot be read: one line, exit status 2 ---------------------------------------
+def _with_bad_byte(path: Path) -> int:
+    """Put a byte that is not UTF-8 into ``path`` (inside a key); return its offset."""
+    raw = path.read_bytes()
+    at = raw.index(b'"space_id"') + 1
+    path.write_bytes(raw[:at] + b"\xff" + raw[at + 1 :])
+    return at
+
+
+@pytest.mark.parametrize("member", [0, 1])  # 0: the manifest; 1: the other member's space.json
+def test_bytes_that_are_not_utf8(space, capsys, member):
+    rank_dir, _ = space
+    path = rank_dir / MANIFEST_NAME if member == 0 else rank_dir.parent.parent / "d1" / "rank0" / SPACE_NAME
+    at = _with_bad_byte(path)
+    assert_error(capsys, [rank_dir, "--verify"], f"{path}: not UTF-8: byte 0xff at offset {at}")
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda text: '{"x":' + "[" * 5000 + "]" * 5000 + "," + text[1:], "nested more than 100 levels deep"),
+    (lambda text: '{"rank":1,' + text[1:], "key 'rank' appears twice in one object"),
+])  # fmt: skip
+def test_a_manifest_that_is_not_plain_json(space, capsys, edit, needle):
+    rank_dir, _ = space
+    path = rank_dir / MANIFEST_NAME
+    path.write_text(edit(path.read_text()))
+    assert_error(capsys, [rank_dir, "--verify"], f"{path}: {needle}")
+
+
+@pytest.mark.parametrize("record, needle", [
+    # torch multiplies every size, so the 0 does not save it: no tensor has this shape
+    ({"shape": [1 << 40, 1 << 40, 0], "nbytes": 0, "extents": []}, ".shape: [1099511627776, 1099511627776, 0] is no"),
+    # as many bytes as the shape says, but 4TiB past the end of a 64KiB arena file
+    ({"shape": [1 << 41], "nbytes": 1 << 42, "extents": [[0, 0, 1 << 42]]},
+     ".extents[0]: 4398046511104 bytes at offset 0"),
+    ({"shape": [-48]}, ".shape: [-48] is not a list of sizes"),
+    ({"nbytes": 100}, ".nbytes: 100 is not [48] x bfloat16"),
+])  # fmt: skip
+def test_a_shape_no_tensor_can_have_is_a_bad_manifest(space, capsys, record, needle):
+    rank_dir, _ = space
+    m = manifest_of(rank_dir)
+    m["tensors"]["layers.0.attn.bias/param"].update(record)
+    (rank_dir / MANIFEST_NAME).write_text(json.dumps(m))
+    for args in ([], ["--verify"], ["--tensor", "layers.0.attn.bias/param"]):
+        assert_error(capsys, [rank_dir, *args], "manifest.json: tensors['layers.0.attn.bias/param']" + needle)
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b'{"format": "infinity-\xffcheckpoint"}', "not UTF-8: byte 0xff at offset 21"),
+    (b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested more than 100 levels deep"),
+    (b'{"step": 1, "step": 2}', "key 'step' appears twice in one object"),
+])  # fmt: skip
+def test_a_meta_json_that_is_not_plain_json(tmp_path, capsys, content, needle):
+    """meta.json goes through the same reader: swap-inspect says what is wrong in one line, and
+    load_meta (what the engine's load_checkpoint reads it with) raises CheckpointError naming it."""
+    from infinity.checkpoint import CheckpointError, load_meta
+
+    checkpoint = tmp_path / "ck" / "step-1"
+    checkpoint.parent.mkdir()
+    build_space([checkpoint], {"x/param": torch.ones(4)})
+    (checkpoint / "meta.json").write_bytes(content)
+    assert_error(capsys, [checkpoint], f"{checkpoint / 'meta.json'}: {needle}")
+    with pytest.raises(CheckpointError, match=re.escape(f"{checkpoint / 'meta.json'}: {needle}")):
+        load_meta(str(checkpoint))
