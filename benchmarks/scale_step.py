@@ -136,7 +136,9 @@ def _infinity_worker(args) -> None:
                 "read_bytes": st["nvme"]["read_bytes"], "write_bytes": st["nvme"]["write_bytes"],
                 "stall": st["stall_seconds"], "peak_growth": _peak() - base, "init_growth": init_growth,
                 "pool_peak": engine.stats()["peak_host_pool_bytes"],
-                "params": sum(u.numel for u in engine.units)}  # fmt: skip
+                "params": sum(u.numel for u in engine.units), "sub_groups": len(engine.optimizer.groups),
+                "committed_early": engine.optimizer.overlap.committed if engine.optimizer.overlap else 0,
+                "overlap_window": engine.optimizer.overlap.window if engine.optimizer.overlap else 0}  # fmt: skip
 
     try:
         _serve(run_step)
@@ -241,7 +243,8 @@ def main(argv=None) -> int:
                 rows.append(row)
                 report(row, f"pair {step}: plain {a['step']:.1f}s (fwd {a['forward']:.1f} bwd {a['backward']:.1f} "
                             f"opt {a['optimizer']:.1f}), infinity {b['step']:.1f}s (fwd {b['forward']:.1f} "
-                            f"bwd {b['backward']:.1f} opt {b['optimizer']:.1f}, read {b['read_bytes'] / 1e9:.1f} GB, "
+                            f"bwd {b['backward']:.1f} opt {b['optimizer']:.1f}, {b['committed_early']}/{b['sub_groups']} sub-groups "
+                            f"early, read {b['read_bytes'] / 1e9:.1f} GB, "
                             f"written {b['write_bytes'] / 1e9:.1f} GB); nvme {read_gbps:.2f}/{write_gbps:.2f} GB/s, "
                             f"floor {floor:.1f}s (compute {compute:.1f}, I/O {io:.1f}); infinity/plain "
                             f"{row['vs_plain']:.3f}, infinity/floor {row['vs_floor']:.3f}; |loss diff| "

@@ -71,6 +71,7 @@ class Engine:
         self._closed = True
         self._unusable: str | None = None  # why training cannot go on (a load that failed half-way)
         self._scaled_backward = False  # inside engine.backward (fp16: the loss is scaled)
+        self._grads_incomplete: str | None = None  # why the step's gradients are not whole
         self.aio = self.pool = self.space = None
         try:
             self.aio, self.pool, self.space = _resources.open_io(cfg, rank, local_rank)
@@ -85,6 +86,7 @@ class Engine:
         _resources.close_at_exit(self)
 
     def _setup(self, module: nn.Module, cfg: TierConfig, optimizer_spec, scheduler_spec) -> None:
+        _refuse_managed(module)
         units, module_units = build_units(module, self.world_size, self.rank)
         if not units:
             raise ValueError("the module has no parameters: there is nothing to offload or train")
@@ -221,7 +223,11 @@ class Engine:
             loss.backward()
         except BaseException as e:
             self.dist.report_failure(e)
+            # Some units have this backward's gradient and some not: a step on them would train
+            # on part of a gradient, silently. They stay refused until zero_grad().
+            self._grads_incomplete = f"the last backward failed part-way ({type(e).__name__}: {e})"
             try:
+                self.scheduler.drop_grads()
                 self.scheduler.end_backward()
             except Exception as cleanup:  # noqa: BLE001 - the first error is the one to see
                 e.add_note(f"(ending the backward pass after that also failed: {cleanup})")
@@ -253,6 +259,9 @@ class Engine:
 
     def _step(self) -> bool:
         self._check_usable()
+        if self._grads_incomplete:
+            raise RuntimeError(f"{self._grads_incomplete}: the gradients accumulated since the last step are "
+                               "incomplete; call engine.zero_grad() and run this step's micro-batches again")  # fmt: skip
         self.scheduler.release_all()
         scale = self._scaler.scale if self._scaler is not None else 1.0
         self._tell_accumulation()
@@ -296,6 +305,7 @@ class Engine:
             self.optimizer.overlap.discard()
         self.grads.zero()
         self._backwards = 0
+        self._grads_incomplete = None
 
     def _tell_accumulation(self) -> None:
         """Say once when steps follow another number of backward passes than configured: the
@@ -531,6 +541,19 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _refuse_managed(module: nn.Module) -> None:
+    """A module already given to an engine holds placeholders, not weights: initializing it
+    again would train empty tensors. Say where its weights are instead."""
+    for name, p in module.named_parameters():
+        if getattr(p, "_infinity_managed", False):
+            raise ValueError(
+                f"this module was already given to infinity.initialize (parameter {name!r} is an engine's "
+                "placeholder, not a weight): use that engine, or, once it is closed, build the model again and "
+                "load its weights from a checkpoint (engine.save_checkpoint / load_checkpoint) or an export "
+                "(engine.save_pretrained / infinity.from_pretrained)"
+            )
 
 
 def _refuse_foreign_step(optimizer, args, kwargs):

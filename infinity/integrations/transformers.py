@@ -32,6 +32,8 @@ import transformers
 
 import infinity
 
+from .._resources import as_config
+
 ENGINE_DIR = "infinity"  # inside a Trainer checkpoint directory
 _SCHEDULER_NAME = "scheduler.pt"  # the Trainer's name for it
 
@@ -53,7 +55,11 @@ class InfinityTrainer(transformers.Trainer):
     # -- the optimizer is the engine's ------------------------------------------------------
     def create_optimizer(self, model=None):
         if self.engine is None:
-            self.engine = infinity.initialize(self.model, self.infinity_config, optimizer=self._torch_optimizer())
+            # The engine overlaps the optimizer with the last micro-batch's backward: it needs
+            # the Trainer's accumulation to know which that is.
+            cfg = as_config(self.infinity_config).replace(
+                optimizer={"gradient_accumulation_steps": self.args.gradient_accumulation_steps})
+            self.engine = infinity.initialize(self.model, cfg, optimizer=self._torch_optimizer())
         self.optimizer = self.engine.optimizer
         return self.optimizer
 

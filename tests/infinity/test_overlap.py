@@ -272,35 +272,6 @@ def test_overlap_does_not_apply_where_the_states_or_parameters_are_resident(tmp_
     engine.close()
 
 
-def test_an_interrupted_step_refuses_to_train_on(tmp_path, monkeypatch):
-    """A Ctrl-C in the middle of the step leaves some sub-groups updated and others not: the
-    engine says so and asks for the last checkpoint, rather than training on inconsistent state."""
-    os.makedirs(tmp_path / "a")
-    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", False))
-    x, y = _batch(0)
-    engine.save_checkpoint(tmp_path / "ckpt")
-    engine.backward(((engine(x) - y) ** 2).mean())
-    calls = []
-    real = engine.optimizer._update
-
-    def interrupted(index, *args):
-        calls.append(index)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(index, *args)
-
-    monkeypatch.setattr(engine.optimizer, "_update", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        engine.step()
-    monkeypatch.undo()
-    with pytest.raises(RuntimeError, match="optimizer step failed part-way .*load the last checkpoint"):
-        engine(x)
-    engine.load_checkpoint(tmp_path / "ckpt")
-    engine.backward(((engine(x) - y) ** 2).mean())
-    assert engine.step() is True
-    engine.close()
-
-
 def test_config_keys(tmp_path):
     with pytest.raises(ValueError, match="optimizer.gradient_accumulation_steps: 0 must be at least 1"):
         infinity.TierConfig.from_dict({"optimizer": {"gradient_accumulation_steps": 0}})

@@ -1,0 +1,158 @@
+"""Ctrl-C at any point of backward(), step() or save_checkpoint(): the engine is left either
+consistent or refusing to train with a message that says what to do, never silently
+inconsistent. Interrupts are injected at fixed points (deterministic), as KeyboardInterrupt."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import config  # noqa: E402
+
+NVME = ("nvme", "nvme", "nvme")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _cfg(path, overlap=True):
+    os.makedirs(path, exist_ok=True)
+    return config(path, NVME, optimizer={"overlap": overlap, "sub_group_size": "1KiB"})
+
+
+class _Interrupt(torch.autograd.Function):
+    """Identity forward; its backward raises KeyboardInterrupt when ``armed``."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _Interrupt.armed:
+            _Interrupt.armed = False
+            raise KeyboardInterrupt
+        return grad
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _mlp()
+
+    def forward(self, x):
+        # Interrupted after the head's gradient is stored, before the first layers' arrive.
+        h = self.inner[1](self.inner[0](x))
+        h = _Interrupt.apply(h)
+        for layer in list(self.inner)[2:]:
+            h = layer(h)
+        return h
+
+
+def _loss(engine, step):
+    x, y = _batch(step)
+    return ((engine(x) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_interrupted_backward_refuses_the_step_until_zero_grad(tmp_path, overlap):
+    ref = infinity.initialize(_Model(), _cfg(tmp_path / "ref", overlap))
+    for step in range(2):
+        ref.backward(_loss(ref, step))
+        ref.step()
+    expected = ref.gathered_weights()
+    ref.close()
+
+    engine = infinity.initialize(_Model(), _cfg(tmp_path / "a", overlap))
+    engine.backward(_loss(engine, 0))
+    engine.step()
+    _Interrupt.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        engine.backward(_loss(engine, 1))
+    with pytest.raises(RuntimeError, match="last backward failed part-way .*call engine.zero_grad"):
+        engine.step()
+    engine.zero_grad()
+    engine.backward(_loss(engine, 1))
+    engine.step()
+    got = engine.gathered_weights()
+    engine.close()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_an_interrupted_step_refuses_to_train_on(tmp_path, monkeypatch):
+    """A Ctrl-C in the middle of the step leaves some sub-groups updated and others not: the
+    engine says so and asks for the last checkpoint, rather than training on inconsistent state."""
+    os.makedirs(tmp_path / "a")
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", False))
+    x, y = _batch(0)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.backward(((engine(x) - y) ** 2).mean())
+    calls = []
+    real = engine.optimizer._update
+
+    def interrupted(index, *args):
+        calls.append(index)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(index, *args)
+
+    monkeypatch.setattr(engine.optimizer, "_update", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="optimizer step failed part-way .*load the last checkpoint"):
+        engine(x)
+    engine.load_checkpoint(tmp_path / "ckpt")
+    engine.backward(((engine(x) - y) ** 2).mean())
+    assert engine.step() is True
+    engine.close()
+
+
+
+
+def test_an_interrupted_save_leaves_the_engine_training_and_the_next_save_whole(tmp_path, monkeypatch):
+    """A save only reads the engine's state: interrupted, the engine trains on as before, and
+    the next save (which collects the interrupted one's leftovers) resumes bit-exactly."""
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a"))
+    engine.backward(_loss(engine, 0))
+    engine.step()
+    import infinity._checkpoint as ck
+
+    real = ck.write_json_atomic
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck, "write_json_atomic", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(tmp_path / "ckpt", tag="one")
+    monkeypatch.setattr(ck, "write_json_atomic", real)
+    assert infinity.checkpoint.list_checkpoints(tmp_path / "ckpt") == []
+    engine.save_checkpoint(tmp_path / "ckpt", tag="two")
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".lock", "latest", "two"]
+    engine.backward(_loss(engine, 1))
+    engine.step()
+    after = engine.gathered_weights()
+    engine.close()
+    resumed = infinity.initialize(_mlp(), _cfg(tmp_path / "b"))
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    resumed.backward(_loss(resumed, 1))
+    resumed.step()
+    assert all(torch.equal(after[k], v) for k, v in resumed.gathered_weights().items())
+    resumed.close()
