@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -77,6 +78,21 @@ def _on_grad(t, hook):
     if isinstance(t, torch.Tensor) and t.requires_grad:
         t.register_hook(hook)
     return t
+
+
+def _weak_grad_hook(scheduler, unit, i: int):
+    """The hook a parameter runs once its gradient is accumulated. It holds the scheduler
+    weakly: hooks on tensors live in C++, where the garbage collector cannot see the cycle
+    parameter -> hook -> scheduler -> model -> parameter, so a strong one would keep an engine
+    dropped without close() (and its locked swap directory) alive for good."""
+    ref = weakref.ref(scheduler)
+
+    def hook(param: torch.Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live.grad_arrived(unit, i, param)
+
+    return hook
 
 
 def _map_tensors(obj, fn):
@@ -172,7 +188,7 @@ class Scheduler:
         for unit in self.units:
             for i, (p, needs) in enumerate(zip(unit.params, unit.requires_grad)):
                 if needs:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, i)))
+                    self._handles.append(p.register_post_accumulate_grad_hook(_weak_grad_hook(self, unit, i)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -273,30 +289,28 @@ class Scheduler:
         if pos is not None:
             self._prefetch(self.backward_order, pos + 1)
 
-    def _grad_hook(self, unit: ParamUnit, i: int):
-        def hook(param: torch.Tensor) -> None:
-            if unit.grad is None:
-                # Not zeroed: each parameter's first gradient is copied in, later ones added,
-                # and what none arrived for is zeroed when the unit is handed on.
-                if self.device.type == "cpu" and self.pool is not None:
-                    # From the pool: budgeted, and aligned so its write-behind is direct.
-                    unit.grad_lease = self.pool.acquire(unit.padded_numel * 4)
-                    unit.grad = unit.grad_lease.view(torch.float32, (unit.padded_numel,))
-                else:
-                    unit.grad = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
-                unit.grad_seen = set()
-            off, n = unit.offsets[i], unit.numels[i]
-            if i in unit.grad_seen:
-                unit.grad[off : off + n].add_(param.grad.reshape(-1))
+    def grad_arrived(self, unit: ParamUnit, i: int, param: torch.Tensor) -> None:
+        """Parameter ``i`` of ``unit`` has its gradient (``param.grad``) of this backward."""
+        if unit.grad is None:
+            # Not zeroed: each parameter's first gradient is copied in, later ones added,
+            # and what none arrived for is zeroed when the unit is handed on.
+            if self.device.type == "cpu" and self.pool is not None:
+                # From the pool: budgeted, and aligned so its write-behind is direct.
+                unit.grad_lease = self.pool.acquire(unit.padded_numel * 4)
+                unit.grad = unit.grad_lease.view(torch.float32, (unit.padded_numel,))
             else:
-                unit.grad[off : off + n].copy_(param.grad.reshape(-1))
-                unit.grad_seen.add(i)
-            param.grad = None  # the fp32 copy is the gradient now; the param-dtype one goes
-            unit.uses -= 1
-            if unit.uses <= 0:
-                self.finish_unit_backward(unit)
-
-        return hook
+                unit.grad = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
+            unit.grad_seen = set()
+        off, n = unit.offsets[i], unit.numels[i]
+        if i in unit.grad_seen:
+            unit.grad[off : off + n].add_(param.grad.reshape(-1))
+        else:
+            unit.grad[off : off + n].copy_(param.grad.reshape(-1))
+            unit.grad_seen.add(i)
+        param.grad = None  # the fp32 copy is the gradient now; the param-dtype one goes
+        unit.uses -= 1
+        if unit.uses <= 0:
+            self.finish_unit_backward(unit)
 
     # -- passes -----------------------------------------------------------------------------
     def begin_forward(self) -> None:

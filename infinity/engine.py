@@ -19,6 +19,7 @@ user's unmodified module. It owns no policy of its own; each piece lives in its 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -84,6 +85,9 @@ class Engine:
             raise
         self._closed = False
         _resources.close_at_exit(self)
+        # Dropped without close() (and its model with it: the model's hooks hold the engine),
+        # the garbage collector still closes its files, which unlocks its swap directory.
+        self._finalizer = weakref.finalize(self, _close_dropped, self.space, self.pool, self.aio)
 
     def _setup(self, module: nn.Module, cfg: TierConfig, optimizer_spec, scheduler_spec) -> None:
         _refuse_managed(module)
@@ -515,6 +519,7 @@ class Engine:
             return
         self._closed = True
         _resources.closed(self)
+        self._finalizer.detach()
         self.scheduler.release_all()
         if self.optimizer.overlap is not None:
             self.optimizer.overlap.discard()
@@ -541,6 +546,16 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _close_dropped(space, pool, aio) -> None:
+    """An engine collected without close(): close its I/O (errors logged; nothing to raise to)."""
+    logger.warning("an infinity engine was garbage-collected without engine.close(): closing its swap space %s",
+                   space.rank_dirs[0] if space is not None and space.rank_dirs else "(none)")  # fmt: skip
+    try:
+        _resources.close_io(space, pool, aio)
+    except Exception as e:  # noqa: BLE001 - at collection time there is no caller to raise to
+        logger.warning("closing the dropped engine's swap space failed: %s", e)
 
 
 def _refuse_managed(module: nn.Module) -> None:

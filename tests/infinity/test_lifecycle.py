@@ -28,3 +28,20 @@ def test_a_module_given_to_an_engine_is_refused_by_a_second_initialize(tmp_path,
     with pytest.raises(ValueError, match="already given to infinity.initialize .*'0.weight'.*build the model again"):
         infinity.initialize(model, config(tmp_path / "b", NVME))
     engine.close()
+
+
+def test_an_engine_dropped_with_its_model_unlocks_its_swap_directory(tmp_path, caplog):
+    """Without close(), once nothing refers to the engine or its model, the garbage collector
+    closes its swap space: a new engine opens the same directory in the same process."""
+    import gc
+
+    (tmp_path / "a").mkdir()
+    model = make_model()
+    engine = infinity.initialize(model, config(tmp_path / "a", NVME))
+    train(engine, 1)
+    del engine, model
+    gc.collect()
+    assert "garbage-collected without engine.close()" in caplog.text
+    again = infinity.initialize(make_model(), config(tmp_path / "a", NVME))
+    train(again, 1)
+    again.close()
