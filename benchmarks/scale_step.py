@@ -87,6 +87,8 @@ def _plain_worker(args) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_llama_config(args))
     model.save_pretrained(args.weights)  # the infinity side starts from these weights
+    if args.save_only:
+        return
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
 
     def run_step(step: int) -> dict:
@@ -114,6 +116,8 @@ def _infinity_worker(args) -> None:
     tiers = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [args.swap]},
              "memory": {"host_budget": args.host_budget},
              "optimizer": {"lr": args.lr, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap}}  # fmt: skip
+    if args.worker == "sequential":  # the same engine with the optimizer after backward
+        tiers["optimizer"]["overlap"] = False
     if args.tile_size:
         tiers["memory"]["tile_size"] = args.tile_size
     base = _rss()
@@ -190,7 +194,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tile-size", default=None, help="memory.tile_size for the infinity side (default: the config's)")
     p.add_argument("--no-overlap", action="store_true", help="optimizer.overlap = false on the infinity side")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--worker", choices=("plain", "infinity"), help=argparse.SUPPRESS)
+    p.add_argument("--against", choices=("plain", "sequential"), default="plain",
+                   help="the other side: plain PyTorch in RAM (default), or the engine with optimizer.overlap = false "
+                        "(then the ratio is overlap on / off)")  # fmt: skip
+    p.add_argument("--worker", choices=("plain", "infinity", "sequential"), help=argparse.SUPPRESS)
+    p.add_argument("--save-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--weights", help=argparse.SUPPRESS)
     p.add_argument("--swap", help=argparse.SUPPRESS)
     return p
@@ -201,7 +209,7 @@ def main(argv=None) -> int:
     if args.worker == "plain":
         _plain_worker(args)
         return 0
-    if args.worker == "infinity":
+    if args.worker in ("infinity", "sequential"):
         _infinity_worker(args)
         return 0
     from infinity.tools.nvme_bench import create_test_file, fill_test_file, open_runner
@@ -216,7 +224,12 @@ def main(argv=None) -> int:
     os.makedirs(os.path.join(work, "swap"))
     workers = []
     try:
-        plain = _Worker("plain", shared)  # saves the initial weights before it answers
+        if args.against == "plain":
+            plain = _Worker("plain", shared)  # saves the initial weights before it answers
+        else:  # the weights first, then the engine without overlap on its own swap directory
+            subprocess.run([sys.executable, __file__, "--worker", "plain", "--save-only", *shared], check=True)
+            os.makedirs(os.path.join(work, "swap-sequential"))
+            plain = _Worker("sequential", [*shared, "--swap", os.path.join(work, "swap-sequential")])
         workers.append(plain)
         infinity_side = _Worker("infinity", shared)
         workers.append(infinity_side)
@@ -234,7 +247,9 @@ def main(argv=None) -> int:
                            f"warm-up: plain {a['step']:.1f}s, infinity {b['step']:.1f}s")  # fmt: skip
                     continue
                 io = b["read_bytes"] / (read_gbps * 1e9) + b["write_bytes"] / (write_gbps * 1e9)
-                compute = a["forward"] + a["backward"]
+                # The model's compute: plain PyTorch's forward and backward (not measured against
+                # the sequential engine: then the floor is the I/O alone).
+                compute = a["forward"] + a["backward"] if args.against == "plain" else 0.0
                 floor = max(compute, io)
                 row = {"type": "pair", "pair": step, "plain": a, "infinity": b, "read_gbps": read_gbps,
                        "write_gbps": write_gbps, "io_s": io, "compute_s": compute, "floor_s": floor,
@@ -268,19 +283,24 @@ def main(argv=None) -> int:
         for side in ("plain", "infinity"):
             for phase in ("forward", "backward", "optimizer", "step"):
                 summary[f"{side}_{phase}"] = med(lambda r, s=side, p=phase: r[s][p])
-        report(summary, f"{params / 1e9:.3f}B parameters, {len(rows)} pairs (medians):\n"
-                        f"  infinity / plain PyTorch: {summary['vs_plain']:.3f}   (target <= 0.9)\n"
-                        f"  infinity / floor:         {summary['vs_floor']:.3f}   (target <= 1.15)\n"
-                        f"  plain    fwd {summary['plain_forward']:.1f}s bwd {summary['plain_backward']:.1f}s "
-                        f"opt {summary['plain_optimizer']:.1f}s step {summary['plain_step']:.1f}s\n"
-                        f"  infinity fwd {summary['infinity_forward']:.1f}s bwd {summary['infinity_backward']:.1f}s "
-                        f"opt {summary['infinity_optimizer']:.1f}s step {summary['infinity_step']:.1f}s\n"
-                        f"  backward / forward: infinity {summary['infinity_bwd_over_fwd']:.2f}, plain "
-                        f"{summary['plain_bwd_over_fwd']:.2f}   (target <= 2.3)\n"
-                        f"  largest |loss difference|: {summary['max_loss_diff']:.2e}\n"
-                        f"  fp32 state {16 * params / 2**30:.1f} GiB / peak RSS growth {growth / 2**30:.2f} GiB = "
-                        f"{summary['state_over_rss']:.1f}x (host_budget {args.host_budget}, pool peak "
-                        f"{summary['pool_peak'] / 2**30:.2f} GiB)")  # fmt: skip
+        other = "plain" if args.against == "plain" else "off"
+        ratio = (f"infinity / plain PyTorch: {summary['vs_plain']:.3f}   (target <= 0.9)" if other == "plain"
+                 else f"overlap on / off:         {summary['vs_plain']:.3f}")  # fmt: skip
+        report(summary, "\n".join([
+            f"{params / 1e9:.3f}B parameters, {len(rows)} pairs (medians):",
+            f"  {ratio}",
+            f"  infinity / floor:         {summary['vs_floor']:.3f}   (target <= 1.15)",
+            f"  {other:8} fwd {summary['plain_forward']:.1f}s bwd {summary['plain_backward']:.1f}s "
+            f"opt {summary['plain_optimizer']:.1f}s step {summary['plain_step']:.1f}s",
+            f"  infinity fwd {summary['infinity_forward']:.1f}s bwd {summary['infinity_backward']:.1f}s "
+            f"opt {summary['infinity_optimizer']:.1f}s step {summary['infinity_step']:.1f}s",
+            f"  backward / forward: infinity {summary['infinity_bwd_over_fwd']:.2f}, {other} "
+            f"{summary['plain_bwd_over_fwd']:.2f}   (target <= 2.3)",
+            f"  largest |loss difference|: {summary['max_loss_diff']:.2e}",
+            f"  fp32 state {16 * params / 2**30:.1f} GiB / peak RSS growth {growth / 2**30:.2f} GiB = "
+            f"{summary['state_over_rss']:.1f}x (host_budget {args.host_budget}, pool peak "
+            f"{summary['pool_peak'] / 2**30:.2f} GiB)",
+        ]))  # fmt: skip
     finally:
         for w in workers:
             w.close()
