@@ -142,7 +142,7 @@ def _infinity_worker(args) -> None:
                 "pool_peak": engine.stats()["peak_host_pool_bytes"],
                 "params": sum(u.numel for u in engine.units), "sub_groups": len(engine.optimizer.groups),
                 "committed_early": engine.optimizer.overlap.committed if engine.optimizer.overlap else 0,
-                "overlap_window": engine.optimizer.overlap.window if engine.optimizer.overlap else 0}  # fmt: skip
+                "overlap_budget": engine.optimizer.overlap.budget if engine.optimizer.overlap else 0}  # fmt: skip
 
     try:
         _serve(run_step)

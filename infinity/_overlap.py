@@ -43,6 +43,13 @@ from infinity.swap import PoolExhausted, WriteBehind
 from ._store import Lease
 
 STAGED = "~next"  # the suffix of a staged name: see [Note: exact overlap]
+MAX_IN_HAND = 4  # sub-groups being read or written at once, whatever their size
+
+
+def group_bytes(optimizer, sg) -> int:
+    """Pool bytes an early update of ``sg`` holds: its states and gradients read, the copies
+    of its new parameters written."""
+    return (len(optimizer.kinds) * 4 + 4 + optimizer.param_dtype.itemsize) * sg.numel
 
 
 class _Early:
@@ -64,15 +71,18 @@ class _Early:
 
 
 class Overlap:
-    """Early updates of one step (see [Note: exact overlap]). ``window``: sub-groups whose
-    buffers are in hand at once (reads issued, or written behind)."""
+    """Early updates of one step (see [Note: exact overlap]). ``budget``: the pool bytes the
+    sub-groups in hand (reads issued, or written behind) may hold together; a sub-group larger
+    than that is left to the step."""
 
-    def __init__(self, optimizer, window: int, loss_scale):
+    def __init__(self, optimizer, budget: int, loss_scale):
         self.opt = optimizer
-        self.window = window
+        self.budget = budget
         self.loss_scale = loss_scale  # () -> the loss scale gradients are multiplied by now
         self.group_of = {u.index: sg.index for sg in optimizer.groups for u in sg.units}
-        self._writes = WriteBehind(window)
+        self._bytes = {sg.index: group_bytes(optimizer, sg) for sg in optimizer.groups}
+        self._writes = WriteBehind(MAX_IN_HAND)  # keyed by sub-group
+        self._written: list[int] = []  # sub-groups whose writes may be in flight
         self._waiting: dict[int, set[int]] = {}  # sub-group -> units whose final gradient is due
         self._ready: collections.deque[int] = collections.deque()
         self._reading: collections.deque[_Early] = collections.deque()
@@ -124,20 +134,35 @@ class Overlap:
         self._waiting.clear()
         self.pump()
 
+    def _in_hand(self) -> int:
+        """Pool bytes the sub-groups being read or written hold (finished writes are reaped)."""
+        self._writes.poll()
+        self._written = [i for i in self._written if i in self._writes]
+        return sum(self._bytes[e.index] for e in self._reading) + sum(self._bytes[i] for i in self._written)
+
     def pump(self, block: bool = False) -> None:
         """Start what can start and finish what has arrived; with ``block``, all of it."""
         while self._ready:
-            if len(self._reading) + len(self._writes) >= self.window:
+            need = self._bytes[self._ready[0]]
+            if need > self.budget:  # never in hand: the step updates it
+                self._ready.popleft()
+                continue
+            busy = self._reading or self._written
+            if busy and (self._in_hand() + need > self.budget or len(self._reading) + len(self._written) >= MAX_IN_HAND):
                 if not block:
                     break
                 if self._reading:  # make room: finish the oldest first
                     self._apply(self._reading.popleft())
                 else:
-                    self._writes.poll(keep=self.window - 1)
+                    self._writes.poll(keep=len(self._writes) - 1)
                 continue
             if not self._start(self._ready[0], wait=block):
                 break
             self._ready.popleft()
+        self._finish(block)
+
+    def _finish(self, block: bool) -> None:
+        """Apply the updates whose reads arrived (all of them with ``block``, and drain)."""
         while self._reading and (block or self._arrived(self._reading[0])):
             self._apply(self._reading.popleft())
         if block:
@@ -212,7 +237,8 @@ class Overlap:
         state_leases, grad_leases = leases[: len(early.reads)], leases[len(early.reads) :]
         for lease in grad_leases:
             lease.release()
-        self._writes.add(futures, *state_leases)
+        self._writes.add(futures, *state_leases, key=early.index)
+        self._written.append(early.index)
 
     # -- the step ---------------------------------------------------------------------------
     def commit(self, divide: float) -> set[int]:
@@ -255,6 +281,7 @@ class Overlap:
         while self._reading:
             _give_back(self._reading.popleft())
         self._writes.discard_errors()
+        self._written.clear()
         opt = self.opt
         for index, early in list(self._early.items()):
             sg = opt.groups[index]

@@ -30,7 +30,7 @@ from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
 from ._optim import KINDS, Optimizer, make_groups, resolve
-from ._overlap import Overlap
+from ._overlap import Overlap, group_bytes
 from ._scaler import LossScaler
 from ._schedule import Scheduler
 from ._statedict import StateDictHooks
@@ -147,8 +147,8 @@ class Engine:
         self._state_hooks = StateDictHooks(self, module)
         self._backwards = 0  # backward passes since the last step
         self._told_accumulation = False
-        if self._overlap_window:
-            self.optimizer.overlap = Overlap(self.optimizer, self._overlap_window, self._loss_scale)
+        if self._overlap_budget:
+            self.optimizer.overlap = Overlap(self.optimizer, self._overlap_budget, self._loss_scale)
             self.scheduler.on_backward_due = self._backward_due
             self.scheduler.on_unit_final = self.optimizer.overlap.unit_final
 
@@ -161,7 +161,7 @@ class Engine:
             itemsize = self.dtype.itemsize
             needs["forward/backward"] = ((cfg.prefetch.depth + 1) * itemsize + (self.grads.max_writes + 1) * 4) * largest
         _resources.check_host_budget(cfg, needs, largest * 4)
-        self._overlap_window = self._fit_overlap(cfg, needs.get("forward/backward", 0))
+        self._overlap_budget = self._fit_overlap(cfg, needs.get("forward/backward", 0))
         # State the resident tiers keep in host memory: the cpu tier, and the device tier on a
         # machine without a GPU.
         shard = sum(u.shard_numel for u in units)
@@ -177,22 +177,21 @@ class Engine:
         _resources.check_host_memory(resident, max(needs.values()))
 
     def _fit_overlap(self, cfg: TierConfig, backward_bytes: int) -> int:
-        """Sub-groups the optimizer may update under backward at once (0: no overlap): where
-        it applies (see [Note: exact overlap] in `_overlap`), as many as the host budget holds
-        beside the backward's own buffers, at most 2."""
+        """Pool bytes the optimizer may hold under backward (0: no overlap): where it applies
+        (see [Note: exact overlap] in `_overlap`), what the host budget leaves beside the
+        backward's own buffers and one sub-group's gradients kept in memory."""
         opt = self.optimizer
         if not (cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and opt.states["master"].uses_pool
                 and self.param_store.uses_pool and not opt.gather_params):  # fmt: skip
             return 0
-        # Per sub-group in hand: its states and its gradients read, its parameters' copies
-        # written; and one sub-group's gradients kept in memory for the next to start.
         largest = max(g.numel for g in opt.groups)
-        per_group = (len(opt.kinds) * 4 + 4 + self.dtype.itemsize) * largest
-        window = min(2, (cfg.memory.host_budget - backward_bytes - 4 * largest) // per_group)
-        if window < 1:
+        budget = cfg.memory.host_budget - backward_bytes - 4 * largest
+        smallest = min(group_bytes(opt, g) for g in opt.groups)
+        if budget < smallest:
             logger.info("optimizer.overlap: the host budget leaves no room for a sub-group under backward "
-                        "(%d bytes each); the optimizer runs after backward", per_group)  # fmt: skip
-        return max(0, window)
+                        "(%d bytes the smallest); the optimizer runs after backward", smallest)  # fmt: skip
+            return 0
+        return budget
 
     def _loss_scale(self) -> float:
         return self._scaler.scale if self._scaler is not None else 1.0
