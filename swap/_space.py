@@ -177,7 +177,10 @@ class SwapSpace:
                 self.pool = HostBufferPool(host_budget, engine=self.engine, slab_size=min(64 << 20, host_budget))
             self._open(fresh)
         except BaseException:
-            self._release()
+            try:
+                self._release()
+            finally:
+                self._remove_dirs()  # those this open made, where still empty
             raise
         self._closed = False
 
@@ -670,6 +673,7 @@ class SwapSpace:
                         pass
 
     def _remove_dirs(self) -> None:
+        """Remove the rank directories, then the swap directories this space created, where empty."""
         for d in [*self.rank_dirs, *reversed(self._made_dirs)]:
             try:
                 os.rmdir(d)
