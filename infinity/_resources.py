@@ -59,7 +59,7 @@ def open_io(cfg: TierConfig, rank: int, local_rank: int):
             space = SwapSpace(
                 paths, rank=rank, engine=engine, pool=pool, verify=cfg.nvme.verify, fresh=True,
                 stripe_size=cfg.nvme.stripe_size, stripe_threshold=cfg.nvme.stripe_threshold,
-                grow_step=cfg.nvme.grow_step, keep=getattr(cfg.nvme, "keep", True),
+                grow_step=cfg.nvme.grow_step, keep=cfg.nvme.keep,
             )  # fmt: skip
     except BaseException:
         if pool is not None:

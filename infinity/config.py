@@ -161,11 +161,14 @@ class NvmeConfig:
     stripe_threshold: Size = "8MiB"
     """Tensors of at least this many bytes are striped; smaller ones go whole to one drive."""
     grow_step: Size = "256MiB"
-    """The arena file on each drive grows (preallocated) by this much at a time (a multiple of 4096)."""
+    """The most the arena file on each drive grows (preallocated) by at a time (a multiple of
+    4096); a small space grows from 1MiB, doubling, so it takes no more than it holds."""
     verify: str = "off"
-    """xxh3-64 checksums of swapped tensors: "always" writes one with every swap write and checks
-    it on every read; "off" and "checkpoint" (the same) write them only for checkpoints, whose
-    loads always check them."""
+    """Every swap write records an xxh3-64 checksum; this says which reads check it: "always"
+    every read, "off" and "checkpoint" (the same) only checkpoint loads, which always do."""
+    keep: bool = True
+    """At close, keep the swap files (their arenas shrunk to the data they hold: swap-inspect
+    can read them) or, false, remove them: the swap is scratch, a new engine starts it over."""
 
     def __post_init__(self) -> None:
         paths = self.paths
@@ -192,13 +195,16 @@ class NvmeConfig:
         _size(self, "stripe_threshold", lo=0)
         _size(self, "grow_step", multiple=ALIGNMENT)
         _choice(self, "verify", VERIFY_MODES)
+        if not isinstance(self.keep, bool):
+            raise _type_error(self, "keep", "true or false", self.keep)
 
     def resolve_paths(self, rank: int = 0, local_rank: int = 0) -> tuple[str, ...]:
         """The directories of one process, its placeholders filled in."""
         return tuple(p.format(rank=rank, local_rank=local_rank) for p in self.paths)
 
     def check_paths(self) -> None:
-        """Each directory must exist and be writable; checked when a tier is on NVMe.
+        """Each directory must exist and be writable, or be missing in a writable directory
+        (the swap space creates it, 0700); checked when a tier is on NVMe.
 
         A path with a placeholder is checked up to the component that holds it: the directories
         below differ per rank and need not exist on this host (rank 5's lives on another node).
@@ -211,6 +217,13 @@ class NvmeConfig:
                 fixed.append(part.format(rank=0, local_rank=0))  # unescapes "{{"
             d = os.sep.join(fixed) or (os.sep if p.startswith(os.sep) else ".")
             what = repr(d) if len(fixed) == len(parts) else f"{d!r} (the fixed part of {p!r})"
+            if not os.path.lexists(d) and len(fixed) == len(parts):
+                parent = os.path.dirname(os.path.abspath(d))
+                if not os.path.isdir(parent):
+                    raise ValueError(f"nvme.paths[{i}]: {what} does not exist, nor does its parent {parent!r}")
+                if not os.access(parent, os.W_OK | os.X_OK):
+                    raise ValueError(f"nvme.paths[{i}]: {what} does not exist and {parent!r} is not writable")
+                continue  # created when the swap space opens
             if not os.path.isdir(d):
                 raise ValueError(f"nvme.paths[{i}]: {what} is not a directory")
             if not os.access(d, os.W_OK | os.X_OK):

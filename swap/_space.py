@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import gc
 import logging
 import os
 import stat
@@ -255,10 +256,23 @@ class SwapSpace:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                raise RuntimeError(
-                    f"swap directory {rank_dir} is in use by another swap space (process {holder}); "
-                    "each rank of each run needs its own directory"
-                ) from None
+                if holder == str(os.getpid()):
+                    # This process: maybe a space (an engine) dropped without close and not yet
+                    # collected; collecting it releases its lock.
+                    gc.collect()
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        raise RuntimeError(
+                            f"swap directory {rank_dir} is in use by another swap space of this process "
+                            f"({holder}): an infinity engine or SwapSpace still open on it. Close it first "
+                            "(engine.close()); an engine dropped without close() stays open while its model is alive"
+                        ) from None
+                else:
+                    raise RuntimeError(
+                        f"swap directory {rank_dir} is in use by another swap space (process {holder}); "
+                        "each rank of each run needs its own directory"
+                    ) from None
             try:
                 same = os.stat(lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

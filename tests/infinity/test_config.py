@@ -129,6 +129,7 @@ BAD = [
     ({"optimizer": {"gradient_accumulation_steps": 0}}, "optimizer.gradient_accumulation_steps: 0 must be at least 1"),
     ({"optimizer": {"gradient_accumulation_steps": 2.0}}, "optimizer.gradient_accumulation_steps: expected an int"),
     ({"optimizer": {"overlap": 1}}, "optimizer.overlap: expected true or false"),
+    ({"nvme": {"keep": "no"}}, "nvme.keep: expected true or false"),
     ({"optimizer": {"type": "lamb"}}, "optimizer.type: 'lamb' is not one of adamw, adam, sgd, adagrad"),
     ({"optimizer": {"type": 1}}, "optimizer.type"),
     ({"optimizer": {"momentum": -0.5}}, "optimizer.momentum"),
@@ -180,7 +181,7 @@ _RIGHT_TYPE = {
 }
 
 
-_EVERY_VALUE_IN_RANGE = {"optimizer.overlap"}
+_EVERY_VALUE_IN_RANGE = {"optimizer.overlap", "nvme.keep"}
 
 
 def test_the_table_has_a_wrong_type_and_an_out_of_range_value_for_every_key():
@@ -406,10 +407,12 @@ def test_an_nvme_tier_needs_paths(tier):
         TierConfig.from_dict({"tiers": {tier: "nvme"}})
 
 
-def test_a_missing_directory_is_an_error(tmp_path, drives):
-    missing = str(tmp_path / "missing")
-    with pytest.raises(ValueError, match=rf"nvme\.paths\[1\]: '{missing}' is not a directory"):
-        TierConfig.from_dict({"tiers": {"params": "nvme"}, "nvme": {"paths": [drives[0], missing]}})
+def test_a_missing_directory_is_fine_but_a_missing_parent_is_an_error(tmp_path, drives):
+    missing = str(tmp_path / "missing")  # the swap space creates it
+    TierConfig.from_dict({"tiers": {"params": "nvme"}, "nvme": {"paths": [drives[0], missing]}})
+    deeper = str(tmp_path / "absent" / "swap")
+    with pytest.raises(ValueError, match=rf"nvme\.paths\[1\]: '{deeper}' does not exist, nor does its parent"):
+        TierConfig.from_dict({"tiers": {"params": "nvme"}, "nvme": {"paths": [drives[0], deeper]}})
 
 
 def test_a_file_is_not_a_directory(tmp_path):

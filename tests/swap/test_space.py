@@ -259,7 +259,7 @@ def test_foreign_files_in_the_rank_directory_are_an_error(open_space, dirs):
 def test_a_directory_in_use_is_refused(open_space, dirs):
     (path,) = dirs(1)
     open_space(paths=[path])
-    with pytest.raises(RuntimeError, match=rf"in use by another swap space \(process {os.getpid()}\)"):
+    with pytest.raises(RuntimeError, match=rf"in use by another swap space of this process \({os.getpid()}\)"):
         open_space(paths=[path])
 
 
