@@ -48,7 +48,7 @@ import torch
 from torch.profiler import record_function
 
 from infinity.swap import (
-    SpaceReader, SwapSpace, WriteBehind, fsync_dir, read_json, round_up, write_bytes_atomic, write_json_atomic,
+    SpaceReader, SwapSpace, WriteBehind, fsync_dir, parse_json, read_json, round_up, write_bytes_atomic, write_json_atomic,
 )  # fmt: skip
 
 from . import _rng
@@ -90,12 +90,16 @@ def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
         "run": _run(),
     }
     try:
-        json.dumps(client_state, allow_nan=True)
+        text = json.dumps(client_state, allow_nan=True)
     except (TypeError, ValueError) as e:
         raise TypeError(
             f"client_state must be JSON-serialisable (checkpoints hold no pickle): {e}; "
             "convert tensors with .tolist() or save them yourself"
         ) from None
+    try:  # what the load will accept: no key twice (1 and "1" are both "1" in JSON), not too deep
+        parse_json(text, "client_state")
+    except ValueError as e:
+        raise ValueError(f"client_state would not load back: {e}") from None
     try:
         json.dumps(meta["lr_scheduler"], allow_nan=True)
     except (TypeError, ValueError) as e:

@@ -66,8 +66,12 @@ def resolve(path: str, tag: str = LATEST_NAME) -> str:
         pointer = os.path.join(path, LATEST_NAME)
         if not os.path.isfile(pointer):
             raise FileNotFoundError(errno.ENOENT, f"no {LATEST_NAME!r} file: no complete checkpoint was saved here", pointer)
-        with open(pointer) as f:
-            named = f.read().strip()
+        with open(pointer, "rb") as f:
+            raw = f.read(4096)
+        try:
+            named = raw.decode().strip()
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{pointer}: not a tag: byte 0x{raw[e.start]:02x} at offset {e.start} is not UTF-8") from None
         try:
             tag = check_tag(named)
         except ValueError as e:

@@ -6,7 +6,7 @@
 - `stream`: read ahead, compute, write behind over a sequence of names;
 - `WriteBehind`: writes in flight from host buffers, bounded, their errors never lost;
 - `SpaceReader`: a read-only view of a space (what swap-inspect uses);
-- `write_json_atomic`, `write_bytes_atomic`, `fsync_dir`, `read_json`: the durable-file helpers
+- `write_json_atomic`, `write_bytes_atomic`, `fsync_dir`, `read_json`, `parse_json`: the durable-file helpers
   the manifest uses, for the layers above (checkpoints, export).
 
 The constants (`ALIGNMENT`, `VERIFY_MODES`) and `round_up`, `human_size` load without torch;
@@ -31,6 +31,7 @@ _LAZY = {
     "dtype_name": "._manifest",
     "fsync_dir": "._manifest",
     "is_space_file": "._manifest",
+    "parse_json": "._manifest",
     "read_json": "._manifest",
     "write_bytes_atomic": "._manifest",
     "write_json_atomic": "._manifest",

@@ -357,7 +357,7 @@ def read_json(path: str):
     formats parses with. ManifestError names the path and the cause for anything else: not a
     regular file (a FIFO is not waited on), bytes that are not UTF-8 (at which offset), invalid
     JSON (line and column), a key twice in one object, nesting deeper than MAX_JSON_DEPTH."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):  # meta.json is read without `require_regular`
         os.close(fd)
@@ -368,6 +368,13 @@ def read_json(path: str):
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ManifestError(f"{path}: not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}") from None
+    return parse_json(text, path)
+
+
+def parse_json(text: str, where: str):
+    """``text`` parsed as `read_json` parses a file (``where`` names it in errors): writers
+    check with it that what they write will read back."""
+    path = where
 
     def unique(pairs: list) -> dict:
         obj = dict(pairs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -175,3 +176,21 @@ def test_a_filesystem_without_flock_fails_the_save_naming_the_lock(tmp_path, mon
     assert "support flock" in str(info.value)
     assert sorted(os.listdir(root)) == [".lock"]
     engine.close()
+
+
+@pytest.mark.parametrize("state, why", [({1: "a", "1": "b"}, "key '1' appears twice"),
+                                        (functools.reduce(lambda x, _: [x], range(150), 0), "nested more than")])
+def test_a_client_state_that_would_not_load_back_is_refused_at_save(tmp_path, state, why):
+    (tmp_path / "swap").mkdir()
+    engine = infinity.initialize(make_model(), config(tmp_path / "swap", ("nvme", "nvme", "nvme")))
+    with pytest.raises(ValueError, match=f"client_state would not load back: client_state: {why}"):
+        engine.save_checkpoint(tmp_path / "ckpt", client_state=state)
+    assert not (tmp_path / "ckpt").exists() or list_checkpoints(tmp_path / "ckpt") == []
+    engine.close()
+
+
+def test_a_latest_file_that_is_not_utf8_names_itself(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest").write_bytes(b"\xffstep\n")
+    with pytest.raises(infinity.checkpoint.CheckpointError, match="latest: not a tag: byte 0xff at offset 0"):
+        infinity.checkpoint.resolve(tmp_path / "ckpt")
