@@ -118,6 +118,8 @@ def test_an_interrupted_step_refuses_to_train_on(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="optimizer step failed part-way .*load the last checkpoint"):
         engine(x)
+    with pytest.raises(RuntimeError, match="optimizer step failed part-way"):  # no checkpoint of a half step
+        engine.save_checkpoint(tmp_path / "ckpt", tag="half")
     engine.load_checkpoint(tmp_path / "ckpt")
     engine.backward(((engine(x) - y) ** 2).mean())
     assert engine.step() is True
