@@ -55,7 +55,7 @@ def group_bytes(optimizer, sg) -> int:
 class _Early:
     """One sub-group updated early: what it assumed, and what it wrote."""
 
-    __slots__ = ("index", "versions", "steps", "first", "hyper", "divide", "units", "reads", "grads", "written")
+    __slots__ = ("index", "versions", "steps", "first", "hyper", "divide", "units", "reads", "grads")
 
     def __init__(self, index: int):
         self.index = index
@@ -67,7 +67,6 @@ class _Early:
         self.units: list = []  # the units updated (those with a gradient)
         self.reads: list = []  # Pendings of the state leases, in kind order
         self.grads: dict = {}  # unit -> Pending of its gradient lease
-        self.written = False  # staged tensors exist under the staged names
 
 
 class Overlap:
@@ -226,7 +225,6 @@ class Overlap:
             for u in early.units:
                 s = sg.slices[u.index]
                 futures.append(opt.param_store.put(u.name + STAGED, tensors[0][s], copy=True, dtype=opt.param_dtype))
-            early.written = True
             self._early[early.index] = early
         except BaseException:
             for lease in leases:
