@@ -184,6 +184,7 @@ class Optimizer(torch.optim.Optimizer):
         self.steps = {u.index: torch.zeros((), dtype=torch.float32, device=self.device) for u in units}
         self._never_stepped = {u.index for u in units}  # SGD's first step starts a momentum buffer; no device read
         self.ahead = READ_AHEAD
+        self.ahead_bytes: int | None = None  # read-ahead by bytes too (see fit_read_ahead)
         self._param_writes = WriteBehind(2)  # new parameters, each from its own pool copy
         self._engine_step = None  # set by the engine: what step() runs
         self._engine_zero_grad = None
@@ -436,7 +437,7 @@ class Optimizer(torch.optim.Optimizer):
             # The next sub-group's gradients are read while this one is updated.
             grads_next = self._read_grads(groups[0]) if groups else None
             stores = [self.states[k] for k in self.kinds]
-            items = stream_together(stores, [g.name for g in groups], ahead=self.ahead)
+            items = stream_together(stores, [g.name for g in groups], ahead=self.ahead, ahead_bytes=self.ahead_bytes)
             # Iterate the stream itself (not a zip with the groups, which would stop without
             # resuming the generator after its last item, and so skip that item's write-back).
             for i, item in enumerate(items):
@@ -577,15 +578,17 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- host memory ------------------------------------------------------------------------
     def host_bytes_needed(self) -> int:
-        """Pool bytes the update holds at most: the stream's sub-groups (``ahead`` read ahead,
-        one in hand, one written behind), the gradients of one sub-group and the next one's,
-        and three parameter write-behinds; each only where its store uses the pool."""
+        """Pool bytes the update holds at most: the stream's sub-groups (read ahead: ``ahead``
+        of the largest, or ``ahead_bytes``; one in hand, one written behind), the gradients of
+        one sub-group and the next one's, and three parameter write-behinds; each only where
+        its store uses the pool."""
         if not self.groups:
             return 0
         largest = max(g.numel for g in self.groups)
         need = 0
         if self.states["master"].uses_pool:
-            need += (self.ahead + 2) * len(self.kinds) * 4 * largest
+            state = len(self.kinds) * 4 * largest
+            need += 2 * state + (self.ahead_bytes if self.ahead_bytes is not None else self.ahead * state)
         if self.grads.store.uses_pool:
             need += 2 * 4 * largest
         if self.param_store.uses_pool:
@@ -593,13 +596,20 @@ class Optimizer(torch.optim.Optimizer):
         return need
 
     def fit_read_ahead(self, budget: int) -> int:
-        """Read as many sub-groups ahead as ``budget`` allows, from `READ_AHEAD` (3 measured
+        """Read as many sub-groups ahead as ``budget`` allows, up to `READ_AHEAD` (3 measured
         best here: step time over the I/O floor 1.3 at 1, 1.2 at 2, 1.0-1.1 at 3;
-        benchmarks/engine_bench.py) down to 1; returns the pool bytes the update then needs."""
-        for ahead in range(READ_AHEAD, 0, -1):
-            self.ahead = ahead
-            if self.host_bytes_needed() <= budget:
-                break
+        benchmarks/engine_bench.py), counted in bytes when the sub-groups differ in size: one
+        vocabulary-sized sub-group (an embedding alone) then holds back only itself, not the
+        read-ahead of every other. At least one ahead; returns the pool bytes the update then
+        needs."""
+        self.ahead, self.ahead_bytes = READ_AHEAD, None
+        if self.host_bytes_needed() <= budget or not self.groups:
+            return self.host_bytes_needed()
+        largest_state = len(self.kinds) * 4 * max(g.numel for g in self.groups)
+        self.ahead_bytes = largest_state  # one of the largest ahead, at least
+        spare = budget - self.host_bytes_needed()
+        if spare > 0:
+            self.ahead_bytes += min(spare, (READ_AHEAD - 1) * largest_state)
         return self.host_bytes_needed()
 
 

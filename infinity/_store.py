@@ -196,7 +196,8 @@ class _Streamed:
         self._item = item
 
 
-def stream_together(stores: Sequence[Store], names: Sequence[str], *, ahead: int) -> Iterator[_Streamed]:
+def stream_together(stores: Sequence[Store], names: Sequence[str], *, ahead: int,
+                    ahead_bytes: int | None = None) -> Iterator[_Streamed]:  # fmt: skip
     """Each of ``names`` from every store in ``stores`` (one tier, one space), in order, as
     one item whose ``tensors`` the caller updates in place: on nvme, ``ahead`` items are read
     ahead and each is written back behind the caller (`infinity.swap.stream`) unless its
@@ -209,7 +210,7 @@ def stream_together(stores: Sequence[Store], names: Sequence[str], *, ahead: int
     keys = [tuple(s._key(name) for s in stores) for name in names]
     start = time.perf_counter()
     moved = 0
-    items = stream(first._space, keys, ahead=ahead)
+    items = stream(first._space, keys, ahead=ahead, ahead_bytes=ahead_bytes)
     try:
         for item in items:
             out = _Streamed(item.tensors, item)

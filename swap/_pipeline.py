@@ -45,19 +45,21 @@ class Item:
 
 
 def stream(
-    space: SwapSpace, names: Sequence[str | tuple[str, ...]], *, ahead: int = 1, write_back: bool = True
+    space: SwapSpace, names: Sequence[str | tuple[str, ...]], *, ahead: int = 1, write_back: bool = True,
+    ahead_bytes: int | None = None,
 ) -> Iterator[Item]:
     """Yield each of ``names`` (a name, or a tuple of names read and written together) from
-    ``space`` in order, reading ``ahead`` items ahead and writing each item back (when
-    ``write_back`` and the item's own flag allow) after the caller is done with it. Leaving the
-    loop early still finishes what is in flight."""
+    ``space`` in order, reading ``ahead`` items ahead (and, with ``ahead_bytes``, only as many
+    of those as hold that many bytes together, but always the next one) and writing each item
+    back (when ``write_back`` and the item's own flag allow) after the caller is done with it.
+    Leaving the loop early still finishes what is in flight."""
     if ahead < 0:
         raise ValueError(f"{ahead=} must be >= 0")
     names = list(names)
     for entry in names:
         for name in _members(entry):
             space.info(name)  # unknown names fail before any I/O
-    reads = _Reads(space, names)
+    reads = _Reads(space, names, ahead_bytes)
     writes = WriteBehind(1)  # item i-1 may still be on its way out while the caller has item i
     item = None
     try:
@@ -92,14 +94,21 @@ def stream(
 class _Reads:
     """The reads issued ahead of the caller, oldest first."""
 
-    def __init__(self, space: SwapSpace, names: list):
+    def __init__(self, space: SwapSpace, names: list, limit_bytes: int | None = None):
         self.space, self.names = space, names
         self.queue: collections.deque[tuple[str | tuple, list[SwapFuture]]] = collections.deque()
         self.issued = 0
+        self.limit_bytes = limit_bytes
+        self.sizes = [sum(space.info(n).nbytes for n in _members(e)) for e in names] if limit_bytes else None
 
     def more(self, limit: int) -> None:
-        """Issue reads until ``limit`` are in flight (or every name is read)."""
+        """Issue reads until ``limit`` are in flight (or every name is read), and (with
+        ``limit_bytes``) while those in flight fit in it, but at least one."""
         while self.issued < len(self.names) and len(self.queue) < limit:
+            if self.queue and self.sizes is not None:
+                held = sum(self.sizes[self.issued - len(self.queue) : self.issued])
+                if held + self.sizes[self.issued] > self.limit_bytes:
+                    return
             entry = self.names[self.issued]
             self.queue.append((entry, [self.space.get(n) for n in _members(entry)]))
             self.issued += 1

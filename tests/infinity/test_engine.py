@@ -333,10 +333,36 @@ def test_a_tight_budget_reads_fewer_sub_groups_ahead(tmp_path):
     # One layer per sub-group (12.6 MB of state): 3 ahead needs 79 MiB, 1 ahead 54 MiB.
     tight = infinity.initialize(model, _config(tmp_path / "b", ("nvme",) * 3, memory={"host_budget": "64MiB"},
                                                optimizer={"sub_group_size": "16MiB"}))  # fmt: skip
-    assert tight.optimizer.ahead < 3
+    state = 12 * (1024 * 1024 + 1024)
+    assert tight.optimizer.ahead_bytes is not None and state <= tight.optimizer.ahead_bytes < 3 * state
     tight.backward(tight(torch.randn(2, 1024)).sum())
     assert tight.step()
     tight.close()
+
+
+def test_one_large_sub_group_does_not_hold_back_the_read_ahead_of_the_small_ones(tmp_path, monkeypatch):
+    """The budget fits 1 ahead of the large sub-group (a vocabulary-sized unit); the read-ahead
+    counts bytes, so the small ones are still read 3 ahead."""
+    import infinity.swap._pipeline as pipeline
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8192, 256), *[nn.Linear(256, 256) for _ in range(6)])
+    big = 12 * 8192 * 256  # 25 MB of fp32 state; each Linear 0.8 MB
+    engine = infinity.initialize(model, _config(tmp_path, ("nvme",) * 3, memory={"host_budget": "150MiB"},
+                                                optimizer={"sub_group_size": "1MiB", "overlap": False}))  # fmt: skip
+    assert engine.optimizer.ahead == 3 and big <= engine.optimizer.ahead_bytes < 3 * big
+    most = []
+    real = pipeline._Reads.more
+
+    def more(self, limit):
+        real(self, limit)
+        most.append(len(self.queue))
+
+    monkeypatch.setattr(pipeline._Reads, "more", more)
+    engine.backward(engine(torch.randint(0, 8192, (2, 4))).sum())
+    assert engine.step()
+    assert max(most) == 4  # the next item and 3 ahead, among the small sub-groups
+    engine.close()
 
 
 def test_an_engine_left_open_is_closed_at_exit(tmp_path):
