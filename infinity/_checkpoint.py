@@ -350,7 +350,7 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
     if engine.grads.has_grad:
         raise RuntimeError(
             "save_checkpoint between backward and step: the gradients accumulated since the last "
-            "step are not saved; call step() first"
+            "step are not saved; call step() first, or zero_grad() to drop them (after an interrupted backward)"
         )
     root = os.path.abspath(os.fspath(path))
     start = time.perf_counter()
