@@ -214,7 +214,8 @@ class Overlap:
             grads = {}
             for i, p in early.grads.items():
                 leases.append(p.result())
-                grads[i] = leases[-1].tensor
+                g = leases[-1].tensor  # on the GPU when the grads tier is the device: the update runs on the host
+                grads[i] = g if g.device == tensors[0].device else g.to(tensors[0].device)
             early.divide = self.loss_scale()
             early.hyper = opt.hyperparameters()
             early.first = {u.index for u in early.units} & opt._never_stepped

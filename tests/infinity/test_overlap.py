@@ -264,6 +264,17 @@ def test_zero_grad_after_backward_discards_early_updates(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("grads", ["cpu", "device"])
+def test_overlap_with_resident_gradients(tmp_path, grads):
+    """Gradients on a resident tier are lent in place (on the GPU for the device tier): the
+    early update moves them to the host as the step does."""
+    tiers = ("nvme", grads, "nvme")
+    off = _train(tmp_path / "off", False, tiers=tiers)
+    on = _train(tmp_path / "on", True, tiers=tiers)
+    _same(off, on)
+    assert on[2] == [4] * 4
+
+
 @pytest.mark.parametrize("tiers", [("cpu", "nvme", "nvme"), ("nvme", "nvme", "cpu"), ("device",) * 3])
 def test_overlap_does_not_apply_where_the_states_or_parameters_are_resident(tmp_path, tiers):
     os.makedirs(tmp_path / "a")
