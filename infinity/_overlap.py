@@ -205,7 +205,7 @@ class Overlap:
         """Run ``early``'s update on what it read and write the results under staged names."""
         opt = self.opt
         sg = opt.groups[early.index]
-        leases = []
+        leases, futures = [], []
         try:
             tensors = []
             for p in early.reads:
@@ -222,12 +222,18 @@ class Overlap:
             early.steps = {u.index: opt.steps[u.index] + 1 for u in early.units}
             with record_function("infinity::optimizer.early"):
                 opt.apply(early.index, tensors[0], tensors[1:], grads, early.divide, early.steps, early.first)
-            futures = [opt.states[k].put(sg.name + STAGED, t) for k, t in zip(opt.kinds, tensors)]
+            for k, t in zip(opt.kinds, tensors):
+                futures.append(opt.states[k].put(sg.name + STAGED, t))
             for u in early.units:
                 s = sg.slices[u.index]
                 futures.append(opt.param_store.put(u.name + STAGED, tensors[0][s], copy=True, dtype=opt.param_dtype))
             self._early[early.index] = early
         except BaseException:
+            for f in futures:  # writes from these buffers finish before the buffers go back
+                try:
+                    f.result()
+                except Exception:  # noqa: BLE001 - staged, never committed: their errors do not matter
+                    pass
             for lease in leases:
                 lease.release()
             _give_back(early)

@@ -290,3 +290,39 @@ def test_config_keys(tmp_path):
         infinity.TierConfig.from_dict({"optimizer": {"overlap": "yes"}})
     assert infinity.TierConfig().optimizer.overlap is True
 
+
+
+def test_an_early_update_that_fails_fails_the_backward_and_nothing_is_half_committed(tmp_path, monkeypatch):
+    """An error in an early update (a drive error, say) is raised by the backward it ran in;
+    the step is then refused until zero_grad, and redoing the step gives the same numbers."""
+    ref = _train(tmp_path / "ref", True, steps=2)
+    os.makedirs(tmp_path / "a")
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", True))
+    real = engine.optimizer.apply
+    calls = []
+
+    def failing(index, *args):
+        calls.append(index)
+        if len(calls) == 2:
+            raise OSError(5, "injected I/O error")
+        return real(index, *args)
+
+    x, y = _batch(0)
+    engine.backward(((engine(x) - y) ** 2).mean())
+    engine.step()
+    monkeypatch.setattr(engine.optimizer, "apply", failing)
+    overlap = engine.optimizer.overlap
+    # Every early update runs before backward returns, so the failure is the backward's.
+    monkeypatch.setattr(overlap, "backward_ended", lambda: overlap.pump(block=True))
+    x, y = _batch(1)
+    with pytest.raises(OSError, match="injected"):
+        engine.backward(((engine(x) - y) ** 2).mean())
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="last backward failed part-way"):
+        engine.step()
+    engine.zero_grad()
+    engine.backward(((engine(x) - y) ** 2).mean())
+    engine.step()
+    got = engine.gathered_weights()
+    engine.close()
+    assert all(torch.equal(ref[1][k], got[k]) for k in got)
