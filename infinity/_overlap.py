@@ -146,19 +146,30 @@ class Overlap:
             if need > self.budget:  # never in hand: the step updates it
                 self._ready.popleft()
                 continue
-            busy = self._reading or self._written
-            if busy and (self._in_hand() + need > self.budget or len(self._reading) + len(self._written) >= MAX_IN_HAND):
+            in_hand = self._in_hand()  # reaps finished writes first
+            busy = bool(self._reading or self._written)
+            if busy and (in_hand + need > self.budget or len(self._reading) + len(self._written) >= MAX_IN_HAND):
                 if not block:
                     break
-                if self._reading:  # make room: finish the oldest first
-                    self._apply(self._reading.popleft())
-                else:
-                    self._writes.poll(keep=len(self._writes) - 1)
+                self._make_room()
                 continue
-            if not self._start(self._ready[0], wait=block):
-                break
-            self._ready.popleft()
+            if self._start(self._ready[0]):
+                self._ready.popleft()
+                continue
+            if not block:
+                break  # no pool memory now, or a gradient still being written: later
+            if busy:
+                self._make_room()
+                continue
+            self._ready.popleft()  # no room even alone (a fragmented pool): the step updates it
         self._finish(block)
+
+    def _make_room(self) -> None:
+        """Finish the oldest sub-group in hand (its update, or its writes)."""
+        if self._reading:
+            self._apply(self._reading.popleft())
+        else:
+            self._writes.poll(keep=max(0, len(self._writes) - 1))
 
     def _finish(self, block: bool) -> None:
         """Apply the updates whose reads arrived (all of them with ``block``, and drain)."""
@@ -169,18 +180,19 @@ class Overlap:
         else:
             self._writes.poll()
 
-    def _start(self, index: int, wait: bool) -> bool:
+    def _start(self, index: int) -> bool:
         """Issue the reads of sub-group ``index``'s states and gradients; False when the pool
-        has no room now (``wait=False``)."""
+        has no room now, or a gradient is still being written. Never waits: the backward's
+        own buffers come first."""
         opt = self.opt
         sg = opt.groups[index]
         early = _Early(index)
         early.units = [u for u in sg.units if u.index in opt.grads.has_grad]
         if not early.units:
             return True  # nothing to update early; the step finds it without a gradient too
-        if not wait and any(opt.grads.writing(u.index) for u in early.units):
+        if any(opt.grads.writing(u.index) for u in early.units):
             return False  # read back once written, not by waiting for the write here
-        timeout = None if wait else 0
+        timeout = 0
         try:
             for kind in opt.kinds:
                 early.reads.append(opt.states[kind].get(sg.name, timeout=timeout))
@@ -226,8 +238,12 @@ class Overlap:
                 futures.append(opt.states[k].put(sg.name + STAGED, t))
             for u in early.units:
                 s = sg.slices[u.index]
-                futures.append(opt.param_store.put(u.name + STAGED, tensors[0][s], copy=True, dtype=opt.param_dtype))
+                futures.append(opt.param_store.put(u.name + STAGED, tensors[0][s], copy=True, dtype=opt.param_dtype,
+                                                   timeout=0))  # fmt: skip
             self._early[early.index] = early
+        except PoolExhausted:  # no room for the parameters' copies: the step updates this sub-group
+            self._abandon(early, leases, futures)
+            return
         except BaseException:
             for f in futures:  # writes from these buffers finish before the buffers go back
                 try:
@@ -244,6 +260,38 @@ class Overlap:
             lease.release()
         self._writes.add(futures, *state_leases, key=early.index)
         self._written.append(early.index)
+
+    def _abandon(self, early: _Early, leases, futures) -> None:
+        """Give up ``early`` after its update ran: its writes finish, its buffers go back, its
+        staged tensors are deleted; the step updates the sub-group (the update was not kept)."""
+        for f in futures:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - staged, never committed
+                pass
+        for lease in leases:
+            lease.release()
+        _give_back(early)
+        self._delete_staged(early)
+
+    def relieve(self) -> None:
+        """The backward needs pool memory that is not free: give back what the early updates
+        hold. Reads in flight are dropped (their sub-groups go to the step), staged writes
+        finish, gradients kept in memory go (they are on nvme)."""
+        while self._reading:
+            _give_back(self._reading.popleft())
+        self._ready.clear()
+        self._waiting.clear()
+        self._writes.drain()
+        self.opt.grads.drop_kept()
+
+    def _delete_staged(self, early: _Early) -> None:
+        opt = self.opt
+        sg = opt.groups[early.index]
+        for kind in opt.kinds:
+            opt.states[kind].discard(sg.name + STAGED)
+        for u in early.units:
+            opt.param_store.discard(u.name + STAGED)
 
     # -- the step ---------------------------------------------------------------------------
     def commit(self, divide: float) -> set[int]:
@@ -277,8 +325,19 @@ class Overlap:
             self.committed = len(done)
         return done
 
+    def trim_pool(self) -> None:
+        """Before the step streams the sub-groups left to it: drop the pool's slabs if nothing
+        holds a buffer, so that the stream starts from unsplit memory. Early updates and the
+        backward leave the slabs cut into ranges of their sizes; under a tight budget the
+        stream's larger requests then found no contiguous room (measured: the 25M demo at
+        46MiB waited out the pool's timeout in 1 of 3 runs). Nothing is dropped while in use."""
+        pool = self.opt.states["master"]._space.pool
+        if pool.in_use_bytes == 0:
+            pool.trim()
+
     def discard(self) -> None:
-        """Forget every early update (their staged tensors are deleted)."""
+        """Forget every early update (their staged tensors are deleted) and the gradients kept
+        for them (the step reads what it needs from the grads tier)."""
         self.committed = 0
         self.armed = False
         self._waiting.clear()
@@ -287,13 +346,9 @@ class Overlap:
             _give_back(self._reading.popleft())
         self._writes.discard_errors()
         self._written.clear()
-        opt = self.opt
-        for index, early in list(self._early.items()):
-            sg = opt.groups[index]
-            for kind in opt.kinds:
-                opt.states[kind].discard(sg.name + STAGED)
-            for u in early.units:
-                opt.param_store.discard(u.name + STAGED)
+        self.opt.grads.drop_kept()
+        for early in list(self._early.values()):
+            self._delete_staged(early)
         self._early.clear()
 
     @property

@@ -162,6 +162,7 @@ class Scheduler:
         # expecting gradients, and when a unit's gradient is stored.
         self.on_backward_due = None
         self.on_unit_final = None
+        self.on_pool_pressure = None  # the pool has no room for what backward needs now
 
     # -- hooks ------------------------------------------------------------------------------
     def install(self, root: nn.Module, *, before_forward, after_backward) -> None:
@@ -296,7 +297,7 @@ class Scheduler:
             # and what none arrived for is zeroed when the unit is handed on.
             if self.device.type == "cpu" and self.pool is not None:
                 # From the pool: budgeted, and aligned so its write-behind is direct.
-                unit.grad_lease = self.pool.acquire(unit.padded_numel * 4)
+                unit.grad_lease = self._acquire(unit.padded_numel * 4)
                 unit.grad = unit.grad_lease.view(torch.float32, (unit.padded_numel,))
             else:
                 unit.grad = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
@@ -413,9 +414,21 @@ class Scheduler:
             if not wait:
                 return False
             self._cancel_prefetches()
+            if self.on_pool_pressure is not None:
+                self.on_pool_pressure()
             unit.pending = self.store.get(unit.name)
         unit.state = UnitState.FETCHING
         return True
+
+    def _acquire(self, nbytes: int):
+        """A pool buffer for backward's own use: the optimizer's work under backward gives its
+        memory back first if the pool has no room (it never makes backward wait)."""
+        try:
+            return self.pool.acquire(nbytes, timeout=0)
+        except PoolExhausted:
+            if self.on_pool_pressure is not None:
+                self.on_pool_pressure()
+            return self.pool.acquire(nbytes)
 
     def _cancel_prefetches(self) -> None:
         for other in self.units:

@@ -116,13 +116,15 @@ class Store:
     def _key(self, name: str) -> str:
         return f"{name}/{self.kind}"
 
-    def put(self, name: str, tensor: torch.Tensor, *, copy: bool = False, dtype: torch.dtype | None = None) -> Pending:
+    def put(self, name: str, tensor: torch.Tensor, *, copy: bool = False, dtype: torch.dtype | None = None,
+            timeout: float | None = None) -> Pending:  # fmt: skip
         """Store ``tensor``'s values under ``name`` (cast to the stored dtype where one exists,
         or to ``dtype`` for a copy under a new name).
 
         Resident: copied now (nothing when ``tensor`` is the tier's own tensor). nvme: written
         behind from ``tensor``, which must stay unchanged until the result, unless ``copy``,
-        or unless it is not a contiguous CPU tensor: then from a pool copy."""
+        or unless it is not a contiguous CPU tensor: then from a pool copy (waiting at most
+        ``timeout`` seconds for its pool memory)."""
         if self._resident is not None:
             dst = self._resident.get(name)
             if dst is None or dst.shape != tensor.shape:
@@ -135,7 +137,7 @@ class Store:
         staged = None
         if copy or tensor.device.type != "cpu" or not tensor.is_contiguous():
             dtype = DTYPES[self._space.info(key).dtype] if key in self._space else (dtype or tensor.dtype)
-            staged = self._space.pool.acquire(max(tensor.numel() * dtype.itemsize, 1))
+            staged = self._space.pool.acquire(max(tensor.numel() * dtype.itemsize, 1), timeout=timeout)
             view = staged.view(dtype, tuple(tensor.shape))
             view.copy_(tensor.detach())
             tensor = view

@@ -29,7 +29,7 @@ from . import _build, _checkpoint, _resources
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
-from ._optim import KINDS, Optimizer, make_groups, resolve
+from ._optim import KINDS, POOL_SLACK, Optimizer, make_groups, resolve
 from ._overlap import Overlap, group_bytes
 from ._scaler import LossScaler
 from ._schedule import Scheduler
@@ -151,6 +151,7 @@ class Engine:
             self.optimizer.overlap = Overlap(self.optimizer, self._overlap_budget, self._loss_scale)
             self.scheduler.on_backward_due = self._backward_due
             self.scheduler.on_unit_final = self.optimizer.overlap.unit_final
+            self.scheduler.on_pool_pressure = self.optimizer.overlap.relieve
 
     def _check_memory(self, cfg: TierConfig, units) -> None:
         """Refuse at initialize a host budget the pipelines cannot run in, or a placement the
@@ -161,7 +162,7 @@ class Engine:
             itemsize = self.dtype.itemsize
             needs["forward/backward"] = ((cfg.prefetch.depth + 1) * itemsize + (self.grads.max_writes + 1) * 4) * largest
         _resources.check_host_budget(cfg, needs, largest * 4)
-        self._overlap_budget = self._fit_overlap(cfg, needs.get("forward/backward", 0))
+        self._overlap_budget = self._fit_overlap(cfg, needs.get("forward/backward", 0), needs["optimizer step"])
         # State the resident tiers keep in host memory: the cpu tier, and the device tier on a
         # machine without a GPU.
         shard = sum(u.shard_numel for u in units)
@@ -176,7 +177,7 @@ class Engine:
         resident = {k: n for k, (store, n) in kinds.items() if store.in_place_on(host)}
         _resources.check_host_memory(resident, max(needs.values()))
 
-    def _fit_overlap(self, cfg: TierConfig, backward_bytes: int) -> int:
+    def _fit_overlap(self, cfg: TierConfig, backward_bytes: int, step_bytes: int) -> int:
         """Pool bytes the optimizer may hold under backward (0: no overlap): where it applies
         (see [Note: exact overlap] in `_overlap`), what the host budget leaves beside the
         backward's own buffers and one sub-group's gradients kept in memory."""
@@ -185,11 +186,16 @@ class Engine:
                 and self.param_store.uses_pool and not opt.gather_params):  # fmt: skip
             return 0
         largest = max(g.numel for g in opt.groups)
-        budget = cfg.memory.host_budget - backward_bytes - 4 * largest
-        smallest = min(group_bytes(opt, g) for g in opt.groups)
-        if budget < smallest:
-            logger.info("optimizer.overlap: the host budget leaves no room for a sub-group under backward "
-                        "(%d bytes the smallest); the optimizer runs after backward", smallest)  # fmt: skip
+        # Only with room to spare: what the budget leaves beside the backward (planned, as the
+        # step's read-ahead, POOL_SLACK short of the budget) must hold at least what the step
+        # itself plans for. The pool places buffers first-fit in slabs; early updates cut them
+        # into their own sizes, and under a tight budget the backward or the step then found no
+        # contiguous room (the 25M demo at 46MiB, whose step plans 39MiB: waits of seconds,
+        # and once the pool's 60 s timeout).
+        budget = int(cfg.memory.host_budget * (1 - POOL_SLACK)) - backward_bytes - 4 * largest
+        if budget < step_bytes or budget < min(group_bytes(opt, g) for g in opt.groups):
+            logger.info("optimizer.overlap: memory.host_budget leaves %d bytes beside the backward, less than the "
+                        "%d the optimizer step plans for; the optimizer runs after backward", budget, step_bytes)  # fmt: skip
             return 0
         return budget
 

@@ -326,3 +326,17 @@ def test_an_early_update_that_fails_fails_the_backward_and_nothing_is_half_commi
     got = engine.gathered_weights()
     engine.close()
     assert all(torch.equal(ref[1][k], got[k]) for k in got)
+
+
+@pytest.mark.parametrize("budget, applies", [("64MiB", False), ("512MiB", True)])
+def test_overlap_applies_only_with_room_to_spare_in_the_host_budget(tmp_path, budget, applies):
+    """Early updates and the backward share the pool: under a budget the step alone nearly
+    fills, the optimizer runs after backward (no overlap), as the docs say."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    engine = infinity.initialize(model, _cfg(tmp_path, True, memory={"host_budget": budget},
+                                             optimizer={"sub_group_size": "16MiB"}))  # fmt: skip
+    assert (engine.optimizer.overlap is not None) == applies
+    engine.backward(engine(torch.randn(2, 1024)).sum())
+    assert engine.step()
+    engine.close()
