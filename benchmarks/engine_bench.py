@@ -79,7 +79,7 @@ def optimizer_vs_floor(workdir: str, pairs: int, out) -> dict:
             engine.scheduler.release_all()
             engine.grads.flush()
             start = time.perf_counter()
-            engine.optimizer.step(1.0)
+            engine.optimizer.update(1.0)  # the update alone (step() would also clear the gradients and count a step)
             step = time.perf_counter() - start
             engine.grads.zero()
             floor = read_bytes / (read_gbps * 1e9) + write_bytes / (write_gbps * 1e9)
