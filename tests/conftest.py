@@ -6,6 +6,7 @@ import errno
 import importlib
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -42,3 +43,44 @@ def o_direct_refused(monkeypatch):
 
     monkeypatch.setattr(_files.os, "open", open_)
     monkeypatch.setattr(_files, "_warned_buffered", set())
+
+
+class Hung(BaseException):
+    """Raised by `no_hang` (a BaseException, so that no ``except Exception`` in the code
+    under test can take it for the error the test expects)."""
+
+
+@pytest.fixture
+def no_hang():
+    """A test that would block forever without its fix (an open or a read waiting on a FIFO
+    for a writer) fails after 30 s instead: SIGALRM interrupts the blocked call. Nothing is
+    timed otherwise."""
+
+    def alarm(signum, frame):
+        raise Hung("still blocked after 30 s (a FIFO opened or read?)")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(30)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture
+def interrupt_once(monkeypatch):
+    """interrupt_once(): the next swap transfer's wait raises KeyboardInterrupt before waiting
+    (a Ctrl-C caught by the caller, injected rather than timed)."""
+    transfer = importlib.import_module("infinity.swap._io").Transfer
+    real = transfer.wait
+    armed = []
+
+    def wait(self):
+        if armed:
+            armed.pop()
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(transfer, "wait", wait)
+    return lambda: armed.append(True)

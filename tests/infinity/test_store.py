@@ -104,19 +104,9 @@ def test_only_nvme_uses_the_pool_and_only_resident_tiers_hold_bytes(space):
     assert {t: s.in_place_on(cpu) for t, s in by_tier.items()} == {"device": True, "cpu": True, "nvme": False}
 
 
-def test_an_interrupted_put_finishes_on_the_next_result_and_keeps_its_staged_copy(space, monkeypatch):
+def test_an_interrupted_put_finishes_on_the_next_result_and_keeps_its_staged_copy(space, interrupt_once):
     """A caught Ctrl-C while a write is awaited loses nothing (the interrupt is injected)."""
-    from infinity.swap import _io
-
-    real, armed = _io.Transfer.wait, [True]
-
-    def wait(self):
-        if armed:
-            armed.pop()
-            raise KeyboardInterrupt
-        return real(self)
-
-    monkeypatch.setattr(_io.Transfer, "wait", wait)
+    interrupt_once()
     store = _store("nvme", space)
     pending = store.put("0", torch.arange(1000.0), copy=True)  # from a pool copy
     with pytest.raises(KeyboardInterrupt):

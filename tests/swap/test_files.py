@@ -8,7 +8,6 @@ import errno
 import json
 import os
 import re
-import signal
 
 import pytest
 import torch
@@ -17,25 +16,6 @@ import infinity.swap as swap
 from infinity.swap import _space
 
 MiB = 1 << 20
-
-
-class _Hung(BaseException):
-    """Not an OSError, which the code under test would catch and go on."""
-
-
-@pytest.fixture
-def no_hang():
-    """A test that would block forever without its fix fails after 30 s instead (SIGALRM
-    interrupts the blocked open or read); nothing here is timed otherwise."""
-
-    def alarm(signum, frame):
-        raise _Hung("blocked: a FIFO was opened or read")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(30)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
 
 
 def _closed_space(open_space, dirs, tensors=None) -> str:

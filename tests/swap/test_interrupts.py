@@ -12,23 +12,7 @@ import os
 import pytest
 import torch
 
-from infinity.swap import WriteBehind, _io
-
-
-@pytest.fixture
-def interrupt_once(monkeypatch):
-    """interrupt_once(): the next Transfer.wait raises KeyboardInterrupt before waiting."""
-    real = _io.Transfer.wait
-    armed = []
-
-    def wait(self):
-        if armed:
-            armed.pop()
-            raise KeyboardInterrupt
-        return real(self)
-
-    monkeypatch.setattr(_io.Transfer, "wait", wait)
-    return lambda: armed.append(True)
+from infinity.swap import WriteBehind
 
 
 def _manifest_names(path: str) -> list[str]:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import re
-import signal
 
 import pytest
 import torch
@@ -100,22 +98,6 @@ def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path):
 
 
 # -- read_json: what every reader of the swap and checkpoint formats parses with ---------------
-@contextlib.contextmanager
-def _fails_after(seconds: float):
-    """Turn a hang (an open that waits on a FIFO for a writer) into a failure."""
-
-    def hung(signum, frame):
-        raise TimeoutError(f"still blocked after {seconds}s")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def _closed_space(open_space, dirs) -> str:
     (path,) = dirs(1)
     open_space(paths=[path]).close()
@@ -173,8 +155,8 @@ def test_invalid_json_names_the_line_and_column(tmp_path):
         _manifest.load_manifest(str(p))
 
 
-def test_a_fifo_is_refused_not_waited_on(tmp_path):
+def test_a_fifo_is_refused_not_waited_on(tmp_path, no_hang):
     fifo = tmp_path / "meta.json"  # meta.json has no loader of its own: read_json guards it
     os.mkfifo(fifo)
-    with _fails_after(5), pytest.raises(swap.ManifestError, match=r"meta.json: is a FIFO.*, not a regular file"):
+    with pytest.raises(swap.ManifestError, match=r"meta.json: is a FIFO.*, not a regular file"):
         _manifest.read_json(str(fifo))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
 import torch
@@ -19,24 +18,6 @@ def rank_dir(tmp_path):
         space.put("a/param", torch.arange(2000, dtype=torch.float32)).result()
         space.put("b/param", torch.ones(10)).result()
         return space.rank_dirs[0]
-
-
-class _Hung(BaseException):
-    """Not an OSError, which the code under test would catch and go on."""
-
-
-@pytest.fixture
-def no_hang():
-    """Fail after 30 s instead of blocking forever on a FIFO (SIGALRM interrupts the open)."""
-
-    def alarm(signum, frame):
-        raise _Hung("blocked on a FIFO")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(30)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
 
 
 def run(capsys, *args) -> tuple[int, str, str]:
