@@ -43,6 +43,16 @@ def reset_peak() -> None:
         f.write("5")  # VmHWM back to the current RSS
 
 
+def llama_config(args):
+    """The Llama-shaped model of ``args`` (hidden, layers, intermediate, vocab, tokens);
+    benchmarks/scale_step.py trains the same one."""
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                                    num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=16,
+                                    max_position_embeddings=max(args.tokens, 64))  # fmt: skip
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=str(Path(__file__).resolve().parent.parent / "bench-data"))
@@ -68,9 +78,7 @@ def main(argv=None) -> int:
         print(json.dumps(obj) if args.json else text, flush=True)
 
     try:
-        cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                                       num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=16,
-                                       max_position_embeddings=max(args.tokens, 64))  # fmt: skip
+        cfg = llama_config(args)
         tiers = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [work]},
                  "memory": {"host_budget": args.host_budget},
                  "optimizer": {"lr": 1e-4, "sub_group_size": args.sub_group_size}}  # fmt: skip

@@ -36,31 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM back to the current RSS
-
-
-def _llama_config(args):
-    import transformers
-
-    return transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                                    num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=16,
-                                    max_position_embeddings=max(args.tokens, 64))  # fmt: skip
+from scale import llama_config, peak, reset_peak, rss  # this directory: the same model and RSS probes
 
 
 def _batch(args, step: int):
@@ -85,7 +61,7 @@ def _plain_worker(args) -> None:
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(_llama_config(args))
+    model = transformers.LlamaForCausalLM(llama_config(args))
     model.save_pretrained(args.weights)  # the infinity side starts from these weights
     if args.save_only:
         return
@@ -107,7 +83,6 @@ def _plain_worker(args) -> None:
 
 
 def _infinity_worker(args) -> None:
-    import torch
     import transformers
 
     import infinity
@@ -118,16 +93,14 @@ def _infinity_worker(args) -> None:
              "optimizer": {"lr": args.lr, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap}}  # fmt: skip
     if args.worker == "sequential":  # the same engine with the optimizer after backward
         tiers["optimizer"]["overlap"] = False
-    if args.tile_size:
-        tiers["memory"]["tile_size"] = args.tile_size
-    base = _rss()
-    _reset_peak()
+    base = rss()
+    reset_peak()
     engine = infinity.from_pretrained(transformers.LlamaForCausalLM, args.weights, tiers)
-    init_growth = _peak() - base
+    init_growth = peak() - base
 
     def run_step(step: int) -> dict:
         ids = _batch(args, step)
-        _reset_peak()
+        reset_peak()
         t0 = time.perf_counter()
         loss = engine(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
@@ -138,7 +111,7 @@ def _infinity_worker(args) -> None:
         st = engine.stats()["step"]
         return {"loss": loss.item(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0,
                 "read_bytes": st["nvme"]["read_bytes"], "write_bytes": st["nvme"]["write_bytes"],
-                "stall": st["stall_seconds"], "peak_growth": _peak() - base, "init_growth": init_growth,
+                "stall": st["stall_seconds"], "peak_growth": peak() - base, "init_growth": init_growth,
                 "pool_peak": engine.stats()["peak_host_pool_bytes"],
                 "params": sum(u.numel for u in engine.units), "sub_groups": len(engine.optimizer.groups),
                 "committed_early": engine.optimizer.overlap.committed if engine.optimizer.overlap else 0,
@@ -191,7 +164,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--host-budget", default="4GiB")
     p.add_argument("--sub-group-size", default="256MiB")
-    p.add_argument("--tile-size", default=None, help="memory.tile_size for the infinity side (default: the config's)")
     p.add_argument("--no-overlap", action="store_true", help="optimizer.overlap = false on the infinity side")
     p.add_argument("--json", action="store_true")
     p.add_argument("--against", choices=("plain", "sequential"), default="plain",
