@@ -432,8 +432,6 @@ class Optimizer(torch.optim.Optimizer):
             self.clipped_last = coef < 1.0
         committed = self.overlap.commit(divide) if self.overlap is not None else set()
         groups = [g for g in self.groups if g.index not in committed]
-        if committed and groups:
-            self.overlap.trim_pool()  # see Overlap.trim_pool
         grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=self.device)
         grads_now = grads_next = None
         try:

@@ -325,16 +325,6 @@ class Overlap:
             self.committed = len(done)
         return done
 
-    def trim_pool(self) -> None:
-        """Before the step streams the sub-groups left to it: drop the pool's slabs if nothing
-        holds a buffer, so that the stream starts from unsplit memory. Early updates and the
-        backward leave the slabs cut into ranges of their sizes; under a tight budget the
-        stream's larger requests then found no contiguous room (measured: the 25M demo at
-        46MiB waited out the pool's timeout in 1 of 3 runs). Nothing is dropped while in use."""
-        pool = self.opt.states["master"]._space.pool
-        if pool.in_use_bytes == 0:
-            pool.trim()
-
     def discard(self) -> None:
         """Forget every early update (their staged tensors are deleted) and the gradients kept
         for them (the step reads what it needs from the grads tier)."""
