@@ -28,7 +28,8 @@ so the result is bit-identical.
 Overlap applies when the optimizer states and the parameters are both on nvme (staging
 needs the swap space, and parameters on a resident tier would be visible to a forward run
 again inside backward), with one rank or at stage 3 (stages 1 and 2 all-gather the new
-parameters: a collective cannot run at a point that differs across ranks).
+parameters: a collective cannot run at a point that differs across ranks), and when the host
+budget has room beside the backward for what the step plans (`Engine._fit_overlap`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ class Overlap:
         self.group_of = {u.index: sg.index for sg in optimizer.groups for u in sg.units}
         self._bytes = {sg.index: group_bytes(optimizer, sg) for sg in optimizer.groups}
         self._writes = WriteBehind(MAX_IN_HAND)  # keyed by sub-group
-        self._written: list[int] = []  # sub-groups whose writes may be in flight
         self._waiting: dict[int, set[int]] = {}  # sub-group -> units whose final gradient is due
         self._ready: collections.deque[int] = collections.deque()
         self._reading: collections.deque[_Early] = collections.deque()
@@ -136,8 +136,7 @@ class Overlap:
     def _in_hand(self) -> int:
         """Pool bytes the sub-groups being read or written hold (finished writes are reaped)."""
         self._writes.poll()
-        self._written = [i for i in self._written if i in self._writes]
-        return sum(self._bytes[e.index] for e in self._reading) + sum(self._bytes[i] for i in self._written)
+        return sum(self._bytes[e.index] for e in self._reading) + sum(self._bytes[i] for i in self._writes.keys())
 
     def pump(self, block: bool = False) -> None:
         """Start what can start and finish what has arrived; with ``block``, all of it."""
@@ -147,8 +146,8 @@ class Overlap:
                 self._ready.popleft()
                 continue
             in_hand = self._in_hand()  # reaps finished writes first
-            busy = bool(self._reading or self._written)
-            if busy and (in_hand + need > self.budget or len(self._reading) + len(self._written) >= MAX_IN_HAND):
+            busy = bool(self._reading or len(self._writes))
+            if busy and (in_hand + need > self.budget or len(self._reading) + len(self._writes) >= MAX_IN_HAND):
                 if not block:
                     break
                 self._make_room()
@@ -259,7 +258,6 @@ class Overlap:
         for lease in grad_leases:
             lease.release()
         self._writes.add(futures, *state_leases, key=early.index)
-        self._written.append(early.index)
 
     def _abandon(self, early: _Early, leases, futures) -> None:
         """Give up ``early`` after its update ran: its writes finish, its buffers go back, its
@@ -335,7 +333,6 @@ class Overlap:
         while self._reading:
             _give_back(self._reading.popleft())
         self._writes.discard_errors()
-        self._written.clear()
         self.opt.grads.drop_kept()
         for early in list(self._early.values()):
             self._delete_staged(early)

@@ -109,6 +109,10 @@ class WriteBehind:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._queue
 
+    def keys(self) -> list:
+        """The keys of the writes in flight, oldest first (finished ones stay until reaped)."""
+        return list(self._queue)
+
     def _finish(self, key: Hashable) -> None:
         futures, buffers = self._queue[key]
         error = None
