@@ -100,8 +100,10 @@ def rng_of(units) -> torch.Tensor | None:
 def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
     """Give ``unit``'s parameters memory (host) and their initial values, as the model's
     initialisation would (see [Note: meta initialisation])."""
-    path = "" if unit.name == "<root>" else unit.name
+    path = "" if unit.path == "<root>" else unit.path
     owner = modules[path]
+    if unit.is_tile and not on_meta(unit):  # an earlier tile of the module made its values
+        return
     if not all(getattr(p, "_infinity_init", True) for p in unit.params):  # a checkpoint will fill them
         for p in unit.params:
             _swap(p, torch.zeros(p.shape, dtype=p.dtype, device="cpu"))
@@ -122,7 +124,7 @@ def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
             owner.reset_parameters()
         else:
             raise ValueError(
-                f"module {unit.name!r} ({type(owner).__name__}) was built on the meta device by infinity.build and "
+                f"module {unit.path!r} ({type(owner).__name__}) was built on the meta device by infinity.build and "
                 "has no reset_parameters() to initialise its parameters: give it one, or construct the model "
                 "outside build()"
             )
@@ -130,7 +132,10 @@ def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
 
 def release(unit) -> None:
     """The unit's parameters back on the meta device (their values are in the tiers now), where
-    the initialisation of a later unit's ancestors leaves them alone."""
+    the initialisation of a later unit's ancestors leaves them alone. A tile's stay until its
+    module's last tile has taken its rows."""
+    if not unit.last_tile:
+        return
     for p in unit.params:
         _swap(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
 

@@ -56,7 +56,7 @@ def _entries(engine) -> list[_Entry]:
     """Every state_dict key of the module, in order, its shape and dtype known before any
     weight is read (a parameter's dtype is the one the model was made in: `unit.dtypes`)."""
     dtypes = {id(p): dt for unit in engine.units for p, dt in zip(unit.params, unit.dtypes)}
-    shapes = {id(p): s for u in engine.units for p, s in zip(u.params, u.shapes)}
+    shapes = {id(p): s for u in engine.units for p, s in zip(u.params, u.full_shapes)}
     out = []
     for key, value in engine.module.state_dict(keep_vars=True).items():  # the parameters themselves
         if not isinstance(value, torch.Tensor):
@@ -157,9 +157,10 @@ def write_files(engine, files: list[tuple[str, _Layout]], what: str, *, done: st
 
 
 def _write_unit(out: "_AtomicFile", layout: _Layout, unit, full: torch.Tensor) -> None:
-    for p, off, n in zip(unit.params, unit.offsets, unit.numels):
+    for p, off, n, start in zip(unit.params, unit.offsets, unit.numels, unit.starts):
         for offset, dtype in layout.params.get(id(p), ()):  # a parameter not in this file is not written
-            out.write(full[off : off + n].to(dtype), offset)  # 1-D, the file's dtype, cpu
+            # 1-D, the file's dtype, cpu; a tile's rows where they are in the parameter
+            out.write(full[off : off + n].to(dtype), offset + start * dtype.itemsize)
 
 
 class _AtomicFile:

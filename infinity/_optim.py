@@ -200,18 +200,18 @@ class Optimizer(torch.optim.Optimizer):
         self._ready = True
 
     def _map_slices(self) -> list[dict[int, list]]:
-        where = {}  # id(param) -> (unit, index in the unit)
+        where: dict[int, list] = {}  # id(param) -> [(unit, index in the unit)]: a tiled one's every tile
         for u in self.units:
             for i, p in enumerate(u.params):
-                where[id(p)] = (u, i)
+                where.setdefault(id(p), []).append((u, i))
         owner = {}  # (unit index, param index) -> parameter group index
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if id(p) not in where:
                     raise ValueError(f"optimizer parameter group {gi} holds a tensor of shape {tuple(p.shape)} that "
                                      "is not a parameter of the model given to initialize")  # fmt: skip
-                u, i = where[id(p)]
-                owner[(u.index, i)] = gi
+                for u, i in where[id(p)]:
+                    owner[(u.index, i)] = gi
         out = []
         for sg in self.groups:
             per_group: dict[int, list] = {}
@@ -366,8 +366,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def load_master(self, values: dict) -> None:
         """Write new weights (``(unit index, parameter index) -> tensor``: the whole parameter,
-        or a `Piece` of it holding at least this rank's slice) into the master weights and the
-        params tier; the optimizer states stay as they are."""
+        or a `Piece` of it holding at least this rank's slice of the unit's part) into the master
+        weights and the params tier; the optimizer states stay as they are."""
         for u in self.frozen:
             if any((u.index, i) in values for i in range(len(u.params))):
                 self._load_frozen(u, values)
@@ -380,11 +380,11 @@ class Optimizer(torch.optim.Optimizer):
                 master = lease.tensor
                 for u in units:
                     base, lo, hi = sg.slices[u.index].start, u.shard.start, u.shard.stop
-                    for i, (off, n) in enumerate(zip(u.offsets, u.numels)):
+                    for i, (off, n, start) in enumerate(zip(u.offsets, u.numels, u.starts)):
                         value = values.get((u.index, i))
                         a, b = max(off, lo), min(off + n, hi)
                         if value is not None and a < b:
-                            master[base + a - lo : base + b - lo].copy_(_elements(value, a - off, b - off))
+                            master[base + a - lo : base + b - lo].copy_(_elements(value, start + a - off, start + b - off))
                 self.states["master"].put(sg.name, master).result()
                 self._write_params(sg, units, master)
                 self._param_writes.drain()
@@ -399,11 +399,11 @@ class Optimizer(torch.optim.Optimizer):
         try:
             flat = lease.tensor.reshape(-1)
             lo = 0 if flat.numel() == u.padded_numel else u.shard.start  # stages 1, 2 keep all of it
-            for i, (off, n) in enumerate(zip(u.offsets, u.numels)):
+            for i, (off, n, start) in enumerate(zip(u.offsets, u.numels, u.starts)):
                 value = values.get((u.index, i))
                 a, b = max(off, lo), min(off + n, lo + flat.numel())
                 if value is not None and a < b:
-                    flat[a - lo : b - lo].copy_(_elements(value, a - off, b - off))
+                    flat[a - lo : b - lo].copy_(_elements(value, start + a - off, start + b - off))
             self.param_store.put(u.name, lease.tensor).result()
         finally:
             lease.release()

@@ -149,7 +149,7 @@ def load_weights(engine, files: dict[str, str], where: str) -> None:
     key; an unexpected key is a warning."""
     from safetensors import safe_open
 
-    params = engine.parameter_keys()  # key -> (unit, index)
+    params = engine.parameter_keys()  # key -> [(unit, index)]: a tiled one's tiles
     buffers = {k: v for k, v in engine.module.state_dict(keep_vars=True).items() if k not in params}
     handles = {}
 
@@ -160,21 +160,22 @@ def load_weights(engine, files: dict[str, str], where: str) -> None:
         return handles[file].get_tensor(key) if full else handles[file].get_slice(key)
 
     shapes = {k: tuple(tensor(k, full=False).get_shape()) for k in params if k in files}  # headers only
-    bad = [f"{k}: {list(shape)} in the checkpoint, {list(params[k][0].shapes[params[k][1]])} here"
-           for k, shape in shapes.items() if shape != params[k][0].shapes[params[k][1]]]  # fmt: skip
+    bad = [f"{k}: {list(shape)} in the checkpoint, {list(params[k][0][0].full_shapes[params[k][0][1]])} here"
+           for k, shape in shapes.items() if shape != params[k][0][0].full_shapes[params[k][0][1]]]  # fmt: skip
     if bad:
         raise ValueError(f"{where}: mis-shaped tensors: " + "; ".join(bad))
-    loaded = {(params[k][0].index, params[k][1]) for k in params if k in files}  # (unit, index): a tied one once
-    missing = sorted(k for k, (u, i) in params.items() if (u.index, i) not in loaded)
+    loaded = {(u.index, i) for k in params if k in files for u, i in params[k]}  # (unit, index): a tied one once
+    missing = sorted(k for k, pieces in params.items() if any((u.index, i) not in loaded for u, i in pieces))
     if missing:
         raise ValueError(f"{where}: missing from the checkpoint: {', '.join(missing)}")
     unexpected = sorted(k for k in files if k not in params and k not in buffers)
     if unexpected:
         logger.warning("%s: keys the model does not have, not loaded: %s", where, ", ".join(unexpected))
     by_unit: dict[int, list[str]] = {}
-    for k, (u, _) in params.items():
+    for k, pieces in params.items():
         if k in files:
-            by_unit.setdefault(u.index, []).append(k)
+            for u, i in pieces:
+                by_unit.setdefault(u.index, []).append((k, i))
     opt = engine.optimizer
     # Stage 3 with several ranks: each rank reads only the rows that hold its slice of each
     # parameter (bandwidth-centric, as the engine's own reads are).
@@ -185,11 +186,13 @@ def load_weights(engine, files: dict[str, str], where: str) -> None:
         for units in batches:  # one sub-group's tensors in memory at a time
             values = {}
             for u in units:
-                for k in by_unit.get(u.index, ()):
-                    i = params[k][1]
+                for k, i in by_unit.get(u.index, ()):
                     if (u.index, i) in values:
                         continue  # a tied parameter: read once
-                    values[(u.index, i)] = _mine(tensor(k, full=False), u, i) if sliced and u.shapes[i] else tensor(k)
+                    if (sliced or u.is_tile) and u.shapes[i]:  # only the rows it needs
+                        values[(u.index, i)] = _mine(tensor(k, full=False), u, i, sliced)
+                    else:
+                        values[(u.index, i)] = tensor(k)
                     t = values[(u.index, i)]
                     t = t.tensor if isinstance(t, Piece) else t
                     read += t.numel() * t.element_size()
@@ -202,13 +205,15 @@ def load_weights(engine, files: dict[str, str], where: str) -> None:
     return read
 
 
-def _mine(view, unit, i: int):
-    """The rows of parameter ``i`` of ``unit`` that hold this rank's slice of the unit, as a
-    `Piece` (a safetensors slice ``view`` reads only what is indexed)."""
-    off, n, shape = unit.offsets[i], unit.numels[i], unit.shapes[i]
-    a, b = max(off, unit.shard.start) - off, min(off + n, unit.shard.stop) - off
+def _mine(view, unit, i: int, sliced: bool):
+    """The rows of parameter ``i`` that ``unit`` holds (a tile: its rows), only those holding
+    this rank's slice of the unit when ``sliced``, as a `Piece` (a safetensors slice ``view``
+    reads only what is indexed)."""
+    off, n, shape, start = unit.offsets[i], unit.numels[i], unit.shapes[i], unit.starts[i]
+    a, b = (max(off, unit.shard.start) - off, min(off + n, unit.shard.stop) - off) if sliced else (0, n)
     if a >= b:  # none of it is this rank's
         return Piece(0, torch.empty(0))
     row = n // shape[0] if shape[0] else 1  # elements per index of the first dimension
-    first, last = a // row, -(-b // row)
-    return Piece(first * row, view[first:last])
+    first, last = a // row, -(-b // row)  # rows of the unit's part
+    top = start // row  # the part's first row in the parameter
+    return Piece(start + first * row, view[top + first : top + last])

@@ -40,6 +40,7 @@ from torch.profiler import record_function
 
 from infinity.swap import PoolExhausted
 
+from . import _tiled
 from ._grads import GradAccumulator
 from ._stats import Stats
 from ._store import Store
@@ -125,9 +126,13 @@ class Scheduler:
         depth: int,
         prefetch_bytes: int | None,
         gather: bool,
+        tiled: dict[nn.Module, list[ParamUnit]] | None = None,
     ):
         self.units = units
         self.module_units = module_units
+        # Tiled modules (see [Note: tiles] in `_units`): their forward (`_tiled`) fetches their
+        # tiles one by one; the hooks here only count their uses and prefetch their first tile.
+        self.tiled = tiled or {}
         self.store = store
         self.grads = grads
         self.stats = stats
@@ -173,6 +178,8 @@ class Scheduler:
         self._before_forward, self._after_backward = before_forward, after_backward
         self._handles.append(root.register_forward_pre_hook(self._root_pre_hook, prepend=True))
         self._install_modules()
+        for module, tiles in self.tiled.items():
+            _tiled.install(module, self, tiles)
         self._handles.append(root.register_forward_hook(self._root_post_hook, always_call=True))
 
     def _install_modules(self) -> None:
@@ -188,13 +195,15 @@ class Scheduler:
             self._handles.append(module.register_forward_hook(self._post_forward_hook))
         for unit in self.units:
             for i, (p, needs) in enumerate(zip(unit.params, unit.requires_grad)):
-                if needs:
+                if needs and not unit.is_tile:  # a tile's gradients come from its Function (tile_grad)
                     self._handles.append(p.register_post_accumulate_grad_hook(_weak_grad_hook(self, unit, i)))
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for module in self.tiled:
+            _tiled.remove(module)
 
     def _root_pre_hook(self, module, args):
         self._depth += 1
@@ -249,7 +258,7 @@ class Scheduler:
     def _pre_forward_hook(self, module, args):
         self._trace.append(module)
         pos = self.forward_order.advance(module)
-        for unit in self.module_units[module]:
+        for unit in self._held(module):
             self.materialize(unit)
             unit.active += 1
         if pos is not None:
@@ -257,7 +266,7 @@ class Scheduler:
 
     def _post_forward_hook(self, module, args, output):
         units = self.module_units[module]
-        for unit in units:
+        for unit in self._held(module):
             unit.active -= 1
         if self._in_backward:
             # A forward recomputed inside backward (activation checkpointing): its units stay
@@ -285,13 +294,23 @@ class Scheduler:
     def pre_backward(self, module: nn.Module) -> None:
         # Several outputs of one call each run this; the first materialises, the rest find it ready.
         pos = self.backward_order.advance(module) if self.backward_order.valid else None
-        for unit in self.module_units[module]:
+        for unit in self._held(module):
             self.materialize(unit)
         if pos is not None:
             self._prefetch(self.backward_order, pos + 1)
 
+    def _held(self, module: nn.Module) -> list[ParamUnit]:
+        """The units ``module``'s hooks fetch and hold around it: none for a tiled module."""
+        return [] if module in self.tiled else self.module_units[module]
+
     def grad_arrived(self, unit: ParamUnit, i: int, param: torch.Tensor) -> None:
         """Parameter ``i`` of ``unit`` has its gradient (``param.grad``) of this backward."""
+        grad, param.grad = param.grad, None  # the fp32 copy is the gradient now; the param-dtype one goes
+        self.tile_grad(unit, i, grad)
+
+    def tile_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor) -> None:
+        """``grad`` is the gradient of this backward of parameter ``i`` of ``unit`` (of the
+        unit's part of it: a tile's rows)."""
         if unit.grad is None:
             # Not zeroed: each parameter's first gradient is copied in, later ones added,
             # and what none arrived for is zeroed when the unit is handed on.
@@ -304,11 +323,10 @@ class Scheduler:
             unit.grad_seen = set()
         off, n = unit.offsets[i], unit.numels[i]
         if i in unit.grad_seen:
-            unit.grad[off : off + n].add_(param.grad.reshape(-1))
+            unit.grad[off : off + n].add_(grad.reshape(-1))
         else:
-            unit.grad[off : off + n].copy_(param.grad.reshape(-1))
+            unit.grad[off : off + n].copy_(grad.reshape(-1))
             unit.grad_seen.add(i)
-        param.grad = None  # the fp32 copy is the gradient now; the param-dtype one goes
         unit.uses -= 1
         if unit.uses <= 0:
             self.finish_unit_backward(unit)
@@ -396,7 +414,10 @@ class Scheduler:
             return
         budget = self.prefetch_bytes
         for module in order.modules[start : start + self.depth]:
-            for unit in self.module_units.get(module, ()):
+            units = self.module_units.get(module, ())
+            if module in self.tiled:  # its forward fetches the rest; an embedding's backward reads none
+                units = [] if order is self.backward_order and type(module) is nn.Embedding else units[:1]
+            for unit in units:
                 if unit.state is UnitState.RELEASED:
                     if budget is not None:
                         budget -= unit.padded_numel * self._itemsize
@@ -404,6 +425,11 @@ class Scheduler:
                             return
                     if not self._start_fetch(unit, wait=False):
                         return  # no free host memory now: the rest is fetched on demand
+
+    def prefetch_unit(self, unit: ParamUnit) -> None:
+        """Start reading ``unit`` if it is released and the pool has room now."""
+        if not self.always_ready and unit.state is UnitState.RELEASED:
+            self._start_fetch(unit, wait=False)
 
     def _start_fetch(self, unit: ParamUnit, wait: bool = True) -> bool:
         """Issue the read of ``unit``. A prefetch (``wait=False``) takes pool memory only if it

@@ -18,9 +18,10 @@ from torch import nn
 class StateDictHooks:
     def __init__(self, engine, module: nn.Module):
         self.engine = engine
-        where = {id(p): (u, i) for u in engine.units for i, p in enumerate(u.params)}
-        # Every name of every managed parameter (tied weights: several names, one parameter).
-        self.names = [(name, *where[id(p)]) for name, p in module.named_parameters(remove_duplicate=False)
+        where = holders(engine.units)
+        # Every name of every managed parameter (tied weights: several names, one parameter),
+        # with the (unit, index) pieces that hold it (a tiled one: one per tile, in row order).
+        self.names = [(name, where[id(p)]) for name, p in module.named_parameters(remove_duplicate=False)
                       if id(p) in where]  # fmt: skip
         self._consumed: set[str] = set()
         self.handles = [
@@ -38,19 +39,21 @@ class StateDictHooks:
     def _before_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                      error_msgs) -> None:  # fmt: skip
         values, consumed, bad = {}, set(), False
-        for name, unit, i in self.names:
+        for name, pieces in self.names:
             key = prefix + name
             if key not in state_dict:
                 continue
             value = state_dict.pop(key)
             consumed.add(key)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != unit.shapes[i]:
+            unit, i = pieces[0]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != unit.full_shapes[i]:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
-                                  f"the shape in current model is {torch.Size(unit.shapes[i])}.")  # fmt: skip
+                                  f"the shape in current model is {torch.Size(unit.full_shapes[i])}.")  # fmt: skip
                 bad = True
                 continue
-            values.setdefault((unit.index, i), value)
+            for unit, i in pieces:
+                values.setdefault((unit.index, i), value)
         self._consumed = consumed
         if values and not bad:
             self.engine.load_weights(values)
@@ -63,7 +66,7 @@ class StateDictHooks:
     # -- state_dict -------------------------------------------------------------------------
     def _state_dict_hook(self):
         def hook(module, state_dict, prefix, local_metadata) -> None:
-            keys = [(prefix + name, unit, i) for name, unit, i in self.names if prefix + name in state_dict]
+            keys = [(prefix + name, pieces) for name, pieces in self.names if prefix + name in state_dict]
             if not keys or isinstance(state_dict[keys[0][0]], nn.Parameter):  # keep_vars=True: the parameters
                 return
             engine = self.engine
@@ -73,10 +76,28 @@ class StateDictHooks:
                     "every weight on each rank; use engine.gathered_weights() or engine.export(path), "
                     "called on every rank"
                 )
-            wanted = {unit.index for _, unit, _ in keys}
+            wanted = {unit.index for _, pieces in keys for unit, _ in pieces}
             weights = {unit.index: full for unit, full in engine.unit_weights() if unit.index in wanted}
-            for key, unit, i in keys:
-                off, n = unit.offsets[i], unit.numels[i]
-                state_dict[key] = weights[unit.index][off : off + n].view(unit.shapes[i]).to(unit.dtypes[i])
+            for key, pieces in keys:
+                state_dict[key] = assemble(pieces, weights)
 
         return hook
+
+
+def holders(units) -> dict[int, list]:
+    """id(parameter) -> the (unit, index in the unit) pieces that hold it: one, or a tiled
+    parameter's tiles in row order (see [Note: tiles] in `_units`)."""
+    where: dict[int, list] = {}
+    for u in units:
+        for i, p in enumerate(u.params):
+            where.setdefault(id(p), []).append((u, i))
+    return where
+
+
+def assemble(pieces, weights: dict) -> torch.Tensor:
+    """One parameter, whole, in the dtype the model was made in, from its ``pieces`` ((unit,
+    index) as `holders` gives them) and ``weights`` (unit index -> the unit's flat fp32 weights)."""
+    unit, i = pieces[0]
+    parts = [weights[u.index][u.offsets[j] : u.offsets[j] + u.numels[j]].view(u.shapes[j]) for u, j in pieces]
+    whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return whole.to(unit.dtypes[i])

@@ -8,6 +8,15 @@ A unit is what moves between tiers. Each distinct Parameter belongs to exactly o
 unit of the first module (in registration order) that holds it; a module that holds a
 parameter of another unit (tied weights: GPT-2's lm_head holds wte's weight) uses that unit.
 
+[Note: tiles]
+A module too large to hold whole (a vocabulary-sized ``nn.Embedding`` or ``nn.Linear``, whose
+fp32 weights exceed ``memory.tile_size``) gets one unit per block of rows of its weight (and
+bias): a tile. Each tile is a unit in every respect (stored, fetched, given gradients, updated
+and checkpointed on its own), so no pipeline ever holds the whole module. Its parameters stay
+placeholders: the module's forward is replaced by one that computes tile by tile (`_tiled`).
+``starts[i]`` is where the tile's piece of parameter ``i`` begins in the flattened parameter,
+``full_shapes[i]`` the parameter's own shape.
+
 [Note: unit partition]
 A unit's flat tensor is padded to a multiple of the world size and rank r keeps slice r of
 it (bandwidth-centric partitioning). At world size 1 the slice is the whole; the offsets are
@@ -31,12 +40,23 @@ class UnitState(enum.Enum):
 
 
 class ParamUnit:
-    def __init__(self, index: int, name: str, params: list[tuple[str, nn.Parameter]], world_size: int = 1, rank: int = 0):
+    def __init__(self, index: int, name: str, params: list[tuple[str, nn.Parameter]], world_size: int = 1,
+                 rank: int = 0, *, rows: tuple[int, int] | None = None, path: str | None = None):  # fmt: skip
         self.index = index
-        self.name = name  # module path, e.g. "transformer.h.0.attn.c_attn"; stable across runs
+        # Stable across runs: the module path ("transformer.h.0.attn.c_attn"), "<root>", or for
+        # a tile the module path and its first row ("lm_head#4096"; see [Note: tiles]).
+        self.name = name
+        self.path = name if path is None else path  # the module's path
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
-        self.shapes = [tuple(p.shape) for p in self.params]  # on the meta device too (`build`)
+        self.full_shapes = [tuple(p.shape) for p in self.params]  # on the meta device too (`build`)
+        self.rows = rows  # a tile's rows [start, stop) of every parameter, or None: whole
+        if rows is None:
+            self.shapes = list(self.full_shapes)
+            self.starts = [0] * len(self.params)
+        else:
+            self.shapes = [(rows[1] - rows[0], *s[1:]) for s in self.full_shapes]
+            self.starts = [rows[0] * int(torch.Size(s[1:]).numel()) for s in self.full_shapes]
         self.numels = [int(torch.Size(s).numel()) for s in self.shapes]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
         self.numel = sum(self.numels)
@@ -66,18 +86,35 @@ class ParamUnit:
         """Elements of this rank's slice (the whole padded unit at world size 1)."""
         return self.shard.stop - self.shard.start
 
+    @property
+    def is_tile(self) -> bool:
+        return self.rows is not None
+
+    @property
+    def last_tile(self) -> bool:
+        """A whole unit, or the tile holding its module's last rows."""
+        return self.rows is None or self.rows[1] == self.full_shapes[0][0]
+
     def flat(self, dtype: torch.dtype) -> torch.Tensor:
-        """The parameters' current values as one padded 1-D tensor of ``dtype`` (on the CPU)."""
+        """The parameters' current values (a tile: its rows) as one padded 1-D tensor of
+        ``dtype`` (on the CPU)."""
         out = torch.zeros(self.padded_numel, dtype=dtype)
-        for p, off, n in zip(self.params, self.offsets, self.numels):
-            out[off : off + n].copy_(p.detach().reshape(-1))
+        for p, off, n, start in zip(self.params, self.offsets, self.numels, self.starts):
+            out[off : off + n].copy_(p.detach().reshape(-1)[start : start + n])
         return out
 
+    def piece(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s part of ``full`` (while READY), in the shape of that part."""
+        off, n = self.offsets[i], self.numels[i]
+        return self.full[off : off + n].view(self.shapes[i])
+
     def bind(self, full: torch.Tensor) -> None:
-        """Point every parameter at its slice of ``full`` (1-D)."""
+        """Point every parameter at its slice of ``full`` (1-D). A tile's parameters stay
+        placeholders: its module's forward reads ``full`` (see [Note: tiles])."""
         self.full = full
-        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
-            p.data = full[off : off + n].view(shape)
+        if self.rows is None:
+            for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+                p.data = full[off : off + n].view(shape)
         self.state = UnitState.READY
 
     def unbind(self) -> None:
@@ -95,23 +132,68 @@ class ParamUnit:
         return f"ParamUnit({self.name!r}, {len(self.params)} params, {self.numel} elements, {self.state.value})"
 
 
-def build_units(model: nn.Module, world_size: int = 1, rank: int = 0):
-    """Units in module registration order, and for each module the units it uses."""
-    owner: dict[int, int] = {}  # id(param) -> unit index
+def build_units(model: nn.Module, world_size: int = 1, rank: int = 0, tile_bytes: int | None = None):
+    """Units in module registration order, for each module the units it uses, and the tiled
+    modules (module -> its tiles in row order; see [Note: tiles]): those of ``tileable``
+    whose fp32 parameters exceed ``tile_bytes`` (None: no tiles)."""
+    users: dict[int, int] = {}  # id(param) -> modules holding it
+    for module in model.modules():  # once per module object
+        for p in module._parameters.values():
+            if p is not None:
+                users[id(p)] = users.get(id(p), 0) + 1
+    owner: dict[int, list[int]] = {}  # id(param) -> unit indices (a tiled one's every tile)
     units: list[ParamUnit] = []
     module_units: dict[nn.Module, list[ParamUnit]] = {}
+    tiled: dict[nn.Module, list[ParamUnit]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         own = []
         for p_name, p in module._parameters.items():
             if p is not None and id(p) not in owner:
-                owner[id(p)] = len(units)
                 own.append((p_name, p))
-        if own:
-            units.append(ParamUnit(len(units), mod_name or "<root>", own, world_size, rank))
+        path = mod_name or "<root>"
+        row_blocks = _tile_rows(module, own, users, tile_bytes) if module not in module_units else None
+        first = len(units)
+        if row_blocks:
+            for lo, hi in row_blocks:
+                units.append(ParamUnit(len(units), f"{path}#{lo}", own, world_size, rank, rows=(lo, hi), path=path))
+        elif own:
+            units.append(ParamUnit(len(units), path, own, world_size, rank))
+        for _, p in own:
+            owner[id(p)] = list(range(first, len(units)))
         used = []
         for p in module._parameters.values():
-            if p is not None and units[owner[id(p)]] not in used:
-                used.append(units[owner[id(p)]])
+            if p is not None:
+                used += [units[i] for i in owner[id(p)] if units[i] not in used]
         if used and module not in module_units:
             module_units[module] = used
-    return units, module_units
+            if row_blocks:
+                tiled[module] = used
+    return units, module_units, tiled
+
+
+def tileable(module: nn.Module) -> bool:
+    """Modules whose forward `_tiled` computes tile by tile: plain ``nn.Linear`` and
+    ``nn.Embedding`` (not subclasses, whose forward may differ), without the embedding options
+    that read or change the whole weight (``max_norm``, ``scale_grad_by_freq``, ``sparse``)."""
+    if type(module) is nn.Linear:
+        return True
+    if type(module) is nn.Embedding:
+        return module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
+    return False
+
+
+def _tile_rows(module, own, users, tile_bytes) -> list[tuple[int, int]] | None:
+    """The row blocks of a module split into tiles, or None to keep it whole: tiles need a
+    tileable module owning all its parameters, held by no other module (tied weights are used
+    whole elsewhere), whose fp32 parameters exceed ``tile_bytes``."""
+    if tile_bytes is None or not own or not tileable(module):
+        return None
+    params = [p for p in module._parameters.values() if p is not None]
+    if len(own) != len(params) or any(users[id(p)] > 1 for p in params):
+        return None
+    rows = params[0].shape[0]
+    per_row = sum(int(p[0].numel()) if p.dim() > 1 else 1 for p in params)  # elements of one row, all params
+    if rows * per_row * 4 <= tile_bytes:
+        return None
+    step = max(1, tile_bytes // (4 * per_row))
+    return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]

@@ -91,15 +91,21 @@ class Engine:
 
     def _setup(self, module: nn.Module, cfg: TierConfig, optimizer_spec, scheduler_spec) -> None:
         _refuse_managed(module)
-        units, module_units = build_units(module, self.world_size, self.rank)
+        tiers = cfg.tiers
+        all_device = tiers.params == tiers.grads == tiers.optimizer == "device"
+        # Nothing moves with every tier on the device: tiles would only add work.
+        tile_bytes = None if all_device else cfg.memory.tile_size
+        units, module_units, tiled = build_units(module, self.world_size, self.rank, tile_bytes)
         if not units:
             raise ValueError("the module has no parameters: there is nothing to offload or train")
+        if tiled:
+            logger.info("memory.tile_size=%d: %s", tile_bytes, ", ".join(
+                f"{tiles[0].path} in {len(tiles)} tiles" for tiles in tiled.values()))  # fmt: skip
         dev, stats, space = self.device, self._stats, self.space
-        tiers = cfg.tiers
         self.param_store = Store(tiers.params, "param", device=dev, space=space, stats=stats)
         grad_store = Store(tiers.grads, "grad", device=dev, space=space, stats=stats)
-        all_device = tiers.params == tiers.grads == tiers.optimizer == "device"
-        kind, param_groups, defaults, foreign = resolve(optimizer_spec, [p for u in units for p in u.params],
+        params = list({id(p): p for u in units for p in u.params}.values())  # a tiled one is in each tile
+        kind, param_groups, defaults, foreign = resolve(optimizer_spec, params,
                                                         cfg.optimizer, all_device=all_device)  # fmt: skip
         kinds = ("master", *KINDS[kind])
         states = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in kinds}
@@ -135,7 +141,7 @@ class Engine:
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes,
-                                   gather=self.params_sharded and self.dist.active)  # fmt: skip
+                                   gather=self.params_sharded and self.dist.active, tiled=tiled)  # fmt: skip
         if self.scheduler.always_ready:
             for unit in units:
                 self.scheduler.materialize(unit)
@@ -411,9 +417,10 @@ class Engine:
         return self.module.state_dict()
 
     def parameter_keys(self) -> dict:
-        """Every state_dict key of a parameter the engine manages -> (unit, index in the unit);
-        tied weights have several keys."""
-        return {name: (unit, i) for name, unit, i in self._state_hooks.names}
+        """Every state_dict key of a parameter the engine manages -> its pieces, [(unit, index
+        in the unit)]: one, or a tiled parameter's tiles in row order; tied weights have several
+        keys."""
+        return {name: pieces for name, pieces in self._state_hooks.names}
 
     def save_pretrained(self, directory, max_shard_size="2GB") -> str:
         """Write the weights as a Hugging Face checkpoint directory that
@@ -475,9 +482,15 @@ class Engine:
         every rank must call it). Tied parameters appear once, under their owner's name."""
         out = {}
         for unit, full in self.unit_weights():
-            for name, off, n, shape in zip(unit.param_names, unit.offsets, unit.numels, unit.shapes):
-                prefix = "" if unit.name == "<root>" else f"{unit.name}."
-                out[prefix + name] = full[off : off + n].view(shape).clone()
+            prefix = "" if unit.path == "<root>" else f"{unit.path}."
+            for name, off, n, shape, whole in zip(unit.param_names, unit.offsets, unit.numels, unit.shapes,
+                                                  unit.full_shapes):  # fmt: skip
+                if unit.rows is None:
+                    out[prefix + name] = full[off : off + n].view(shape).clone()
+                    continue
+                if unit.rows[0] == 0:
+                    out[prefix + name] = torch.empty(whole, dtype=torch.float32)
+                out[prefix + name][unit.rows[0] : unit.rows[1]] = full[off : off + n].view(shape)
         return out
 
     # -- checkpoints ------------------------------------------------------------------------

@@ -84,6 +84,8 @@ BAD = [
     ({"memory": {"host_budget": "4 gigs"}}, "memory.host_budget"),
     ({"memory": {"host_budget": "-4GiB"}}, "memory.host_budget"),
     ({"memory": {"host_budget": []}}, "memory.host_budget"),
+    ({"memory": {"tile_size": 1024}}, "memory.tile_size: 1024 bytes must be at least 4096"),
+    ({"memory": {"tile_size": [1]}}, "memory.tile_size: expected a size"),
     ({"prefetch": {"depth": -1}}, "prefetch.depth"),
     ({"prefetch": {"depth": 1.5}}, "prefetch.depth"),
     ({"prefetch": {"depth": True}}, "prefetch.depth"),

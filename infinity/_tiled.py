@@ -1,0 +1,150 @@
+"""Forward and backward of a tiled module, one tile at a time (see [Note: tiles] in `_units`).
+
+Owns: the forwards that replace a tiled ``nn.Linear``'s or ``nn.Embedding``'s (on the module
+object, not its class) and their autograd Functions. Touches: the `Scheduler` (to fetch,
+prefetch and release a tile, and to hand it a tile's gradients), the tiles' memory (``full``).
+
+Forward computes the output rows (Linear: the output features; Embedding: the looked-up rows)
+of one tile at a time, the next tile's read in flight meanwhile, and releases each tile after
+use; only the input is saved for backward. Backward fetches the tiles again, in the same order:
+a tile's weight gradient is complete as soon as that tile is done, so it is handed on (written
+behind, or updated early by the overlapped optimizer) before the next tile is read. The input
+gradient is summed over the tiles in fp32 and cast once, so a bf16 run rounds it once, as the
+whole matmul does. Results match the untiled module up to the order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class _Tiles:
+    """What a tiled module's Function needs: the scheduler (weakly: see `_weak_grad_hook`) and
+    the tiles, in row order."""
+
+    __slots__ = ("scheduler", "tiles", "rows")
+
+    def __init__(self, scheduler, tiles):
+        self.scheduler = weakref.ref(scheduler)
+        self.tiles = tiles
+        self.rows = tiles[0].full_shapes[0][0]
+
+    def live(self):
+        s = self.scheduler()
+        if s is None:
+            raise RuntimeError("the engine of this tiled module was closed or dropped; its weights are gone")
+        return s
+
+    def each(self, scheduler):
+        """Yield every tile ready to read, prefetching the next and releasing each after."""
+        tiles = self.tiles
+        for k, unit in enumerate(tiles):
+            scheduler.materialize(unit)
+            if k + 1 < len(tiles):
+                scheduler.prefetch_unit(tiles[k + 1])
+            unit.active += 1
+            try:
+                yield unit
+            finally:
+                unit.active -= 1
+                scheduler.release(unit, after_forward=True)
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, tiles: _Tiles):
+        scheduler = tiles.live()
+        out = None
+        for unit in tiles.each(scheduler):
+            lo, hi = unit.rows
+            w = unit.piece(0)
+            b = unit.piece(1) if bias is not None else None
+            y = F.linear(x, w, b)  # under autocast too: the caller's autocast state holds here
+            if out is None:
+                out = torch.empty(*x.shape[:-1], tiles.rows, dtype=y.dtype, device=y.device)
+            out[..., lo:hi] = y
+            del y
+        ctx.tiles = tiles
+        ctx.has_bias = bias is not None
+        ctx.compute_dtype = out.dtype
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        tiles: _Tiles = ctx.tiles
+        scheduler = tiles.live()
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        cdt = ctx.compute_dtype
+        g = grad_out.to(cdt)
+        xc = x.to(cdt).reshape(-1, x.shape[-1])
+        gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_x else None
+        for unit in tiles.each(scheduler):
+            lo, hi = unit.rows
+            gk = g[..., lo:hi]
+            if need_x:
+                gx.add_(gk.float() @ unit.piece(0).float())
+            if need_w:
+                g2 = gk.reshape(-1, hi - lo)
+                scheduler.tile_grad(unit, 0, g2.t() @ xc)
+                if ctx.has_bias:
+                    scheduler.tile_grad(unit, 1, g2.sum(0))
+        return (gx.to(x.dtype) if need_x else None), None, None, None
+
+
+class _EmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, tiles: _Tiles, padding_idx):
+        scheduler = tiles.live()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= tiles.rows):
+            raise IndexError(f"index out of range in self: ids span [{int(ids.min())}, {int(ids.max())}], "
+                             f"the embedding has {tiles.rows} rows")  # fmt: skip
+        cols = tiles.tiles[0].full_shapes[0][1]
+        out = torch.empty(*ids.shape, cols, dtype=weight.dtype, device=weight.device)
+        for unit in tiles.each(scheduler):
+            lo, hi = unit.rows
+            sel = (ids >= lo) & (ids < hi)
+            out[sel] = unit.piece(0)[ids[sel] - lo]
+        ctx.tiles, ctx.padding_idx = tiles, padding_idx
+        ctx.save_for_backward(ids)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        tiles: _Tiles = ctx.tiles
+        scheduler = tiles.live()
+        keep = ids != ctx.padding_idx if ctx.padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
+        for unit in tiles.tiles:  # the weights themselves are not read: no fetch
+            lo, hi = unit.rows
+            sel = (ids >= lo) & (ids < hi) & keep
+            gw = torch.zeros(hi - lo, grad_out.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
+            gw.index_add_(0, ids[sel] - lo, grad_out[sel])
+            scheduler.tile_grad(unit, 0, gw)
+        return None, None, None, None
+
+
+def _linear_forward(module: nn.Linear, tiles: _Tiles, x):
+    return _LinearFn.apply(x, module.weight, module.bias, tiles)
+
+
+def _embedding_forward(module: nn.Embedding, tiles: _Tiles, ids):
+    return _EmbeddingFn.apply(ids, module.weight, tiles, module.padding_idx)
+
+
+def install(module: nn.Module, scheduler, tiles) -> None:
+    """Replace ``module``'s forward (on the object) by its tiled one."""
+    state = _Tiles(scheduler, tiles)
+    fn = _linear_forward if type(module) is nn.Linear else _embedding_forward
+    module.forward = functools.partial(fn, module, state)
+
+
+def remove(module: nn.Module) -> None:
+    """Give ``module`` back its class's forward."""
+    module.__dict__.pop("forward", None)

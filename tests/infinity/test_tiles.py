@@ -1,0 +1,255 @@
+"""Tiled modules (memory.tile_size): a vocabulary-sized nn.Embedding or nn.Linear stored,
+fetched, updated and computed in row tiles gives what plain PyTorch gives, in every path a
+whole module has (forward, backward, the optimizer, checkpoints, export, pretrained loads)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+
+NVME = ("nvme", "nvme", "nvme")
+VOCAB, WIDTH = 300, 24
+
+
+class Toy(nn.Module):
+    """An embedding with a padding row, a hidden layer, and an output layer with a bias: the
+    two vocabulary-sized modules are the ones tiled."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH, padding_idx=0)
+        self.hidden = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, VOCAB, bias=not tied)
+        if tied:
+            self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.hidden(self.embed(ids))))
+
+
+def _cfg(path, tiers=NVME, tile="4KiB", **sections) -> dict:
+    params, grads, optimizer = tiers
+    cfg = {"tiers": {"params": params, "grads": grads, "optimizer": optimizer},
+           "nvme": {"paths": [str(path)], "grow_step": "4MiB"}, "memory": {"host_budget": "64MiB", "tile_size": tile},
+           "optimizer": {"lr": 1e-2, "weight_decay": 0.01}}  # fmt: skip
+    for key, value in sections.items():
+        cfg.setdefault(key, {}).update(value)
+    return cfg
+
+
+def _batch(step: int, micro: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    ids = torch.randint(0, VOCAB, (4, 6), generator=g)
+    ids[0, :2] = 0  # the padding row: no gradient
+    return ids, torch.randint(0, VOCAB, (4, 6), generator=g)
+
+
+def _loss(logits, y):
+    return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _plain(model, steps, *, micro=1, clip=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses = []
+    for step in range(steps):
+        for m in range(micro):
+            ids, y = _batch(step, m)
+            loss = _loss(model(ids), y)
+            loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _run(engine, steps, *, micro=1):
+    losses = []
+    for step in range(steps):
+        for m in range(micro):
+            ids, y = _batch(step, m)
+            loss = _loss(engine(ids), y)
+            engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _close(a: dict, b: dict, tol=1e-5) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=tol, atol=tol, msg=k)
+
+
+def test_vocabulary_sized_modules_are_tiled_and_nothing_else(tmp_path):
+    with infinity.initialize(Toy(), _cfg(tmp_path)) as engine:
+        tiles = [u for u in engine.units if u.is_tile]
+        assert {u.path for u in tiles} == {"embed", "out"}
+        # 4KiB of fp32 rows: 42 rows of 24 (embedding), 40 rows of 24 + 1 (output layer).
+        assert [u.rows for u in tiles if u.path == "embed"][:2] == [(0, 42), (42, 84)]
+        assert [u.rows for u in tiles if u.path == "out"][-1] == (280, 300)
+        assert max(4 * u.numel for u in engine.units) <= 4096
+        assert [u.name for u in engine.units if not u.is_tile] == ["hidden"]
+
+
+@pytest.mark.parametrize("tiers", [NVME, ("cpu", "cpu", "cpu"), ("device", "nvme", "nvme")], ids=str)
+def test_tiled_training_matches_plain_pytorch(tmp_path, tiers):
+    torch.manual_seed(0)
+    model = Toy()
+    ref = copy.deepcopy(model)
+    with infinity.initialize(model, _cfg(tmp_path, tiers)) as engine:
+        assert any(u.is_tile for u in engine.units)
+        losses = _run(engine, 4)
+        weights = engine.gathered_weights()
+    assert losses == pytest.approx(_plain(ref, 4), abs=1e-5)
+    _close(weights, dict(ref.named_parameters()))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_tiled_with_clipping_accumulation_and_overlap(tmp_path, overlap):
+    torch.manual_seed(0)
+    model = Toy()
+    ref = copy.deepcopy(model)
+    cfg = _cfg(tmp_path, optimizer={"max_grad_norm": 0.5, "overlap": overlap, "gradient_accumulation_steps": 2,
+                                    "sub_group_size": "16KiB"})  # fmt: skip
+    with infinity.initialize(model, cfg) as engine:
+        losses = _run(engine, 3, micro=2)
+        weights = engine.gathered_weights()
+    assert losses == pytest.approx(_plain(ref, 3, micro=2, clip=0.5), abs=1e-5)
+    _close(weights, dict(ref.named_parameters()))
+
+
+def test_tiled_and_whole_runs_agree_in_bf16(tmp_path):
+    torch.manual_seed(0)
+    model = Toy().to(torch.bfloat16)
+    whole = copy.deepcopy(model)
+    out = {}
+    for name, m, tile in (("tiled", model, "4KiB"), ("whole", whole, None)):
+        with infinity.initialize(m, _cfg(tmp_path / name, tile=tile, precision={"param_dtype": "bf16"})) as engine:
+            assert any(u.is_tile for u in engine.units) == (tile is not None)
+            out[name] = (_run(engine, 3), engine.gathered_weights())
+    assert out["tiled"][0] == pytest.approx(out["whole"][0], abs=1e-3)
+    _close(out["tiled"][1], out["whole"][1], tol=1e-2)
+
+
+def test_a_tied_embedding_stays_whole(tmp_path):
+    torch.manual_seed(0)
+    model = Toy(tied=True)
+    ref = copy.deepcopy(model)
+    with infinity.initialize(model, _cfg(tmp_path)) as engine:
+        assert not any(u.is_tile for u in engine.units)
+        losses = _run(engine, 2)
+    assert losses == pytest.approx(_plain(ref, 2), abs=1e-5)
+
+
+def test_no_tiles_with_every_tier_on_the_device(tmp_path):
+    with infinity.initialize(Toy(), _cfg(tmp_path, ("device", "device", "device"))) as engine:
+        assert not any(u.is_tile for u in engine.units)
+
+
+def test_a_frozen_tiled_embedding_and_eval(tmp_path):
+    torch.manual_seed(0)
+    model = Toy()
+    model.embed.weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    with infinity.initialize(model, _cfg(tmp_path)) as engine:
+        losses = _run(engine, 2)
+        ids, _ = _batch(7)
+        with torch.no_grad():
+            logits = engine(ids)
+        weights = engine.gathered_weights()
+    opt_params = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(opt_params, lr=1e-2, weight_decay=0.01)
+    expected = []
+    for step in range(2):
+        i, y = _batch(step)
+        loss = _loss(ref(i), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, abs=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, ref(ids), rtol=1e-5, atol=1e-5)
+    _close(weights, dict(ref.named_parameters()))
+
+
+def test_an_id_out_of_range_raises_as_torch_does(tmp_path):
+    with infinity.initialize(Toy(), _cfg(tmp_path)) as engine:
+        with pytest.raises(IndexError, match="index out of range"):
+            engine(torch.tensor([[1, VOCAB]]))
+        engine.zero_grad()
+        _run(engine, 1)  # and the engine trains on
+
+
+def test_state_dict_round_trip_and_checkpoint_resume(tmp_path):
+    torch.manual_seed(0)
+    model = Toy()
+    ref = copy.deepcopy(model)
+    with infinity.initialize(model, _cfg(tmp_path / "a")) as engine:
+        _run(engine, 2)
+        sd = engine.module.state_dict()
+        _close(sd, engine.gathered_weights(), tol=0)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        after = _run(engine, 2)
+        final = engine.gathered_weights()
+    assert sd["embed.weight"].shape == (VOCAB, WIDTH) and sd["out.bias"].shape == (VOCAB,)
+    with infinity.initialize(ref, _cfg(tmp_path / "b")) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert _run(engine, 2) == after  # resumes exactly
+        assert all(torch.equal(final[k], v) for k, v in engine.gathered_weights().items())
+        # load_state_dict writes every tile
+        engine.module.load_state_dict(sd)
+        _close(engine.gathered_weights(), sd)
+
+
+def test_a_checkpoint_with_other_tiles_is_refused_naming_tile_size(tmp_path):
+    with infinity.initialize(Toy(), _cfg(tmp_path / "a")) as engine:
+        engine.save_checkpoint(tmp_path / "ckpt")
+    with infinity.initialize(Toy(), _cfg(tmp_path / "b", tile="8KiB")) as engine:
+        with pytest.raises(Exception, match="tile_size"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_export_and_pretrained_round_trip(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    source = transformers.LlamaForCausalLM(cfg)
+    source.save_pretrained(tmp_path / "src")
+    engine = infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "src", _cfg(tmp_path / "swap", tile="16KiB"))
+    try:
+        assert {u.path for u in engine.units if u.is_tile} == {"model.embed_tokens", "lm_head"}
+        _close(engine.gathered_weights(), dict(source.named_parameters()), tol=0)
+        engine.save_pretrained(tmp_path / "out")
+        engine.export(tmp_path / "w.safetensors")
+    finally:
+        engine.close()
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    _close(dict(back.named_parameters()), dict(source.named_parameters()), tol=0)
+    from safetensors.torch import load_file
+
+    _close({k: v for k, v in load_file(tmp_path / "w.safetensors").items() if k in dict(source.named_parameters())},
+           dict(source.named_parameters()), tol=0)  # fmt: skip
+
+
+def test_a_model_built_into_the_tiers_gets_the_values_plain_pytorch_gives(tmp_path):
+    """`infinity.build` makes a tiled module's values whole once (its initialisation draws
+    from the RNG as the plain model's does), then stores them tile by tile."""
+    cfg = _cfg(tmp_path)
+    torch.manual_seed(3)
+    with infinity.build(cfg):
+        model = Toy()
+    torch.manual_seed(3)
+    ref = Toy()
+    with infinity.initialize(model, cfg) as engine:
+        assert any(u.is_tile for u in engine.units)
+        _close(engine.gathered_weights(), dict(ref.named_parameters()), tol=0)
+        assert _run(engine, 2) == pytest.approx(_plain(ref, 2), abs=1e-5)
