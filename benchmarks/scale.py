@@ -64,6 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--host-budget", default="4GiB")
     p.add_argument("--sub-group-size", default="256MiB")
+    p.add_argument("--tile-size", default="32MiB", help='memory.tile_size ("none": no tiles)')
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     import transformers
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
     try:
         cfg = llama_config(args)
         tiers = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [work]},
-                 "memory": {"host_budget": args.host_budget},
+                 "memory": {"host_budget": args.host_budget,
+                            "tile_size": None if args.tile_size == "none" else args.tile_size},
                  "optimizer": {"lr": 1e-4, "sub_group_size": args.sub_group_size}}  # fmt: skip
         torch.manual_seed(0)
         base = rss()

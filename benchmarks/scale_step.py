@@ -20,7 +20,8 @@ medians over the pairs (the first step of each side is a warm-up and not counted
 - the phase split of both sides, backward / forward, and the largest loss difference;
 - the infinity side's peak RSS growth, and the fp32 state (16 bytes a parameter) over it.
 
-    python benchmarks/scale_step.py [--pairs 3] [--dir bench-data/] [--host-budget 4GiB] [--json]
+    python benchmarks/scale_step.py [--pairs 3] [--dir bench-data/] [--host-budget 4GiB]
+                                    [--tile-size 32MiB] [--sub-group-size 256MiB] [--json]
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def _infinity_worker(args) -> None:
 
     transformers.logging.set_verbosity_error()
     tiers = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [args.swap]},
-             "memory": {"host_budget": args.host_budget},
+             "memory": {"host_budget": args.host_budget,
+                            "tile_size": None if args.tile_size == "none" else args.tile_size},
              "optimizer": {"lr": args.lr, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap}}  # fmt: skip
     if args.worker == "sequential":  # the same engine with the optimizer after backward
         tiers["optimizer"]["overlap"] = False
@@ -164,6 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--host-budget", default="4GiB")
     p.add_argument("--sub-group-size", default="256MiB")
+    p.add_argument("--tile-size", default="32MiB", help='memory.tile_size ("none": no tiles)')
     p.add_argument("--no-overlap", action="store_true", help="optimizer.overlap = false on the infinity side")
     p.add_argument("--json", action="store_true")
     p.add_argument("--against", choices=("plain", "sequential"), default="plain",
@@ -249,7 +252,7 @@ def main(argv=None) -> int:
             "infinity_bwd_over_fwd": med(lambda r: r["infinity"]["backward"] / r["infinity"]["forward"]),
             "plain_bwd_over_fwd": med(lambda r: r["plain"]["backward"] / r["plain"]["forward"]),
             "max_loss_diff": max(r["loss_diff"] for r in rows), "state_bytes": 16 * params, "peak_growth": growth,
-            "state_over_rss": 16 * params / growth, "host_budget": args.host_budget,
+            "state_over_rss": 16 * params / growth, "host_budget": args.host_budget, "tile_size": args.tile_size,
             "pool_peak": max(r["infinity"]["pool_peak"] for r in rows),
         }  # fmt: skip
         for side in ("plain", "infinity"):
@@ -270,7 +273,7 @@ def main(argv=None) -> int:
             f"{summary['plain_bwd_over_fwd']:.2f}   (target <= 2.3)",
             f"  largest |loss difference|: {summary['max_loss_diff']:.2e}",
             f"  fp32 state {16 * params / 2**30:.1f} GiB / peak RSS growth {growth / 2**30:.2f} GiB = "
-            f"{summary['state_over_rss']:.1f}x (host_budget {args.host_budget}, pool peak "
+            f"{summary['state_over_rss']:.1f}x (host_budget {args.host_budget}, tile_size {args.tile_size}, pool peak "
             f"{summary['pool_peak'] / 2**30:.2f} GiB)",
         ]))  # fmt: skip
     finally:

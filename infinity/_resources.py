@@ -118,7 +118,7 @@ def check_host_budget(cfg: TierConfig, needs: dict[str, int], largest_unit_bytes
             f"memory.host_budget={budget} is less than the {need_s} the {what} needs with this model and "
             f"config (largest unit {unit} in fp32, optimizer.sub_group_size={group}, "
             f"prefetch.depth={cfg.prefetch.depth}); "
-            "raise memory.host_budget, or lower optimizer.sub_group_size or prefetch.depth"
+            "raise memory.host_budget, or lower optimizer.sub_group_size, memory.tile_size or prefetch.depth"
         )
 
 
@@ -127,8 +127,16 @@ def distinct_sizes(*sizes: int) -> list[str]:
     same ("1.0MiB" twice) are written in bytes: a message never shows two different figures as
     equal (nor, as ``human_size`` never does, one that is not zero as zero)."""
     text = [human_size(n) for n in sizes]
-    clash = {t for t in text if len({n for n, u in zip(sizes, text) if u == t}) > 1}
-    return [f"{n} bytes" if t in clash else t for n, t in zip(sizes, text)]
+    reads = [_reads_as(t) for t in text]  # "1GiB" and "1.0GiB" read the same
+    clash = {r for r in reads if len({n for n, q in zip(sizes, reads) if q == r}) > 1}
+    return [f"{n} bytes" if r in clash else t for n, t, r in zip(sizes, text, reads)]
+
+
+def _reads_as(text: str) -> float:
+    """The number of bytes a `human_size` text reads as ("1.0GiB" -> 2**30)."""
+    number = text.rstrip("KMGTPEiB")
+    unit = text[len(number):]
+    return float(number) * 1024 ** ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB").index(unit)
 
 
 def mem_available() -> int | None:

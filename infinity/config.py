@@ -262,7 +262,7 @@ class MemoryConfig:
     """All host buffers the engine may hold, pinned or not: reads from and writes to NVMe, the
     optimizer's streamed sub-groups, gradients gathered on a CPU device. The cpu tier's own
     tensors are not in it: initialize checks them against the memory the machine has available."""
-    tile_size: Size | None = "64MiB"
+    tile_size: Size | None = "32MiB"
     """An ``nn.Linear`` or ``nn.Embedding`` whose fp32 parameters are larger than this (a
     vocabulary-sized embedding or output layer) is split by rows into tiles of at most this
     size, each stored, fetched, updated and released on its own, and computed tile by tile;

@@ -23,11 +23,16 @@ def peak_rss() -> int:
 
 
 path, width, layers, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+# Optional: a vocabulary (an embedding in front, an output layer behind), the tile size and
+# the sub-group size.
+vocab = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+tile = sys.argv[6] if len(sys.argv) > 6 else "64MiB"
+sub_group = sys.argv[7] if len(sys.argv) > 7 else "16MiB"
 torch.set_num_threads(1)
 os.makedirs(path + "-warm", exist_ok=True)
 cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
-       "nvme": {"paths": [path], "grow_step": "64MiB"}, "memory": {"host_budget": budget},
-       "optimizer": {"sub_group_size": "16MiB"}, "prefetch": {"depth": 2}}  # fmt: skip
+       "nvme": {"paths": [path], "grow_step": "64MiB"}, "memory": {"host_budget": budget, "tile_size": tile},
+       "optimizer": {"sub_group_size": sub_group}, "prefetch": {"depth": 2}}  # fmt: skip
 # Warm up what every run pays once (torch's allocator, autograd, the aio engine) on a tiny model.
 with infinity.initialize(nn.Linear(4, 4), {**cfg, "nvme": {"paths": [path + "-warm"]}}) as warm:
     warm.backward(warm(torch.randn(2, 4)).sum())
@@ -41,24 +46,31 @@ class Stack(nn.Module):
 
     def __init__(self):
         super().__init__()
+        self.embed = nn.Embedding(vocab, width) if vocab else None
         self.layers = nn.ModuleList()
         for _ in range(layers):
             self.layers.append(nn.Linear(width, width))
+        self.out = nn.Linear(width, vocab) if vocab else None
 
     def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
         for layer in self.layers:
             x = torch.tanh(layer(x))
-        return x
+        return self.out(x) if self.out is not None else x
 
 
 with infinity.build(cfg):
     model = Stack()
+largest_module = 4 * max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
 engine = infinity.initialize(model, cfg)
 for _ in range(2):
-    x = torch.randn(8, width)
+    x = torch.randint(0, vocab, (8,)) if vocab else torch.randn(8, width)
     engine.backward(engine(x).pow(2).mean())
     engine.step()
 numel = sum(u.numel for u in engine.units)
 print(json.dumps({"state_bytes": 16 * numel, "growth": peak_rss() - base, "pool_peak": engine.stats()["peak_host_pool_bytes"],
-                  "largest_unit_bytes": 4 * max(u.numel for u in engine.units), "params": numel}))  # fmt: skip
+                  "largest_unit_bytes": 4 * max(u.numel for u in engine.units), "params": numel,
+                  "largest_module_bytes": largest_module,
+                  "tiles": sum(u.is_tile for u in engine.units)}))  # fmt: skip
 engine.close()

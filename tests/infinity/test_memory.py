@@ -31,3 +31,27 @@ def test_peak_rss_is_bounded_by_the_budget_not_the_model(tmp_path):
     ratio = r["state_bytes"] / r["growth"]
     print(f"fp32 state {r['state_bytes'] / MiB:.0f} MiB, peak RSS growth {r['growth'] / MiB:.0f} MiB: {ratio:.1f}x")
     assert ratio >= 10, r
+
+
+def test_a_vocabulary_sized_module_in_tiles_does_not_set_the_memory_floor(tmp_path):
+    """An embedding and an output layer of 32768 x 64 (8 MiB of fp32 each) around 16 small
+    layers, tiled at 256 KiB, trained under a 12 MiB host budget: whole, their units alone
+    would need (depth + 1) x 4 + 3 x 4 bytes = 24 x 8 MiB = 192 MiB for forward and backward.
+    Bound, by hand: the host budget + activations (8 ids x 32768 logits x 4 bytes, a few
+    copies: < 8 MiB) + the tiled module's values whole once (`build` initialises a module
+    whole: 8 MiB) + 8 fp32 copies of the largest unit outside the pool (a tile, 256 KiB) +
+    16 MiB for the interpreter, torch and the allocator."""
+    path = tmp_path / "swap"
+    path.mkdir()
+    child = os.path.join(os.path.dirname(__file__), "_memory_child.py")
+    out = subprocess.run([sys.executable, child, str(path), "64", "16", "12MiB", "32768", "256KiB", "1MiB"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["tiles"] == 32 + 33, r  # tiles of 1024 rows (the embedding) and of 1008 (the output layer, with its bias)
+    assert r["largest_unit_bytes"] <= 256 * 1024 and r["largest_module_bytes"] > 8 * MiB, r
+    bound = 12 * MiB + 8 * MiB + r["largest_module_bytes"] + 8 * r["largest_unit_bytes"] + 16 * MiB
+    assert r["growth"] < bound, r
+    assert r["pool_peak"] <= 12 * MiB, r
+    print(f"fp32 state {r['state_bytes'] / MiB:.0f} MiB, peak RSS growth {r['growth'] / MiB:.1f} MiB, "
+          f"bound {bound / MiB:.1f} MiB")
