@@ -67,8 +67,13 @@ def _weights(engine: infinity.Engine) -> dict[str, torch.Tensor]:
         lease.release()
         for unit in group.units:
             flat = master[group.slices[unit.index]]
-            for name, off, n, shape in zip(unit.param_names, unit.offsets, unit.numels, unit.shapes):
-                out[f"{unit.name}.{name}"] = flat[off : off + n].view(shape).clone()
+            for name, off, n, shape, whole in zip(unit.param_names, unit.offsets, unit.numels, unit.shapes,
+                                                  unit.full_shapes):  # fmt: skip
+                key = f"{unit.path}.{name}"
+                if unit.rows is None:
+                    out[key] = flat[off : off + n].view(shape).clone()
+                else:  # a tile: its rows of the parameter
+                    out.setdefault(key, torch.full(whole, float("nan")))[slice(*unit.rows)] = flat[off : off + n].view(shape)
     return out
 
 
@@ -121,6 +126,14 @@ def test_matches_plain_pytorch(kind, tmp_path, tiers):
 @pytest.mark.parametrize("kind", ["mlp", "gpt2"])
 def test_matches_plain_pytorch_every_placement(kind, tmp_path, tiers):
     _compare(kind, tmp_path, tiers)
+
+
+@pytest.mark.parametrize("tiers", list(itertools.product(TIERS, repeat=3)), ids="-".join)
+def test_matches_plain_pytorch_in_tiles_every_placement(tmp_path, tiers):
+    """Every nn.Linear over 4KiB of fp32 (the 32 x 32 one) in tiles of rows, where some tier
+    is not the device (docs/architecture.md#tiles)."""
+    engine = _compare("mlp", tmp_path, tiers, memory={"tile_size": "4KiB"})
+    assert any(u.is_tile for u in engine.units) == (tiers != ("device",) * 3)
 
 
 @pytest.mark.parametrize("tiers", [("device",) * 3, ("nvme",) * 3], ids="-".join)

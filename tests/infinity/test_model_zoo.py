@@ -98,9 +98,12 @@ def _families():
 FAMILIES = _families()
 
 
-def _nvme(tmp_path, dtype):
+def _nvme(tmp_path, dtype, tiles=False):
+    # tiles: every nn.Linear and nn.Embedding over 4KiB of fp32 (the embeddings, the output
+    # layer, the MLPs) in tiles of rows, computed tile by tile (docs/architecture.md#tiles).
     return {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
-            "nvme": {"paths": [str(tmp_path)], "grow_step": "4MiB"}, "memory": {"host_budget": "256MiB"},
+            "nvme": {"paths": [str(tmp_path)], "grow_step": "4MiB"},
+            "memory": {"host_budget": "256MiB", "tile_size": "4KiB" if tiles else None},
             "precision": {"param_dtype": dtype}, "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}  # fmt: skip
 
 
@@ -108,14 +111,16 @@ def _cast(batch, dtype):
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["whole", "tiled"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fp32_matches_plain_torch(tmp_path, family):
+def test_fp32_matches_plain_torch(tmp_path, family, tiles):
     make, batch = FAMILIES[family]
     torch.manual_seed(0)
     model = make()
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    engine = infinity.initialize(model, _nvme(tmp_path, "fp32"))
+    engine = infinity.initialize(model, _nvme(tmp_path, "fp32", tiles))
+    assert any(u.is_tile for u in engine.units) == tiles
     for step in range(STEPS):
         loss = engine(**batch(step)).loss
         engine.backward(loss)
@@ -132,8 +137,9 @@ def test_fp32_matches_plain_torch(tmp_path, family):
     engine.close()
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["whole", "tiled"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_bf16_matches_mixed_precision_in_plain_torch(tmp_path, family):
+def test_bf16_matches_mixed_precision_in_plain_torch(tmp_path, family, tiles):
     make, batch = FAMILIES[family]
     torch.manual_seed(0)
     model = make()
@@ -142,7 +148,7 @@ def test_bf16_matches_mixed_precision_in_plain_torch(tmp_path, family):
         p.data = p.data.to(torch.bfloat16)
     master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
     opt = torch.optim.AdamW(master, lr=1e-3, weight_decay=0.01)
-    engine = infinity.initialize(model, _nvme(tmp_path, "bf16"))
+    engine = infinity.initialize(model, _nvme(tmp_path, "bf16", tiles))
     for step in range(STEPS):
         loss = engine(**_cast(batch(step), torch.bfloat16)).loss
         engine.backward(loss)
