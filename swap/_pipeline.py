@@ -8,6 +8,12 @@ back, so the loop runs at the speed of the slower of the disk and the compute. A
 ``ahead + 2`` items' pool buffers are held at once (the reads in flight, the item in hand, the write
 behind). A write-behind error is raised by the next step of the loop (or by its end), never
 lost.
+
+Reading ahead never waits for pool memory: a read ahead that finds no room now (the budget
+is spoken for, or free only in pieces too small) is issued later, when the loop comes back
+for more. Only the read of the next item, when none is in flight, waits for room (the
+write-behinds give theirs back as they finish). So a tight or fragmented pool costs overlap,
+never a `PoolExhausted` for what other reads ahead of it hold.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ._manifest import DTYPES
-from ._pool import HostBuffer
+from ._pool import HostBuffer, PoolExhausted
 from ._space import SwapFuture, SwapSpace
 from ._writes import WriteBehind
 
@@ -63,7 +69,7 @@ def stream(
     writes = WriteBehind(1)  # item i-1 may still be on its way out while the caller has item i
     item = None
     try:
-        reads.more(ahead + 1)  # items 0 .. ahead
+        reads.more(ahead + 1)  # items 0 .. ahead, as many as have room
         for _ in range(len(names)):
             item = reads.next()
             writes.poll(keep=1)  # i-2 is done before i is handed out
@@ -103,18 +109,41 @@ class _Reads:
 
     def more(self, limit: int) -> None:
         """Issue reads until ``limit`` are in flight (or every name is read), and (with
-        ``limit_bytes``) while those in flight fit in it, but at least one."""
+        ``limit_bytes``) while those in flight fit in it, but at least one; while the pool has
+        room for them now (see the module's docstring)."""
         while self.issued < len(self.names) and len(self.queue) < limit:
             if self.queue and self.sizes is not None:
                 held = sum(self.sizes[self.issued - len(self.queue) : self.issued])
                 if held + self.sizes[self.issued] > self.limit_bytes:
                     return
-            entry = self.names[self.issued]
-            self.queue.append((entry, [self.space.get(n) for n in _members(entry)]))
-            self.issued += 1
+            if not self._issue(wait=False):
+                return
+
+    def _issue(self, wait: bool) -> bool:
+        """Issue the reads of the next entry; without ``wait``, only if the pool has room for
+        all of them now (False, and nothing issued, if not)."""
+        entry = self.names[self.issued]
+        futures = []
+        try:
+            for n in _members(entry):
+                futures.append(self.space.get(n, timeout=None if wait else 0))
+        except PoolExhausted:
+            _settle_and_release(futures)
+            if wait:
+                raise
+            return False
+        except BaseException:
+            _settle_and_release(futures)
+            raise
+        self.queue.append((entry, futures))
+        self.issued += 1
+        return True
 
     def next(self) -> Item:
-        """The oldest read, waited for, as an item of typed views of its buffers."""
+        """The oldest read, waited for, as an item of typed views of its buffers (issued now,
+        waiting for pool memory, if none is in flight)."""
+        if not self.queue:
+            self._issue(wait=True)
         entry, futures = self.queue.popleft()
         buffers = []
         try:
@@ -159,6 +188,16 @@ def _write_back(space: SwapSpace, item: Item, writes: WriteBehind) -> None:
             writes.add(futures, *item.buffers[: len(futures)])
         raise
     writes.add(futures, *item.buffers)
+
+
+def _settle_and_release(futures) -> None:
+    """Wait for reads that will not be used and give their buffers back (errors dropped: they
+    read nothing anyone needs)."""
+    for fut in futures:
+        try:
+            fut.result().release()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _release(buffers) -> None:

@@ -33,6 +33,8 @@ model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerN
 lr = 2e-3 if (mode == "mismatch" and rank == 1) else 1e-2
 cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [swap_dir], "grow_step": "4MiB"},
        "optimizer": {"lr": lr}, "partition": {"stage": stage, "timeout": 10}}  # fmt: skip
+# The test's memory.tile_size, if any: every Linear over it in tiles (docs/architecture.md#tiles).
+cfg["memory"] = {"tile_size": os.environ.get("INFINITY_TEST_TILE_SIZE") or None}
 try:
     engine = infinity.initialize(model, cfg)
 except ValueError as e:

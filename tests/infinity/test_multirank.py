@@ -44,10 +44,14 @@ def _launch(mode: str, world: int, stage: int, tmp_path, timeout: float = 120, *
     return out, [p.returncode for p in procs], results, elapsed
 
 
+@pytest.mark.parametrize("tiles", [None, "4KiB"], ids=["whole", "tiled"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_two_ranks_match_one_rank(tmp_path, stage):
+def test_two_ranks_match_one_rank(tmp_path, stage, tiles, monkeypatch):
     """Same global batch (each rank half of it), fp32, everything on nvme: per-step losses and
-    final weights within 1e-5 of one rank; each rank reads about half of what one rank reads."""
+    final weights within 1e-5 of one rank; each rank reads about half of what one rank reads.
+    Tiled: the two 64-row Linears in tiles of 4KiB, each tile sliced over the ranks."""
+    if tiles:
+        monkeypatch.setenv("INFINITY_TEST_TILE_SIZE", tiles)
     one, codes, logs, _ = _launch("parity", 1, stage, tmp_path)
     assert codes == [0], logs
     two, codes, logs, _ = _launch("parity", 2, stage, tmp_path)
@@ -84,11 +88,14 @@ def test_configs_that_differ_are_refused_at_initialize(tmp_path):
         assert "the tier configs of the ranks differ" in error and "optimizer.lr" in error
 
 
-def test_a_checkpoint_reshards_to_another_world_size(tmp_path):
+@pytest.mark.parametrize("tiles", [None, "4KiB"], ids=["whole", "tiled"])
+def test_a_checkpoint_reshards_to_another_world_size(tmp_path, tiles, monkeypatch):
     """Saved by 2 ranks at stage 3, loaded by 1 rank and by 3 ranks (stage 3) and by 3 ranks
     at stage 1: the weights right after the load are exactly the saved ones, and 5 more steps
     (same global batches) match the 2-rank run within 1e-5 (optimizer moments and step counts
-    came back too)."""
+    came back too). Tiled: the same with the Linears in tiles."""
+    if tiles:
+        monkeypatch.setenv("INFINITY_TEST_TILE_SIZE", tiles)
     ckpt = str(tmp_path / "ckpt")
     saved, codes, logs, _ = _launch("ckpt-save", 2, 3, tmp_path, 120, ckpt)
     assert codes == [0, 0], logs

@@ -99,3 +99,18 @@ def test_stream_of_name_tuples_reads_and_writes_them_together(open_space):
         assert torch.equal(space.get(f"opt.{g}/master", torch.empty(1000)).result(), torch.full((1000,), g + 1.0))
         assert torch.equal(space.get(f"opt.{g}/exp_avg", torch.empty(1000)).result(), torch.full((1000,), 3.0 * g))
     assert space.pool.in_use_bytes == 0
+
+
+def test_reading_ahead_never_waits_for_pool_memory(open_space):
+    """ahead=3 of 1 MiB items in a 3.5 MiB pool: the reads ahead that find no room are issued
+    later, and the loop runs to the end (it used to wait for memory only its own reads held,
+    then raise PoolExhausted)."""
+    pool = swap.HostBufferPool(7 << 19, timeout=2.0)
+    space = open_space(pool=pool)
+    names = _fill(space, 8, numel=256 * 1024)
+    for item in swap.stream(space, names, ahead=3):
+        item.tensor.add_(1)
+    assert pool.peak_bytes <= 7 << 19
+    for i, name in enumerate(names):
+        assert torch.equal(space.get(name, torch.empty(256 * 1024)).result(), torch.full((256 * 1024,), i + 1.0))
+    pool.close()
