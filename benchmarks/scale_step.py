@@ -245,7 +245,9 @@ def main(argv=None) -> int:
             return statistics.median(f(r) for r in rows)
 
         params = rows[-1]["infinity"]["params"]
-        growth = max(max(r["infinity"]["peak_growth"] for r in rows), rows[-1]["infinity"]["init_growth"])
+        step_growth = max(r["infinity"]["peak_growth"] for r in rows)
+        init_growth = rows[-1]["infinity"]["init_growth"]
+        growth = max(step_growth, init_growth)
         summary = {
             "type": "summary", "params": params, "pairs": len(rows),
             "vs_plain": med(lambda r: r["vs_plain"]), "vs_floor": med(lambda r: r["vs_floor"]),
@@ -253,6 +255,7 @@ def main(argv=None) -> int:
             "plain_bwd_over_fwd": med(lambda r: r["plain"]["backward"] / r["plain"]["forward"]),
             "max_loss_diff": max(r["loss_diff"] for r in rows), "state_bytes": 16 * params, "peak_growth": growth,
             "state_over_rss": 16 * params / growth, "host_budget": args.host_budget, "tile_size": args.tile_size,
+            "init_growth": init_growth, "step_growth": step_growth,
             "pool_peak": max(r["infinity"]["pool_peak"] for r in rows),
         }  # fmt: skip
         for side in ("plain", "infinity"):
@@ -274,7 +277,8 @@ def main(argv=None) -> int:
             f"  largest |loss difference|: {summary['max_loss_diff']:.2e}",
             f"  fp32 state {16 * params / 2**30:.1f} GiB / peak RSS growth {growth / 2**30:.2f} GiB = "
             f"{summary['state_over_rss']:.1f}x (host_budget {args.host_budget}, tile_size {args.tile_size}, pool peak "
-            f"{summary['pool_peak'] / 2**30:.2f} GiB)",
+            f"{summary['pool_peak'] / 2**30:.2f} GiB); the growth: {init_growth / 2**30:.2f} GiB by from_pretrained, "
+            f"{step_growth / 2**30:.2f} GiB by the steps",
         ]))  # fmt: skip
     finally:
         for w in workers:

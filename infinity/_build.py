@@ -105,8 +105,8 @@ def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
     if unit.is_tile and not on_meta(unit):  # an earlier tile of the module made its values
         return
     if not all(getattr(p, "_infinity_init", True) for p in unit.params):  # a checkpoint will fill them
-        for p in unit.params:
-            _swap(p, torch.zeros(p.shape, dtype=p.dtype, device="cpu"))
+        for p in unit.params:  # zeros that take no memory (stride 0): only read, then replaced
+            _swap(p, torch.zeros((), dtype=p.dtype, device="cpu").expand(p.shape))
         return
     for p in unit.params:  # the Parameter objects stay (groups, ties hold them): their contents change
         _swap(p, torch.empty(p.shape, dtype=p.dtype, device="cpu"))

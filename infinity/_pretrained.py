@@ -199,6 +199,9 @@ def load_weights(engine, files: dict[str, str], where: str) -> None:
             if values:
                 engine.load_weights(values)
             del values
+            # safe_open maps the file, and the pages read stay in this process's RSS while it is
+            # open: closed per batch, the load holds one batch's pages, not the whole checkpoint.
+            handles.clear()
         for k, buf in buffers.items():
             if k in files:
                 buf.copy_(tensor(k))
