@@ -15,6 +15,7 @@ whole matmul does. Results match the untiled module up to the order of floating-
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
@@ -40,19 +41,20 @@ class _Tiles:
             raise RuntimeError("the engine of this tiled module was closed or dropped; its weights are gone")
         return s
 
-    def each(self, scheduler):
-        """Yield every tile ready to read, prefetching the next and releasing each after."""
-        tiles = self.tiles
-        for k, unit in enumerate(tiles):
-            scheduler.materialize(unit)
-            if k + 1 < len(tiles):
-                scheduler.prefetch_unit(tiles[k + 1])
-            unit.active += 1
-            try:
-                yield unit
-            finally:
-                unit.active -= 1
-                scheduler.release(unit, after_forward=True)
+    @contextlib.contextmanager
+    def use(self, scheduler, k: int):
+        """Tile ``k`` ready to read, the next one's read started; released after (also when
+        the work on it fails)."""
+        unit = self.tiles[k]
+        scheduler.materialize(unit)
+        if k + 1 < len(self.tiles):
+            scheduler.prefetch_unit(self.tiles[k + 1])
+        unit.active += 1
+        try:
+            yield unit
+        finally:
+            unit.active -= 1
+            scheduler.release(unit, after_forward=True)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -60,15 +62,15 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, tiles: _Tiles):
         scheduler = tiles.live()
         out = None
-        for unit in tiles.each(scheduler):
-            lo, hi = unit.rows
-            w = unit.piece(0)
-            b = unit.piece(1) if bias is not None else None
-            y = F.linear(x, w, b)  # under autocast too: the caller's autocast state holds here
-            if out is None:
-                out = torch.empty(*x.shape[:-1], tiles.rows, dtype=y.dtype, device=y.device)
-            out[..., lo:hi] = y
-            del y
+        for k in range(len(tiles.tiles)):
+            with tiles.use(scheduler, k) as unit:
+                lo, hi = unit.rows
+                b = unit.piece(1) if bias is not None else None
+                y = F.linear(x, unit.piece(0), b)  # under autocast too: the caller's autocast state holds here
+                if out is None:
+                    out = torch.empty(*x.shape[:-1], tiles.rows, dtype=y.dtype, device=y.device)
+                out[..., lo:hi] = y
+                del y
         ctx.tiles = tiles
         ctx.has_bias = bias is not None
         ctx.compute_dtype = out.dtype
@@ -85,16 +87,17 @@ class _LinearFn(torch.autograd.Function):
         g = grad_out.to(cdt)
         xc = x.to(cdt).reshape(-1, x.shape[-1])
         gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_x else None
-        for unit in tiles.each(scheduler):
-            lo, hi = unit.rows
-            gk = g[..., lo:hi]
-            if need_x:
-                gx.add_(gk.float() @ unit.piece(0).float())
-            if need_w:
-                g2 = gk.reshape(-1, hi - lo)
-                scheduler.tile_grad(unit, 0, g2.t() @ xc)
-                if ctx.has_bias:
-                    scheduler.tile_grad(unit, 1, g2.sum(0))
+        for k in range(len(tiles.tiles)):
+            with tiles.use(scheduler, k) as unit:
+                lo, hi = unit.rows
+                gk = g[..., lo:hi]
+                if need_x:
+                    gx.add_(gk.float() @ unit.piece(0).float())
+                if need_w:
+                    g2 = gk.reshape(-1, hi - lo)
+                    scheduler.tile_grad(unit, 0, g2.t() @ xc)
+                    if ctx.has_bias:
+                        scheduler.tile_grad(unit, 1, g2.sum(0))
         return (gx.to(x.dtype) if need_x else None), None, None, None
 
 
@@ -107,10 +110,11 @@ class _EmbeddingFn(torch.autograd.Function):
                              f"the embedding has {tiles.rows} rows")  # fmt: skip
         cols = tiles.tiles[0].full_shapes[0][1]
         out = torch.empty(*ids.shape, cols, dtype=weight.dtype, device=weight.device)
-        for unit in tiles.each(scheduler):
-            lo, hi = unit.rows
-            sel = (ids >= lo) & (ids < hi)
-            out[sel] = unit.piece(0)[ids[sel] - lo]
+        for k in range(len(tiles.tiles)):
+            with tiles.use(scheduler, k) as unit:
+                lo, hi = unit.rows
+                sel = (ids >= lo) & (ids < hi)
+                out[sel] = unit.piece(0)[ids[sel] - lo]
         ctx.tiles, ctx.padding_idx = tiles, padding_idx
         ctx.save_for_backward(ids)
         return out
