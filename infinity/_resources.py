@@ -91,7 +91,13 @@ def close_io(space, pool, engine) -> None:
 # unit-sized tensors (gradients, copies) all the time, so RSS crept to several times what the
 # engine holds (measured: 381 MiB against 84 MiB for the same run, tests/infinity/test_memory.py).
 # Fixing the threshold at 1 MiB keeps large blocks mmapped, so RSS follows what is held.
+# Blocks under it (a 64-token batch's activations of a 2048-wide model are 512 KiB each) come
+# from the heap, and free ones inside it stay in the process: glibc returns only the heap's
+# top. `trim_malloc` (malloc_trim(0): free pages anywhere in the heaps go back) runs after
+# initialize and after each step: on the 953M Llama it gave back 240 to 880 MiB each time, in
+# about 60 ms.
 _MALLOC_PINNED = False
+_LIBC = None
 
 
 def pin_malloc_threshold() -> None:
@@ -105,6 +111,19 @@ def pin_malloc_threshold() -> None:
     except (OSError, AttributeError):
         return
     _MALLOC_PINNED = True
+
+
+def trim_malloc() -> None:
+    """Give the free pages of glibc's heaps back to the system (see [Note: malloc threshold])."""
+    global _LIBC
+    if platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL("libc.so.6")
+        _LIBC.malloc_trim(0)
+    except (OSError, AttributeError):
+        return
 
 
 def check_host_budget(cfg: TierConfig, needs: dict[str, int], largest_unit_bytes: int) -> None:

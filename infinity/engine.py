@@ -84,6 +84,7 @@ class Engine:
                 e.add_note(f"(closing the swap space after that also failed: {cleanup})")
             raise
         self._closed = False
+        _resources.trim_malloc()  # what writing the initial state freed (see [Note: malloc threshold])
         _resources.close_at_exit(self)
         # Dropped without close() (and its model with it: the model's hooks hold the engine),
         # the garbage collector still closes its files, which unlocks its swap directory.
@@ -305,6 +306,7 @@ class Engine:
         self.grads.zero()  # resident parameters are views of the tier, updated in place: nothing to rebind
         if stepped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        _resources.trim_malloc()  # see [Note: malloc threshold]
         last = self._stats.end_step()
         self._last_step = last
         if self.log_every and self._stats.steps % self.log_every == 0:
