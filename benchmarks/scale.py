@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--host-budget", default="4GiB")
-    p.add_argument("--sub-group-size", default="256MiB")
+    p.add_argument("--sub-group-size", default="128MiB")
     p.add_argument("--tile-size", default="32MiB", help='memory.tile_size ("none": no tiles)')
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

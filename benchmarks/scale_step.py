@@ -21,7 +21,7 @@ medians over the pairs (the first step of each side is a warm-up and not counted
 - the infinity side's peak RSS growth, and the fp32 state (16 bytes a parameter) over it.
 
     python benchmarks/scale_step.py [--pairs 3] [--dir bench-data/] [--host-budget 4GiB]
-                                    [--tile-size 32MiB] [--sub-group-size 256MiB] [--json]
+                                    [--tile-size 32MiB] [--sub-group-size 128MiB] [--json]
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--host-budget", default="4GiB")
-    p.add_argument("--sub-group-size", default="256MiB")
+    p.add_argument("--sub-group-size", default="128MiB")
     p.add_argument("--tile-size", default="32MiB", help='memory.tile_size ("none": no tiles)')
     p.add_argument("--no-overlap", action="store_true", help="optimizer.overlap = false on the infinity side")
     p.add_argument("--json", action="store_true")

@@ -28,6 +28,7 @@ _LAZY = {
     "Engine": ".engine",
     "initialize": ".engine",
     "from_pretrained": "._pretrained",
+    "HostBudgetError": "._resources",
 }
 
 __all__ = sorted(_LAZY)

@@ -126,6 +126,16 @@ def trim_malloc() -> None:
         return
 
 
+class HostBudgetError(ValueError):
+    """``memory.host_budget`` is smaller than what the run needs: ``need`` bytes, for ``what``
+    ("optimizer step" or "forward/backward"); ``needs`` has every figure (what -> bytes). The
+    smallest budget `initialize` accepts for the model and config is ``need``."""
+
+    def __init__(self, message: str, *, need: int, what: str, needs: dict[str, int]):
+        super().__init__(message)
+        self.need, self.what, self.needs = need, what, dict(needs)
+
+
 def check_host_budget(cfg: TierConfig, needs: dict[str, int], largest_unit_bytes: int) -> None:
     """Refuse a host budget smaller than what the pipelines hold at most (``needs``: what ->
     bytes), naming the largest need and the settings that move it."""
@@ -133,12 +143,13 @@ def check_host_budget(cfg: TierConfig, needs: dict[str, int], largest_unit_bytes
     if need > cfg.memory.host_budget:
         budget, need_s, unit, group = distinct_sizes(cfg.memory.host_budget, need, largest_unit_bytes,
                                                      cfg.optimizer.sub_group_size)  # fmt: skip
-        raise ValueError(
+        raise HostBudgetError(
             f"memory.host_budget={budget} is less than the {need_s} the {what} needs with this model and "
             f"config (largest unit {unit} in fp32, optimizer.sub_group_size={group}, "
             f"prefetch.depth={cfg.prefetch.depth}); "
-            "raise memory.host_budget, or lower optimizer.sub_group_size, memory.tile_size or prefetch.depth"
-        )
+            "raise memory.host_budget, or lower optimizer.sub_group_size, memory.tile_size or prefetch.depth",
+            need=need, what=what, needs=needs,
+        )  # fmt: skip
 
 
 def distinct_sizes(*sizes: int) -> list[str]:

@@ -353,7 +353,7 @@ class OptimizerConfig:
     """SGD: Nesterov momentum (needs momentum > 0)."""
     max_grad_norm: float | None = None
     """Clip the global gradient norm to this, when set."""
-    sub_group_size: Size = "256MiB"
+    sub_group_size: Size = "128MiB"
     """Bytes of fp32 optimizer state (12 a parameter: master weight and two moments) that one
     step of the optimizer holds in host memory at a time."""
     gradient_accumulation_steps: int = 1

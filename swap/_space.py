@@ -40,7 +40,7 @@ from ._manifest import (
     space_json,
     write_json_atomic,
 )
-from ._pool import HostBuffer, HostBufferPool
+from ._pool import HostBuffer, HostBufferPool, PoolExhausted
 
 logger = logging.getLogger("infinity.swap")
 
@@ -702,7 +702,18 @@ class SwapSpace:
 
     # -- internals --------------------------------------------------------------------------
     def _stage(self, nbytes: int):
-        lease = self.pool.acquire(nbytes)
+        """A bounce buffer for a transfer's unaligned part. From the pool; but a tail (at most
+        one alignment unit: a tensor whose size is not a multiple of it) that finds no room now
+        gets its own aligned memory instead of waiting: a write-back staging its tail while the
+        pool is full of reads ahead that only its own loop releases would wait for good, and
+        so many bytes do not need the budget's protection."""
+        if nbytes <= ALIGNMENT:
+            try:
+                lease = self.pool.acquire(nbytes, timeout=0)
+            except PoolExhausted:
+                return aio.empty_aligned(nbytes, ALIGNMENT), lambda: None
+        else:
+            lease = self.pool.acquire(nbytes)
         return lease.tensor, lease.release
 
     def _check_open(self) -> None:

@@ -14,14 +14,15 @@ def test_peak_rss_is_bounded_by_the_budget_not_the_model(tmp_path):
     """A 67M-parameter model (1.07 GB of fp32 state: params, grads, two Adam moments) built
     straight into nvme and trained two steps, in a fresh process whose peak RSS is reset just
     before the model is built. Bound, by hand: the host budget (64 MiB: every buffer the
-    engine holds) + activations (64 layers x 8 x 1024 floats, a few copies each: < 8 MiB) +
-    8 fp32 copies of the largest module's parameters outside the pool (autograd's weight
-    gradient, the builder's and initialize's transient copies: 8 x 4 MiB) + 16 MiB for the
-    interpreter, torch and the allocator."""
+    engine holds; the 4 MiB layers in 2 MiB tiles and 8 MiB sub-groups, so that the step and
+    its slack fit) + activations (64 layers x 8 x 1024 floats, a few copies each: < 8 MiB) +
+    8 fp32 copies of the largest unit outside the pool (autograd's weight gradient, the
+    builder's and initialize's transient copies: 8 x 2 MiB) + 16 MiB for the interpreter,
+    torch and the allocator."""
     path = tmp_path / "swap"
     path.mkdir()
     child = os.path.join(os.path.dirname(__file__), "_memory_child.py")
-    out = subprocess.run([sys.executable, child, str(path), "1024", "64", "64MiB"],
+    out = subprocess.run([sys.executable, child, str(path), "1024", "64", "64MiB", "0", "2MiB", "8MiB"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])

@@ -86,3 +86,18 @@ def test_a_stale_unreadable_swap_manifest_does_not_block_initialize(tmp_path):
     (tmp_path / "rank0" / "arena-0.bin").write_bytes(b"\0" * 4096)
     with infinity.initialize(make_model(), config(tmp_path, ("nvme", "nvme", "nvme"))) as engine:
         train(engine, 1)
+
+
+def test_the_budget_a_refusal_names_is_accepted(tmp_path):
+    """HostBudgetError carries the need it names, and that need is a budget initialize takes:
+    what benchmarks/budget_floor.py reports as a model's floor."""
+    cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [str(tmp_path)]},
+           "memory": {"host_budget": 4096, "tile_size": "16KiB"}, "optimizer": {"sub_group_size": "64KiB"}}  # fmt: skip
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 32), torch.nn.Linear(32, 1000))
+    with pytest.raises(infinity.HostBudgetError, match="memory.host_budget=4KiB is less than") as info:
+        infinity.initialize(model, cfg)
+    assert info.value.need > 4096 and info.value.what in info.value.needs
+    cfg["memory"]["host_budget"] = info.value.need
+    with infinity.initialize(model, cfg) as engine:
+        engine.backward(engine(torch.tensor([[1, 2, 3]])).sum())
+        engine.step()
