@@ -72,7 +72,6 @@ class _LinearFn(torch.autograd.Function):
                 out[..., lo:hi] = y
                 del y
         ctx.tiles = tiles
-        ctx.has_bias = bias is not None
         ctx.compute_dtype = out.dtype
         ctx.save_for_backward(x)
         return out
@@ -82,7 +81,7 @@ class _LinearFn(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         tiles: _Tiles = ctx.tiles
         scheduler = tiles.live()
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         cdt = ctx.compute_dtype
         g = grad_out.to(cdt)
         xc = x.to(cdt).reshape(-1, x.shape[-1])
@@ -93,11 +92,11 @@ class _LinearFn(torch.autograd.Function):
                 gk = g[..., lo:hi]
                 if need_x:
                     gx.add_(gk.float() @ unit.piece(0).float())
+                g2 = gk.reshape(-1, hi - lo)
                 if need_w:
-                    g2 = gk.reshape(-1, hi - lo)
                     scheduler.tile_grad(unit, 0, g2.t() @ xc)
-                    if ctx.has_bias:
-                        scheduler.tile_grad(unit, 1, g2.sum(0))
+                if need_b:  # a bias trained under a frozen weight too
+                    scheduler.tile_grad(unit, 1, g2.sum(0))
         return (gx.to(x.dtype) if need_x else None), None, None, None
 
 

@@ -253,3 +253,27 @@ def test_a_model_built_into_the_tiers_gets_the_values_plain_pytorch_gives(tmp_pa
         assert any(u.is_tile for u in engine.units)
         _close(engine.gathered_weights(), dict(ref.named_parameters()), tol=0)
         assert _run(engine, 2) == pytest.approx(_plain(ref, 2), abs=1e-5)
+
+
+def test_a_bias_trained_under_a_frozen_tiled_weight(tmp_path):
+    """Each parameter of a tile gets its gradient on its own: the output layer's bias learns
+    while its weight (and the embedding) are frozen, as in plain PyTorch."""
+    torch.manual_seed(0)
+    model = Toy()
+    model.out.weight.requires_grad_(False)
+    model.embed.weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    with infinity.initialize(model, _cfg(tmp_path)) as engine:
+        losses = _run(engine, 3)
+        weights = engine.gathered_weights()
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    expected = []
+    for step in range(3):
+        ids, y = _batch(step)
+        loss = _loss(ref(ids), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, abs=1e-5)
+    _close(weights, dict(ref.named_parameters()))
