@@ -277,3 +277,49 @@ def test_a_bias_trained_under_a_frozen_tiled_weight(tmp_path):
         expected.append(loss.item())
     assert losses == pytest.approx(expected, abs=1e-5)
     _close(weights, dict(ref.named_parameters()))
+
+
+class _Twice(Toy):
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.out(torch.tanh(self.hidden(h))) + self.out(h)  # the tiled output layer twice
+
+
+def test_a_tiled_module_called_twice_in_one_forward(tmp_path):
+    torch.manual_seed(0)
+    model = _Twice()
+    ref = copy.deepcopy(model)
+    with infinity.initialize(model, _cfg(tmp_path)) as engine:
+        losses = _run(engine, 3)
+        weights = engine.gathered_weights()
+    assert losses == pytest.approx(_plain(ref, 3), abs=1e-5)
+    _close(weights, dict(ref.named_parameters()))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_tiled_layers_under_activation_checkpointing(tmp_path, reentrant):
+    """A Llama whose MLPs, embedding and output layer are tiled, trained with transformers'
+    gradient checkpointing: the tiled forwards run again inside backward."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        m.train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    with infinity.initialize(model, _cfg(tmp_path)) as engine:
+        assert any(u.is_tile and "mlp" in u.name for u in engine.units)
+        for step in range(3):
+            ids, _ = _batch(step)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            ref_loss = ref(input_ids=ids, labels=ids).loss
+            ref_loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert abs(loss.item() - ref_loss.item()) < 1e-5, (step, loss.item(), ref_loss.item())
+        _close(engine.gathered_weights(), dict(ref.named_parameters()), tol=1e-4)
