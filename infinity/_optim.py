@@ -29,7 +29,7 @@ import math
 import torch
 from torch.profiler import record_function
 
-from infinity.swap import WriteBehind, round_up
+from infinity.swap import PoolExhausted, WriteBehind, round_up
 
 from ._grads import GradAccumulator
 from ._store import Store, stream_together
@@ -443,8 +443,12 @@ class Optimizer(torch.optim.Optimizer):
             # Iterate the stream itself (not a zip with the groups, which would stop without
             # resuming the generator after its last item, and so skip that item's write-back).
             for i, item in enumerate(items):
-                grads_now = grads_next
-                grads_next = self._read_grads(groups[i + 1]) if i + 1 < len(groups) else None
+                # Read ahead only where the pool has room now, else now that they are needed
+                # (waiting then only for this step's write-behinds, not for reads ahead that
+                # this loop itself would release).
+                grads_now = grads_next if grads_next is not None else self._read_grads(groups[i])
+                grads_next = None
+                grads_next = self._read_grads(groups[i + 1], wait=False) if i + 1 < len(groups) else None
                 with record_function("infinity::optimizer.subgroup"):
                     item.write_back = self._update(groups[i].index, item.tensors, grad_scale, grads_now)
         except BaseException:
@@ -459,9 +463,24 @@ class Optimizer(torch.optim.Optimizer):
         self._param_writes.drain()
         return True
 
-    def _read_grads(self, group: SubGroup) -> dict:
-        """Issue the reads of ``group``'s gradients (unit index -> store Pending of a lease)."""
-        return {u.index: self.grads.store.get(u.name) for u in group.units if u.index in self.grads.has_grad}
+    def _read_grads(self, group: SubGroup, wait: bool = True) -> dict | None:
+        """Issue the reads of ``group``'s gradients (unit index -> store Pending of a lease);
+        without ``wait``, only if the pool has room for all of them now (None if not)."""
+        pending = {}
+        try:
+            for u in group.units:
+                if u.index in self.grads.has_grad:
+                    pending[u.index] = self.grads.store.get(u.name, timeout=None if wait else 0)
+        except BaseException as e:
+            for p in pending.values():
+                try:
+                    p.result().release()
+                except Exception:  # noqa: BLE001 - the first error is the one to see
+                    pass
+            if wait or not isinstance(e, PoolExhausted):
+                raise
+            return None
+        return pending
 
     def _update(self, index: int, tensors, grad_scale, pending: dict) -> bool:
         """Update sub-group ``index``'s parameters that have a gradient; False when none has."""
