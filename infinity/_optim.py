@@ -447,7 +447,7 @@ class Optimizer(torch.optim.Optimizer):
                 # (waiting then only for this step's write-behinds, not for reads ahead that
                 # this loop itself would release).
                 grads_now = grads_next if grads_next is not None else self._read_grads(groups[i])
-                grads_next = None
+                grads_next = None  # held as grads_now now: released once on failure, not twice
                 grads_next = self._read_grads(groups[i + 1], wait=False) if i + 1 < len(groups) else None
                 with record_function("infinity::optimizer.subgroup"):
                     item.write_back = self._update(groups[i].index, item.tensors, grad_scale, grads_now)
