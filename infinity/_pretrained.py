@@ -18,6 +18,7 @@ import torch
 
 from infinity.swap import fsync_dir, write_bytes_atomic
 
+from . import _resources
 from ._export import _entries, _Layout, write_files
 from ._optim import Piece
 
@@ -182,6 +183,7 @@ def load_weights(engine, files: dict[str, str], where: str) -> None:
     sliced = engine.params_sharded and engine.dist.active
     read = 0
     batches = [g.units for g in opt.groups] + [[u] for u in opt.frozen]
+    trim = _resources.TrimEvery()
     with torch.no_grad():
         for units in batches:  # one sub-group's tensors in memory at a time
             values = {}
@@ -202,6 +204,7 @@ def load_weights(engine, files: dict[str, str], where: str) -> None:
             # safe_open maps the file, and the pages read stay in this process's RSS while it is
             # open: closed per batch, the load holds one batch's pages, not the whole checkpoint.
             handles.clear()
+            trim.add(16 * sum(u.numel for u in units))  # see [Note: malloc threshold] in _resources
         for k, buf in buffers.items():
             if k in files:
                 buf.copy_(tensor(k))

@@ -113,6 +113,20 @@ def pin_malloc_threshold() -> None:
     _MALLOC_PINNED = True
 
 
+class TrimEvery:
+    """`trim_malloc` once every ``nbytes`` of work `add`-ed: for long loops (writing the
+    initial state, loading a checkpoint) whose freed heap would otherwise pile up to the end."""
+
+    def __init__(self, nbytes: int = 512 << 20):
+        self.nbytes, self.done = nbytes, 0
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.done >= self.nbytes:
+            self.done = 0
+            trim_malloc()
+
+
 def trim_malloc() -> None:
     """Give the free pages of glibc's heaps back to the system (see [Note: malloc threshold])."""
     global _LIBC

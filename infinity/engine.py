@@ -131,9 +131,15 @@ class Engine:
         with torch.random.fork_rng(devices=[], enabled=state is not None):
             if state is not None:
                 torch.set_rng_state(state)
+            trim = _resources.TrimEvery()  # see [Note: malloc threshold]
+
+            def done(u):
+                if u.index in built:
+                    _build.release(u)
+                trim.add(16 * u.numel)
+
             self.optimizer.init_state(
-                prepare=lambda u: _build.materialize(module, u, modules) if u.index in built else None,
-                done=lambda u: _build.release(u) if u.index in built else None,
+                prepare=lambda u: _build.materialize(module, u, modules) if u.index in built else None, done=done
             )
         for unit in units:
             unit.placeholder_dtype, unit.placeholder_device = self.dtype, dev
