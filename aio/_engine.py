@@ -119,15 +119,17 @@ class Engine:
         self._buffers: dict[tuple[int, int], tuple[object, object]] = {}  # (address, nbytes) -> (buffer, slots)
 
     # -- requests ---------------------------------------------------------------------------
-    def pread(self, buffer, file: File | int, offset: int = 0) -> Future:
-        """Read ``len(buffer)`` bytes of ``file`` at ``offset`` into ``buffer``."""
-        return self._submit(READ, buffer, file, offset)
+    def pread(self, buffer, file: File | int, offset: int = 0, *, urgent: bool = False) -> Future:
+        """Read ``len(buffer)`` bytes of ``file`` at ``offset`` into ``buffer``. ``urgent``: a
+        read needed now, served before the requests waiting that are not urgent (the uring
+        backend; the threads backend serves all in order)."""
+        return self._submit(READ, buffer, file, offset, urgent)
 
     def pwrite(self, buffer, file: File | int, offset: int = 0) -> Future:
         """Write all of ``buffer`` to ``file`` at ``offset``."""
         return self._submit(WRITE, buffer, file, offset)
 
-    def _submit(self, op: int, buffer, file, offset: int) -> Future:
+    def _submit(self, op: int, buffer, file, offset: int, urgent: bool = False) -> Future:
         if self._closed:
             raise RuntimeError(f"the {self.backend} aio engine is closed")
         if os.getpid() != self._pid:
@@ -147,7 +149,7 @@ class Engine:
         address = address_of(arr)
         if target.direct:
             _check_alignment(op, target, address, nbytes, offset)
-        handle = self._start(op, arr, address, nbytes, target, offset)
+        handle = self._start(op, arr, address, nbytes, target, offset, urgent)
         fut = Future(handle, (arr, buffer, target), op, target.name, nbytes, offset)
         self._track(fut)
         return fut
@@ -160,7 +162,7 @@ class Engine:
         if len(inflight) > 4096:  # a slow head request must not pin every finished one
             self._inflight = collections.deque(f for f in inflight if not f.done())
 
-    def _start(self, op, arr, address, nbytes, target, offset):  # pragma: no cover - abstract
+    def _start(self, op, arr, address, nbytes, target, offset, urgent=False):  # pragma: no cover - abstract
         raise NotImplementedError
 
     # -- registration -----------------------------------------------------------------------

@@ -61,7 +61,7 @@ class ThreadEngine(Engine):
         self._stats_lock = threading.Lock()
         self._stats = dict(requests=0, chunks=0, bytes_read=0, bytes_written=0, short=0, retries=0, errors=0)
 
-    def _start(self, op, arr, address, nbytes, target, offset):
+    def _start(self, op, arr, address, nbytes, target, offset, urgent=False):  # in order: no lanes
         bs = self.block_size
         nchunks = -(-nbytes // bs)
         req = _Request(nchunks)

@@ -435,14 +435,16 @@ class Scheduler:
         """Issue the read of ``unit``. A prefetch (``wait=False``) takes pool memory only if it
         is free now; a fetch that is needed now first gives back what prefetches hold."""
         try:
-            unit.pending = self.store.get(unit.name, timeout=None if wait else 0)
+            # Urgent: forward and backward wait on these, not on the optimizer's reads ahead
+            # (the early updates under backward queue theirs on the same drive).
+            unit.pending = self.store.get(unit.name, timeout=None if wait else 0, urgent=True)
         except PoolExhausted:
             if not wait:
                 return False
             self._cancel_prefetches()
             if self.on_pool_pressure is not None:
                 self.on_pool_pressure()
-            unit.pending = self.store.get(unit.name)
+            unit.pending = self.store.get(unit.name, urgent=True)
         unit.state = UnitState.FETCHING
         return True
 

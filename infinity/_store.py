@@ -152,13 +152,14 @@ class Store:
             raise
         return Pending(future, span, staged=staged)
 
-    def get(self, name: str, timeout: float | None = None) -> Pending:
+    def get(self, name: str, timeout: float | None = None, urgent: bool = False) -> Pending:
         """A `Lease` of ``name``'s tensor. nvme: a read into a pool buffer, waiting at most
-        ``timeout`` seconds for pool memory (`infinity.swap.PoolExhausted` after that)."""
+        ``timeout`` seconds for pool memory (`infinity.swap.PoolExhausted` after that);
+        ``urgent``: a read needed now, ahead of reads that are not (`SwapSpace.get`)."""
         if self._resident is not None:
             return Pending(None, value=Lease(self._resident[name]))
         key = self._key(name)
-        future = self._space.get(key, timeout=timeout)  # after a write of ``name`` in flight
+        future = self._space.get(key, timeout=timeout, urgent=urgent)  # after a write of ``name`` in flight
         record = self._space.info(key)
         dtype, shape = DTYPES[record.dtype], record.shape
         span = self._stats.io("nvme", False, record.nbytes)

@@ -14,6 +14,8 @@ Staging buffers come from the caller's allocator (the host buffer pool in a Swap
 
 from __future__ import annotations
 
+import functools
+
 import errno
 import os
 from collections.abc import Callable, Sequence
@@ -61,6 +63,7 @@ class Transfer:
         write: bool,
         alloc: Allocator,
         name: str = "",
+        urgent: bool = False,
     ):
         self._name = name  # the tensor, for error messages
         self._data = data
@@ -82,7 +85,7 @@ class Transfer:
                 region, direct_end = None, 0
                 if nbytes:
                     self._stage(alloc, 0, padded)
-            submit = engine.pwrite if write else engine.pread
+            submit = engine.pwrite if write else functools.partial(engine.pread, urgent=urgent)
             pos = 0
             for extent in extents:
                 length = round_up(extent.nbytes)

@@ -514,12 +514,13 @@ class SwapSpace:
         return fut
 
     def get(self, name: str, out: torch.Tensor | None = None, *, verify: bool | None = None,
-            timeout: float | None = None) -> SwapFuture:  # fmt: skip
+            timeout: float | None = None, urgent: bool = False) -> SwapFuture:  # fmt: skip
         """Read ``name``: into ``out`` (same dtype and shape; the result is ``out``) or, with
         ``out=None``, into a buffer from the pool (the result is a `HostBuffer`: use
         ``.view(dtype, shape)``, then ``release()`` it), waiting at most ``timeout`` seconds
         for pool memory (PoolExhausted after). ``verify``: check the checksum (SwapCorruption
-        on a mismatch); None follows the space's ``verify`` (checks only under "always")."""
+        on a mismatch); None follows the space's ``verify`` (checks only under "always").
+        ``urgent``: needed now, read before the reads waiting that are not (`aio.Engine.pread`)."""
         self._check_open()
         if name in self._writes:  # the engine does not order requests: read after the write
             self._settle([self._writes[name]])
@@ -538,7 +539,7 @@ class SwapSpace:
         check = self.verify == "always" if verify is None else verify
         try:
             transfer = Transfer(self.engine, self._files, record.extents, data, write=False, alloc=self._stage,
-                                name=name) if record.extents else None  # fmt: skip
+                                name=name, urgent=urgent) if record.extents else None  # fmt: skip
         except BaseException:
             if lease is not None:
                 lease.release()

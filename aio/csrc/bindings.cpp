@@ -36,12 +36,12 @@ PYBIND11_MODULE(_uring, m) {
       .def(
           "submit",
           [](Ring& self, bool write, int fd, uintptr_t address, uint64_t nbytes, uint64_t offset,
-             bool direct, int file_slot) {
+             bool direct, int file_slot, bool urgent) {
             return self.submit(write, fd, reinterpret_cast<void*>(address), nbytes, offset, direct,
-                               file_slot);
+                               file_slot, urgent);
           },
           py::arg("write"), py::arg("fd"), py::arg("address"), py::arg("nbytes"),
-          py::arg("offset"), py::arg("direct"), py::arg("file_slot") = -1,
+          py::arg("offset"), py::arg("direct"), py::arg("file_slot") = -1, py::arg("urgent") = false,
           py::call_guard<py::gil_scoped_release>())
       .def(
           "register_buffer",

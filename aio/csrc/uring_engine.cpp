@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <future>
@@ -101,9 +102,9 @@ Ring::Ring(unsigned queue_depth, uint32_t block_size)
 Ring::~Ring() { close(false); }
 
 std::shared_ptr<Request> Ring::submit(bool write, int fd, void* buf, uint64_t nbytes,
-                                      uint64_t offset, bool direct, int file_slot) {
+                                      uint64_t offset, bool direct, int file_slot, bool urgent) {
   auto req = std::make_shared<Request>(write, fd, static_cast<char*>(buf), nbytes, offset, direct,
-                                       file_slot);
+                                       file_slot, urgent);
   std::lock_guard<std::mutex> lock(mu_);
   if (closing_ || stopped_) throw Error(ESHUTDOWN, "the uring aio engine is closed");
   if (broken_) throw Error(broken_, "the uring aio engine failed: " + errno_text(broken_));
@@ -330,7 +331,15 @@ bool Ring::take_incoming(bool* cancelled) {
     cancel = cancel_;
   }
   for (auto& command : commands) command();
-  for (auto& req : incoming) pending_.push_back(std::move(req));
+  for (auto& req : incoming) {
+    if (req->urgent_) {  // after the urgent ones waiting, before the rest (see submit)
+      auto it = std::find_if(pending_.begin(), pending_.end(),
+                             [](const std::shared_ptr<Request>& p) { return !p->urgent_; });
+      pending_.insert(it, std::move(req));
+    } else {
+      pending_.push_back(std::move(req));
+    }
+  }
   if (cancel && !*cancelled) {
     *cancelled = true;
     // Requests still holding uncut bytes fail; their chunks in the kernel finish normally.

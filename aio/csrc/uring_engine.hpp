@@ -46,9 +46,10 @@ std::string errno_text(int err);
 // One pread/pwrite. Completed exactly once by the worker; waited on by anyone.
 class Request {
  public:
-  Request(bool write, int fd, char* buf, uint64_t nbytes, uint64_t offset, bool direct, int file_slot)
+  Request(bool write, int fd, char* buf, uint64_t nbytes, uint64_t offset, bool direct, int file_slot,
+          bool urgent = false)
       : write_(write), fd_(fd), buf_(buf), nbytes_(nbytes), offset_(offset), direct_(direct),
-        file_slot_(file_slot) {}
+        file_slot_(file_slot), urgent_(urgent) {}
 
   bool done() const noexcept { return done_.load(std::memory_order_acquire); }
   // Blocks until done or timeout_s passes (forever when negative); returns done().
@@ -69,6 +70,7 @@ class Request {
   const uint64_t offset_;
   const bool direct_;
   const int file_slot_;  // fixed-file index, or -1
+  const bool urgent_;     // cut into chunks before every request that is not
 
   // Worker-only until complete().
   uint64_t next_ = 0;     // first byte not yet cut into a chunk
@@ -104,8 +106,10 @@ class Ring {
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
 
+  // An urgent request is cut into chunks before the requests waiting that are not urgent
+  // (after the urgent ones already waiting): a read needed now overtakes reads ahead.
   std::shared_ptr<Request> submit(bool write, int fd, void* buf, uint64_t nbytes, uint64_t offset,
-                                  bool direct, int file_slot);
+                                  bool direct, int file_slot, bool urgent = false);
 
   // Registered buffers and files live in sparse tables, updated one slot at a time. Return
   // the slot; throw Error when the kernel refuses (ENOMEM: RLIMIT_MEMLOCK, say) or the table

@@ -691,3 +691,32 @@ def test_short_write_continues_then_reports_the_error(backend, tmp_path):
     expected = np.fromfile(path + ".expected", dtype=np.uint8)
     assert os.path.getsize(path) == limit
     assert np.array_equal(np.fromfile(path, dtype=np.uint8), expected[:limit])
+
+
+@pytest.mark.uring
+def test_an_urgent_read_overtakes_the_reads_waiting(tmp_path):
+    """Behind 64 reads of 4 MiB (256 MiB waiting on a queue of 32 1-MiB chunks), an urgent
+    read is cut into chunks next: it completes while most of them still wait. Without the
+    urgent lane it would complete after all of them."""
+    status = aio.probe()["uring"]
+    if not status.available:
+        pytest.skip(f"aio backend 'uring' unavailable: {status.reason}")
+    engine = aio.open_engine("uring", queue_depth=32, block_size=1 * MiB)
+    path = str(tmp_path / "data")
+    try:
+        with aio.open_file(path, "w+") as f:
+            chunk = aio.empty_aligned(4 * MiB)
+            chunk.fill_(1)
+            for i in range(65):
+                engine.pwrite(chunk, f, i * 4 * MiB).result()
+            bufs = [aio.empty_aligned(4 * MiB) for _ in range(64)]
+            waiting = [engine.pread(b, f, i * 4 * MiB) for i, b in enumerate(bufs)]
+            urgent = aio.empty_aligned(4 * MiB)
+            engine.pread(urgent, f, 64 * 4 * MiB, urgent=True).result()
+            still = sum(not fut.done() for fut in waiting)
+            for fut in waiting:
+                fut.result()
+        assert bool((urgent == 1).all())
+        assert still >= 32, f"only {still} of the 64 earlier reads were still waiting"
+    finally:
+        engine.close()
