@@ -18,11 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scale import llama_config  # this directory: the same model
+from scale import add_model_args, llama_config  # this directory: the same model
 
 
-def floor(args, tile: str, sub_group: str, swap: str) -> tuple[int, str, int]:
-    """(the floor in bytes, what sets it, the largest unit's elements) for one config."""
+def floor(args, tile: str, sub_group: str, swap: str) -> tuple[int, str]:
+    """(the floor in bytes, what sets it) for one config."""
     import transformers
 
     import infinity
@@ -35,18 +35,13 @@ def floor(args, tile: str, sub_group: str, swap: str) -> tuple[int, str, int]:
     try:
         infinity.initialize(model, cfg).close()
     except infinity.HostBudgetError as e:
-        return e.need, e.what, max(p.numel() for p in model.parameters())
+        return e.need, e.what
     raise RuntimeError("initialize accepted a budget of 4096 bytes")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default=str(Path(__file__).resolve().parent.parent / "bench-data"))
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--intermediate", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--tokens", type=int, default=64)
+    add_model_args(p)
     p.add_argument("--tile-size", nargs="+", default=["none", "32MiB", "16MiB"])
     p.add_argument("--sub-group-size", nargs="+", default=["256MiB", "64MiB", "32MiB"])
     args = p.parse_args(argv)
@@ -58,7 +53,7 @@ def main(argv=None) -> int:
     try:
         print(f"{'tile_size':>10} {'sub_group_size':>15} {'floor':>10}  set by")
         for tile, group in itertools.product(args.tile_size, args.sub_group_size):
-            need, what, _ = floor(args, tile, group, swap)
+            need, what = floor(args, tile, group, swap)
             print(f"{tile:>10} {group:>15} {need / 2**20:>7.0f}MiB  the {what}", flush=True)
     finally:
         shutil.rmtree(swap, ignore_errors=True)

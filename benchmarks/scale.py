@@ -43,6 +43,17 @@ def reset_peak() -> None:
         f.write("5")  # VmHWM back to the current RSS
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The options of the Llama-shaped model (953M parameters by default) and the directory
+    its state goes in: what benchmarks/scale_step.py and budget_floor.py share with this one."""
+    p.add_argument("--dir", default=str(Path(__file__).resolve().parent.parent / "bench-data"))
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--tokens", type=int, default=64)
+
+
 def llama_config(args):
     """The Llama-shaped model of ``args`` (hidden, layers, intermediate, vocab, tokens);
     benchmarks/scale_step.py trains the same one."""
@@ -55,13 +66,8 @@ def llama_config(args):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default=str(Path(__file__).resolve().parent.parent / "bench-data"))
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--intermediate", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--host-budget", default="4GiB")
     p.add_argument("--sub-group-size", default="128MiB")
     p.add_argument("--tile-size", default="32MiB", help='memory.tile_size ("none": no tiles)')

@@ -35,9 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from scale import llama_config, peak, reset_peak, rss  # this directory: the same model and RSS probes
+from scale import add_model_args, llama_config, peak, reset_peak, rss  # this directory: the same model and RSS probes
 
 
 def _batch(args, step: int):
@@ -156,13 +155,8 @@ class _Worker:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default=str(Path(__file__).resolve().parent.parent / "bench-data"))
+    add_model_args(p)
     p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--intermediate", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--host-budget", default="4GiB")
     p.add_argument("--sub-group-size", default="128MiB")

@@ -32,8 +32,8 @@ from torch.profiler import record_function
 from infinity.swap import PoolExhausted, WriteBehind, round_up
 
 from ._grads import GradAccumulator
-from ._store import Store, stream_together
-from ._units import ParamUnit
+from ._store import Store, release_unused, stream_together
+from ._units import ParamUnit, holders
 
 READ_AHEAD = 3  # sub-groups; see Optimizer.fit_read_ahead
 POOL_SLACK = 0.15  # of the host budget the read-ahead does not plan for; see fit_read_ahead
@@ -201,10 +201,7 @@ class Optimizer(torch.optim.Optimizer):
         self._ready = True
 
     def _map_slices(self) -> list[dict[int, list]]:
-        where: dict[int, list] = {}  # id(param) -> [(unit, index in the unit)]: a tiled one's every tile
-        for u in self.units:
-            for i, p in enumerate(u.params):
-                where.setdefault(id(p), []).append((u, i))
+        where = holders(self.units)  # id(param) -> [(unit, index in the unit)]: a tiled one's every tile
         owner = {}  # (unit index, param index) -> parameter group index
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -453,11 +450,7 @@ class Optimizer(torch.optim.Optimizer):
                     item.write_back = self._update(groups[i].index, item.tensors, grad_scale, grads_now)
         except BaseException:
             # Every buffer goes back; the first error is the one raised.
-            for pending in (*(grads_now or {}).values(), *(grads_next or {}).values()):
-                try:
-                    pending.result().release()
-                except Exception:  # noqa: BLE001 - a read that failed holds nothing
-                    pass
+            release_unused((*(grads_now or {}).values(), *(grads_next or {}).values()))
             self._param_writes.discard_errors()
             raise
         self._param_writes.drain()
@@ -472,11 +465,7 @@ class Optimizer(torch.optim.Optimizer):
                 if u.index in self.grads.has_grad:
                     pending[u.index] = self.grads.store.get(u.name, timeout=None if wait else 0)
         except BaseException as e:
-            for p in pending.values():
-                try:
-                    p.result().release()
-                except Exception:  # noqa: BLE001 - the first error is the one to see
-                    pass
+            release_unused(pending.values())
             if wait or not isinstance(e, PoolExhausted):
                 raise
             return None

@@ -41,7 +41,7 @@ from torch.profiler import record_function
 
 from infinity.swap import PoolExhausted, WriteBehind
 
-from ._store import Lease
+from ._store import Lease, release_unused
 
 STAGED = "~next"  # the suffix of a staged name: see [Note: exact overlap]
 MAX_IN_HAND = 4  # sub-groups being read or written at once, whatever their size
@@ -191,17 +191,16 @@ class Overlap:
             return True  # nothing to update early; the step finds it without a gradient too
         if any(opt.grads.writing(u.index) for u in early.units):
             return False  # read back once written, not by waiting for the write here
-        timeout = 0
         try:
             for kind in opt.kinds:
-                early.reads.append(opt.states[kind].get(sg.name, timeout=timeout))
+                early.reads.append(opt.states[kind].get(sg.name, timeout=0))
             for u in early.units:
                 early.versions[u.index] = opt.grads.version[u.index]
                 kept = opt.grads.take_kept(u.index)
                 if kept is not None:  # still in memory: nothing to read
                     early.grads[u.index] = _InHand(Lease(*kept))
                 else:
-                    early.grads[u.index] = opt.grads.store.get(u.name, timeout=timeout)
+                    early.grads[u.index] = opt.grads.store.get(u.name, timeout=0)
         except PoolExhausted:
             _give_back(early)
             return False
@@ -241,17 +240,11 @@ class Overlap:
                                                    timeout=0))  # fmt: skip
             self._early[early.index] = early
         except PoolExhausted:  # no room for the parameters' copies: the step updates this sub-group
-            self._abandon(early, leases, futures)
+            self._undo(early, leases, futures)
+            self._delete_staged(early)
             return
         except BaseException:
-            for f in futures:  # writes from these buffers finish before the buffers go back
-                try:
-                    f.result()
-                except Exception:  # noqa: BLE001 - staged, never committed: their errors do not matter
-                    pass
-            for lease in leases:
-                lease.release()
-            _give_back(early)
+            self._undo(early, leases, futures)
             raise
         # The state buffers go back once their staged writes are done; gradients now.
         state_leases, grad_leases = leases[: len(early.reads)], leases[len(early.reads) :]
@@ -259,18 +252,18 @@ class Overlap:
             lease.release()
         self._writes.add(futures, *state_leases, key=early.index)
 
-    def _abandon(self, early: _Early, leases, futures) -> None:
-        """Give up ``early`` after its update ran: its writes finish, its buffers go back, its
-        staged tensors are deleted; the step updates the sub-group (the update was not kept)."""
+    @staticmethod
+    def _undo(early: _Early, leases, futures) -> None:
+        """Give back what an update that is not kept holds: its staged writes finish first
+        (their errors do not matter: never committed), then its buffers go back."""
         for f in futures:
             try:
                 f.result()
-            except Exception:  # noqa: BLE001 - staged, never committed
+            except Exception:  # noqa: BLE001
                 pass
         for lease in leases:
             lease.release()
         _give_back(early)
-        self._delete_staged(early)
 
     def relieve(self) -> None:
         """The backward needs pool memory that is not free: give back what the early updates
@@ -361,9 +354,5 @@ class _InHand:
 
 def _give_back(early: _Early) -> None:
     """Wait for ``early``'s reads and give their buffers back (errors dropped: unused)."""
-    for p in (*early.reads, *early.grads.values()):
-        try:
-            p.result().release()
-        except Exception:  # noqa: BLE001 - a read that failed holds nothing
-            pass
+    release_unused((*early.reads, *early.grads.values()))
     early.reads, early.grads = [], {}

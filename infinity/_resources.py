@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -98,19 +99,26 @@ def close_io(space, pool, engine) -> None:
 # from_pretrained loads it (`TrimEvery`): on the 953M Llama it gave back 240 to 880 MiB each
 # time, in about 60 ms.
 _MALLOC_PINNED = False
-_LIBC = None
+
+
+@functools.cache
+def _glibc():
+    """glibc's handle, or None where the C library is another or cannot be loaded."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
 
 
 def pin_malloc_threshold() -> None:
     """See [Note: malloc threshold]; once per process, and not where the user set it."""
     global _MALLOC_PINNED
-    if _MALLOC_PINNED or "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if _MALLOC_PINNED or "MALLOC_MMAP_THRESHOLD_" in os.environ or libc is None:
         return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     _MALLOC_PINNED = True
 
 
@@ -130,15 +138,9 @@ class TrimEvery:
 
 def trim_malloc() -> None:
     """Give the free pages of glibc's heaps back to the system (see [Note: malloc threshold])."""
-    global _LIBC
-    if platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL("libc.so.6")
-        _LIBC.malloc_trim(0)
-    except (OSError, AttributeError):
-        return
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 class HostBudgetError(ValueError):
@@ -172,16 +174,9 @@ def distinct_sizes(*sizes: int) -> list[str]:
     same ("1.0MiB" twice) are written in bytes: a message never shows two different figures as
     equal (nor, as ``human_size`` never does, one that is not zero as zero)."""
     text = [human_size(n) for n in sizes]
-    reads = [_reads_as(t) for t in text]  # "1GiB" and "1.0GiB" read the same
+    reads = [t.replace(".0", "") for t in text]  # "1.0GiB" reads as "1GiB" (one decimal at most)
     clash = {r for r in reads if len({n for n, q in zip(sizes, reads) if q == r}) > 1}
     return [f"{n} bytes" if r in clash else t for n, t, r in zip(sizes, text, reads)]
-
-
-def _reads_as(text: str) -> float:
-    """The number of bytes a `human_size` text reads as ("1.0GiB" -> 2**30)."""
-    number = text.rstrip("KMGTPEiB")
-    unit = text[len(number):]
-    return float(number) * 1024 ** ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB").index(unit)
 
 
 def mem_available() -> int | None:

@@ -415,8 +415,8 @@ class Scheduler:
         budget = self.prefetch_bytes
         for module in order.modules[start : start + self.depth]:
             units = self.module_units.get(module, ())
-            if module in self.tiled:  # its forward fetches the rest; an embedding's backward reads none
-                units = [] if order is self.backward_order and type(module) is nn.Embedding else units[:1]
+            if module in self.tiled:
+                units = _tiled.ahead(module, units, backward=order is self.backward_order)
             for unit in units:
                 if unit.state is UnitState.RELEASED:
                     if budget is not None:

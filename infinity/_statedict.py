@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._units import holders
+
 
 class StateDictHooks:
     def __init__(self, engine, module: nn.Module):
@@ -84,20 +86,10 @@ class StateDictHooks:
         return hook
 
 
-def holders(units) -> dict[int, list]:
-    """id(parameter) -> the (unit, index in the unit) pieces that hold it: one, or a tiled
-    parameter's tiles in row order (see [Note: tiles] in `_units`)."""
-    where: dict[int, list] = {}
-    for u in units:
-        for i, p in enumerate(u.params):
-            where.setdefault(id(p), []).append((u, i))
-    return where
-
-
 def assemble(pieces, weights: dict) -> torch.Tensor:
     """One parameter, whole, in the dtype the model was made in, from its ``pieces`` ((unit,
     index) as `holders` gives them) and ``weights`` (unit index -> the unit's flat fp32 weights)."""
     unit, i = pieces[0]
-    parts = [weights[u.index][u.offsets[j] : u.offsets[j] + u.numels[j]].view(u.shapes[j]) for u, j in pieces]
+    parts = [u.view(weights[u.index], j) for u, j in pieces]
     whole = parts[0] if len(parts) == 1 else torch.cat(parts)
     return whole.to(unit.dtypes[i])

@@ -188,6 +188,16 @@ class Store:
         return Lease(buffer.view(DTYPES[record.dtype], record.shape), buffer)
 
 
+def release_unused(pendings) -> None:
+    """Wait for reads whose leases will not be used and give them back (a read that failed
+    holds nothing: its error is dropped)."""
+    for p in pendings:
+        try:
+            p.result().release()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 class _Streamed:
     """One item of `stream_together`: the stores' tensors of one name, updated in place."""
 

@@ -6,11 +6,12 @@ prefetch and release a tile, and to hand it a tile's gradients), the tiles' memo
 
 Forward computes the output rows (Linear: the output features; Embedding: the looked-up rows)
 of one tile at a time, the next tile's read in flight meanwhile, and releases each tile after
-use; only the input is saved for backward. Backward fetches the tiles again, in the same order:
-a tile's weight gradient is complete as soon as that tile is done, so it is handed on (written
-behind, or updated early by the overlapped optimizer) before the next tile is read. The input
-gradient is summed over the tiles in fp32 and cast once, so a bf16 run rounds it once, as the
-whole matmul does. Results match the untiled module up to the order of floating-point sums.
+use; only the input is saved for backward. Backward goes over the tiles in the same order,
+fetching them again only when the input needs a gradient (the weight's needs the input and
+the output's gradient alone): a tile's weight gradient is complete as soon as that tile is
+done, so it is handed on (written behind, or updated early by the overlapped optimizer)
+before the next tile is read. The input gradient is summed over the tiles in fp32 and cast
+once, so a bf16 run rounds it once, as the whole matmul does. Results match the untiled module up to the order of floating-point sums.
 """
 
 from __future__ import annotations
@@ -86,8 +87,10 @@ class _LinearFn(torch.autograd.Function):
         g = grad_out.to(cdt)
         xc = x.to(cdt).reshape(-1, x.shape[-1])
         gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_x else None
-        for k in range(len(tiles.tiles)):
-            with tiles.use(scheduler, k) as unit:
+        for k, unit in enumerate(tiles.tiles):
+            # The weights are read only for the input's gradient; the weight's and the bias's
+            # need the input and the output's gradient alone.
+            with tiles.use(scheduler, k) if need_x else contextlib.nullcontext(unit):
                 lo, hi = unit.rows
                 gk = g[..., lo:hi]
                 if need_x:
@@ -139,6 +142,12 @@ def _linear_forward(module: nn.Linear, tiles: _Tiles, x):
 
 def _embedding_forward(module: nn.Embedding, tiles: _Tiles, ids):
     return _EmbeddingFn.apply(ids, module.weight, tiles, module.padding_idx)
+
+
+def ahead(module: nn.Module, tiles, backward: bool) -> list:
+    """The tiles the scheduler prefetches before ``module`` runs: the first (the Function reads
+    the rest one ahead), none before an embedding's backward, which reads no weights."""
+    return [] if backward and type(module) is nn.Embedding else tiles[:1]
 
 
 def install(module: nn.Module, scheduler, tiles) -> None:

@@ -103,10 +103,15 @@ class ParamUnit:
             out[off : off + n].copy_(p.detach().reshape(-1)[start : start + n])
         return out
 
-    def piece(self, i: int) -> torch.Tensor:
-        """Parameter ``i``'s part of ``full`` (while READY), in the shape of that part."""
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s part (a tile: its rows) of ``flat``, a 1-D tensor laid out as the
+        unit is, in the shape of that part."""
         off, n = self.offsets[i], self.numels[i]
-        return self.full[off : off + n].view(self.shapes[i])
+        return flat[off : off + n].view(self.shapes[i])
+
+    def piece(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s part of ``full`` (while READY)."""
+        return self.view(self.full, i)
 
     def bind(self, full: torch.Tensor) -> None:
         """Point every parameter at its slice of ``full`` (1-D). A tile's parameters stay
@@ -169,6 +174,16 @@ def build_units(model: nn.Module, world_size: int = 1, rank: int = 0, tile_bytes
             if row_blocks:
                 tiled[module] = used
     return units, module_units, tiled
+
+
+def holders(units: list[ParamUnit]) -> dict[int, list[tuple[ParamUnit, int]]]:
+    """id(parameter) -> the (unit, index in the unit) pieces that hold it: one, or a tiled
+    parameter's tiles in row order (see [Note: tiles])."""
+    where: dict[int, list] = {}
+    for u in units:
+        for i, p in enumerate(u.params):
+            where.setdefault(id(p), []).append((u, i))
+    return where
 
 
 def tileable(module: nn.Module) -> bool:

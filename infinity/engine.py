@@ -491,14 +491,13 @@ class Engine:
         out = {}
         for unit, full in self.unit_weights():
             prefix = "" if unit.path == "<root>" else f"{unit.path}."
-            for name, off, n, shape, whole in zip(unit.param_names, unit.offsets, unit.numels, unit.shapes,
-                                                  unit.full_shapes):  # fmt: skip
+            for i, (name, whole) in enumerate(zip(unit.param_names, unit.full_shapes)):
                 if unit.rows is None:
-                    out[prefix + name] = full[off : off + n].view(shape).clone()
+                    out[prefix + name] = unit.view(full, i).clone()
                     continue
                 if unit.rows[0] == 0:
                     out[prefix + name] = torch.empty(whole, dtype=torch.float32)
-                out[prefix + name][unit.rows[0] : unit.rows[1]] = full[off : off + n].view(shape)
+                out[prefix + name][unit.rows[0] : unit.rows[1]] = unit.view(full, i)
         return out
 
     # -- checkpoints ------------------------------------------------------------------------

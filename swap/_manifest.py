@@ -371,10 +371,9 @@ def read_json(path: str):
     return parse_json(text, path)
 
 
-def parse_json(text: str, where: str):
-    """``text`` parsed as `read_json` parses a file (``where`` names it in errors): writers
-    check with it that what they write will read back."""
-    path = where
+def parse_json(text: str, path: str):
+    """``text`` parsed as `read_json` parses a file (``path`` names it, or what ``text`` is, in
+    errors): writers check with it that what they write will read back."""
 
     def unique(pairs: list) -> dict:
         obj = dict(pairs)

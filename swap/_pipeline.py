@@ -151,11 +151,7 @@ class _Reads:
                 buffers.append(fut.result())
         except BaseException:
             _release(buffers)
-            for fut in futures[len(buffers) + 1 :]:
-                try:
-                    fut.result().release()
-                except Exception:  # noqa: BLE001 - the first error is propagating
-                    pass
+            _settle_and_release(futures[len(buffers) + 1 :])  # the first error is propagating
             raise
         records = [self.space.info(n) for n in _members(entry)]
         views = tuple(b.view(DTYPES[r.dtype], r.shape) for b, r in zip(buffers, records))

@@ -10,6 +10,17 @@ import sys
 MiB = 1 << 20
 
 
+def _measure(tmp_path, *args: str) -> dict:
+    """Run _memory_child.py with ``args`` (width, layers, budget, vocab, tile size, sub-group
+    size) on a swap directory under ``tmp_path``; its JSON report."""
+    path = tmp_path / "swap"
+    path.mkdir()
+    child = os.path.join(os.path.dirname(__file__), "_memory_child.py")
+    out = subprocess.run([sys.executable, child, str(path), *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_peak_rss_is_bounded_by_the_budget_not_the_model(tmp_path):
     """A 67M-parameter model (1.07 GB of fp32 state: params, grads, two Adam moments) built
     straight into nvme and trained two steps, in a fresh process whose peak RSS is reset just
@@ -19,13 +30,7 @@ def test_peak_rss_is_bounded_by_the_budget_not_the_model(tmp_path):
     8 fp32 copies of the largest unit outside the pool (autograd's weight gradient, the
     builder's and initialize's transient copies: 8 x 2 MiB) + 16 MiB for the interpreter,
     torch and the allocator."""
-    path = tmp_path / "swap"
-    path.mkdir()
-    child = os.path.join(os.path.dirname(__file__), "_memory_child.py")
-    out = subprocess.run([sys.executable, child, str(path), "1024", "64", "64MiB", "0", "2MiB", "8MiB"],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _measure(tmp_path, "1024", "64", "64MiB", "0", "2MiB", "8MiB")
     bound = 64 * MiB + 8 * MiB + 8 * r["largest_unit_bytes"] + 16 * MiB
     assert r["growth"] < bound, r
     assert r["pool_peak"] <= 64 * MiB, r
@@ -42,13 +47,7 @@ def test_a_vocabulary_sized_module_in_tiles_does_not_set_the_memory_floor(tmp_pa
     copies: < 8 MiB) + the tiled module's values whole once (`build` initialises a module
     whole: 8 MiB) + 8 fp32 copies of the largest unit outside the pool (a tile, 256 KiB) +
     16 MiB for the interpreter, torch and the allocator."""
-    path = tmp_path / "swap"
-    path.mkdir()
-    child = os.path.join(os.path.dirname(__file__), "_memory_child.py")
-    out = subprocess.run([sys.executable, child, str(path), "64", "16", "12MiB", "32768", "256KiB", "1MiB"],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _measure(tmp_path, "64", "16", "12MiB", "32768", "256KiB", "1MiB")
     assert r["tiles"] == 32 + 33, r  # tiles of 1024 rows (the embedding) and of 1008 (the output layer, with its bias)
     assert r["largest_unit_bytes"] <= 256 * 1024 and r["largest_module_bytes"] > 8 * MiB, r
     bound = 12 * MiB + 8 * MiB + r["largest_module_bytes"] + 8 * r["largest_unit_bytes"] + 16 * MiB
