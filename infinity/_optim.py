@@ -187,7 +187,7 @@ class Optimizer(torch.optim.Optimizer):
         self._never_stepped = {u.index for u in units}  # SGD's first step starts a momentum buffer; no device read
         self.ahead = READ_AHEAD
         self.ahead_bytes: int | None = None  # read-ahead by bytes too (see fit_read_ahead)
-        self._param_writes = WriteBehind(2)  # new parameters, each from its own pool copy
+        self._param_writes = WriteBehind(2)  # new parameters from their own pool copies (see _write_params)
         self._engine_step = None  # set by the engine: what step() runs
         self._engine_zero_grad = None
         # Per sub-group, per parameter group: (unit, slice of the sub-group's state, slice of
@@ -447,7 +447,7 @@ class Optimizer(torch.optim.Optimizer):
                 grads_next = None  # held as grads_now now: released once on failure, not twice
                 grads_next = self._read_grads(groups[i + 1], wait=False) if i + 1 < len(groups) else None
                 with record_function("infinity::optimizer.subgroup"):
-                    item.write_back = self._update(groups[i].index, item.tensors, grad_scale, grads_now)
+                    item.write_back = self._update(groups[i].index, item.tensors, grad_scale, grads_now, item.after)
         except BaseException:
             # Every buffer goes back; the first error is the one raised.
             release_unused((*(grads_now or {}).values(), *(grads_next or {}).values()))
@@ -471,8 +471,9 @@ class Optimizer(torch.optim.Optimizer):
             return None
         return pending
 
-    def _update(self, index: int, tensors, grad_scale, pending: dict) -> bool:
-        """Update sub-group ``index``'s parameters that have a gradient; False when none has."""
+    def _update(self, index: int, tensors, grad_scale, pending: dict, after: list | None = None) -> bool:
+        """Update sub-group ``index``'s parameters that have a gradient; False when none has.
+        ``after``: see `_write_params`."""
         group = self.groups[index]
         have = [u for u in group.units if u.index in pending]
         if not have:
@@ -490,7 +491,7 @@ class Optimizer(torch.optim.Optimizer):
             stepped = {u.index for u in have}
             if self.foreign is not None:
                 self._step_foreign(index, grads, grad_scale)
-                return self._write_params(group, have, master)
+                return self._write_params(group, have, master, after)
             first = stepped & self._never_stepped
             self._never_stepped -= stepped
             torch._foreach_add_([self.steps[i] for i in stepped], 1.0)
@@ -498,7 +499,7 @@ class Optimizer(torch.optim.Optimizer):
         finally:
             for lease in leases:
                 lease.release()
-        return self._write_params(group, have, master)
+        return self._write_params(group, have, master, after)
 
     def apply(self, index: int, master, states, grads: dict, divide: float, steps: dict, first: set) -> None:
         """Sub-group ``index``'s update in place on ``master`` and ``states`` from ``grads``
@@ -513,17 +514,31 @@ class Optimizer(torch.optim.Optimizer):
             if entries:
                 self._run_kernel(self.param_groups[gi], entries, master, states, grads, grad_scale, first, steps)
 
-    def _write_params(self, group: SubGroup, have: list, master: torch.Tensor) -> bool:
-        """The new low-precision parameters of ``have`` (units of ``group``) from ``master``."""
+    def _write_params(self, group: SubGroup, have: list, master: torch.Tensor, after: list | None = None) -> bool:
+        """The new low-precision parameters of ``have`` (units of ``group``) from ``master``.
+
+        ``after``: the stream's list of writes that hold ``master``'s buffer (`stream_together`).
+        Given, and the parameters fp32 on nvme, each is written straight from ``master``, the
+        buffer held until the write is done: no copy (3.8 GB a step on the 953M model; CPU
+        work beside the stream slows this machine's drive, a copy loop on one core to 0.4-0.45
+        of its idle throughput, benchmarks/io_under_compute.py). Otherwise each write goes from
+        its own pool copy (or cast): ``master`` may be reused before the write is done."""
+        direct = after is not None and self._params_direct()
         for u in have:
             s = group.slices[u.index]
             if self.gather_params:
                 self._gather_new_params(u, master[s])
+            elif direct:
+                after.append(self.param_store.put(u.name, master[s]))
             else:
-                # A copy (even in fp32): master is a stream buffer that may be reused before
-                # this write is done.
                 self._param_writes.add(self.param_store.put(u.name, master[s], copy=True))
         return True
+
+    def _params_direct(self) -> bool:
+        """Whether the update writes new parameters straight from the streamed master weights
+        (`_write_params`): fp32 parameters, both on nvme, each rank writing its own."""
+        return (self.param_dtype == torch.float32 and self.param_store.uses_pool
+                and self.states["master"].uses_pool and not self.gather_params)  # fmt: skip
 
     def _step_foreign(self, index: int, grads: dict, grad_scale) -> None:
         """The user's torch optimizer on sub-group ``index``: gradients as ``.grad`` of the
@@ -590,8 +605,9 @@ class Optimizer(torch.optim.Optimizer):
     def host_bytes_needed(self) -> int:
         """Pool bytes the update holds at most: the stream's sub-groups (read ahead: ``ahead``
         of the largest, or ``ahead_bytes``; one in hand, one written behind), the gradients of
-        one sub-group and the next one's, and three parameter write-behinds; each only where
-        its store uses the pool."""
+        one sub-group and the next one's, and three parameter write-behinds (copies; none where
+        they are written from the master weights, `_params_direct`); each only where its store
+        uses the pool."""
         if not self.groups:
             return 0
         # Each buffer takes whole pages of the pool: counted so, small units are not free.
@@ -602,7 +618,7 @@ class Optimizer(torch.optim.Optimizer):
             need += 2 * state + (self.ahead_bytes if self.ahead_bytes is not None else self.ahead * state)
         if self.grads.store.uses_pool:  # one buffer per unit
             need += 2 * max(sum(round_up(4 * u.shard_numel) for u in g.units) for g in self.groups)
-        if self.param_store.uses_pool:
+        if self.param_store.uses_pool and not self._params_direct():
             need += 3 * max(round_up(self.param_dtype.itemsize * u.shard_numel) for u in self.units)
         return need
 

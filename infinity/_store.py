@@ -199,7 +199,10 @@ def release_unused(pendings) -> None:
 
 
 class _Streamed:
-    """One item of `stream_together`: the stores' tensors of one name, updated in place."""
+    """One item of `stream_together`: the stores' tensors of one name, updated in place.
+    ``after``: on nvme, a list to which the caller adds the `Pending` of writes it starts from
+    these tensors (the stream holds their buffers until those are done); None on resident
+    tiers."""
 
     __slots__ = ("tensors", "write_back", "_item")
 
@@ -207,6 +210,10 @@ class _Streamed:
         self.tensors = tensors
         self.write_back = True  # False: the item was not changed, nothing to write back
         self._item = item
+
+    @property
+    def after(self) -> list | None:
+        return self._item.after if self._item is not None else None
 
 
 def stream_together(stores: Sequence[Store], names: Sequence[str], *, ahead: int,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,9 @@ class Item:
     tensors: tuple[torch.Tensor, ...]
     buffers: tuple[HostBuffer, ...]
     write_back: bool = True  # set False to skip writing this item back
+    # Writes the caller started from these buffers (futures): the buffers go back to the pool
+    # only once these are done too, whether or not the item itself is written back.
+    after: list = field(default_factory=list)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -78,13 +81,21 @@ def stream(
             done, item = item, None
             if write_back and done.write_back:
                 _write_back(space, done, writes)
+            elif done.after:
+                writes.add(done.after, *done.buffers)
             else:
                 _release(done.buffers)
     finally:
         # Whatever happened, nothing stays in flight and every buffer goes back to the pool.
         errors = []
         if item is not None:
-            _release(item.buffers)
+            if item.after:  # the caller's writes from it still read its buffers
+                try:
+                    writes.add(item.after, *item.buffers)  # tracked even if this raises
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+            else:
+                _release(item.buffers)
         try:
             reads.drop()
         except Exception as e:  # noqa: BLE001 - reported below unless another error is
@@ -173,17 +184,15 @@ class _Reads:
 
 def _write_back(space: SwapSpace, item: Item, writes: WriteBehind) -> None:
     """Write ``item``'s tensors back under their names, behind the caller; its buffers go back
-    to the pool once the writes are done (at once for those whose write could not start)."""
+    to the pool once the writes (and ``item.after``) are done."""
     futures = []
     try:
         for tensor, name in zip(item.tensors, _members(item.name)):
             futures.append(space.put(name, tensor))
-    except BaseException:
-        _release(item.buffers[len(futures) :])
-        if futures:
-            writes.add(futures, *item.buffers[: len(futures)])
-        raise
-    writes.add(futures, *item.buffers)
+    finally:
+        # Also when a put could not start: what did start, and the caller's writes, still read
+        # the buffers (held until then; the buffers of writes that did not start with them).
+        writes.add([*futures, *item.after], *item.buffers)
 
 
 def _settle_and_release(futures) -> None:

@@ -114,3 +114,49 @@ def test_reading_ahead_never_waits_for_pool_memory(open_space):
     for i, name in enumerate(names):
         assert torch.equal(space.get(name, torch.empty(256 * 1024)).result(), torch.full((256 * 1024,), i + 1.0))
     pool.close()
+
+
+class _Held:
+    """A write the caller started from an item's buffer, in flight until its result is waited for."""
+
+    def __init__(self):
+        self.waited = False
+
+    def done(self):
+        return False  # in flight until waited for
+
+    def result(self):
+        self.waited = True  # a real future's result() waits for the write to finish
+
+
+@pytest.mark.parametrize("write_back", [True, False])
+def test_writes_the_caller_starts_from_an_item_keep_its_buffers_until_done(open_space, write_back):
+    space = open_space()
+    names = _fill(space, 6)
+    held, first = _Held(), None
+    for i, item in enumerate(swap.stream(space, names, ahead=1)):
+        if i == 0:
+            first = item.buffers
+            item.after.append(held)
+            item.write_back = write_back
+        elif i == 1:
+            assert not any(b.released for b in first)  # item 0 is the write behind: in flight
+        else:
+            # The stream finishes item 0's writes before it hands out item 2 (one write behind):
+            # the write from its buffer was waited for, and only then did the buffer go back.
+            assert held.waited and all(b.released for b in first)
+    assert space.pool.in_use_bytes == 0
+    assert torch.equal(space.get(names[0], torch.empty(100_000)).result(), torch.full((100_000,), 0.0))
+
+
+def test_an_error_in_the_loop_waits_for_the_writes_from_the_item_in_hand(open_space):
+    space = open_space()
+    names = _fill(space, 4)
+    held = _Held()
+    with pytest.raises(RuntimeError, match="update failed"):
+        for i, item in enumerate(swap.stream(space, names, ahead=2)):
+            if i == 1:
+                item.after.append(held)
+                raise RuntimeError("update failed")
+    assert held.waited  # the buffer went back only after the write from it was finished
+    assert space.pool.in_use_bytes == 0
