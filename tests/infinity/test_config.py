@@ -232,7 +232,7 @@ def _assert_all_on_device(config):
     assert config.tiers.on_nvme == ()
     assert config.nvme.paths == ()
     assert config.memory.host_budget == 4 << 30
-    assert config.aio.block_size == 1 << 20 and config.aio.queue_depth == 32
+    assert config.aio.block_size == 4 << 20 and config.aio.queue_depth == 32
     assert config.precision.param_dtype == "fp32" and not config.precision.loss_scaling
     assert config.partition.stage == 3
 
