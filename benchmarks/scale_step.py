@@ -25,7 +25,7 @@ medians over the pairs (the first step of each side is a warm-up and not counted
 
     python benchmarks/scale_step.py [--pairs 3] [--dir bench-data/] [--host-budget 4GiB]
                                     [--tile-size 32MiB] [--sub-group-size 128MiB]
-                                    [--aio-block-size 1MiB] [--aio-queue-depth 32] [--json]
+                                    [--aio-block-size 4MiB] [--aio-queue-depth 32] [--json]
 """
 
 from __future__ import annotations
@@ -95,8 +95,9 @@ def _infinity_worker(args) -> None:
     tiers = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [args.swap]},
              "memory": {"host_budget": args.host_budget,
                             "tile_size": None if args.tile_size == "none" else args.tile_size},
-             "optimizer": {"lr": args.lr, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap},
-             "aio": {"block_size": args.aio_block_size, "queue_depth": args.aio_queue_depth}}  # fmt: skip
+             "optimizer": {"lr": args.lr, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap}}  # fmt: skip
+    aio = {"block_size": args.aio_block_size, "queue_depth": args.aio_queue_depth}
+    tiers["aio"] = {k: v for k, v in aio.items() if v is not None}  # the config's defaults where not given
     if args.worker == "sequential":  # the same engine with the optimizer after backward
         tiers["optimizer"]["overlap"] = False
     base = rss()
@@ -171,9 +172,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sub-group-size", default="128MiB")
     p.add_argument("--tile-size", default="32MiB", help='memory.tile_size ("none": no tiles)')
     p.add_argument("--no-overlap", action="store_true", help="optimizer.overlap = false on the infinity side")
-    p.add_argument("--aio-block-size", default="1MiB", help="aio.block_size of the engine (the floor's throughput "
-                   "is always measured with 1MiB blocks at queue depth 32, as nvme-bench does)")
-    p.add_argument("--aio-queue-depth", type=int, default=32, help="aio.queue_depth of the engine")
+    p.add_argument("--aio-block-size", help="aio.block_size of the engine (default: the config's; the floor's "
+                   "throughput is always measured with 1MiB blocks at queue depth 32, as nvme-bench does)")
+    p.add_argument("--aio-queue-depth", type=int, help="aio.queue_depth of the engine (default: the config's)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--against", choices=("plain", "sequential"), default="plain",
                    help="the other side: plain PyTorch in RAM (default), or the engine with optimizer.overlap = false "
