@@ -2,8 +2,8 @@
 CI (a 1 GiB test file, about a minute).
 
 The optimizer step streams its sub-groups while it computes on them: the fused AdamW kernel,
-the xxh3 checksum of every write, and (before they were removed) the copies of the new
-parameters into pool buffers. nvme-bench measures the drive with the CPU idle, and the step's
+the xxh3 checksum of every write, and the copy (or cast) of each unit's new parameters into
+a pool buffer (no longer made for fp32 parameters, which are written from the master weights). nvme-bench measures the drive with the CPU idle, and the step's
 floor in benchmarks/scale_step.py divides its bytes by that figure. This measures how much of
 it is left when one thread runs each of those loads at the same time, so a gap between the
 optimizer phase and its floor can be told apart from what the CPU's work costs the drive.
