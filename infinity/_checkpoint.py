@@ -485,13 +485,13 @@ def _check_model(engine, meta: dict, where: str) -> None:
     saved = meta["units"]
     # A tile is named "<module>#<first row>" (see [Note: tiles] in `_units`): the same model
     # tiled otherwise has other units, and the state of one cannot be read into the other.
-    bases = [s["name"].partition("#")[0] for s in saved]
-    mine = [u.path for u in engine.units]
-    if bases and list(dict.fromkeys(bases)) == list(dict.fromkeys(mine)) and [s["name"] for s in saved] != [u.name for u in engine.units]:
+    saved_modules = list(dict.fromkeys(s["name"].partition("#")[0] for s in saved))  # in order, once each
+    same_modules = saved_modules == list(dict.fromkeys(u.path for u in engine.units))
+    if saved and same_modules and [s["name"] for s in saved] != [u.name for u in engine.units]:
         then = meta.get("config", {}).get("memory", {}).get("tile_size", "?")
         raise CheckpointError(f"{where}: saved with its large modules split into other tiles (memory.tile_size="
-                              f"{then}; this engine's is {engine.config.memory.tile_size}, with some tier off the device); "
-                              "load it with the memory.tile_size it was saved with")  # fmt: skip
+                              f"{then}; this engine's is {engine.config.memory.tile_size}, with some tier off the "
+                              "device); load it with the memory.tile_size it was saved with")  # fmt: skip
     if len(saved) != len(engine.units):
         raise CheckpointError(f"{where}: saved from a model with {len(saved)} parameter units, this one has "
                               f"{len(engine.units)}: not the same model")  # fmt: skip

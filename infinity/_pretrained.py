@@ -161,8 +161,9 @@ def load_weights(engine, files: dict[str, str], where: str) -> None:
         return handles[file].get_tensor(key) if full else handles[file].get_slice(key)
 
     shapes = {k: tuple(tensor(k, full=False).get_shape()) for k in params if k in files}  # headers only
-    bad = [f"{k}: {list(shape)} in the checkpoint, {list(params[k][0][0].full_shapes[params[k][0][1]])} here"
-           for k, shape in shapes.items() if shape != params[k][0][0].full_shapes[params[k][0][1]]]  # fmt: skip
+    here = {k: unit.full_shapes[i] for k, [(unit, i), *_] in params.items()}  # the whole parameter's shape
+    bad = [f"{k}: {list(shape)} in the checkpoint, {list(here[k])} here" for k, shape in shapes.items()
+           if shape != here[k]]  # fmt: skip
     if bad:
         raise ValueError(f"{where}: mis-shaped tensors: " + "; ".join(bad))
     loaded = {(u.index, i) for k in params if k in files for u, i in params[k]}  # (unit, index): a tied one once

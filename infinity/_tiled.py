@@ -11,7 +11,8 @@ fetching them again only when the input needs a gradient (the weight's needs the
 the output's gradient alone): a tile's weight gradient is complete as soon as that tile is
 done, so it is handed on (written behind, or updated early by the overlapped optimizer)
 before the next tile is read. The input gradient is summed over the tiles in fp32 and cast
-once, so a bf16 run rounds it once, as the whole matmul does. Results match the untiled module up to the order of floating-point sums.
+once, so a bf16 run rounds it once, as the whole matmul does. Results match the untiled
+module up to the order of floating-point sums.
 """
 
 from __future__ import annotations
@@ -126,10 +127,11 @@ class _EmbeddingFn(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         tiles: _Tiles = ctx.tiles
         scheduler = tiles.live()
-        keep = ids != ctx.padding_idx if ctx.padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
         for unit in tiles.tiles:  # the weights themselves are not read: no fetch
             lo, hi = unit.rows
-            sel = (ids >= lo) & (ids < hi) & keep
+            sel = (ids >= lo) & (ids < hi)
+            if ctx.padding_idx is not None:  # the padding row gets no gradient, as in nn.Embedding
+                sel &= ids != ctx.padding_idx
             gw = torch.zeros(hi - lo, grad_out.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
             gw.index_add_(0, ids[sel] - lo, grad_out[sel])
             scheduler.tile_grad(unit, 0, gw)

@@ -428,7 +428,7 @@ class Engine:
         """Every state_dict key of a parameter the engine manages -> its pieces, [(unit, index
         in the unit)]: one, or a tiled parameter's tiles in row order; tied weights have several
         keys."""
-        return {name: pieces for name, pieces in self._state_hooks.names}
+        return dict(self._state_hooks.names)
 
     def save_pretrained(self, directory, max_shard_size="2GB") -> str:
         """Write the weights as a Hugging Face checkpoint directory that

@@ -14,9 +14,8 @@ Staging buffers come from the caller's allocator (the host buffer pool in a Swap
 
 from __future__ import annotations
 
-import functools
-
 import errno
+import functools
 import os
 from collections.abc import Callable, Sequence
 

@@ -89,6 +89,19 @@ def _close(a: dict, b: dict, tol=1e-5) -> None:
         torch.testing.assert_close(a[k].float(), b[k].float(), rtol=tol, atol=tol, msg=k)
 
 
+def _trains_as_plain(tmp_path, model, steps, cfg=None, *, micro=1, clip=None):
+    """Train ``model`` under the engine (``cfg``, default `_cfg`) and a copy of it in plain
+    PyTorch on the same batches; the losses and the final weights agree to 1e-5. Returns the
+    (closed) engine, whose units the caller may look at."""
+    ref = copy.deepcopy(model)
+    with infinity.initialize(model, cfg or _cfg(tmp_path)) as engine:
+        losses = _run(engine, steps, micro=micro)
+        weights = engine.gathered_weights()
+    assert losses == pytest.approx(_plain(ref, steps, micro=micro, clip=clip), abs=1e-5)
+    _close(weights, dict(ref.named_parameters()))
+    return engine
+
+
 def test_vocabulary_sized_modules_are_tiled_and_nothing_else(tmp_path):
     with infinity.initialize(Toy(), _cfg(tmp_path)) as engine:
         tiles = [u for u in engine.units if u.is_tile]
@@ -103,28 +116,16 @@ def test_vocabulary_sized_modules_are_tiled_and_nothing_else(tmp_path):
 @pytest.mark.parametrize("tiers", [NVME, ("cpu", "cpu", "cpu"), ("device", "nvme", "nvme")], ids=str)
 def test_tiled_training_matches_plain_pytorch(tmp_path, tiers):
     torch.manual_seed(0)
-    model = Toy()
-    ref = copy.deepcopy(model)
-    with infinity.initialize(model, _cfg(tmp_path, tiers)) as engine:
-        assert any(u.is_tile for u in engine.units)
-        losses = _run(engine, 4)
-        weights = engine.gathered_weights()
-    assert losses == pytest.approx(_plain(ref, 4), abs=1e-5)
-    _close(weights, dict(ref.named_parameters()))
+    engine = _trains_as_plain(tmp_path, Toy(), 4, _cfg(tmp_path, tiers))
+    assert any(u.is_tile for u in engine.units)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_tiled_with_clipping_accumulation_and_overlap(tmp_path, overlap):
     torch.manual_seed(0)
-    model = Toy()
-    ref = copy.deepcopy(model)
     cfg = _cfg(tmp_path, optimizer={"max_grad_norm": 0.5, "overlap": overlap, "gradient_accumulation_steps": 2,
                                     "sub_group_size": "16KiB"})  # fmt: skip
-    with infinity.initialize(model, cfg) as engine:
-        losses = _run(engine, 3, micro=2)
-        weights = engine.gathered_weights()
-    assert losses == pytest.approx(_plain(ref, 3, micro=2, clip=0.5), abs=1e-5)
-    _close(weights, dict(ref.named_parameters()))
+    _trains_as_plain(tmp_path, Toy(), 3, cfg, micro=2, clip=0.5)
 
 
 def test_tiled_and_whole_runs_agree_in_bf16(tmp_path):
@@ -142,12 +143,8 @@ def test_tiled_and_whole_runs_agree_in_bf16(tmp_path):
 
 def test_a_tied_embedding_stays_whole(tmp_path):
     torch.manual_seed(0)
-    model = Toy(tied=True)
-    ref = copy.deepcopy(model)
-    with infinity.initialize(model, _cfg(tmp_path)) as engine:
-        assert not any(u.is_tile for u in engine.units)
-        losses = _run(engine, 2)
-    assert losses == pytest.approx(_plain(ref, 2), abs=1e-5)
+    engine = _trains_as_plain(tmp_path, Toy(tied=True), 2)
+    assert not any(u.is_tile for u in engine.units)
 
 
 def test_no_tiles_with_every_tier_on_the_device(tmp_path):
@@ -254,12 +251,7 @@ def test_a_bias_trained_under_a_frozen_tiled_weight(tmp_path):
     model = Toy()
     model.out.weight.requires_grad_(False)
     model.embed.weight.requires_grad_(False)
-    ref = copy.deepcopy(model)
-    with infinity.initialize(model, _cfg(tmp_path)) as engine:
-        losses = _run(engine, 3)
-        weights = engine.gathered_weights()
-    assert losses == pytest.approx(_plain(ref, 3), abs=1e-5)
-    _close(weights, dict(ref.named_parameters()))
+    _trains_as_plain(tmp_path, model, 3)
 
 
 class _Twice(Toy):
@@ -270,13 +262,7 @@ class _Twice(Toy):
 
 def test_a_tiled_module_called_twice_in_one_forward(tmp_path):
     torch.manual_seed(0)
-    model = _Twice()
-    ref = copy.deepcopy(model)
-    with infinity.initialize(model, _cfg(tmp_path)) as engine:
-        losses = _run(engine, 3)
-        weights = engine.gathered_weights()
-    assert losses == pytest.approx(_plain(ref, 3), abs=1e-5)
-    _close(weights, dict(ref.named_parameters()))
+    _trains_as_plain(tmp_path, _Twice(), 3)
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
