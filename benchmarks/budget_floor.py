@@ -2,9 +2,10 @@
 
 Builds the model on the meta device (`infinity.build`: nothing is allocated or written) and
 asks `initialize` with a budget of one page, which refuses it with `infinity.HostBudgetError`
-naming what the run needs; that need is the floor. By default the Llama-shaped model of
-``benchmarks/scale.py`` (953M parameters), all tiers on nvme, for each memory.tile_size and
-optimizer.sub_group_size given.
+naming what the run needs; that need is the floor. The error also carries the budget from
+which the optimizer runs under backward (``optimizer.overlap``), reported beside it. By
+default the Llama-shaped model of ``benchmarks/scale.py`` (953M parameters), all tiers on
+nvme, for each memory.tile_size and optimizer.sub_group_size given.
 
     python benchmarks/budget_floor.py [--tile-size none 32MiB 16MiB] [--sub-group-size 256MiB 64MiB]
 """
@@ -21,8 +22,8 @@ from pathlib import Path
 from scale import add_model_args, llama_config  # this directory: the same model
 
 
-def floor(args, tile: str, sub_group: str, swap: str) -> tuple[int, str]:
-    """(the floor in bytes, what sets it) for one config."""
+def floor(args, tile: str, sub_group: str, swap: str) -> tuple[int, str, int | None]:
+    """(the floor in bytes, what sets it, the budget overlap applies from) for one config."""
     import transformers
 
     import infinity
@@ -35,7 +36,7 @@ def floor(args, tile: str, sub_group: str, swap: str) -> tuple[int, str]:
     try:
         infinity.initialize(model, cfg).close()
     except infinity.HostBudgetError as e:
-        return e.need, e.what
+        return e.need, e.what, e.overlap_from
     raise RuntimeError("initialize accepted a budget of 4096 bytes")
 
 
@@ -51,10 +52,11 @@ def main(argv=None) -> int:
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     swap = tempfile.mkdtemp(prefix="budget-floor-", dir=args.dir)
     try:
-        print(f"{'tile_size':>10} {'sub_group_size':>15} {'floor':>10}  set by")
+        print(f"{'tile_size':>10} {'sub_group_size':>15} {'floor':>10} {'overlap from':>13}  floor set by")
         for tile, group in itertools.product(args.tile_size, args.sub_group_size):
-            need, what = floor(args, tile, group, swap)
-            print(f"{tile:>10} {group:>15} {need / 2**20:>7.0f}MiB  the {what}", flush=True)
+            need, what, overlap = floor(args, tile, group, swap)
+            overlap = "-" if overlap is None else f"{overlap / 2**20:.0f}MiB"
+            print(f"{tile:>10} {group:>15} {need / 2**20:>7.0f}MiB {overlap:>13}  the {what}", flush=True)
     finally:
         shutil.rmtree(swap, ignore_errors=True)
     return 0

@@ -602,12 +602,12 @@ class Optimizer(torch.optim.Optimizer):
         self._param_writes.add(pending, lease)
 
     # -- host memory ------------------------------------------------------------------------
-    def host_bytes_needed(self) -> int:
+    def host_bytes_needed(self, ahead: int | None = None) -> int:
         """Pool bytes the update holds at most: the stream's sub-groups (read ahead: ``ahead``
-        of the largest, or ``ahead_bytes``; one in hand, one written behind), the gradients of
-        one sub-group and the next one's, and three parameter write-behinds (copies; none where
-        they are written from the master weights, `_params_direct`); each only where its store
-        uses the pool."""
+        of the largest, the one given or else this optimizer's, or ``ahead_bytes``; one in hand,
+        one written behind), the gradients of one sub-group and the next one's, and three
+        parameter write-behinds (copies; none where they are written from the master weights,
+        `_params_direct`); each only where its store uses the pool."""
         if not self.groups:
             return 0
         # Each buffer takes whole pages of the pool: counted so, small units are not free.
@@ -615,7 +615,10 @@ class Optimizer(torch.optim.Optimizer):
         need = 0
         if self.states["master"].uses_pool:
             state = len(self.kinds) * round_up(4 * largest)
-            need += 2 * state + (self.ahead_bytes if self.ahead_bytes is not None else self.ahead * state)
+            if ahead is None and self.ahead_bytes is not None:
+                need += 2 * state + self.ahead_bytes
+            else:
+                need += (2 + (self.ahead if ahead is None else ahead)) * state
         if self.grads.store.uses_pool:  # one buffer per unit
             need += 2 * max(sum(round_up(4 * u.shard_numel) for u in g.units) for g in self.groups)
         if self.param_store.uses_pool and not self._params_direct():

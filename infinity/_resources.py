@@ -146,16 +146,20 @@ def trim_malloc() -> None:
 class HostBudgetError(ValueError):
     """``memory.host_budget`` is smaller than what the run needs: ``need`` bytes, for ``what``
     ("optimizer step" or "forward/backward"); ``needs`` has every figure (what -> bytes). The
-    smallest budget `initialize` accepts for the model and config is ``need``."""
+    smallest budget `initialize` accepts for the model and config is ``need``; from
+    ``overlap_from`` on, the optimizer runs under backward (None: it cannot, whatever the
+    budget; see ``optimizer.overlap`` in docs/config.md)."""
 
-    def __init__(self, message: str, *, need: int, what: str, needs: dict[str, int]):
+    def __init__(self, message: str, *, need: int, what: str, needs: dict[str, int], overlap_from: int | None = None):
         super().__init__(message)
-        self.need, self.what, self.needs = need, what, dict(needs)
+        self.need, self.what, self.needs, self.overlap_from = need, what, dict(needs), overlap_from
 
 
-def check_host_budget(cfg: TierConfig, needs: dict[str, int], largest_unit_bytes: int) -> None:
+def check_host_budget(cfg: TierConfig, needs: dict[str, int], largest_unit_bytes: int, *,
+                      overlap_from: int | None = None) -> None:
     """Refuse a host budget smaller than what the pipelines hold at most (``needs``: what ->
-    bytes), naming the largest need and the settings that move it."""
+    bytes), naming the largest need and the settings that move it. ``overlap_from`` is passed
+    on to the error (`HostBudgetError`)."""
     need, what = max((v, k) for k, v in needs.items())
     if need > cfg.memory.host_budget:
         budget, need_s, unit, group = distinct_sizes(cfg.memory.host_budget, need, largest_unit_bytes,
@@ -165,7 +169,7 @@ def check_host_budget(cfg: TierConfig, needs: dict[str, int], largest_unit_bytes
             f"config (largest unit {unit} in fp32, optimizer.sub_group_size={group}, "
             f"prefetch.depth={cfg.prefetch.depth}); "
             "raise memory.host_budget, or lower optimizer.sub_group_size, memory.tile_size or prefetch.depth",
-            need=need, what=what, needs=needs,
+            need=need, what=what, needs=needs, overlap_from=overlap_from,
         )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ user's unmodified module. It owns no policy of its own; each piece lives in its 
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 
 import torch
@@ -29,7 +30,7 @@ from . import _build, _checkpoint, _resources
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
-from ._optim import KINDS, POOL_SLACK, Optimizer, make_groups, resolve
+from ._optim import KINDS, POOL_SLACK, READ_AHEAD, Optimizer, make_groups, resolve
 from ._overlap import Overlap, group_bytes
 from ._scaler import LossScaler
 from ._schedule import Scheduler
@@ -174,8 +175,10 @@ class Engine:
         if self.param_store.uses_pool:  # a unit in use, `depth` prefetched, gradients gathered
             itemsize = self.dtype.itemsize
             needs["forward/backward"] = ((cfg.prefetch.depth + 1) * itemsize + (self.grads.max_writes + 1) * 4) * largest
-        _resources.check_host_budget(cfg, needs, largest * 4)
-        self._overlap_budget = self._fit_overlap(cfg, needs.get("forward/backward", 0), needs["optimizer step"])
+        backward = needs.get("forward/backward", 0)
+        self.overlap_from = self._overlap_from(cfg, backward)
+        _resources.check_host_budget(cfg, needs, largest * 4, overlap_from=self.overlap_from)
+        self._overlap_budget = self._fit_overlap(cfg, backward, needs["optimizer step"])
         # State the resident tiers keep in host memory: the cpu tier, and the device tier on a
         # machine without a GPU.
         shard = sum(u.shard_numel for u in units)
@@ -190,25 +193,52 @@ class Engine:
         resident = {k: n for k, (store, n) in kinds.items() if store.in_place_on(host)}
         _resources.check_host_memory(resident, max(needs.values()))
 
+    def _overlap_applies(self, cfg: TierConfig) -> bool:
+        """Whether the optimizer can run under backward at all, whatever the budget (see
+        [Note: exact overlap] in `_overlap`)."""
+        opt = self.optimizer
+        return bool(cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and opt.states["master"].uses_pool
+                    and self.param_store.uses_pool and not opt.gather_params)  # fmt: skip
+
+    def _room_beside_backward(self, budget: int, backward_bytes: int) -> int:
+        """Pool bytes ``budget`` leaves beside the backward: its own buffers (planned, as the
+        step's read-ahead, POOL_SLACK short of the budget) and one sub-group's gradients kept
+        in memory."""
+        largest = max(g.numel for g in self.optimizer.groups)
+        return int(budget * (1 - POOL_SLACK)) - backward_bytes - 4 * largest
+
+    def _overlap_from(self, cfg: TierConfig, backward_bytes: int) -> int | None:
+        """The smallest host budget `_fit_overlap` runs the optimizer under backward with, for
+        this model and config; None where overlap cannot apply. With that much the step reads
+        its full `READ_AHEAD`, so that is what the room must hold."""
+        if not self._overlap_applies(cfg):
+            return None
+        opt = self.optimizer
+        step = max(opt.host_bytes_needed(ahead=READ_AHEAD), min(group_bytes(opt, g) for g in opt.groups))
+        largest = max(g.numel for g in opt.groups)
+        budget = math.ceil((step + backward_bytes + 4 * largest) / (1 - POOL_SLACK))
+        while self._room_beside_backward(budget, backward_bytes) < step:  # float rounding: a byte or two
+            budget += 1
+        return budget
+
     def _fit_overlap(self, cfg: TierConfig, backward_bytes: int, step_bytes: int) -> int:
         """Pool bytes the optimizer may hold under backward (0: no overlap): where it applies
         (see [Note: exact overlap] in `_overlap`), what the host budget leaves beside the
         backward's own buffers and one sub-group's gradients kept in memory."""
-        opt = self.optimizer
-        if not (cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and opt.states["master"].uses_pool
-                and self.param_store.uses_pool and not opt.gather_params):  # fmt: skip
+        if not self._overlap_applies(cfg):
             return 0
-        largest = max(g.numel for g in opt.groups)
-        # Only with room to spare: what the budget leaves beside the backward (planned, as the
-        # step's read-ahead, POOL_SLACK short of the budget) must hold at least what the step
-        # itself plans for. The pool places buffers first-fit in slabs; early updates cut them
-        # into their own sizes, and under a tight budget the backward or the step then found no
-        # contiguous room (the 25M demo at 46MiB, whose step plans 39MiB: waits of seconds,
-        # and once the pool's 60 s timeout).
-        budget = int(cfg.memory.host_budget * (1 - POOL_SLACK)) - backward_bytes - 4 * largest
+        opt = self.optimizer
+        # Only with room to spare: what the budget leaves beside the backward must hold at least
+        # what the step itself plans for. The pool places buffers first-fit in slabs; early
+        # updates cut them into their own sizes, and under a tight budget the backward or the
+        # step then found no contiguous room (the 25M demo at 46MiB, whose step plans 39MiB:
+        # waits of seconds, and once the pool's 60 s timeout).
+        budget = self._room_beside_backward(cfg.memory.host_budget, backward_bytes)
         if budget < step_bytes or budget < min(group_bytes(opt, g) for g in opt.groups):
-            logger.info("optimizer.overlap: memory.host_budget leaves %d bytes beside the backward, less than the "
-                        "%d the optimizer step plans for; the optimizer runs after backward", budget, step_bytes)  # fmt: skip
+            have, plan, want = _resources.distinct_sizes(max(budget, 0), step_bytes, self.overlap_from)
+            logger.info("optimizer.overlap: memory.host_budget leaves %s beside the backward, less than the %s the "
+                        "optimizer step plans for; the optimizer runs after backward (a host_budget of %s or more "
+                        "would run it under backward)", have, plan, want)  # fmt: skip
             return 0
         return budget
 

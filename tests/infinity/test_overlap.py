@@ -340,3 +340,29 @@ def test_overlap_applies_only_with_room_to_spare_in_the_host_budget(tmp_path, bu
     engine.backward(engine(torch.randn(2, 1024)).sum())
     assert engine.step()
     engine.close()
+
+
+def test_the_budget_overlap_applies_from_is_the_one_it_applies_from(tmp_path, caplog):
+    """``overlap_from`` is the smallest host budget with overlap: at it the optimizer runs under
+    backward, a KiB less it does not and the log names the figure, and a budget too small for
+    initialize carries it on the error (benchmarks/budget_floor.py reports it)."""
+    model = lambda: nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # noqa: E731
+    cfg = lambda budget: _cfg(tmp_path, True, memory={"host_budget": budget},  # noqa: E731
+                              optimizer={"sub_group_size": "16MiB"})  # fmt: skip
+    engine = infinity.initialize(model(), cfg("1GiB"))
+    start = engine.overlap_from
+    engine.close()
+    engine = infinity.initialize(model(), cfg(start))
+    assert engine.optimizer.overlap is not None and engine.overlap_from == start
+    engine.close()
+    with caplog.at_level(logging.INFO, logger="infinity"):
+        engine = infinity.initialize(model(), cfg(start - 1024))
+    assert engine.optimizer.overlap is None
+    engine.close()
+    assert f"a host_budget of {infinity.swap.human_size(start)} or more would run it under backward" in caplog.text
+    with pytest.raises(infinity.HostBudgetError) as e:
+        infinity.initialize(model(), cfg(4096))
+    assert e.value.overlap_from == start
+    with pytest.raises(infinity.HostBudgetError) as e:
+        infinity.initialize(model(), _cfg(tmp_path, False, memory={"host_budget": 4096}))
+    assert e.value.overlap_from is None  # overlap off: no budget turns it on
