@@ -30,6 +30,21 @@ import torch.distributed as dist
 _FAILED = "infinity/failed/"
 
 
+def _own_gpu() -> int:
+    """This rank's GPU: LOCAL_RANK, which must name one of the GPUs this process sees (NCCL
+    gives each rank a GPU of its own; two ranks on one GPU fail in NCCL, later and obscurely)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but this process sees {count} CUDA device(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): each rank needs a GPU "
+            "of its own. Launch at most that many ranks per machine (torchrun --nproc-per-node), or "
+            "train on the CPU with gloo by hiding the GPUs (CUDA_VISIBLE_DEVICES=\"\")"
+        )
+    return local_rank
+
+
 class Dist:
     def __init__(self, timeout: int):
         self.timeout = timeout
@@ -40,7 +55,7 @@ class Dist:
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(_own_gpu())
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
             # Ours to end: left to the interpreter's finalisation, gloo's threads abort the
             # exit now and then ("terminate called without an active exception").

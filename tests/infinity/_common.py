@@ -32,3 +32,18 @@ def train(engine, steps: int, start: int = 0, dtype=torch.float32) -> list[float
         engine.step()
         losses.append(loss.detach().item())
     return losses
+
+
+def rank_env(rank: int, world: int, port: int, gpus_needed: int | None = None) -> dict:
+    """The environment torchrun gives rank ``rank`` of ``world`` on this machine. With fewer
+    GPUs than ``gpus_needed`` (default ``world``; one H100, two ranks) the GPUs are hidden and
+    the ranks use gloo on the CPU: NCCL needs a GPU per rank, and the engine refuses to share
+    one (_dist._own_gpu). A test that compares a 1-rank run with a 2-rank run passes 2 for both,
+    so that both compute on the same kind of device."""
+    import os
+
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    if torch.cuda.is_available() and torch.cuda.device_count() < (gpus_needed or world):
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env

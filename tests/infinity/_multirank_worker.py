@@ -45,7 +45,7 @@ if mode.startswith("ckpt"):
     def run(steps, start):
         for step in range(start, start + steps):
             g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(12, 16, generator=g), torch.randn(12, 4, generator=g)
+            x, y = (t.to(engine.device) for t in (torch.randn(12, 16, generator=g), torch.randn(12, 4, generator=g)))
             per = 12 // world
             loss = ((engine(x[rank * per : (rank + 1) * per]) - y[rank * per : (rank + 1) * per]) ** 2).mean()
             engine.backward(loss)
@@ -69,7 +69,7 @@ losses, reads = [], []
 g = torch.Generator().manual_seed(1)
 try:
     for step in range(5):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        x, y = (t.to(engine.device) for t in (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)))
         per = 8 // world
         xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
         if mode == "dead" and rank == 1 and step == 2:

@@ -24,6 +24,9 @@ from torch import nn
 
 import infinity
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import rank_env  # noqa: E402
+
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 PLACEMENTS = {"device": ("device",) * 3, "nvme": ("nvme",) * 3, "nvme-params-cpu-optimizer": ("nvme", "nvme", "cpu")}
@@ -342,8 +345,7 @@ def test_two_ranks_export_one_file_from_rank_0(tmp_path, mode):
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        env = rank_env(rank, 2, port)
         procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, mode, str(tmp_path / "swap"), str(out)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
     logs = [p.communicate(timeout=120) for p in procs]

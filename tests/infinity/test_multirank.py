@@ -14,6 +14,9 @@ import torch
 
 pytestmark = pytest.mark.multirank
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import rank_env  # noqa: E402
+
 WORKER = os.path.join(os.path.dirname(__file__), "_multirank_worker.py")
 
 
@@ -31,8 +34,7 @@ def _launch(mode: str, world: int, stage: int, tmp_path, timeout: float = 120, *
     port = _free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        env = rank_env(rank, world, port, gpus_needed=max(world, 2))  # the 1-rank runs are references
         if world == 1:
             for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
                 env.pop(key)
@@ -120,8 +122,26 @@ def test_the_demo_runs_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "infinity.tools.demo",
            "--size", "tiny", "--steps", "6", "--block-size", "32", "--batch-size", "2", "--log-every", "3",
            "--sample-bytes", "8", "--swap-dir", str(swap)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**rank_env(0, 2, 0), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key)  # torchrun sets them
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "2 ranks" in out.stdout and "val loss" in out.stdout
     assert out.stdout.count("step 6/6") == 1  # rank 0 speaks for all
     assert "rank 0:" in out.stdout and "rank 1:" in out.stdout  # swap-inspect of both ranks
+
+
+def test_more_ranks_than_gpus_is_refused_with_the_counts(monkeypatch):
+    """Two ranks on one GPU: NCCL would fail later and obscurely (seen on an H100 with torchrun
+    --nproc-per-node 2); the engine says why before it makes the group."""
+    from infinity import _dist
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 but this process sees 1 CUDA device\(s\) "
+                                           r"\(CUDA_VISIBLE_DEVICES=0\)"):  # fmt: skip
+        _dist._own_gpu()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert _dist._own_gpu() == 0

@@ -9,6 +9,7 @@ the engine's logits.
 import copy
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import infinity  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import rank_env  # noqa: E402
 
 
 def _llama(dtype=torch.float32):
@@ -146,8 +150,7 @@ def test_two_ranks_at_stage_3_each_read_only_their_slice(tmp_path):
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        env = rank_env(rank, 2, port)
         procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path / "in"), str(tmp_path / "swap"),
                                        str(tmp_path / "out")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))  # fmt: skip
