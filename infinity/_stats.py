@@ -59,6 +59,8 @@ class Counters:
     prefetch_hits: int = 0  # ... whose read was already issued when they were needed
     on_demand: int = 0  # ... read only when needed (first use, or the order departed from the trace)
     skipped_steps: int = 0  # fp16 overflows
+    h2d_bytes: int = 0  # parameters copied host -> GPU (side stream)
+    h2d_seconds: float = 0.0  # ... the GPU time of those copies (CUDA events)
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -69,6 +71,9 @@ class Counters:
             "prefetch_hits": self.prefetch_hits,
             "on_demand": self.on_demand,
             "skipped_steps": self.skipped_steps,
+            "h2d_bytes": self.h2d_bytes,
+            "h2d_seconds": self.h2d_seconds,
+            "h2d_gbps": self.h2d_bytes / self.h2d_seconds / 1e9 if self.h2d_seconds else 0.0,
             "seconds": self.seconds,
         }
 

@@ -22,10 +22,11 @@ class CopyStream:
     A host buffer goes back to the pool only once its copy's event has completed
     (`drain`), never while the DMA may still read it."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, stats=None):
         self.device = device
+        self.stats = stats  # `_stats.Stats`: bytes copied and the copy engine's busy seconds
         self._stream = None  # made on first use
-        self._copies: list = []  # (event, lease) of copies that may still be running
+        self._copies: list = []  # (start event, end event, bytes, lease) of copies that may still run
 
     def to_device(self, lease) -> torch.Tensor:
         """``lease.tensor`` (host) copied to the device; ``lease`` is released once the copy is done."""
@@ -35,32 +36,40 @@ class CopyStream:
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
+            # Timed on the GPU: stats() gives the copies' own throughput (pinned or not shows).
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
             full = lease.tensor.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
         current.wait_event(event)
         full.record_stream(current)
-        self._copies.append((event, lease))
+        self._copies.append((start, event, lease.tensor.nbytes, lease))
         self.drain(block=False)
         return full
 
     def drain(self, block: bool) -> None:
         """Give back the host buffers of finished copies (all of them, waiting, when ``block``)."""
-        while self._copies and (block or self._copies[0][0].query()):
-            event, lease = self._copies.pop(0)
+        while self._copies and (block or self._copies[0][1].query()):
+            start, event, nbytes, lease = self._copies.pop(0)
             event.synchronize()
             lease.release()
+            if self.stats is not None:
+                seconds = start.elapsed_time(event) / 1e3
+                for c in self.stats.both():
+                    c.h2d_bytes += nbytes
+                    c.h2d_seconds += seconds
 
 
 class Transport:
     """The collectives and copies of one engine (``dist``: `_dist.Dist`, or None at one rank)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, pool, dist=None):
+    def __init__(self, device: torch.device, dtype: torch.dtype, pool, dist=None, stats=None):
         self.device = device
         self.dtype = dtype  # of the parameters
         self.pool = pool
         self.dist = dist
-        self.copies = CopyStream(device) if device.type == "cuda" else None
+        self.copies = CopyStream(device, stats) if device.type == "cuda" else None
 
     def to_device(self, lease) -> torch.Tensor:
         with record_function("infinity::h2d"):

@@ -112,7 +112,7 @@ class Engine:
         kinds = ("master", *KINDS[kind])
         states = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in kinds}
         self.units = units
-        self.transport = Transport(dev, self.dtype, self.pool, self.dist)
+        self.transport = Transport(dev, self.dtype, self.pool, self.dist, stats)
         self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full)
         trainable = [u for u in units if any(u.requires_grad)]  # frozen units get no optimizer state
         self.optimizer = Optimizer(

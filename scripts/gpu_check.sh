@@ -6,7 +6,11 @@
 #      liburing is there, or its .deb files were carried in .debs/);
 #   2. run the tests marked gpu or multirank;
 #   3. run the demo with params on nvme and the optimizer on nvme, the device tier on the GPU;
-#   4. write what it saw under $OUT (or ./gpu-check) when that is set.
+#   4. run benchmarks/gpu_step.py: the 953M Llama in bf16 with params streamed from nvme to the
+#      GPU, against the same model resident on the GPU (GPU_CHECK_BENCH: its arguments);
+#   5. write what it saw under $OUT (or ./gpu-check) when that is set.
+#
+# GPU_CHECK_TESTS="" skips step 2; other text replaces the pytest -m expression.
 #
 # To carry liburing from a Debian machine: mkdir -p .debs && (cd .debs && apt-get download
 # liburing2 liburing-dev), and take .debs along. Without it the threads backend serves.
@@ -40,22 +44,41 @@ if ! "$PY" -m pip install --no-build-isolation --no-deps --no-index -q . >"$OUTD
     say "install failed; the log is $OUTDIR/install.log"
     exit 1
 fi
-"$PY" -c 'from infinity import aio; print({k: v.reason or "ok" for k, v in aio.probe().items()})' | tee "$OUTDIR/backends.txt"
+(cd /tmp && "$PY" -c 'from infinity import aio; print({k: v.reason or "ok" for k, v in aio.probe().items()})') 2>&1 |
+    tee "$OUTDIR/backends.txt"
 
 status=0
 # --- tests --------------------------------------------------------------------------------------
 # From a copy of tests/ so that the installed package, not the checkout, is what runs.
-rm -rf /tmp/infinity-gpu-tests && cp -r tests /tmp/infinity-gpu-tests
-(cd /tmp && PYTHONUNBUFFERED=1 "$PY" -m pytest -q -m "gpu or multirank" -p no:cacheprovider \
-    -o addopts="-ra --import-mode=importlib" /tmp/infinity-gpu-tests) 2>&1 | tee "$OUTDIR/pytest.log"
-((PIPESTATUS[0] == 0)) || status=1
+tests_expr=${GPU_CHECK_TESTS-"gpu or multirank"}
+if [[ -n $tests_expr ]]; then
+    rm -rf /tmp/infinity-gpu-tests && cp -r tests /tmp/infinity-gpu-tests
+    (cd /tmp && PYTHONUNBUFFERED=1 "$PY" -m pytest -q -m "$tests_expr" -p no:cacheprovider \
+        -o addopts="-ra --import-mode=importlib" /tmp/infinity-gpu-tests) 2>&1 | tee "$OUTDIR/pytest.log"
+    ((PIPESTATUS[0] == 0)) || status=1
+fi
 
 # --- the demo: params and optimizer on nvme, the device tier on the GPU -------------------------
-swap=$(mktemp -d /tmp/infinity-gpu-swap.XXXXXX)
-PYTHONUNBUFFERED=1 "$PY" -m infinity.tools.demo --swap-dir "$swap" --params nvme --grads device \
-    --optimizer nvme --steps 50 2>&1 | tee "$OUTDIR/demo.log"
-((PIPESTATUS[0] == 0)) || status=1
-rm -rf "$swap"
+# From /tmp: in the checkout, ./infinity (the source folder) would shadow the installed package.
+# GPU_CHECK_DEMO="" skips it.
+if [[ -n ${GPU_CHECK_DEMO-1} ]]; then
+    swap=$(mktemp -d /tmp/infinity-gpu-swap.XXXXXX)
+    (cd /tmp && PYTHONUNBUFFERED=1 "$PY" -m infinity.tools.demo --swap-dir "$swap" --params nvme --grads device \
+        --optimizer nvme --steps 50) 2>&1 | tee "$OUTDIR/demo.log"
+    ((PIPESTATUS[0] == 0)) || status=1
+    rm -rf "$swap"
+fi
+
+# --- the billion-parameter step in bf16 against a resident PyTorch run --------------------------
+# GPU_CHECK_BENCH="" skips it; other text replaces its arguments (benchmarks/gpu_step.py --help).
+bench_args=${GPU_CHECK_BENCH-"--pairs 3"}
+if [[ -n $bench_args ]]; then
+    bench=$(mktemp -d /tmp/infinity-gpu-bench.XXXXXX)
+    # shellcheck disable=SC2086
+    (cd benchmarks && PYTHONUNBUFFERED=1 "$PY" gpu_step.py --dir "$bench" $bench_args) 2>&1 | tee "$OUTDIR/gpu_step.log"
+    ((PIPESTATUS[0] == 0)) || status=1
+    rm -rf "$bench"
+fi
 
 say "done (status $status); logs in $OUTDIR"
 exit $status

@@ -37,4 +37,10 @@ def test_gpu_training_matches_plain_pytorch(tmp_path, tiers):
         opt.step()
         # TF32 and kernel choice differ between runs on the GPU: 1e-4 rather than CPU's 1e-5.
         assert abs(loss.item() - ref_loss.item()) < 1e-4
+    total = engine.stats()["total"]
+    if tiers[0] == "device":
+        assert total["h2d_bytes"] == 0  # nothing to copy
+    else:  # every step copies each parameter in at least once (forward; backward again unless kept)
+        assert total["h2d_bytes"] >= 5 * sum(p.numel() * 4 for p in ref.parameters())
+        assert total["h2d_gbps"] > 0
     engine.close()
