@@ -28,6 +28,7 @@ sanity check, not a parity test; tests/infinity/test_gpu.py is that).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="gpu-step-", dir=args.dir)
     engine = None
+    closing = contextlib.ExitStack()  # the drive's test engine, closed before the directory goes
     try:
         torch.manual_seed(0)
         t = time.perf_counter()
@@ -141,21 +143,36 @@ def main(argv=None) -> int:
                     "write_bytes": sum(st[t]["write_bytes"] for t in ("nvme",)),
                     "prefetch_hits": st["prefetch_hits"], "on_demand": st["on_demand"]}  # fmt: skip
 
+        from infinity.aio import probe
+        from infinity.tools.nvme_bench import create_test_file, fill_test_file, open_runner
+
+        # The drive, between the pairs, as scale_step.py measures it (1 GiB file, 1 MiB blocks, qd 32).
+        backend = "uring" if probe()["uring"].available else "threads"
+        bench_file = create_test_file(cfg["nvme"]["paths"][0])
+        fill_test_file(bench_file, 1 << 30)
+        run_drive = closing.enter_context(open_runner(backend, bench_file, 1 << 30, 1 << 20, 32))
         pairs = []
         for step in range(args.pairs + 1):
             r = resident_step(step)
             i = infinity_step(step)
             peak = _copy_peak()
-            pair = {"step": step, "resident": r, "infinity": i, "copy_peak": peak}
+            read_gbps, write_gbps = run_drive("read"), run_drive("write")
+            io = i["read_bytes"] / (read_gbps * 1e9) + i["write_bytes"] / (write_gbps * 1e9)
+            floor = max(io, r["forward"] + r["backward"])
+            pair = {"step": step, "resident": r, "infinity": i, "copy_peak": peak, "read_gbps": read_gbps,
+                    "write_gbps": write_gbps, "floor": floor}  # fmt: skip
             print(json.dumps(pair) if args.json else
                   f"step {step}{' (warm-up)' if step == 0 else ''}: resident {r['step']:.3f}s "
                   f"({r['forward']:.3f}/{r['backward']:.3f}/{r['optimizer']:.3f}), infinity {i['step']:.2f}s "
                   f"({i['forward']:.2f}/{i['backward']:.2f}/{i['optimizer']:.2f}), loss {r['loss']:.4f} / "
                   f"{i['loss']:.4f}; H2D {i['h2d_bytes'] / 1e9:.2f} GB at {i['h2d_gbps']:.1f} GB/s, pinned peak "
                   f"{peak['pinned']:.1f} GB/s (pageable {peak['pageable']:.1f}); nvme read {i['read_bytes'] / 1e9:.1f} "
-                  f"GB, written {i['write_bytes'] / 1e9:.1f} GB, stall {i['stall']:.2f}s", flush=True)  # fmt: skip
+                  f"GB, written {i['write_bytes'] / 1e9:.1f} GB, stall {i['stall']:.2f}s; drive "
+                  f"{read_gbps:.2f}/{write_gbps:.2f} GB/s ({backend}), floor {floor:.2f}s", flush=True)  # fmt: skip
             if step:
                 pairs.append(pair)
+        closing.close()
+        os.unlink(bench_file)
 
         def med(f):
             return statistics.median(f(q) for q in pairs)
@@ -164,6 +181,8 @@ def main(argv=None) -> int:
             "params": n_params, "device": torch.cuda.get_device_name(0), "batch": [args.batch, args.tokens],
             "tiers": args.tiers, "pairs": len(pairs),
             "infinity_over_resident": med(lambda q: q["infinity"]["step"] / q["resident"]["step"]),
+            "infinity_over_floor": med(lambda q: q["infinity"]["step"] / q["floor"]),
+            "drive_read_gbps": med(lambda q: q["read_gbps"]), "drive_write_gbps": med(lambda q: q["write_gbps"]),
             "resident_step": med(lambda q: q["resident"]["step"]), "infinity_step": med(lambda q: q["infinity"]["step"]),
             "infinity_phases": {k: med(lambda q, k=k: q["infinity"][k]) for k in ("forward", "backward", "optimizer")},
             "resident_phases": {k: med(lambda q, k=k: q["resident"][k]) for k in ("forward", "backward", "optimizer")},
@@ -177,6 +196,7 @@ def main(argv=None) -> int:
         print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()), flush=True)
         return 0
     finally:
+        closing.close()
         if engine is not None:
             engine.close()
         shutil.rmtree(work, ignore_errors=True)
