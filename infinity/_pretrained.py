@@ -136,6 +136,7 @@ def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_schedule
     engine = infinity.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler)
     try:
         engine.pretrained_bytes_read = load_weights(engine, files, path)
+        engine._stats.start_step()  # the load counts in stats()["total"], not in the first step
     except BaseException:
         engine.close()
         raise

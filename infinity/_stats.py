@@ -99,6 +99,12 @@ class Stats:
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
 
+    def start_step(self) -> None:
+        """The step in progress starts now, with nothing counted: what initialize, from_pretrained
+        or load_checkpoint read and wrote counts in the totals, not in the first step after it."""
+        self.step = Counters()
+        self._step_start = time.perf_counter()
+
     def end_step(self) -> dict:
         now = time.perf_counter()
         self.step.seconds = now - self._step_start

@@ -86,6 +86,7 @@ class Engine:
             raise
         self._closed = False
         _resources.trim_malloc()  # what writing the initial state freed (see [Note: malloc threshold])
+        self._stats.start_step()
         _resources.close_at_exit(self)
         # Dropped without close() (and its model with it: the model's hooks hold the engine),
         # the garbage collector still closes its files, which unlocks its swap directory.
@@ -554,6 +555,7 @@ class Engine:
         self._check_open()
         client_state = _checkpoint.load(self, path, tag, on_partial=self._refuse)
         self._unusable = None
+        self._stats.start_step()
         return client_state
 
     def export(self, path) -> str:

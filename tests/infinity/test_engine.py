@@ -323,6 +323,28 @@ def test_stats_count_nvme_traffic(tmp_path):
     assert engine.stats()["steps"] == 2
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_first_step_counts_only_its_own_traffic(tmp_path, overlap):
+    """What initialize writes (every state, once) is in stats()["total"], not in the first
+    step: the first step moves the bytes every later step moves (the GPU benchmark's first
+    step reported twice the writes before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    engine = infinity.initialize(model, _config(tmp_path, ("nvme",) * 3, optimizer={"overlap": overlap}))
+    written_by_init = engine.stats()["total"]["nvme"]["write_bytes"]
+    assert written_by_init > 0
+    steps = []
+    for _ in range(2):
+        engine.backward(engine(torch.randn(8, 16)).pow(2).mean())
+        engine.step()
+        steps.append(engine.stats()["step"]["nvme"])
+    assert steps[0]["write_bytes"] == steps[1]["write_bytes"] > 0
+    assert steps[0]["read_bytes"] == steps[1]["read_bytes"] > 0
+    total = engine.stats()["total"]["nvme"]
+    assert total["write_bytes"] == written_by_init + 2 * steps[0]["write_bytes"]
+    engine.close()
+
+
 def test_a_model_without_parameters_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no parameters"):
         infinity.initialize(nn.ReLU(), _config(tmp_path, ("device",) * 3))
