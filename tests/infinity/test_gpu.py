@@ -44,3 +44,82 @@ def test_gpu_training_matches_plain_pytorch(tmp_path, tiers):
         assert total["h2d_bytes"] >= 5 * sum(p.numel() * 4 for p in ref.parameters())
         assert total["h2d_gbps"] > 0
     engine.close()
+
+
+def _zoo():
+    import os
+    import sys
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.dirname(__file__))
+    import test_model_zoo  # the families, batches and config of the CPU parity tests
+
+    return test_model_zoo
+
+
+def _on_gpu(batch):
+    return {k: v.cuda() for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["whole", "tiled"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "t5", "mixtral"])
+def test_transformers_fp32_on_gpu_match_plain_pytorch_on_gpu(tmp_path, family, tiles):
+    """Every tier on nvme, computing on the GPU: losses within 1e-4 of the same model resident
+    on the GPU with torch.optim.AdamW, weights within 1e-3 (kernels and reductions differ)."""
+    zoo = _zoo()
+    make, batch = zoo.FAMILIES[family]
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model).cuda()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    engine = infinity.initialize(model, zoo._nvme(tmp_path, "fp32", tiles))
+    for step in range(zoo.STEPS):
+        loss = engine(**_on_gpu(batch(step))).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(**_on_gpu(batch(step))).loss
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert loss.device.type == "cuda"
+        assert abs(loss.item() - ref_loss.item()) < 1e-4, (family, step, loss.item(), ref_loss.item())
+    got = engine.gathered_weights()
+    for name, p in ref.named_parameters():
+        if name in got:
+            torch.testing.assert_close(got[name], p.detach().cpu(), atol=1e-3, rtol=0, msg=f"{family} {name}")
+    assert engine.stats()["total"]["h2d_bytes"] > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["whole", "tiled"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "t5", "mixtral"])
+def test_transformers_bf16_on_gpu_match_mixed_precision_on_gpu(tmp_path, family, tiles):
+    """bf16 parameters streamed from nvme to the GPU against the same mixed precision written in
+    plain torch on the GPU (bf16 parameters, fp32 masters, AdamW, cast back): losses within
+    two bf16 ulps, as tests/infinity/test_model_zoo.py asks on the CPU."""
+    zoo = _zoo()
+    make, batch = zoo.FAMILIES[family]
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model).cuda()
+    for p in ref.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
+    opt = torch.optim.AdamW(master, lr=1e-3, weight_decay=0.01)
+    engine = infinity.initialize(model, zoo._nvme(tmp_path, "bf16", tiles))
+    for step in range(zoo.STEPS):
+        loss = engine(**_on_gpu(zoo._cast(batch(step), torch.bfloat16))).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(**_on_gpu(zoo._cast(batch(step), torch.bfloat16))).loss
+        ref.zero_grad()
+        ref_loss.backward()
+        for m, p in zip(master, ref.parameters()):
+            m.grad = None if p.grad is None else p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(master, ref.parameters()):
+                p.copy_(m)
+        got, want = loss.float().item(), ref_loss.float().item()
+        assert abs(got - want) <= 2 * 2**-7 * abs(want), (family, step, got, want)
+    engine.close()
