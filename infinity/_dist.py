@@ -32,7 +32,8 @@ _FAILED = "infinity/failed/"
 
 def _own_gpu() -> int:
     """This rank's GPU: LOCAL_RANK, which must name one of the GPUs this process sees (NCCL
-    gives each rank a GPU of its own; two ranks on one GPU fail in NCCL, later and obscurely)."""
+    needs a GPU per rank; without this check, torch.cuda.set_device fails with "invalid device
+    ordinal", which names neither the counts nor the way out)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     count = torch.cuda.device_count()
     if local_rank >= count:

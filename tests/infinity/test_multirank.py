@@ -133,8 +133,9 @@ def test_the_demo_runs_under_torchrun(tmp_path):
 
 
 def test_more_ranks_than_gpus_is_refused_with_the_counts(monkeypatch):
-    """Two ranks on one GPU: NCCL would fail later and obscurely (seen on an H100 with torchrun
-    --nproc-per-node 2); the engine says why before it makes the group."""
+    """Two ranks on one GPU (torchrun --nproc-per-node 2 on an H100 machine): set_device died
+    with "invalid device ordinal", which names neither the counts nor the way out; the engine
+    says both before it makes the group."""
     from infinity import _dist
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
