@@ -139,9 +139,7 @@ def main(argv=None) -> int:
             st = engine.stats()["step"]
             return {"loss": loss.item(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0,
                     "h2d_bytes": st["h2d_bytes"], "h2d_gbps": st["h2d_gbps"], "stall": st["stall_seconds"],
-                    "read_bytes": sum(st[t]["read_bytes"] for t in ("nvme",)),
-                    "write_bytes": sum(st[t]["write_bytes"] for t in ("nvme",)),
-                    "prefetch_hits": st["prefetch_hits"], "on_demand": st["on_demand"]}  # fmt: skip
+                    "read_bytes": st["nvme"]["read_bytes"], "write_bytes": st["nvme"]["write_bytes"]}  # fmt: skip
 
         from infinity.aio import probe
         from infinity.tools.nvme_bench import create_test_file, fill_test_file, open_runner

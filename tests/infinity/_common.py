@@ -1,5 +1,7 @@
 """Config, model and data shared by the tests in tests/infinity and their child processes."""
 
+import os
+
 import torch
 from torch import nn
 
@@ -34,16 +36,18 @@ def train(engine, steps: int, start: int = 0, dtype=torch.float32) -> list[float
     return losses
 
 
-def rank_env(rank: int, world: int, port: int, gpus_needed: int | None = None) -> dict:
-    """The environment torchrun gives rank ``rank`` of ``world`` on this machine. With fewer
-    GPUs than ``gpus_needed`` (default ``world``; one H100, two ranks) the GPUs are hidden and
-    the ranks use gloo on the CPU: NCCL needs a GPU per rank, and the engine refuses to share
-    one (_dist._own_gpu). A test that compares a 1-rank run with a 2-rank run passes 2 for both,
-    so that both compute on the same kind of device."""
-    import os
+def cpu_unless_gpus(ranks: int) -> dict:
+    """The environment that hides the GPUs when there are fewer than ``ranks`` (one H100, two
+    ranks): the ranks then use gloo on the CPU, since NCCL needs a GPU per rank and the engine
+    refuses to share one (_dist._own_gpu)."""
+    short = torch.cuda.is_available() and torch.cuda.device_count() < ranks
+    return {"CUDA_VISIBLE_DEVICES": ""} if short else {}
 
-    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
-    if torch.cuda.is_available() and torch.cuda.device_count() < (gpus_needed or world):
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
+
+def rank_env(rank: int, world: int, port: int, gpus_needed: int | None = None) -> dict:
+    """The environment torchrun gives rank ``rank`` of ``world`` on this machine, on the CPU
+    where there are fewer GPUs than ``gpus_needed`` (default ``world``). A test that compares a
+    1-rank run with a 2-rank run passes 2 for both, so that both compute on the same device."""
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+            **cpu_unless_gpus(gpus_needed or world)}  # fmt: skip

@@ -101,25 +101,13 @@ def test_transformers_bf16_on_gpu_match_mixed_precision_on_gpu(tmp_path, family,
     make, batch = zoo.FAMILIES[family]
     torch.manual_seed(0)
     model = make()
-    ref = copy.deepcopy(model).cuda()
-    for p in ref.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
-    opt = torch.optim.AdamW(master, lr=1e-3, weight_decay=0.01)
+    ref = zoo.MixedPrecision(model, "cuda")
     engine = infinity.initialize(model, zoo._nvme(tmp_path, "bf16", tiles))
     for step in range(zoo.STEPS):
         loss = engine(**_on_gpu(zoo._cast(batch(step), torch.bfloat16))).loss
         engine.backward(loss)
         engine.step()
-        ref_loss = ref(**_on_gpu(zoo._cast(batch(step), torch.bfloat16))).loss
-        ref.zero_grad()
-        ref_loss.backward()
-        for m, p in zip(master, ref.parameters()):
-            m.grad = None if p.grad is None else p.grad.float()
-        opt.step()
-        with torch.no_grad():
-            for m, p in zip(master, ref.parameters()):
-                p.copy_(m)
+        ref_loss = ref.step(_on_gpu(zoo._cast(batch(step), torch.bfloat16)))
         got, want = loss.float().item(), ref_loss.float().item()
         assert abs(got - want) <= 2 * 2**-7 * abs(want), (family, step, got, want)
     engine.close()

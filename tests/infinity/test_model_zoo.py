@@ -111,6 +111,33 @@ def _cast(batch, dtype):
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
 
 
+class MixedPrecision:
+    """What the engine does in bf16, in plain torch: a copy of ``model`` on ``device`` with its
+    parameters in bf16 (buffers as they are), fp32 master weights updated by
+    torch.optim.AdamW and cast back to bf16 after each step. tests/infinity/test_gpu.py uses it
+    on the GPU."""
+
+    def __init__(self, model, device="cpu"):
+        self.model = copy.deepcopy(model).to(device)
+        for p in self.model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model.parameters()]
+        self.opt = torch.optim.AdamW(self.master, lr=1e-3, weight_decay=0.01)
+
+    def step(self, batch):
+        """One step on ``batch``; returns its loss."""
+        loss = self.model(**batch).loss
+        self.model.zero_grad()
+        loss.backward()
+        for m, p in zip(self.master, self.model.parameters()):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.model.parameters()):
+                p.copy_(m)
+        return loss
+
+
 @pytest.mark.parametrize("tiles", [False, True], ids=["whole", "tiled"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fp32_matches_plain_torch(tmp_path, family, tiles):
@@ -143,25 +170,13 @@ def test_bf16_matches_mixed_precision_in_plain_torch(tmp_path, family, tiles):
     make, batch = FAMILIES[family]
     torch.manual_seed(0)
     model = make()
-    ref = copy.deepcopy(model)
-    for p in ref.parameters():  # parameters in bf16, buffers as they are: what the engine does
-        p.data = p.data.to(torch.bfloat16)
-    master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
-    opt = torch.optim.AdamW(master, lr=1e-3, weight_decay=0.01)
+    ref = MixedPrecision(model)
     engine = infinity.initialize(model, _nvme(tmp_path, "bf16", tiles))
     for step in range(STEPS):
         loss = engine(**_cast(batch(step), torch.bfloat16)).loss
         engine.backward(loss)
         engine.step()
-        ref_loss = ref(**_cast(batch(step), torch.bfloat16)).loss
-        ref.zero_grad()
-        ref_loss.backward()
-        for m, p in zip(master, ref.parameters()):
-            m.grad = None if p.grad is None else p.grad.float()
-        opt.step()
-        with torch.no_grad():
-            for m, p in zip(master, ref.parameters()):
-                p.copy_(m)
+        ref_loss = ref.step(_cast(batch(step), torch.bfloat16))
         got, want = loss.float().item(), ref_loss.float().item()
         if step == 0:  # the same bf16 weights from the same fp32 ones: the same bits
             assert got == want, (family, got, want)

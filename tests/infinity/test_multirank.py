@@ -15,7 +15,7 @@ import torch
 pytestmark = pytest.mark.multirank
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import rank_env  # noqa: E402
+from _common import cpu_unless_gpus, rank_env  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "_multirank_worker.py")
 
@@ -122,9 +122,7 @@ def test_the_demo_runs_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "infinity.tools.demo",
            "--size", "tiny", "--steps", "6", "--block-size", "32", "--batch-size", "2", "--log-every", "3",
            "--sample-bytes", "8", "--swap-dir", str(swap)]  # fmt: skip
-    env = {**rank_env(0, 2, 0), "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key)  # torchrun sets them
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **cpu_unless_gpus(2)}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "2 ranks" in out.stdout and "val loss" in out.stdout
