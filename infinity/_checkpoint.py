@@ -141,8 +141,17 @@ class _RootLock:
             raise OSError(e.errno, f"cannot lock the checkpoint root ({e.strerror}): its filesystem must "
                           "support flock", self.path) from None  # fmt: skip
         me = f"{os.getpid()} {socket.gethostname()}\n".encode()
-        os.pwrite(fd, me, 0)  # written before truncating: a reader never finds the file empty
-        os.ftruncate(fd, len(me))
+        try:
+            os.pwrite(fd, me, 0)  # written before truncating: a reader never finds the file empty
+            os.ftruncate(fd, len(me))
+        except BaseException as e:
+            # Closing is what releases the flock: a lock kept after a failure (ENOSPC on a full
+            # disk) would refuse every later save to this root from this process.
+            os.close(fd)
+            if isinstance(e, OSError):
+                raise OSError(e.errno, f"cannot write the saving process's name into the checkpoint root's lock "
+                              f"file ({e.strerror})", self.path) from None  # fmt: skip
+            raise
         self.fd = fd
 
     def release(self) -> None:
@@ -368,13 +377,13 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
                 if dist.rank == 0:
                     lock = _prepare(root, tmp)
             except BaseException as e:  # noqa: BLE001 - every rank learns of it (see [Note: atomic checkpoint])
-                error = e
+                error = _naming(e, "preparing the checkpoint root", root)
             _agree(dist, error, "preparing the checkpoint directory")
             nbytes = 0
             try:
                 nbytes = _save_rank(engine, tmp)
             except BaseException as e:  # noqa: BLE001
-                error = e
+                error = _naming(e, "writing the checkpoint", tmp)
             _agree(dist, error, "writing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
             if dist.rank == 0:
                 try:
@@ -386,7 +395,7 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
                         if removed:
                             logger.info("checkpoint: removed %s (keep_last=%d)", ", ".join(removed), keep_last)
                 except BaseException as e:  # noqa: BLE001
-                    error = e
+                    error = _naming(e, f"publishing the checkpoint as {tag!r}", tmp)
             _agree(dist, error, "publishing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
         finally:
             if lock is not None:
@@ -397,6 +406,17 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
         logger.info("checkpoint %s saved: %.1f MB per rank in %.2fs (%.2f GB/s)", where, nbytes / 1e6, elapsed,
                     nbytes / max(elapsed, 1e-9) / 1e9)  # fmt: skip
     return where
+
+
+def _naming(error: BaseException, what: str, path: str) -> BaseException:
+    """``error``, or where it is an OSError naming no file (the kernel's ENOSPC from a write,
+    EIO from a directory's fsync), one with its errno that names ``path``: on a full or failing
+    disk the user has to learn which filesystem it is."""
+    if not isinstance(error, OSError) or error.filename is not None or error.errno is None:
+        return error
+    named = OSError(error.errno, f"{what}: {error.strerror}", path)
+    named.__cause__ = error
+    return named.with_traceback(error.__traceback__)
 
 
 def _prepare(root: str, tmp: str) -> _RootLock:

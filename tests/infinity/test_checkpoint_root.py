@@ -11,11 +11,13 @@ import functools
 import logging
 import os
 import re
+import stat
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 import infinity
 from infinity.checkpoint import list_checkpoints, resolve
@@ -194,3 +196,60 @@ def test_a_latest_file_that_is_not_utf8_names_itself(tmp_path):
     (tmp_path / "ckpt" / "latest").write_bytes(b"\xffstep\n")
     with pytest.raises(infinity.checkpoint.CheckpointError, match="latest: not a tag: byte 0xff at offset 0"):
         infinity.checkpoint.resolve(tmp_path / "ckpt")
+
+
+def test_a_full_disk_while_locking_the_root_names_the_lock_file_and_releases_it(tmp_path, monkeypatch):
+    """On a full disk the first write to a new ``.lock`` (the holder's name) fails with ENOSPC
+    and no file name: the error names the lock file and the errno, the lock is not kept (a
+    later save in this process once failed "in use by another save (process ? on ?)"), and
+    that later save, with space again, succeeds and loads exactly."""
+    engine = _engine(tmp_path)
+    root = tmp_path / "ck"
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(os.sep + ".lock"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as the kernel reports it: no path
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError) as info:
+        engine.save_checkpoint(root)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(root / ".lock")
+    monkeypatch.setattr(os, "pwrite", real)
+    saved = engine.gathered_weights()
+    where = engine.save_checkpoint(root)
+    assert sorted(os.listdir(root)) == [".lock", "latest", "step-0"]
+    train(engine, 1)
+    engine.load_checkpoint(root)
+    assert engine.gathered_weights().keys() == saved.keys()
+    assert all(torch.equal(w, saved[n]) for n, w in engine.gathered_weights().items())
+    assert where == str(root / "step-0")
+    engine.close()
+
+
+def test_an_io_error_that_names_no_file_is_given_the_checkpoint_being_written(tmp_path, monkeypatch):
+    """A directory's fsync fails with EIO, which the kernel reports with no file name: the
+    save's error names the directory it was writing and the errno, leaves no temporary
+    directory, and the next save to the root succeeds."""
+    engine = _engine(tmp_path)
+    root = tmp_path / "ck"
+    real = os.fsync
+
+    def failing(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(OSError) as info:
+        engine.save_checkpoint(root)
+    assert info.value.errno == errno.EIO
+    assert os.path.dirname(info.value.filename) == str(root), info.value
+    assert os.path.basename(info.value.filename).startswith(".tmp-step-0."), info.value
+    assert "writing the checkpoint" in str(info.value)
+    assert sorted(os.listdir(root)) == [".lock"]
+    monkeypatch.setattr(os, "fsync", real)
+    assert engine.save_checkpoint(root) == str(root / "step-0")
+    assert swap_inspect.main([str(root / "step-0"), "--verify"]) == 0
+    engine.close()
