@@ -259,10 +259,13 @@ class Engine:
     def __call__(self, *args, **kwargs):
         """The module's forward. Calling ``engine.module(...)`` is the same: the engine's work
         is in hooks on the module itself (see `_schedule.Scheduler.install`)."""
+        outermost = not self.scheduler.in_forward
         try:
             return self.module(*args, **kwargs)
         except BaseException as e:
             self.dist.report_failure(e)  # see [Note: rank failures]
+            if outermost and self.scheduler.in_forward:  # a Ctrl-C: torch did not end the pass
+                self.scheduler.end_interrupted_pass()
             raise
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -387,13 +390,13 @@ class Engine:
             if spec.optimizer is not self.optimizer:
                 raise ValueError("lr_scheduler was built on another optimizer: pass a callable that builds it "
                                  "from engine.optimizer, e.g. lambda opt: LambdaLR(opt, f)")  # fmt: skip
-            return spec
+            return _no_metric_needed(spec)
         if not callable(spec):
             raise TypeError(f"lr_scheduler must be a callable taking the optimizer, got {type(spec).__name__}")
         built = spec(self.optimizer)
         if not hasattr(built, "step") or not hasattr(built, "state_dict"):
             raise TypeError(f"lr_scheduler(optimizer) returned a {type(built).__name__}, not an LR scheduler")
-        return built
+        return _no_metric_needed(built)
 
     @property
     def components(self) -> dict:
@@ -577,13 +580,21 @@ class Engine:
         self._closed = True
         _resources.closed(self)
         self._finalizer.detach()
-        self.scheduler.release_all()
-        if self.optimizer.overlap is not None:
-            self.optimizer.overlap.discard()
-        self.grads.flush()
-        self.scheduler.remove()
-        self._state_hooks.remove()
-        _resources.close_io(self.space, self.pool, self.aio)
+        # The files are closed (and the swap directory unlocked) whatever the rest raises: a
+        # Ctrl-C or a failed read must not leave the directory locked for the whole process.
+        try:
+            if self.scheduler.in_forward:  # a forward a Ctrl-C left
+                self.scheduler.end_interrupted_pass()
+            self.scheduler.release_all()
+            if self.optimizer.overlap is not None:
+                self.optimizer.overlap.discard()
+            self.grads.flush()
+        finally:
+            try:
+                self.scheduler.remove()
+                self._state_hooks.remove()
+            finally:
+                _resources.close_io(self.space, self.pool, self.aio)
 
     def _refuse(self, why: str) -> None:
         """Refuse to train (``why`` says what to do) until a checkpoint loads."""
@@ -645,6 +656,19 @@ def _refuse_foreign_step(optimizer, args, kwargs):
 
 
 register_optimizer_step_pre_hook(_refuse_foreign_step)
+
+
+def _no_metric_needed(scheduler):
+    """``scheduler``, which engine.step() steps with no argument: a ReduceLROnPlateau needs the
+    metric it watches, so every step would raise. Refused here, saying how to use one."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(
+            f"lr_scheduler is a {type(scheduler).__name__}, whose step() needs the metric it watches, and "
+            "engine.step() has none to give: do not pass it to initialize; build it on engine.optimizer after "
+            "initialize and call its .step(metric) yourself (after engine.step(), with your validation loss, "
+            "say); keep its state_dict() in save_checkpoint's client_state"
+        )
+    return scheduler
 
 
 def _one_line(step: dict) -> str:

@@ -302,3 +302,29 @@ def test_a_refused_lr_scheduler_leaves_the_model_as_it_was(tmp_path):
     with pytest.raises(TypeError, match="lr_scheduler"):
         infinity.initialize(model, config(tmp_path, NVME), lr_scheduler="cosine")
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)  # nothing moved to the tiers
+
+
+def test_reduce_lr_on_plateau_is_refused_at_initialize_and_works_stepped_by_hand(tmp_path):
+    """engine.step() has no metric to give ReduceLROnPlateau.step(metrics): passed as
+    lr_scheduler= it was accepted and every step then raised. It is refused at initialize,
+    saying how to use it; built on engine.optimizer and stepped with the metric by hand, it
+    lowers the lr the next step uses (against torch.optim.AdamW with the same schedule, 1e-5)."""
+    plateau = functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, factor=0.5, patience=0)
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau.*engine\.optimizer.*\.step\(metric\)"):
+        infinity.initialize(_model(), config(tmp_path, NVME), lr_scheduler=plateau)
+    engine = infinity.initialize(_model(), config(tmp_path, NVME))
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    scheds = plateau(engine.optimizer), plateau(ref_opt)
+    for step in range(4):
+        engine.backward(_loss(engine, step))
+        engine.step()
+        _loss(ref, step).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for s in scheds:
+            s.step(1.0)  # a flat metric: the lr halves after every step but the first
+    assert engine.optimizer.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 1e-2 / 8
+    got, want = engine.gathered_weights(), dict(ref.named_parameters())
+    assert all(torch.allclose(got[k], want[k], atol=1e-5) for k in want)
+    engine.close()
