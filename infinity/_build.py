@@ -29,6 +29,8 @@ import sys
 import torch
 from torch import nn
 
+from ._units import swap_contents
+
 
 @contextlib.contextmanager
 def build(config=None, *, init: bool = True):
@@ -141,8 +143,9 @@ def release(unit) -> None:
 
 
 def _swap(p: nn.Parameter, value: torch.Tensor) -> None:
-    """Give ``p`` the contents of ``value`` in place (``.data`` cannot move a tensor off the meta device)."""
-    torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+    """Give ``p`` the contents of ``value`` in place, keeping its attributes (``.data`` cannot
+    move a tensor off the meta device)."""
+    swap_contents(p, value)
 
 
 def _hf_init(model, chain, modules):

@@ -127,7 +127,7 @@ class ParamUnit:
         for p in self.params:
             empty = torch.empty(0, dtype=self.placeholder_dtype or p.dtype, device=self.placeholder_device or p.device)
             if p.is_meta:  # `build`'s: ``.data`` cannot move a tensor off the meta device
-                torch.utils.swap_tensors(p, nn.Parameter(empty, requires_grad=p.requires_grad))
+                swap_contents(p, empty)
             else:
                 p.data = empty
         self.full = None
@@ -135,6 +135,16 @@ class ParamUnit:
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.name!r}, {len(self.params)} params, {self.numel} elements, {self.state.value})"
+
+
+def swap_contents(p: nn.Parameter, value: torch.Tensor) -> None:
+    """Give ``p`` the contents of ``value`` in place, where ``.data`` cannot (off the meta
+    device). ``torch.utils.swap_tensors`` exchanges the Python attributes too: ``p`` keeps its
+    own, or the engine's mark (``_infinity_managed``, what refuses a foreign optimizer and a
+    second initialize) would leave with the discarded tensor."""
+    new = nn.Parameter(value, requires_grad=p.requires_grad)
+    new.__dict__.update(p.__dict__)
+    torch.utils.swap_tensors(p, new)
 
 
 def build_units(model: nn.Module, world_size: int = 1, rank: int = 0, tile_bytes: int | None = None):

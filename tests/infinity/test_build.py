@@ -1,5 +1,6 @@
 """infinity.build: a model constructed straight into the params tier, and what it opened."""
 
+import contextlib
 import os
 import sys
 
@@ -97,3 +98,27 @@ def test_a_built_transformers_model_is_initialised_as_a_normal_one(tmp_path, fam
         with torch.no_grad():
             loss, want = engine(input_ids=ids, labels=ids).loss.item(), plain(input_ids=ids, labels=ids).loss.item()
         assert abs(loss - want) / want < 0.02, (loss, want)
+
+
+def _made(how, cfg):
+    """The same small model, given to an engine by `initialize` or by `build` + `initialize`."""
+    torch.manual_seed(0)
+    with infinity.build() if how == "build" else contextlib.nullcontext():
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    return infinity.initialize(model, cfg)
+
+
+@pytest.mark.parametrize("how", ["initialize", "build"])
+def test_every_engine_refuses_a_foreign_optimizer_and_a_second_initialize(tmp_path, how):
+    """A built model's placeholders carry the engine's mark as an initialized one's do: without
+    it a torch AdamW stepped empty placeholders and a second initialize trained empty tensors."""
+    cfg = config(tmp_path, ("nvme", "nvme", "nvme"))
+    with _made(how, cfg) as engine:
+        assert all(p.numel() == 0 for p in engine.module.parameters())  # placeholders, not weights
+        opt = torch.optim.AdamW(engine.module.parameters())
+        engine.module(torch.randn(8, 16)).sum().backward()
+        with pytest.raises(RuntimeError, match=r"AdamW.step\(\) on parameters that an infinity engine manages"):
+            opt.step()
+        engine.zero_grad()
+        with pytest.raises(ValueError, match="already given to infinity.initialize .parameter '0.weight'"):
+            infinity.initialize(engine.module, config(tmp_path / "again", ("nvme", "nvme", "nvme")))

@@ -181,3 +181,19 @@ def test_transformers_from_pretrained_inside_build_is_a_clear_error(tmp_path):
             transformers.LlamaForCausalLM.from_pretrained(tmp_path / "in")
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "in")  # outside build: as ever
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_an_engine_from_pretrained_refuses_a_foreign_optimizer_and_a_second_initialize(tmp_path):
+    """Its placeholders carry the engine's mark as an initialized model's do (they lacked it: a
+    torch AdamW stepped them silently and a second initialize was accepted)."""
+    _llama().save_pretrained(tmp_path / "in")
+    engine = infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "in", _nvme(tmp_path))
+    opt = torch.optim.AdamW(engine.module.parameters())
+    engine.module(input_ids=_ids(0), labels=_ids(0)).loss.backward()
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\) on parameters that an infinity engine manages"):
+        opt.step()
+    engine.zero_grad()
+    (tmp_path / "again").mkdir()
+    with pytest.raises(ValueError, match="already given to infinity.initialize .parameter 'model.embed_tokens.weight'"):
+        infinity.initialize(engine.module, _nvme(tmp_path / "again"))
+    engine.close()

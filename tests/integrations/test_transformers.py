@@ -5,6 +5,8 @@ kernel, the Trainer with its default), the same clipping formula and the same da
 they differ by float rounding only.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -93,12 +95,21 @@ def test_a_trainer_given_its_own_optimizer_is_refused(tmp_path):
                         optimizers=(torch.optim.AdamW(model.parameters()), None))  # fmt: skip
 
 
-def test_plain_trainer_on_an_engine_module_is_refused_not_trained_silently(tmp_path):
+@pytest.mark.parametrize("how", ["initialize", "build", "from_pretrained"])
+def test_plain_trainer_on_an_engine_module_is_refused_not_trained_silently(tmp_path, how):
+    """Whatever made the engine (a built or streamed model's placeholders once lacked the mark,
+    and plain Trainer "trained" them: loss fixed, grad_norm 0, weights unchanged)."""
     import infinity
 
-    model = _llama()
-    engine = infinity.initialize(model, _nvme(tmp_path))
-    trainer = transformers.Trainer(model=engine.module, args=_args(tmp_path / "out", max_steps=1), train_dataset=_Tokens())
-    with pytest.raises(RuntimeError, match="on parameters that an infinity engine manages"):
-        trainer.train()
-    engine.close()
+    if how == "from_pretrained":
+        _llama().save_pretrained(tmp_path / "in")
+        engine = infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "in", _nvme(tmp_path))
+    else:
+        with infinity.build() if how == "build" else contextlib.nullcontext():
+            model = _llama()
+        engine = infinity.initialize(model, _nvme(tmp_path))
+    with engine:
+        trainer = transformers.Trainer(model=engine.module, args=_args(tmp_path / "out", max_steps=1),
+                                       train_dataset=_Tokens())  # fmt: skip
+        with pytest.raises(RuntimeError, match="on parameters that an infinity engine manages"):
+            trainer.train()
