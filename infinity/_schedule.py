@@ -31,6 +31,7 @@ units are fetched on demand: a departure costs speed, never correctness.
 from __future__ import annotations
 
 import functools
+import sys
 import time
 import weakref
 
@@ -42,6 +43,7 @@ from infinity.swap import PoolExhausted
 
 from . import _tiled
 from ._grads import GradAccumulator
+from ._interrupts import held_interrupts
 from ._stats import Stats
 from ._store import Store
 from ._transport import Transport
@@ -206,6 +208,8 @@ class Scheduler:
             _tiled.remove(module)
 
     def _root_pre_hook(self, module, args):
+        if self._depth and not self._outer_call_live(module):
+            self.end_interrupted_pass()
         self._depth += 1
         if self._depth == 1:
             self._before_forward()
@@ -234,6 +238,37 @@ class Scheduler:
             if not torch.is_grad_enabled():
                 self.release_all()
         return output
+
+    @staticmethod
+    def _outer_call_live(root: nn.Module) -> bool:
+        """Whether a call of ``root`` is running further up this thread's stack (a nested call),
+        rather than left by a KeyboardInterrupt (see `end_interrupted_pass`). Looked at only
+        when a root call begins inside another, which no ordinary forward does."""
+        caller = sys._getframe(2)  # the module call that runs this hook: `nn.Module._call_impl`
+        frame = caller.f_back
+        while frame is not None:
+            if frame.f_code is caller.f_code and frame.f_locals.get("self") is root:
+                return True
+            frame = frame.f_back
+        return False
+
+    @property
+    def in_forward(self) -> bool:
+        """A call of the root module began and has not ended."""
+        return self._depth > 0
+
+    def end_interrupted_pass(self) -> None:
+        """End a pass whose root forward a KeyboardInterrupt left: torch runs a module's
+        always-called forward hooks on an Exception only, so `_root_post_hook` did not run. Its
+        saved-tensor hooks come off, the units its modules held are released, and the next
+        root call begins a pass again (checking first that the engine is usable)."""
+        began, hooks = self._began, self._saved_hooks
+        self._depth, self._began, self._saved_hooks = 0, False, None
+        if began and hooks is not None:
+            hooks.__exit__(None, None, None)
+        for unit in self.units:
+            unit.active = 0  # their modules' post-hooks never ran
+            self.release(unit)
 
     def _grad_arrives(self, module, grad) -> None:
         self.pre_backward(module)
@@ -316,8 +351,10 @@ class Scheduler:
             # and what none arrived for is zeroed when the unit is handed on.
             if self.device.type == "cpu" and self.pool is not None:
                 # From the pool: budgeted, and aligned so its write-behind is direct.
-                unit.grad_lease = self._acquire(unit.padded_numel * 4)
-                unit.grad = unit.grad_lease.view(torch.float32, (unit.padded_numel,))
+                lease = self._acquire(unit.padded_numel * 4)
+                with held_interrupts:  # see [Note: interrupt windows]
+                    unit.grad_lease = lease
+                    unit.grad = lease.view(torch.float32, (unit.padded_numel,))
             else:
                 unit.grad = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
             unit.grad_seen = set()
@@ -377,6 +414,8 @@ class Scheduler:
                 self.release(unit)
             self.backward_order = _Order([])
             self._in_backward = False
+            # A backward that raised (a Ctrl-C in a hook) never runs the callback it queued.
+            self._end_queued = False
             self._calls.clear()
             self._recomputed.clear()
             self.transport.drain()
@@ -397,8 +436,8 @@ class Scheduler:
             unit = self._by_storage.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):
             return t
-        if unit is None or unit.full is None:
-            return t
+        if unit is None or unit.full is None or unit.full.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+            return t  # not a unit's memory (an entry a Ctrl-C left behind names memory since reused)
         return _UnitView(unit, t.storage_offset() - unit.full.storage_offset(), t.size(), t.stride())
 
     def unpack(self, saved):
@@ -437,15 +476,17 @@ class Scheduler:
         try:
             # Urgent: forward and backward wait on these, not on the optimizer's reads ahead
             # (the early updates under backward queue theirs on the same drive).
-            unit.pending = self.store.get(unit.name, timeout=None if wait else 0, urgent=True)
+            pending = self.store.get(unit.name, timeout=None if wait else 0, urgent=True)
         except PoolExhausted:
             if not wait:
                 return False
             self._cancel_prefetches()
             if self.on_pool_pressure is not None:
                 self.on_pool_pressure()
-            unit.pending = self.store.get(unit.name, urgent=True)
-        unit.state = UnitState.FETCHING
+            pending = self.store.get(unit.name, urgent=True)
+        with held_interrupts:  # see [Note: interrupt windows]
+            unit.pending = pending
+            unit.state = UnitState.FETCHING
         return True
 
     def _acquire(self, nbytes: int):
@@ -464,18 +505,33 @@ class Scheduler:
 
     @staticmethod
     def _drop_fetch(unit: ParamUnit) -> None:
-        """Wait for a fetch in flight and give its lease back: the unit is not needed now."""
-        if unit.state is UnitState.FETCHING:
-            lease = unit.pending.result()
+        """Wait for a fetch in flight and give its lease back: the unit is not needed now. A
+        read that failed is forgotten too (its error raised): nothing used it."""
+        if unit.state is not UnitState.FETCHING:
+            return
+        try:
+            lease = unit.pending.result()  # interrupted, the unit is still fetching: waited for again
+        except Exception:
+            Scheduler._forget_fetch(unit, None)
+            raise
+        Scheduler._forget_fetch(unit, lease)
+
+    @staticmethod
+    def _forget_fetch(unit: ParamUnit, lease) -> None:
+        """The unit's read is spent or not wanted: released, ``lease`` (its buffer) given back."""
+        with held_interrupts:  # see [Note: interrupt windows]
             unit.pending = None
-            lease.release()
             unit.state = UnitState.RELEASED
+            if lease is not None:
+                lease.release()
 
     def materialize(self, unit: ParamUnit) -> None:
         if unit.state is UnitState.READY:
             return
         if self.always_ready:
-            unit.bind(self.store.get(unit.name).result().tensor)
+            tensor = self.store.get(unit.name).result().tensor
+            with held_interrupts:
+                unit.bind(tensor)
             return
         with record_function("infinity::fetch"):
             counters = self.stats.both()
@@ -487,20 +543,34 @@ class Scheduler:
                 for c in counters:
                     c.prefetch_hits += 1
             start = time.perf_counter()
+            # Interrupted while it waits, the unit stays fetching and the next call waits again;
+            # once the read is used, the unit is bound whole or released (see [Note: interrupt
+            # windows]): never fetching with its read spent.
             lease = unit.pending.result()
-            unit.pending = None
-            if self.gather:
-                full, unit.lease = self.transport.gather(unit, lease)
-            elif self.device.type == "cpu":  # computing on the host: the lease is the parameters
-                full, unit.lease = lease.tensor, lease
-            else:
-                full = self.transport.to_device(lease)
+            host = None
+            try:
+                if self.gather:
+                    full, host = self.transport.gather(unit, lease)
+                elif self.device.type == "cpu":  # computing on the host: the lease is the parameters
+                    full, host = lease.tensor, lease
+                else:
+                    full = self.transport.to_device(lease)
+                with held_interrupts:
+                    # Known to the saved-tensor hooks before any module can see it bound.
+                    self._by_storage[full.untyped_storage().data_ptr()] = unit
+                    unit.lease = host
+                    unit.bind(full)
+                    unit.pending = None
+            except BaseException:
+                if unit.state is not UnitState.READY:
+                    if host is not None and host is not lease:
+                        host.release()
+                    self._forget_fetch(unit, lease)
+                raise
             waited = time.perf_counter() - start
             for c in counters:
                 c.stall_seconds += waited
                 c.fetches += 1
-        unit.bind(full)
-        self._by_storage[full.untyped_storage().data_ptr()] = unit
 
     def release(self, unit: ParamUnit, after_forward: bool = False) -> None:
         """Free a unit's full parameters unless a running module still uses them or (in
@@ -511,11 +581,12 @@ class Scheduler:
         if unit.state is UnitState.FETCHING:
             return  # a prefetch for a coming module: keep it
         if unit.state is UnitState.READY:
-            self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
-            unit.unbind()
-            if unit.lease is not None:
-                unit.lease.release()
-                unit.lease = None
+            with held_interrupts:  # see [Note: interrupt windows]
+                self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
+                unit.unbind()
+                if unit.lease is not None:
+                    unit.lease.release()
+                    unit.lease = None
 
     def release_all(self) -> None:
         for unit in self.units:

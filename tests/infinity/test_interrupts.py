@@ -5,6 +5,7 @@ inconsistent. Interrupts are injected at fixed points (deterministic), as Keyboa
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -158,3 +159,149 @@ def test_an_interrupted_save_leaves_the_engine_training_and_the_next_save_whole(
     resumed.step()
     assert all(torch.equal(after[k], v) for k, v in resumed.gathered_weights().items())
     resumed.close()
+
+
+# -- Ctrl-C during a parameter fetch or a forward: a real SIGINT at a fixed point ------------
+
+
+def _sigint_at(monkeypatch, owner, name: str, *, call: int, at: str) -> list:
+    """Wrap ``owner.name`` so that its ``call``-th call (counted from now) delivers a real
+    SIGINT at its start or its end, as a Ctrl-C landing there would. Returns the list of
+    calls, for the test to check the window was reached."""
+    real = getattr(owner, name)
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(name)
+        if at == "start" and len(calls) == call:
+            signal.raise_signal(signal.SIGINT)
+        out = real(*args, **kwargs)
+        if at == "end" and len(calls) == call:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(owner, name, wrapped)
+    return calls
+
+
+def _reference(tmp_path, steps: int) -> dict:
+    ref = infinity.initialize(_mlp(), _cfg(tmp_path / "ref"))
+    for step in range(steps):
+        ref.backward(_loss(ref, step))
+        ref.step()
+    out = ref.gathered_weights()
+    ref.close()
+    return out
+
+
+# The windows of a fetch: its read's future consumed but the unit not yet bound; bound but not
+# yet known to the saved-tensor hooks; and a release cut between its steps.
+_FETCH_WINDOWS = [
+    ("ParamUnit.bind", "start"),
+    ("ParamUnit.bind", "end"),
+    ("ParamUnit.unbind", "end"),
+    ("Lease.release", "end"),
+]
+
+
+@pytest.mark.parametrize("where,at", _FETCH_WINDOWS, ids=[f"{w}-{a}" for w, a in _FETCH_WINDOWS])
+def test_a_ctrl_c_in_a_parameter_fetch_leaves_the_engine_loadable_and_exact(tmp_path, monkeypatch, where, at):
+    """After the interrupt, load_checkpoint works and training goes on bit-exactly as the
+    uninterrupted run; close() then frees the swap directory for a new engine."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    expected = _reference(tmp_path, 3)
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a"))
+    engine.backward(_loss(engine, 0))
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    owner, name = where.split(".")
+    module = infinity._units if owner == "ParamUnit" else infinity._store
+    calls = _sigint_at(monkeypatch, getattr(module, owner), name, call=2, at=at)
+    with pytest.raises(KeyboardInterrupt):
+        engine.backward(_loss(engine, 1))
+    monkeypatch.undo()
+    assert len(calls) >= 2
+    engine.load_checkpoint(tmp_path / "ckpt")
+    for step in (1, 2):
+        engine.backward(_loss(engine, step))
+        engine.step()
+    got = engine.gathered_weights()
+    engine.close()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    again = infinity.initialize(_mlp(), _cfg(tmp_path / "a"))  # the directory lock was freed
+    again.close()
+
+
+@pytest.mark.parametrize("where,at", _FETCH_WINDOWS[:2], ids=[f"{w}-{a}" for w, a in _FETCH_WINDOWS[:2]])
+def test_close_after_a_ctrl_c_in_a_parameter_fetch_frees_the_swap_directory(tmp_path, monkeypatch, where, at):
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a"))
+    _sigint_at(monkeypatch, infinity._units.ParamUnit, where.split(".")[1], call=2, at=at)
+    with pytest.raises(KeyboardInterrupt):
+        _loss(engine, 0)
+    monkeypatch.undo()
+    engine.close()
+    again = infinity.initialize(_mlp(), _cfg(tmp_path / "a"))
+    again.backward(_loss(again, 0))
+    again.step()
+    again.close()
+
+
+class _CtrlCInForward(nn.Module):
+    """The MLP, with a real SIGINT between its layers when ``armed``."""
+
+    armed = False
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _mlp()
+
+    def forward(self, x):
+        h = self.inner[1](self.inner[0](x))
+        if _CtrlCInForward.armed:
+            _CtrlCInForward.armed = False
+            signal.raise_signal(signal.SIGINT)
+        for layer in list(self.inner)[2:]:
+            h = layer(h)
+        return h
+
+
+def test_a_ctrl_c_inside_forward_ends_the_pass(tmp_path, monkeypatch):
+    """torch runs a module's always-called forward hooks on an Exception, not on a
+    KeyboardInterrupt: the pass the engine began must still end, so that the next forward
+    checks again that the engine is usable (here: refused after an interrupted step), and
+    training resumes exactly from the checkpoint."""
+    ref = infinity.initialize(_CtrlCInForward(), _cfg(tmp_path / "ref"))
+    for step in range(2):
+        ref.backward(_loss(ref, step))
+        ref.step()
+    expected = ref.gathered_weights()
+    ref.close()
+
+    engine = infinity.initialize(_CtrlCInForward(), _cfg(tmp_path / "a", False))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    _CtrlCInForward.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        _loss(engine, 0)
+    engine.backward(_loss(engine, 0))  # a later forward and backward still work
+    calls = []
+    real = engine.optimizer._update
+
+    def interrupted(index, *args):
+        calls.append(index)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(index, *args)
+
+    monkeypatch.setattr(engine.optimizer, "_update", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="optimizer step failed part-way .*load the last checkpoint"):
+        _loss(engine, 0)
+    engine.load_checkpoint(tmp_path / "ckpt")
+    for step in range(2):
+        engine.backward(_loss(engine, step))
+        engine.step()
+    got = engine.gathered_weights()
+    engine.close()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
