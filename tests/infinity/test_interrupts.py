@@ -265,11 +265,13 @@ class _CtrlCInForward(nn.Module):
         return h
 
 
-def test_a_ctrl_c_inside_forward_ends_the_pass(tmp_path, monkeypatch):
+@pytest.mark.parametrize("call", ["engine", "module"])
+def test_a_ctrl_c_inside_forward_ends_the_pass(tmp_path, monkeypatch, call):
     """torch runs a module's always-called forward hooks on an Exception, not on a
     KeyboardInterrupt: the pass the engine began must still end, so that the next forward
     checks again that the engine is usable (here: refused after an interrupted step), and
-    training resumes exactly from the checkpoint."""
+    training resumes exactly from the checkpoint. ``module``: called as transformers' Trainer
+    calls it, ``engine.module(...)``, with no engine code around the call."""
     ref = infinity.initialize(_CtrlCInForward(), _cfg(tmp_path / "ref"))
     for step in range(2):
         ref.backward(_loss(ref, step))
@@ -281,7 +283,7 @@ def test_a_ctrl_c_inside_forward_ends_the_pass(tmp_path, monkeypatch):
     engine.save_checkpoint(tmp_path / "ckpt")
     _CtrlCInForward.armed = True
     with pytest.raises(KeyboardInterrupt):
-        _loss(engine, 0)
+        (engine if call == "engine" else engine.module)(_batch(0)[0])
     engine.backward(_loss(engine, 0))  # a later forward and backward still work
     calls = []
     real = engine.optimizer._update
@@ -305,3 +307,24 @@ def test_a_ctrl_c_inside_forward_ends_the_pass(tmp_path, monkeypatch):
     got = engine.gathered_weights()
     engine.close()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["engine.backward", "loss.backward"])
+def test_after_an_interrupted_backward_the_next_backward_ends_and_is_counted(tmp_path, caplog, plain):
+    """A backward that raised never runs the end-of-pass callback it queued with autograd; the
+    next backward must still end its pass (and be counted: with overlap, the step compares the
+    count with optimizer.gradient_accumulation_steps, and warned of "0 backward passes")."""
+    engine = infinity.initialize(_Model(), _cfg(tmp_path / "a"))
+    _Interrupt.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        engine.backward(_loss(engine, 0))
+    engine.zero_grad()
+    if plain:
+        _loss(engine, 0).backward()
+    else:
+        engine.backward(_loss(engine, 0))
+    assert not engine.scheduler.in_backward
+    with caplog.at_level("WARNING", logger="infinity"):
+        engine.step()
+    engine.close()
+    assert "backward passes" not in caplog.text
