@@ -8,17 +8,20 @@ storage would).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
+import xxhash
 
 from infinity import aio
 
-from ._checksum import SwapCorruption, checksum
-from ._common import round_up
+from ._checksum import PREFIX, SwapCorruption, checksum
+from ._common import ALIGNMENT, round_up
 from ._io import Transfer, plain_alloc
 from ._manifest import (
     MANIFEST_NAME,
     SPACE_NAME,
+    Extent,
     ManifestError,
     Manifest,
     TensorRecord,
@@ -26,6 +29,8 @@ from ._manifest import (
     load_manifest,
     load_space_json,
 )
+
+CHUNK_BYTES = 64 << 20  # what `read_chunks` holds at once: a tool's memory, whatever the tensor's size
 
 
 class SpaceReader:
@@ -110,6 +115,33 @@ class SpaceReader:
             self.check(record, data)
         return out
 
+    def read_chunks(self, name: str, *, verify: bool = False, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        """The tensor ``name``, flat, as consecutive pieces of at most ``chunk_bytes`` bytes,
+        so that a tensor larger than memory can be checked or summarised. Every piece is read
+        into the same buffer, which the next one overwrites: use or copy it before asking for
+        the next. With ``verify`` the checksum covers the whole tensor, so its SwapCorruption
+        comes after the last piece: nothing drawn from the pieces is good before the end."""
+        record = self.info(name)
+        dtype = DTYPES[record.dtype]
+        if chunk_bytes <= 0 or chunk_bytes % ALIGNMENT:
+            raise ValueError(f"{chunk_bytes=} is not a positive multiple of {ALIGNMENT=} (O_DIRECT reads)")
+        try:
+            files = {e.file: self._file(e.file) for e in record.extents}
+        except OSError as e:
+            raise OSError(e.errno, f"tensor {name!r}: {e.strerror}", e.filename) from None
+        digest = xxhash.xxh3_64() if verify and record.checksum is not None else None
+        buffer = aio.empty_aligned(max(min(round_up(record.nbytes), chunk_bytes), 1), pin=False)  # 1-D uint8
+        for lo in range(0, record.nbytes, chunk_bytes):
+            hi = min(lo + chunk_bytes, record.nbytes)
+            data = buffer[: hi - lo]
+            Transfer(self.engine, files, _extents_within(record.extents, lo, hi), data, write=False,
+                     alloc=plain_alloc, name=name).wait()  # fmt: skip
+            if digest is not None:
+                digest.update(data.numpy())
+            yield data.view(dtype)
+        if digest is not None and f"{PREFIX}{digest.hexdigest()}" != record.checksum:
+            self._corrupt(record, f"{PREFIX}{digest.hexdigest()}")
+
     def check(self, record: TensorRecord, data: torch.Tensor) -> None:
         """Raise SwapCorruption unless ``data`` (the tensor's bytes) matches its checksum. A
         record without one (a version-1 manifest opened with ``allow_unchecked``) passes."""
@@ -117,11 +149,14 @@ class SpaceReader:
             return
         actual = checksum(data.numpy())
         if actual != record.checksum:
-            first = record.extents[0] if record.extents else None
-            raise SwapCorruption(
-                record.name, self.file_path(first.file) if first else self.rank_dir,
-                first.offset if first else 0, record.checksum, actual,
-            )  # fmt: skip
+            self._corrupt(record, actual)
+
+    def _corrupt(self, record: TensorRecord, actual: str):
+        first = record.extents[0] if record.extents else None
+        raise SwapCorruption(
+            record.name, self.file_path(first.file) if first else self.rank_dir,
+            first.offset if first else 0, record.checksum, actual,
+        )  # fmt: skip
 
     def close(self) -> None:
         for f in self._files.values():
@@ -136,3 +171,16 @@ class SpaceReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _extents_within(extents, lo: int, hi: int) -> list[Extent]:
+    """The parts of ``extents`` (a tensor's, in order) that hold its bytes [lo, hi); ``lo`` a
+    multiple of the alignment, as every extent but the last is long (see [Note: swap alignment]),
+    so each part starts aligned in its file."""
+    out, pos = [], 0
+    for e in extents:
+        a, b = max(lo, pos), min(hi, pos + e.nbytes)
+        if a < b:
+            out.append(Extent(e.file, e.offset + a - pos, b - a))
+        pos += e.nbytes
+    return out

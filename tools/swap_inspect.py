@@ -193,22 +193,26 @@ def print_summary(s: dict) -> None:
 
 
 # -- reading tensors back ---------------------------------------------------------------------
-def read_back(reader: SpaceReader, name: str, record: dict) -> torch.Tensor | None:
-    """Read ``name`` with its checksum checked; set record's status ("ok", "unverified": read
-    but without a checksum to check, "bad") and, when bad or unverified, its error: the
-    SwapCorruption, the I/O error, or why there was nothing to check against."""
+def read_back(reader: SpaceReader, name: str, record: dict, each=None) -> bool:
+    """Read ``name`` with its checksum checked, in bounded pieces (`SpaceReader.read_chunks`:
+    a tensor larger than memory is checked too), giving each to ``each``; set record's status
+    ("ok", "unverified": read but without a checksum to check, "bad") and, when bad or
+    unverified, its error: the SwapCorruption, the I/O error, or why there was nothing to check
+    against. False when bad: then what ``each`` saw is not the tensor."""
     try:
-        tensor = reader.read(name, verify=True)
+        for piece in reader.read_chunks(name, verify=True):
+            if each is not None:
+                each(piece)
     except OSError as e:  # SwapCorruption is one; the reader's errors name the tensor
         text = str(e)
         record.update(status="bad", error=text if f"tensor {name!r}" in text else f"tensor {name!r}: {text}")
-        return None
+        return False
     if record["checksum"]:
         record["status"] = "ok"
     else:
         record.update(status="unverified", error=f"tensor {name!r}: no checksum recorded (a version-"
                       f"{reader.manifest.version} manifest), so its bytes could not be checked")  # fmt: skip
-    return tensor
+    return True
 
 
 def verify(readers: list[SpaceReader], summaries: list[dict], quiet: bool) -> dict:
@@ -231,25 +235,35 @@ def verify(readers: list[SpaceReader], summaries: list[dict], quiet: bool) -> di
                 unverified=statuses.count("unverified"))  # fmt: skip
 
 
-def tensor_stats(tensor: torch.Tensor) -> dict:
+class TensorStats:
     """min, max, mean and L2 norm of the finite elements (in float64; of |x| for complex) and
-    how many are NaN or infinite. Chunked, so a large tensor needs no float64 copy of itself."""
-    flat = tensor.reshape(-1)
-    flat = flat.abs() if flat.is_complex() else flat
-    lo = hi = None
-    total, norm, finite, nan, inf = 0.0, 0.0, 0, 0, 0
-    for chunk in flat.split(1 << 22):
-        x = chunk.to(torch.float64)
-        nan += int(torch.isnan(x).sum())
-        inf += int(torch.isinf(x).sum())
-        x = x[torch.isfinite(x)]
-        if x.numel():
-            lo = min(lo, float(x.min())) if lo is not None else float(x.min())
-            hi = max(hi, float(x.max())) if hi is not None else float(x.max())
-            total, finite = total + float(x.sum()), finite + x.numel()
-            norm = math.hypot(norm, float(torch.linalg.vector_norm(x)))  # no overflow from squaring
-    return dict(min=lo, max=hi, mean=total / finite if finite else None, norm=norm, numel=flat.numel(),
-                finite=finite, nan=nan, inf=inf)  # fmt: skip
+    how many are NaN or infinite, over the pieces of a tensor given to ``add`` in turn. Each
+    piece is taken 4M elements at a time, so no float64 copy of a large tensor is made."""
+
+    def __init__(self):
+        self.lo = self.hi = None
+        self.total, self.norm, self.numel, self.finite, self.nan, self.inf = 0.0, 0.0, 0, 0, 0, 0
+
+    def add(self, piece: torch.Tensor) -> None:
+        flat = piece.reshape(-1)
+        flat = flat.abs() if flat.is_complex() else flat
+        self.numel += flat.numel()
+        for chunk in flat.split(1 << 22):
+            x = chunk.to(torch.float64)
+            keep = torch.isfinite(x)
+            finite, nan = int(keep.sum()), int(torch.isnan(x).sum())
+            self.nan, self.inf = self.nan + nan, self.inf + x.numel() - finite - nan
+            if finite < x.numel():  # no copy of the common, all-finite piece
+                x = x[keep]
+            if x.numel():
+                self.lo = min(self.lo, float(x.min())) if self.lo is not None else float(x.min())
+                self.hi = max(self.hi, float(x.max())) if self.hi is not None else float(x.max())
+                self.total, self.finite = self.total + float(x.sum()), self.finite + x.numel()
+                self.norm = math.hypot(self.norm, float(torch.linalg.vector_norm(x)))  # no overflow from squaring
+
+    def as_dict(self) -> dict:
+        return dict(min=self.lo, max=self.hi, mean=self.total / self.finite if self.finite else None, norm=self.norm,
+                    numel=self.numel, finite=self.finite, nan=self.nan, inf=self.inf)  # fmt: skip
 
 
 def inspect_tensor(directory: str, readers: list[SpaceReader], name: str) -> list[dict]:
@@ -267,8 +281,8 @@ def inspect_tensor(directory: str, readers: list[SpaceReader], name: str) -> lis
                       shape=list(t.shape), nbytes=t.nbytes, generation=t.generation, checksum=t.checksum,
                       extents=[dict(file=e.file, path=r.file_path(e.file), offset=e.offset, nbytes=e.nbytes)
                                for e in t.extents])  # fmt: skip
-        tensor = read_back(r, name, record)
-        record["stats"] = tensor_stats(tensor) if tensor is not None else None
+        stats = TensorStats()
+        record["stats"] = stats.as_dict() if read_back(r, name, record, stats.add) else None
         out.append(record)
     return out
 

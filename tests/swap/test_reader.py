@@ -41,3 +41,32 @@ def test_a_missing_arena_file_only_affects_the_tensors_in_it(open_space, dirs):
 def test_a_directory_without_a_manifest_is_not_a_space(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a swap space"):
         swap.SpaceReader(tmp_path)
+
+
+def test_read_chunks_gives_a_striped_tensor_in_bounded_pieces_and_checks_the_whole(open_space, dirs):
+    """Pieces of 8 KiB over a tensor striped in 4 KiB extents over two files, its last extent
+    short: their concatenation is the tensor; a flipped byte in the last extent is reported
+    as the tensor's checksum mismatch, after the last piece."""
+    space = open_space(paths=dirs(2), stripe_size=4096, stripe_threshold=8192)
+    t = torch.randn(10_000, dtype=torch.float64)  # 80,000 bytes: 20 extents, the last 2,368 bytes
+    space.put("a/param", t).result()
+    space.close()
+    extents = space.info("a/param").extents
+    assert len({e.file for e in extents}) == 2 and extents[-1].nbytes % 4096
+    with swap.SpaceReader(space.rank_dirs[0]) as reader:
+        pieces = [p.clone() for p in reader.read_chunks("a/param", verify=True, chunk_bytes=8192)]
+        assert [p.numel() for p in pieces] == [1024] * 9 + [784]
+        assert torch.equal(torch.cat(pieces), t)
+        last = extents[-1]
+        path = reader.file_path(last.file)
+    with open(path, "r+b") as f:
+        f.seek(last.offset + 8)
+        byte = f.read(1)
+        f.seek(last.offset + 8)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with swap.SpaceReader(space.rank_dirs[0]) as reader:
+        seen = 0
+        with pytest.raises(swap.SwapCorruption, match="'a/param'"):
+            for p in reader.read_chunks("a/param", verify=True, chunk_bytes=8192):
+                seen += p.numel()
+        assert seen == t.numel()
