@@ -108,11 +108,19 @@ def checkpoint_summary(directory: str) -> dict | None:
                 client_state_keys=sorted(client) if isinstance(client, dict) else None)  # fmt: skip
 
 
+def shown(text) -> str:
+    """``text`` as the human output prints it: itself when every character is printable, else
+    its Python repr (quoted, control characters escaped), so that a name read from disk cannot
+    send an escape sequence to the terminal. --json keeps every name exact."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
+
+
 def print_checkpoint(c: dict) -> None:
-    client = f"; client_state: {', '.join(c['client_state_keys'])}" if c["client_state_keys"] else ""
-    print(f"checkpoint {c.get('tag')}: {c['directory']}\n  step {c['step']}, saved by {c['world_size']} "
-          f"rank(s) at stage {c['stage']}, params {c['param_dtype']}, {c['units']} units, "
-          f"{c.get('saved_at', '?')}{client}")  # fmt: skip
+    client = f"; client_state: {', '.join(map(shown, c['client_state_keys']))}" if c["client_state_keys"] else ""
+    print(f"checkpoint {shown(c.get('tag'))}: {shown(c['directory'])}\n  step {c['step']}, saved by "
+          f"{c['world_size']} rank(s) at stage {c['stage']}, params {c['param_dtype']}, {c['units']} units, "
+          f"{shown(c.get('saved_at', '?'))}{client}")  # fmt: skip
 
 
 # -- what a rank holds ------------------------------------------------------------------------
@@ -166,17 +174,19 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 
 
 def print_summary(s: dict) -> None:
-    print(f"rank {s['rank']}: {s['rank_dir']} (space {s['space_id']}, manifest generation {s['generation']})")
+    print(f"rank {s['rank']}: {shown(s['rank_dir'])} (space {shown(s['space_id'])}, manifest generation "
+          f"{s['generation']})")  # fmt: skip
     for k, member in enumerate(s["members"]):
-        print(f"  member {k}: {member}")
+        print(f"  member {k}: {shown(member)}")
     for f in s["files"]:
         note = {"ok": "", "missing": "  MISSING", "short": f"  SHORT: {f['on_disk']} bytes on disk"}[f["status"]]
-        print(f"  arena {f['index']}: {f['path']}  {human_size(f['size'])}{note}")
+        print(f"  arena {f['index']}: {shown(f['path'])}  {human_size(f['size'])}{note}")
     print(f"  space: {human_size(s['capacity'])} in {len(s['files'])} arena files; used {human_size(s['used'])}, "
           f"free {human_size(s['free'])}, leaked {human_size(s['leaked_bytes'])}")  # fmt: skip
     for x in s["leaked"]:
-        print(f"  leaked: {x['path']}  {human_size(x['size'])}  ({x['why']})")
-    kinds = ", ".join(f"{k or '(no kind)'} {v['tensors']} ({human_size(v['bytes'])})" for k, v in s["kinds"].items())
+        print(f"  leaked: {shown(x['path'])}  {human_size(x['size'])}  ({x['why']})")
+    kinds = ", ".join(f"{shown(k) if k else '(no kind)'} {v['tensors']} ({human_size(v['bytes'])})"
+                      for k, v in s["kinds"].items())  # fmt: skip
     total = sum(t["nbytes"] for t in s["tensors"])
     print(f"  tensors: {len(s['tensors'])}, {human_size(total)}" + (f": {kinds}" if kinds else ""))
     if not s["tensors"]:
@@ -187,8 +197,8 @@ def print_summary(s: dict) -> None:
         first = files[t["extents"][0][0]] if t["extents"] else None
         where = "-" if first is None else f"d{first['member']}/{first['name']}" if striped else first["name"]
         more = f"+{len(t['extents']) - 1}" if len(t["extents"]) > 1 else ""
-        rows.append([t["name"], t["dtype"], "[" + ",".join(map(str, t["shape"])) + "]", human_size(t["nbytes"]),
-                     where + more, str(t["extents"][0][1]) if first else "-", t["checksum"] or "-"])  # fmt: skip
+        rows.append([shown(t["name"]), t["dtype"], "[" + ",".join(map(str, t["shape"])) + "]", human_size(t["nbytes"]),
+                     shown(where) + more, str(t["extents"][0][1]) if first else "-", t["checksum"] or "-"])  # fmt: skip
     print("\n".join("  " + line for line in _table(rows, right={3, 5})))
 
 
@@ -226,7 +236,7 @@ def verify(readers: list[SpaceReader], summaries: list[dict], quiet: bool) -> di
             if t["status"] != "ok" and not quiet:
                 progress.clear()
                 label = "BAD" if t["status"] == "bad" else "NOT VERIFIED"
-                print(f"{label} rank {reader.manifest.rank}: {t['error']}", flush=True)
+                print(f"{label} rank {reader.manifest.rank}: {shown(t['error'])}", flush=True)
             progress.done, done = progress.done + 1, done + t["nbytes"]
     finally:
         progress.clear()
@@ -289,13 +299,13 @@ def inspect_tensor(directory: str, readers: list[SpaceReader], name: str) -> lis
 
 def print_tensor(t: dict) -> None:
     check = {"ok": "verified", "unverified": "none", "bad": "MISMATCH"}[t["status"]]
-    print(f"rank {t['rank']}: {t['rank_dir']}\n  tensor      {t['name']}\n  dtype       {t['dtype']}\n"
+    print(f"rank {t['rank']}: {shown(t['rank_dir'])}\n  tensor      {shown(t['name'])}\n  dtype       {t['dtype']}\n"
           f"  shape       {t['shape']}\n  bytes       {t['nbytes']} ({human_size(t['nbytes'])})\n"
           f"  generation  {t['generation']}\n  checksum    {t['checksum'] or '-'} ({check})")  # fmt: skip
     for i, e in enumerate(t["extents"]):
-        print(f"  extent {i}    {e['path']} offset {e['offset']}, {e['nbytes']} bytes")
+        print(f"  extent {i}    {shown(e['path'])} offset {e['offset']}, {e['nbytes']} bytes")
     if t["status"] == "bad":
-        print(f"  BAD: {t['error']}")
+        print(f"  BAD: {shown(t['error'])}")
     elif (s := t["stats"]) is not None:
         fmt = lambda v: "-" if v is None else f"{v:.6g}"  # noqa: E731
         print(f"  stats       min {fmt(s['min'])}, max {fmt(s['max'])}, mean {fmt(s['mean'])}, "
@@ -336,7 +346,10 @@ output:
   generation, checksum, every extent's file and offset) and, read back with its checksum
   checked, min, max, mean and L2 norm of its finite elements (in float64; of |x| for
   complex dtypes) and its NaN and Inf counts.
-  --json: the same as one JSON object on stdout, sizes in bytes: {"path", "ranks": [{
+  Tensors are read in pieces of at most 64 MiB, whatever their size. A name (of a tensor, a
+  file, a tag) holding a character that is not printable, such as a terminal escape
+  sequence, is shown as its Python repr, quoted.
+  --json: the same as one JSON object on stdout, sizes in bytes, names exact: {"path", "ranks": [{
   "rank", "rank_dir", "space_id", "generation", "alignment", "members", "files": [{"index",
   "member", "name", "path", "size", "on_disk", "status"}], "capacity", "used", "free",
   "leaked_bytes", "leaked": [{"path", "size", "why"}], "kinds", "tensors": [{"name",
@@ -403,10 +416,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(result))
             return int(bool(args.verify and (v["bad"] or v["unverified"])))
     except BadInput as e:
-        print(f"swap-inspect: error: {e}", file=sys.stderr)
+        print(f"swap-inspect: error: {shown(e)}", file=sys.stderr)
         return 2
     except (OSError, aio.BackendUnavailable) as e:
-        print(f"swap-inspect: error: {e}", file=sys.stderr)
+        print(f"swap-inspect: error: {shown(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nswap-inspect: interrupted", file=sys.stderr)

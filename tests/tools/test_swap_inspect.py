@@ -447,3 +447,26 @@ def test_a_meta_json_that_is_not_plain_json(tmp_path, capsys, content, needle):
     assert_error(capsys, [checkpoint], f"{checkpoint / 'meta.json'}: {needle}")
     with pytest.raises(CheckpointError, match=re.escape(f"{checkpoint / 'meta.json'}: {needle}")):
         load_meta(str(checkpoint))
+
+
+def test_names_with_terminal_escapes_are_shown_escaped_and_json_keeps_them_exact(tmp_path, capsys):
+    """A tensor name, a state kind or a stray file's name may hold control characters (an
+    escape sequence that clears the screen or retitles the terminal): the human output shows
+    such a name as its Python repr, every character printable; --json keeps the exact name."""
+    evil, stray = "evil\x1b[2J\x07/par\x9bam", "junk\x1b]0;owned\x07"
+    rank_dir = build_space([tmp_path / "d0"], {evil: torch.ones(10), "plain/param": torch.zeros(3)})
+    (rank_dir / stray).write_text("x")
+    outputs = []
+    for args in ([], ["--verify"], ["--tensor", evil]):
+        code, out, err = run(capsys, rank_dir, *args)
+        assert code == 0, err
+        outputs.append(out)
+        assert all(line.isprintable() for line in out.splitlines()), out
+    summary, verified, tensor = outputs
+    assert repr(evil) in summary and repr(str(rank_dir / stray)) in summary and repr("par\x9bam") in summary
+    assert "plain/param" in summary and "'plain/param'" not in summary  # printable names as they are
+    assert f"  tensor      {evil!r}" in tensor.splitlines()
+    code, out, _ = run(capsys, rank_dir, "--tensor", evil, "--json")
+    assert code == 0 and json.loads(out)["records"][0]["name"] == evil
+    code, out, _ = run(capsys, rank_dir, "--json")
+    assert {t["name"] for t in json.loads(out)["ranks"][0]["tensors"]} == {evil, "plain/param"}
