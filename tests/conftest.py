@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,61 @@ def interrupt_once(monkeypatch):
 
     monkeypatch.setattr(transfer, "wait", wait)
     return lambda: armed.append(True)
+
+
+@pytest.fixture
+def sigint_after_submit():
+    """sigint_after_submit(engine): the engine's next hand-over of a request to its backend
+    (``engine._start``) is followed at once by a real SIGINT, so the KeyboardInterrupt lands
+    after the kernel or thread pool has the request and before `pread`/`pwrite` returns."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def arm(engine) -> None:
+        real = engine._start
+
+        def start(*args, **kwargs):
+            del engine._start  # one shot
+            out = real(*args, **kwargs)
+            signal.raise_signal(signal.SIGINT)
+            return out
+
+        engine._start = start
+
+    yield arm
+    signal.signal(signal.SIGINT, old)
+
+
+@pytest.fixture
+def held_source(monkeypatch, tmp_path):
+    """held_source(backend, data) -> (fd, release): a file descriptor whose read by ``backend``
+    does not complete until ``release()``: a pipe written at release for uring (io_uring reads
+    a pipe whenever it has data), a plain file whose os.preadv waits for release for threads."""
+    gates: dict[int, threading.Event] = {}
+    real = os.preadv
+    fds = []
+
+    def held(fd, buffers, offset, *args):
+        gate = gates.get(fd)
+        if gate is not None:
+            gate.wait(timeout=60)
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", held)
+
+    def make(backend: str, data: bytes):
+        if backend == "uring":
+            r, w = os.pipe()
+            fds.extend((r, w))
+            return r, lambda: os.write(w, data)
+        path = tmp_path / f"held{len(gates)}"
+        path.write_bytes(data)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fds.append(fd)
+        gates[fd] = threading.Event()
+        return fd, gates[fd].set
+
+    yield make
+    for gate in gates.values():
+        gate.set()
+    for fd in fds:  # a pipe's write end closing ends a read still waiting on it (EOF)
+        os.close(fd)

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
 
-from infinity.swap import WriteBehind
+import infinity.aio as aio
+from infinity.swap import HostBufferPool, WriteBehind
+
+NBYTES = 64 << 10
 
 
 def _manifest_names(path: str) -> list[str]:
@@ -131,3 +135,65 @@ def test_a_write_added_over_an_interrupted_one_under_its_key_is_tracked():
         writes.drain()  # the new one's first wait is interrupted too
     writes.drain()
     assert old_buf.released and new_buf.released
+
+
+@pytest.fixture(params=[pytest.param("uring", marks=pytest.mark.uring), "threads"])
+def engine(request):
+    """An aio engine of each backend that runs here (the others skipped with the reason)."""
+    status = aio.probe()[request.param]
+    if not status.available:
+        pytest.skip(f"aio backend {request.param!r} unavailable: {status.reason}")
+    engine = aio.open_engine(request.param)
+    yield engine
+    engine.close()
+
+
+def test_a_buffer_released_while_an_orphaned_read_fills_it_is_not_handed_out(
+    engine, held_source, sigint_after_submit, no_hang
+):
+    # The caller's Ctrl-C lands after the backend has the read and before pread returns, so
+    # nothing the caller holds waits for it; its cleanup gives the buffer back at once.
+    pool = HostBufferPool(1 << 20, engine=engine, slab_size=1 << 20)
+    fd, release = held_source(engine.backend, b"\xab" * NBYTES)
+    lease = pool.acquire(NBYTES)
+    sigint_after_submit(engine)
+    with pytest.raises(KeyboardInterrupt):
+        engine.pread(lease.tensor, fd, 0)
+    lease.release()
+    mine = pool.acquire(NBYTES)  # the next owner
+    mine.tensor.fill_(0x11)
+    release()
+    engine.close()  # every request the backend was given has ended
+    assert int((mine.tensor != 0x11).sum()) == 0, "the orphaned read overwrote the next owner's buffer"
+    mine.release()
+    assert pool.stats()["in_use_bytes"] == 0  # the read's buffer came back once it ended
+    pool.close()
+
+
+def test_a_sigint_in_a_get_never_lets_the_pool_hand_out_the_buffer_being_read(
+    open_space, monkeypatch, sigint_after_submit, no_hang
+):
+    engine = aio.open_engine("threads")  # os.preadv is where the read can be held
+    gate, real = threading.Event(), os.preadv
+
+    def held(*args):
+        gate.wait(timeout=60)
+        return real(*args)
+
+    try:
+        space = open_space(engine=engine)
+        space.put("x", torch.arange(NBYTES // 4, dtype=torch.float32)).result()
+        monkeypatch.setattr(os, "preadv", held)
+        sigint_after_submit(engine)
+        with pytest.raises(KeyboardInterrupt):
+            space.get("x")  # into a pool buffer, which get's cleanup releases
+        mine = space.pool.acquire(NBYTES)
+        mine.tensor.fill_(0x11)
+        gate.set()
+        engine.close()  # every request the backend was given has ended
+        assert int((mine.tensor != 0x11).sum()) == 0, "the orphaned read overwrote the next owner's buffer"
+        mine.release()
+        space.close()
+    finally:
+        gate.set()
+        engine.close()
