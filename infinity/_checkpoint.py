@@ -508,10 +508,7 @@ def _check_model(engine, meta: dict, where: str) -> None:
     saved_modules = list(dict.fromkeys(s["name"].partition("#")[0] for s in saved))  # in order, once each
     same_modules = saved_modules == list(dict.fromkeys(u.path for u in engine.units))
     if saved and same_modules and [s["name"] for s in saved] != [u.name for u in engine.units]:
-        then = meta.get("config", {}).get("memory", {}).get("tile_size", "?")
-        raise CheckpointError(f"{where}: saved with its large modules split into other tiles (memory.tile_size="
-                              f"{then}; this engine's is {engine.config.memory.tile_size}, with some tier off the "
-                              "device); load it with the memory.tile_size it was saved with")  # fmt: skip
+        raise CheckpointError(_other_tiles(engine, meta, where))
     if len(saved) != len(engine.units):
         raise CheckpointError(f"{where}: saved from a model with {len(saved)} parameter units, this one has "
                               f"{len(engine.units)}: not the same model")  # fmt: skip
@@ -519,6 +516,42 @@ def _check_model(engine, meta: dict, where: str) -> None:
         if s["name"] != u.name or s["numel"] != u.numel:
             raise CheckpointError(f"{where}: unit {u.name!r} ({u.numel} elements) was saved as {s['name']!r} "
                                   f"({s['numel']} elements): not the same model")  # fmt: skip
+
+
+def _other_tiles(engine, meta: dict, where: str) -> str:
+    """Why the checkpoint ``where``, of the same modules, has other units than ``engine``: its
+    large modules cut into other tiles, or one side tiled and the other whole. Tiles are cut
+    only where some tier is not the device, so the tiers decide as much as memory.tile_size."""
+    saved_config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    saved_tiers, saved_memory = saved_config.get("tiers") or {}, saved_config.get("memory") or {}
+    then = saved_memory.get("tile_size", "?")
+    now = engine.config.memory.tile_size
+    saved_tiled = sorted({s["name"].partition("#")[0] for s in meta["units"] if "#" in s["name"]})
+    tiled = sorted({u.path for u in engine.units if u.is_tile})
+    saved_on_device = all(saved_tiers.get(k) == "device" for k in ("params", "grads", "optimizer"))
+    on_device = all(getattr(engine.config.tiers, k) == "device" for k in ("params", "grads", "optimizer"))
+
+    def whole(on_device_then: bool, size) -> str:
+        if on_device_then:
+            return "whole, saved with every tier on the device (where nothing is tiled)"
+        return f"whole (memory.tile_size={size})"
+
+    if saved_tiled and tiled:
+        held, here = (f"{', '.join(saved_tiled)} in tiles of memory.tile_size={then}",
+                      f"in tiles of memory.tile_size={now}")  # fmt: skip
+        advice = f"load it with memory.tile_size={then}"
+    elif saved_tiled:
+        held = f"{', '.join(saved_tiled)} in tiles of memory.tile_size={then}"
+        here = ("whole: every tier is on the device, where nothing is tiled" if on_device
+                else f"whole (memory.tile_size={now})")  # fmt: skip
+        advice = (f"load it into an engine with some tier off the device and memory.tile_size={then} (to carry "
+                  "only the weights over, use save_pretrained and from_pretrained)")  # fmt: skip
+    else:
+        held = f"{', '.join(tiled)} {whole(saved_on_device, then)}"
+        here = f"in tiles of memory.tile_size={now}"
+        advice = "load it with memory.tile_size=None (no tiles), or with every tier on the device"
+    return (f"{where}: holds {held}; this engine holds them {here}. A checkpoint keeps its state per unit (per "
+            f"tile), so it loads only into an engine that cuts the modules as it did: {advice}")
 
 
 def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:

@@ -327,3 +327,41 @@ def test_files_are_private_and_load_needs_no_pickle(tmp_path, monkeypatch):
         monkeypatch.setattr(pickle, name, refuse)
     engine.load_checkpoint(tmp_path / "ck")
     engine.close()
+
+
+class _WithHead(torch.nn.Module):
+    """A 24 -> 300 output layer: 29 KiB of fp32 weight, tiled by memory.tile_size = 4KiB."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden, self.head = torch.nn.Linear(16, 24), torch.nn.Linear(24, 300)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.hidden(x)))
+
+
+def _tiled_engine(tmp_path, tiers, name):
+    (tmp_path / name).mkdir()
+    cfg = config(str(tmp_path / name), tiers, memory={"tile_size": "4KiB", "host_budget": "64MiB"})
+    return infinity.initialize(_WithHead(), cfg)
+
+
+@pytest.mark.parametrize("saved, loaded", [(("nvme",) * 3, ("device",) * 3), (("device",) * 3, ("cpu",) * 3)])
+def test_tiles_against_whole_modules_with_one_tile_size_say_that_the_tiers_decide(tmp_path, saved, loaded):
+    """Saved and loaded with the same memory.tile_size, but one engine has every tier on the
+    device (where nothing is tiled): the refusal says so, and not "this engine's is 4096 ...
+    load it with the memory.tile_size it was saved with", which that engine already has."""
+    with _tiled_engine(tmp_path, saved, "a") as engine:
+        engine.save_checkpoint(tmp_path / "ck")
+    with _tiled_engine(tmp_path, loaded, "b") as engine:
+        with pytest.raises(CheckpointError) as info:
+            engine.load_checkpoint(tmp_path / "ck")
+    text = str(info.value)
+    assert "load it with the memory.tile_size it was saved with" not in text
+    if saved == ("nvme",) * 3:
+        assert "head in tiles of memory.tile_size=4096" in text and "every tier is on the device" in text, text
+        assert "some tier off the device and memory.tile_size=4096" in text, text
+    else:
+        assert "whole, saved with every tier on the device" in text and "in tiles of memory.tile_size=4096" in text
+        assert "memory.tile_size=None" in text, text
