@@ -163,6 +163,7 @@ class Scheduler:
         self._began = False  # the outermost root call set up the pass
         self._saved_hooks = None  # the saved-tensor hooks of the pass, while the root runs
         self._end_queued = False  # the end of this backward is queued with autograd
+        self.owner = None  # the engine's `_owner.Owner`: a root call is an entry point
         self._before_forward = None  # the engine's checks, before each pass
         self._after_backward = None  # the engine's end of a backward pass
         # The engine's overlap (see _overlap): told when a backward is due, with the units
@@ -172,12 +173,13 @@ class Scheduler:
         self.on_pool_pressure = None  # the pool has no room for what backward needs now
 
     # -- hooks ------------------------------------------------------------------------------
-    def install(self, root: nn.Module, *, before_forward, after_backward) -> None:
+    def install(self, root: nn.Module, *, before_forward, after_backward, owner=None) -> None:
         """Hook ``root`` and every module that uses a unit. Calling ``root`` itself (what
         ``engine(...)``, transformers' Trainer and accelerate do alike) runs a whole pass:
         ``before_forward()`` first, the saved-tensor hooks around it; and a backward through
-        its outputs ends with ``after_backward()``."""
-        self._before_forward, self._after_backward = before_forward, after_backward
+        its outputs ends with ``after_backward()``. ``owner`` (`_owner.Owner`) is entered for
+        each root call: a second thread's is refused."""
+        self._before_forward, self._after_backward, self.owner = before_forward, after_backward, owner
         self._handles.append(root.register_forward_pre_hook(self._root_pre_hook, prepend=True))
         self._install_modules()
         for module, tiles in self.tiled.items():
@@ -208,9 +210,12 @@ class Scheduler:
             _tiled.remove(module)
 
     def _root_pre_hook(self, module, args):
-        if self._depth and not self._outer_call_live(module):
-            self.end_interrupted_pass()
-        self._depth += 1
+        with held_interrupts:  # one owner entry per root call counted in _depth (see end_interrupted_pass)
+            if self.owner is not None:
+                self.owner.enter("forward")  # another thread inside: refused before anything changes
+            if self._depth and not self._outer_call_live(module):
+                self.end_interrupted_pass()
+            self._depth += 1
         if self._depth == 1:
             self._before_forward()
             self.begin_forward()
@@ -221,6 +226,16 @@ class Scheduler:
 
     def _root_post_hook(self, module, args, output):
         """Runs also when the forward raised (``always_call``): the pass always ends."""
+        if self.owner is None:
+            return self._end_root_call(output)
+        if not self.owner.holds():
+            return output  # a call refused in the pre-hook: another thread is inside
+        try:
+            return self._end_root_call(output)
+        finally:
+            self.owner.exit()
+
+    def _end_root_call(self, output):
         self._depth -= 1
         if self._depth > 0 or not self._began:
             return output
@@ -262,8 +277,10 @@ class Scheduler:
         always-called forward hooks on an Exception only, so `_root_post_hook` did not run. Its
         saved-tensor hooks come off, the units its modules held are released, and the next
         root call begins a pass again (checking first that the engine is usable)."""
-        began, hooks = self._began, self._saved_hooks
+        began, hooks, depth = self._began, self._saved_hooks, self._depth
         self._depth, self._began, self._saved_hooks = 0, False, None
+        if self.owner is not None:
+            self.owner.exit(depth)  # the entries of the root calls left
         if began and hooks is not None:
             hooks.__exit__(None, None, None)
         for unit in self.units:
@@ -433,11 +450,13 @@ class Scheduler:
         if self.always_ready or not self._by_storage:
             return t
         try:
-            unit = self._by_storage.get(t.untyped_storage().data_ptr())
+            ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return t
-        if unit is None or unit.full is None or unit.full.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
-            return t  # not a unit's memory (an entry a Ctrl-C left behind names memory since reused)
+        unit = self._by_storage.get(ptr)
+        # An entry a Ctrl-C left behind may name memory given back since: only a bound unit's counts.
+        if unit is None or unit.full is None or unit.full.untyped_storage().data_ptr() != ptr:
+            return t
         return _UnitView(unit, t.storage_offset() - unit.full.storage_offset(), t.size(), t.stride())
 
     def unpack(self, saved):

@@ -32,6 +32,7 @@ from ._export import export_safetensors
 from ._grads import GradAccumulator
 from ._optim import KINDS, POOL_SLACK, READ_AHEAD, Optimizer, make_groups, resolve
 from ._overlap import Overlap, group_bytes
+from ._owner import Owner, entry
 from ._scaler import LossScaler
 from ._schedule import Scheduler
 from ._statedict import StateDictHooks
@@ -71,6 +72,7 @@ class Engine:
         self._stats = Stats()
         self._scaler = LossScaler(cfg.precision) if self.dtype == torch.float16 else None
         self._closed = True
+        self._owner = Owner()  # one thread inside at a time (see `_owner`)
         self._unusable: str | None = None  # why training cannot go on (a load that failed half-way)
         self._scaled_backward = False  # inside engine.backward (fp16: the loss is scaled)
         self._grads_incomplete: str | None = None  # why the step's gradients are not whole
@@ -158,7 +160,8 @@ class Engine:
             for key, buf in mod._buffers.items():
                 if buf is not None and buf.device != dev:
                     mod._buffers[key] = buf.to(dev)
-        self.scheduler.install(module, before_forward=self._check_usable, after_backward=self._end_backward)
+        self.scheduler.install(module, before_forward=self._check_usable, after_backward=self._end_backward,
+                               owner=self._owner)  # fmt: skip
         self._state_hooks = StateDictHooks(self, module)
         self._backwards = 0  # backward passes since the last step
         self._told_accumulation = False
@@ -264,10 +267,12 @@ class Engine:
             return self.module(*args, **kwargs)
         except BaseException as e:
             self.dist.report_failure(e)  # see [Note: rank failures]
-            if outermost and self.scheduler.in_forward:  # a Ctrl-C: torch did not end the pass
+            # A Ctrl-C: torch runs the always-called hook that ends the pass on Exceptions only.
+            if outermost and self.scheduler.in_forward and self._owner.holds():
                 self.scheduler.end_interrupted_pass()
             raise
 
+    @entry("backward")
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``; gradients accumulate over calls until `step`. A plain
         ``loss.backward()`` does the same in fp32 and bf16; fp16 needs this (loss scaling)."""
@@ -313,6 +318,7 @@ class Engine:
         gradient in any precision). The same as ``engine.optimizer.step()``."""
         return self.optimizer.step()
 
+    @entry("step")
     def _step(self) -> bool:
         self._check_usable()
         if self._grads_incomplete:
@@ -353,6 +359,7 @@ class Engine:
             logger.info("step %d: %s", self._stats.steps, _one_line(last))
         return stepped
 
+    @entry("zero_grad")
     def zero_grad(self) -> None:
         """Forget the gradients accumulated since the last step (also after a failed backward:
         the step can then be redone from its first micro-batch)."""
@@ -431,6 +438,7 @@ class Engine:
                 out[store.tier] += store.held_bytes
         return out
 
+    @entry("grad_norm")
     def grad_norm(self) -> float:
         """The global L2 norm of the gradients accumulated since the last step (all ranks,
         unscaled, before clipping), as ``torch.nn.utils.clip_grad_norm_`` returns it."""
@@ -439,6 +447,7 @@ class Engine:
         scale = self._scaler.scale if self._scaler is not None else 1.0
         return self.grads.global_norm() / scale
 
+    @entry("clip_grad_norm_")
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """What ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` does in a plain
         loop (whose parameters here have no ``.grad``: their gradients are in the tiers): the
@@ -449,10 +458,12 @@ class Engine:
         self.optimizer.clip_next = float(max_norm)
         return torch.tensor(self.grad_norm())
 
+    @entry("load_state_dict")
     def load_state_dict(self, state_dict, strict: bool = True):
         """``engine.module.load_state_dict``: the weights go into the tiers (see `_statedict`)."""
         return self.module.load_state_dict(state_dict, strict=strict)
 
+    @entry("state_dict")
     def state_dict(self) -> dict:
         """``engine.module.state_dict()``: every weight gathered into memory (one rank only);
         for a large model, `export` streams them to a file instead."""
@@ -464,6 +475,7 @@ class Engine:
         keys."""
         return dict(self._state_hooks.names)
 
+    @entry("save_pretrained")
     def save_pretrained(self, directory, max_shard_size="2GB") -> str:
         """Write the weights as a Hugging Face checkpoint directory that
         ``AutoModel*.from_pretrained(directory)`` loads: ``config.json`` (and
@@ -476,6 +488,7 @@ class Engine:
 
         return save_pretrained(self, directory, max_shard_size)
 
+    @entry("load_weights")
     def load_weights(self, values: dict) -> None:
         """New weights (``(unit index, parameter index) -> tensor``) into the tiers."""
         self._check_usable()
@@ -519,6 +532,7 @@ class Engine:
             return full
         return shard.to("cpu", torch.float32, copy=True)  # one copy, wherever the shard lives
 
+    @entry("gathered_weights")
     def gathered_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name, whole (gathered from every rank's shard;
         every rank must call it). Tied parameters appear once, under their owner's name."""
@@ -535,6 +549,7 @@ class Engine:
         return out
 
     # -- checkpoints ------------------------------------------------------------------------
+    @entry("save_checkpoint")
     def save_checkpoint(self, path, tag: str | None = None, client_state=None, *, keep_last: int | None = None) -> str:
         """Save every rank's training state to ``path/<tag>`` (default tag ``step-<N>``) and
         point ``path/latest`` at it; returns the checkpoint directory. Every rank calls it.
@@ -547,6 +562,7 @@ class Engine:
         self._check_usable()
         return _checkpoint.save(self, path, tag, client_state, keep_last)
 
+    @entry("load_checkpoint")
     def load_checkpoint(self, path, tag: str = "latest"):
         """Load the checkpoint ``path/<tag>`` (default: the one ``path/latest`` names; ``path``
         may also be a checkpoint directory itself) and return its ``client_state``.
@@ -561,6 +577,7 @@ class Engine:
         self._stats.start_step()
         return client_state
 
+    @entry("export")
     def export(self, path) -> str:
         """Write the consolidated weights to the safetensors file ``path`` under the model's own
         parameter names (``model.load_state_dict(safetensors.torch.load_file(path))`` loads it
@@ -574,6 +591,7 @@ class Engine:
         return list(self.space.rank_dirs) if self.space is not None else []
 
     # -- lifetime ---------------------------------------------------------------------------
+    @entry("close")
     def close(self) -> None:
         if self._closed:
             return

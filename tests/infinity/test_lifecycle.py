@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import pytest
+import torch
+from torch import nn
 
 import infinity
 
@@ -76,3 +79,108 @@ def test_what_close_leaves_on_disk(tmp_path, keep):
         assert 0 < used <= state + 64 * 4096 * len(files)  # alignment of each tensor to 4 KiB
     else:
         assert files == [] and (tmp_path / "swap").is_dir()
+
+
+# -- threads: one inside an engine at a time (see infinity/_owner.py) --------------------------
+
+
+class _Gate(nn.Module):
+    """The model of `make_model`; while ``engine_inside`` is set, its forward says it is
+    running and waits to be let through, so that another thread calls in meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = make_model()
+        self.inside, self.go = threading.Event(), threading.Event()
+        self.hold = False
+
+    def forward(self, x):
+        if self.hold:
+            self.hold = False
+            self.inside.set()
+            assert self.go.wait(30)
+        return self.inner(x)
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _train_step(engine, step: int) -> None:
+    x, y = _batch(step)
+    engine.backward(((engine(x) - y) ** 2).mean())
+    engine.step()
+
+
+def test_a_second_thread_is_refused_while_one_is_inside_and_the_engine_stays_exact(tmp_path):
+    """Thread A is inside a forward; every entry point called from thread B meanwhile raises a
+    RuntimeError naming both threads and changes nothing: A's step and the next ones are
+    bit-exact to a run without B, and close() frees the swap directory."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "ref").mkdir()
+    ref = infinity.initialize(_Gate(), config(tmp_path / "ref", NVME))
+    for step in range(3):
+        _train_step(ref, step)
+    expected = ref.gathered_weights()
+    ref.close()
+
+    model = _Gate()
+    engine = infinity.initialize(model, config(tmp_path / "a", NVME))
+    _train_step(engine, 0)
+    errors = []
+    model.hold = True
+    a = threading.Thread(target=lambda: _train_step(engine, 1), name="trainer-A")
+    a.start()
+    assert model.inside.wait(30)
+    x, y = _batch(5)
+    calls = {
+        "forward": lambda: engine(x),
+        "module": lambda: engine.module(x),
+        "backward": lambda: engine.backward(torch.ones((), requires_grad=True)),
+        "step": engine.step,
+        "optimizer.step": engine.optimizer.step,
+        "zero_grad": engine.zero_grad,
+        "save_checkpoint": lambda: engine.save_checkpoint(tmp_path / "ckpt"),
+        "load_checkpoint": lambda: engine.load_checkpoint(tmp_path / "ckpt"),
+        "export": lambda: engine.export(tmp_path / "w.safetensors"),
+        "state_dict": engine.state_dict,
+        "gathered_weights": engine.gathered_weights,
+        "close": engine.close,
+    }
+
+    def intrude():
+        for name, call in calls.items():
+            try:
+                call()
+            except RuntimeError as e:
+                errors.append((name, str(e)))
+
+    b = threading.Thread(target=intrude, name="intruder-B")
+    b.start()
+    b.join(60)
+    model.go.set()
+    a.join(60)
+    assert [name for name, _ in errors] == list(calls)
+    for name, message in errors:
+        assert "'intruder-B'" in message and "'trainer-A' is inside forward" in message, (name, message)
+    _train_step(engine, 2)
+    got = engine.gathered_weights()
+    engine.close()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    again = infinity.initialize(make_model(), config(tmp_path / "a", NVME))  # the lock was freed
+    again.close()
+
+
+def test_any_thread_may_use_an_engine_no_other_is_inside(tmp_path):
+    """Ownership lasts a call: an engine made on the main thread trains from a worker thread,
+    and the main thread (as the atexit handler does) closes it after."""
+    (tmp_path / "a").mkdir()
+    engine = infinity.initialize(make_model(), config(tmp_path / "a", NVME))
+    worker = threading.Thread(target=lambda: train(engine, 2), name="worker")
+    worker.start()
+    worker.join(60)
+    train(engine, 1, start=2)
+    engine.close()
+    again = infinity.initialize(make_model(), config(tmp_path / "a", NVME))
+    again.close()
