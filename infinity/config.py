@@ -20,6 +20,7 @@ import math
 import os
 import re
 import stat
+import string
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -122,6 +123,32 @@ def _size(section: Any, name: str, *, lo: int = 1, multiple: int = 1, none_ok: b
     object.__setattr__(section, name, value)
 
 
+_WIDTH = re.compile(r"0?[0-9]{0,2}d?")  # "{rank:03d}": an integer, zero-padded to at most 99 places
+
+
+def _check_placeholders(key: str, path: str) -> None:
+    """``path`` names a directory on every rank: no NUL (no system call takes one) and only
+    ``{rank}`` and ``{local_rank}``, at most zero-padded. Any other format spec is refused here,
+    where the key can be named: ``{rank:c}`` makes control characters (NUL on rank 0), a huge
+    width a MemoryError, ``{rank:%}`` a float."""
+    if "\0" in path:
+        raise ValueError(f"{key}: {path!r} holds a NUL character, which no path can")
+    try:
+        fields = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(path) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"{key}: {path!r} has a placeholder other than {{rank}} and {{local_rank}} "
+                         f"(ValueError: {e})") from None  # fmt: skip
+    for name, conv, spec in fields:
+        if name not in ("rank", "local_rank"):
+            raise ValueError(f"{key}: {path!r} has a placeholder other than {{rank}} and {{local_rank}}: "
+                             f"{{{name}}}")  # fmt: skip
+        if conv is not None:
+            raise ValueError(f"{key}: {path!r} converts {{{name}}} with !{conv}: write {{{name}}}")
+        if not _WIDTH.fullmatch(spec):
+            raise ValueError(f"{key}: {path!r} formats {{{name}}} with {spec!r}: only a width of at most 99 "
+                             f"places is allowed, zero-padded or not, such as {{{name}:03d}}")  # fmt: skip
+
+
 # -- the sections -----------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TiersConfig:
@@ -181,11 +208,7 @@ class NvmeConfig:
         for i, p in enumerate(paths):
             if not isinstance(p, str) or not p:
                 raise ValueError(f"nvme.paths[{i}]: expected a directory, got {type(p).__name__} {p!r}")
-            try:
-                p.format(rank=0, local_rank=0)
-            except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
-                raise ValueError(f"nvme.paths[{i}]: {p!r} has a placeholder other than {{rank}} and "
-                                 f"{{local_rank}} ({type(e).__name__}: {e})") from None  # fmt: skip
+            _check_placeholders(f"nvme.paths[{i}]", p)
             norm = os.path.normpath(p)
             if norm in seen:  # one drive twice would halve its share, and the two locks would clash
                 raise ValueError(f"nvme.paths[{i}]: {p!r} repeats nvme.paths[{seen[norm]}]")

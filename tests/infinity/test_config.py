@@ -56,6 +56,13 @@ BAD = [
     ({"nvme": {"paths": ["/a/{node}"]}}, "nvme.paths[0]: '/a/{node}' has a placeholder"),
     ({"nvme": {"paths": ["/a/{rank"]}}, "nvme.paths[0]"),
     ({"nvme": {"paths": ["/a/{rank[0]}"]}}, "nvme.paths[0]"),
+    # A NUL, or a format spec that makes control characters ({rank:c} is NUL for rank 0), an
+    # unbounded width (MemoryError) or a float: each passed, and failed later naming no key.
+    ({"nvme": {"paths": ["/a/b\0c"]}}, "nvme.paths[0]: '/a/b\\x00c' holds a NUL character"),
+    ({"nvme": {"paths": ["/a", "/a/{rank:c}"]}}, "nvme.paths[1]: '/a/{rank:c}' formats {rank} with 'c'"),
+    ({"nvme": {"paths": ["/a/{rank:99999999999}"]}}, "nvme.paths[0]: '/a/{rank:99999999999}' formats {rank}"),
+    ({"nvme": {"paths": ["/a/{local_rank:%}"]}}, "nvme.paths[0]: '/a/{local_rank:%}' formats {local_rank}"),
+    ({"nvme": {"paths": ["/a/{rank!a}"]}}, "nvme.paths[0]: '/a/{rank!a}' converts {rank} with !a"),
     ({"nvme": {"paths": ["/a", "/b", "/a/"]}}, "nvme.paths[2]: '/a/' repeats nvme.paths[0]"),
     ({"nvme": {"stripe_size": 1.5}}, "nvme.stripe_size: expected a size"),
     ({"nvme": {"stripe_size": 0}}, "nvme.stripe_size"),
