@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 from ._buffers import address_of, as_bytes
@@ -38,20 +38,23 @@ class Future:
     may be called any number of times.
     """
 
-    __slots__ = ("_handle", "_keepalive", "_op", "_target_name", "_nbytes", "_offset", "_outcome")
+    __slots__ = ("_handle", "_keepalive", "_op", "_target_name", "_address", "_nbytes", "_offset", "_outcome")
 
-    def __init__(self, handle, keepalive, op: int, target_name: str, nbytes: int, offset: int):
-        self._handle = handle  # backend object with done(), wait(timeout_s) and outcome()
+    def __init__(self, handle, keepalive, op: int, target_name: str, address: int, nbytes: int, offset: int):
+        # Backend object with done(), wait(timeout_s) and outcome(); the backend sets it when
+        # it takes the request (see [Note: request ownership]).
+        self._handle = handle
         self._keepalive = keepalive  # buffer and file, until the completion is reaped
         self._op = op
         self._target_name = target_name
+        self._address = address  # of the host memory the request reads or fills
         self._nbytes = nbytes
         self._offset = offset
         self._outcome: tuple[int, int] | None = None  # (bytes, errno)
 
     @classmethod
     def completed(cls, nbytes: int) -> "Future":
-        fut = cls(None, None, READ, "", 0, 0)
+        fut = cls(None, None, READ, "", 0, 0, 0)
         fut._outcome = (nbytes, 0)
         return fut
 
@@ -115,7 +118,12 @@ class Engine:
         self.block_size = block_size
         self._closed = False
         self._pid = os.getpid()
-        self._inflight: collections.deque[Future] = collections.deque()
+        # Every request from before its backend has it until it is reaped: see [Note: request
+        # ownership]. A set, changed only in place, so that ``_own`` (its add, which the
+        # backends call without running bytecode) always adds to the live one.
+        self._inflight: set[Future] = set()
+        self._own = self._inflight.add
+        self._prune_at = 64
         self._buffers: dict[tuple[int, int], tuple[object, object]] = {}  # (address, nbytes) -> (buffer, slots)
 
     # -- requests ---------------------------------------------------------------------------
@@ -149,21 +157,55 @@ class Engine:
         address = address_of(arr)
         if target.direct:
             _check_alignment(op, target, address, nbytes, offset)
-        handle = self._start(op, arr, address, nbytes, target, offset, urgent)
-        fut = Future(handle, (arr, buffer, target), op, target.name, nbytes, offset)
-        self._track(fut)
+        fut = Future(None, (arr, buffer, target), op, target.name, address, nbytes, offset)
+        self._start(fut, op, arr, address, nbytes, target, offset, urgent)
+        if len(self._inflight) >= self._prune_at:
+            self._prune()
         return fut
 
-    def _track(self, fut: Future) -> None:
+    def _prune(self) -> None:
+        # Reaps what finished (dropping its buffer) in amortised O(1) a request; only ever
+        # removes finished requests, so an interrupt here loses nothing.
         inflight = self._inflight
-        inflight.append(fut)
-        while inflight and inflight[0].done():
-            inflight.popleft()
-        if len(inflight) > 4096:  # a slow head request must not pin every finished one
-            self._inflight = collections.deque(f for f in inflight if not f.done())
+        for fut in [f for f in list(inflight) if f.done()]:
+            inflight.discard(fut)
+        self._prune_at = max(64, 2 * len(inflight))
 
-    def _start(self, op, arr, address, nbytes, target, offset, urgent=False):  # pragma: no cover - abstract
+    # [Note: request ownership]
+    # A Ctrl-C (KeyboardInterrupt) can land between any two bytecodes of the caller. Were a
+    # request handed to the kernel or the thread pool before anything held it, an interrupt in
+    # between would leave it running with no future: the caller's cleanup would give its
+    # buffer back to the pool and the next owner's bytes would be overwritten (issue 22). So
+    # `_start` makes the request, gives it to ``fut`` (``fut._handle``) and to the engine
+    # (``self._own(fut)``) before handing it over; the uring binding does all three in one
+    # call that runs no bytecode, the threads backend see `ThreadEngine._start`. Buffer owners
+    # then ask `inflight`/`wait_range` before reusing memory (HostBufferPool does on every
+    # release), and `close` waits for every request the engine owns.
+    def _start(self, fut, op, arr, address, nbytes, target, offset, urgent=False):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    # -- requests in flight by memory --------------------------------------------------------------
+    def inflight(self, buffer, nbytes: int | None = None) -> list[Future]:
+        """The requests not yet done whose host memory overlaps ``buffer`` (an object `pread`
+        takes) or the ``nbytes`` bytes at address ``buffer`` (an int): those that a caller
+        interrupted before it got their future included (see [Note: request ownership])."""
+        address, nbytes = _memory_range(buffer, nbytes)
+        end = address + nbytes
+        return [
+            f for f in list(self._inflight)
+            if f._address < end and address < f._address + f._nbytes and not f.done()
+        ]  # fmt: skip
+
+    def wait_range(self, buffer, nbytes: int | None = None, timeout: float | None = None) -> bool:
+        """Wait until no request on that memory (as in `inflight`) is running, at most
+        ``timeout`` seconds; returns whether none is. The owner of a buffer calls it before
+        the buffer's memory is reused or freed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for fut in self.inflight(buffer, nbytes):
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not fut.wait(left):
+                return False
+        return True
 
     # -- registration -----------------------------------------------------------------------
     def register_buffer(self, buffer) -> None:
@@ -226,7 +268,7 @@ class Engine:
             return
         self._closed = True
         self._shutdown(cancel)
-        for fut in self._inflight:
+        for fut in list(self._inflight):
             fut.wait()
         self._inflight.clear()
         self._buffers.clear()
@@ -251,6 +293,17 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(queue_depth={self.queue_depth}, block_size={self.block_size})"
+
+
+def _memory_range(buffer, nbytes: int | None) -> tuple[int, int]:
+    if isinstance(buffer, int) and not isinstance(buffer, bool):
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError(f"{nbytes=} must be a non-negative int with an address")
+        return buffer, nbytes
+    if nbytes is not None:
+        raise TypeError(f"{nbytes=} goes with an int address, not with a {type(buffer).__name__}")
+    arr = as_bytes(buffer, writable=False)
+    return address_of(arr), arr.nbytes
 
 
 def _resolve(file) -> _Target:

@@ -30,9 +30,11 @@ class UringEngine(Engine):
         """The io_uring_setup flags the ring runs with, e.g. 'SINGLE_ISSUER|DEFER_TASKRUN'."""
         return self._ring.setup_flags
 
-    def _start(self, op, arr, address, nbytes, target, offset, urgent=False):
+    def _start(self, fut, op, arr, address, nbytes, target, offset, urgent=False):
         slot = self._files.get(target.file, -1) if target.file is not None else -1
-        return self._ring.submit(op == WRITE, target.fd, address, nbytes, offset, target.direct, slot, urgent)
+        # One call: fut and the engine own the request before the ring has it ([Note: request
+        # ownership]).
+        self._ring.submit(fut, self._own, op == WRITE, target.fd, address, nbytes, offset, target.direct, slot, urgent)
 
     def _register_buffer(self, address: int, nbytes: int):
         # The kernel takes at most 1 GiB per registered buffer; larger ones go in pieces

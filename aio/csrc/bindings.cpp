@@ -35,14 +35,30 @@ PYBIND11_MODULE(_uring, m) {
            py::call_guard<py::gil_scoped_release>())
       .def(
           "submit",
-          [](Ring& self, bool write, int fd, uintptr_t address, uint64_t nbytes, uint64_t offset,
-             bool direct, int file_slot, bool urgent) {
-            return self.submit(write, fd, reinterpret_cast<void*>(address), nbytes, offset, direct,
-                               file_slot, urgent);
+          // [Note: request ownership] The request is made here, given to ``owner`` (its
+          // ``_handle``) and passed to ``own`` (the engine's set of requests in flight) before
+          // the worker can see it, all without running Python bytecode: a signal's handler
+          // (Ctrl-C's KeyboardInterrupt) runs only between bytecodes, so it lands either before
+          // this call (nothing submitted) or after it (the engine waits for the request before
+          // anyone may reuse its buffer). Never between the kernel having it and the engine
+          // knowing it.
+          [](Ring& self, py::object owner, py::object own, bool write, int fd, uintptr_t address,
+             uint64_t nbytes, uint64_t offset, bool direct, int file_slot, bool urgent) {
+            auto req = std::make_shared<Request>(write, fd, reinterpret_cast<char*>(address),
+                                                 nbytes, offset, direct, file_slot, urgent);
+            try {
+              py::setattr(owner, "_handle", py::cast(req));
+              own(owner);
+            } catch (...) {
+              self.refuse(req, ECANCELED);  // held by the owner maybe: never leave it pending
+              throw;
+            }
+            py::gil_scoped_release nogil;
+            self.submit(req);
           },
-          py::arg("write"), py::arg("fd"), py::arg("address"), py::arg("nbytes"),
-          py::arg("offset"), py::arg("direct"), py::arg("file_slot") = -1, py::arg("urgent") = false,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("owner"), py::arg("own"), py::arg("write"), py::arg("fd"), py::arg("address"),
+          py::arg("nbytes"), py::arg("offset"), py::arg("direct"), py::arg("file_slot") = -1,
+          py::arg("urgent") = false)
       .def(
           "register_buffer",
           [](Ring& self, uintptr_t address, size_t nbytes) {

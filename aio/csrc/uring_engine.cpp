@@ -101,21 +101,30 @@ Ring::Ring(unsigned queue_depth, uint32_t block_size)
 
 Ring::~Ring() { close(false); }
 
-std::shared_ptr<Request> Ring::submit(bool write, int fd, void* buf, uint64_t nbytes,
-                                      uint64_t offset, bool direct, int file_slot, bool urgent) {
-  auto req = std::make_shared<Request>(write, fd, static_cast<char*>(buf), nbytes, offset, direct,
-                                       file_slot, urgent);
+void Ring::refuse(const std::shared_ptr<Request>& req, int err) {
+  req->error_ = err;
+  req->completed_ = true;
+  req->complete();
+}
+
+void Ring::submit(const std::shared_ptr<Request>& req) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (closing_ || stopped_) throw Error(ESHUTDOWN, "the uring aio engine is closed");
-  if (broken_) throw Error(broken_, "the uring aio engine failed: " + errno_text(broken_));
+  // The engine owns the request before it is handed over, so a refused one is completed with
+  // the reason: whoever holds it finds it done rather than waiting for ever.
+  auto fail = [&req](int err, const std::string& what) {
+    refuse(req, err);
+    throw Error(err, what);
+  };
+  if (closing_ || stopped_) fail(ESHUTDOWN, "the uring aio engine is closed");
+  if (broken_) fail(broken_, "the uring aio engine failed: " + errno_text(broken_));
   incoming_.push_back(req);
   // Under mu_, so the worker cannot close the eventfd between our check and this write.
   uint64_t one = 1;
   if (::write(wake_fd_, &one, sizeof(one)) < 0 && errno != EAGAIN) {
+    int err = errno;
     incoming_.pop_back();
-    throw Error(errno, "eventfd write: " + errno_text(errno));
+    fail(err, "eventfd write: " + errno_text(err));
   }
-  return req;
 }
 
 void Ring::call(std::function<int()> fn, int* result) {

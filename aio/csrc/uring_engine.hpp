@@ -106,10 +106,13 @@ class Ring {
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
 
-  // An urgent request is cut into chunks before the requests waiting that are not urgent
-  // (after the urgent ones already waiting): a read needed now overtakes reads ahead.
-  std::shared_ptr<Request> submit(bool write, int fd, void* buf, uint64_t nbytes, uint64_t offset,
-                                  bool direct, int file_slot, bool urgent = false);
+  // Hands ``req`` (made by the caller, who owns it first: see the binding) to the worker. An
+  // urgent request is cut into chunks before the requests waiting that are not urgent (after
+  // the urgent ones already waiting): a read needed now overtakes reads ahead. When the ring
+  // is closed or broken, ``req`` is completed with that errno and Error is thrown.
+  void submit(const std::shared_ptr<Request>& req);
+  // Completes ``req``, never handed over, with ``err`` (its owner may be waiting on it).
+  static void refuse(const std::shared_ptr<Request>& req, int err);
 
   // Registered buffers and files live in sparse tables, updated one slot at a time. Return
   // the slot; throw Error when the kernel refuses (ENOMEM: RLIMIT_MEMLOCK, say) or the table
