@@ -106,17 +106,22 @@ def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
     owner = modules[path]
     if unit.is_tile and not on_meta(unit):  # an earlier tile of the module made its values
         return
-    if not all(getattr(p, "_infinity_init", True) for p in unit.params):  # a checkpoint will fill them
-        for p in unit.params:  # zeros that take no memory (stride 0): only read, then replaced
+    # Only what build put on the meta device gets values here; a parameter with values of its
+    # own (a wrapper's adapter beside a built base) keeps them.
+    empty = [p for p in unit.params if p.is_meta]
+    _refuse_foreign_meta(unit, modules)
+    if not all(getattr(p, "_infinity_init", True) for p in empty):  # a checkpoint will fill them
+        for p in empty:  # zeros that take no memory (stride 0): only read, then replaced
             _swap(p, torch.zeros((), dtype=p.dtype, device="cpu").expand(p.shape))
         return
-    for p in unit.params:  # the Parameter objects stay (groups, ties hold them): their contents change
+    for p in empty:  # the Parameter objects stay (groups, ties hold them): their contents change
         _swap(p, torch.empty(p.shape, dtype=p.dtype, device="cpu"))
     chain = [path]  # the module, then its ancestors up to the root: post_init's order
     while chain[-1]:
         chain.append(chain[-1].rpartition(".")[0])
     init = _hf_init(model, chain, modules)
-    with torch.no_grad(), _guard():
+    filling = {id(p) for p in empty}
+    with torch.no_grad(), _guard(), _hidden(modules, filling):
         if init is not None:
             for where in chain:
                 fn = init(where)
@@ -130,6 +135,51 @@ def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
                 "has no reset_parameters() to initialise its parameters: give it one, or construct the model "
                 "outside build()"
             )
+
+
+def _refuse_foreign_meta(unit, modules) -> None:
+    """A parameter on the meta device that `build` did not put there has no values anywhere and
+    no initialisation of its own to run: peft's ``get_peft_model`` on a built model moves each
+    adapter to its base layer's device, the meta device, and the model's init would then give
+    it the base's distribution (lora_B not zero). Refuse it, naming the way that keeps them."""
+    prefix = "" if unit.path == "<root>" else f"{unit.path}."
+    for name, p in zip(unit.param_names, unit.params):
+        if p.is_meta and not hasattr(p, "_infinity_init") and _built_model(modules):
+            raise ValueError(
+                f"parameter {prefix + name!r} is on the meta device but infinity.build did not put it there (a "
+                "wrapper such as peft.get_peft_model applied to a built model moves what it adds to the meta "
+                "device, losing its initialisation): pass the wrapper to infinity.from_pretrained(ModelClass, "
+                "path, config, wrap=fn), which streams the base in and keeps the wrapper's values, or apply it "
+                "to a model constructed outside infinity.build()"
+            )
+
+
+def _built_model(modules) -> bool:
+    """Whether `build` made any of the model's parameters (a model put on the meta device some
+    other way is initialised by its own init, all of it)."""
+    return any(hasattr(p, "_infinity_init") for m in modules.values() for p in m._parameters.values() if p is not None)
+
+
+@contextlib.contextmanager
+def _hidden(modules: dict[str, nn.Module], filling: set[int]):
+    """Every parameter with values, other than those being filled (``filling``: ids), on the
+    meta device while the model's inits run: a parent's init reaches its whole subtree (GPT-2's
+    ``c_proj`` pass), and would overwrite the values of units that did not come from `build`
+    (a wrapper's adapters, a module made outside the block). Their contents come back after."""
+    kept, seen = [], set()
+    for m in modules.values():
+        for p in m._parameters.values():
+            if p is None or id(p) in seen or id(p) in filling or p.is_meta:
+                continue
+            seen.add(id(p))
+            holder = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, holder)  # p is meta now; holder has its contents and attributes
+            kept.append((p, holder))
+    try:
+        yield
+    finally:
+        for p, holder in kept:
+            torch.utils.swap_tensors(p, holder)
 
 
 def release(unit) -> None:

@@ -115,13 +115,19 @@ def checkpoint_files(path: str) -> dict[str, str]:
     raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX}: not a Hugging Face safetensors checkpoint")
 
 
-def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_scheduler=None, **model_kwargs):
+def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_scheduler=None, wrap=None, **model_kwargs):
     """An engine training ``model_cls`` (a transformers model class) with the weights of the
     Hugging Face checkpoint directory ``path`` (``config.json`` and ``model.safetensors``, or
     shards with ``model.safetensors.index.json``; bf16, fp16 or fp32), streamed into the tiers
     of ``config`` one tensor at a time (safetensors' lazy ``safe_open``): the model is built
     with `infinity.build` and never whole in memory. ``optimizer``, ``lr_scheduler``: as
-    `infinity.initialize` takes them; ``model_kwargs`` go to ``model_cls``'s constructor."""
+    `infinity.initialize` takes them; ``model_kwargs`` go to ``model_cls``'s constructor.
+
+    ``wrap``: a callable taking the built model and returning the model to train, such as
+    ``lambda m: peft.get_peft_model(m, lora_config)``; ``engine.module`` is what it returns. The
+    base streams in from the checkpoint under the names it had before wrapping; what the wrapper
+    adds keeps the wrapper's own initialisation (see [Note: wrapping a built model] in
+    `_wrap`)."""
     import infinity
 
     path = os.path.abspath(os.fspath(path))
@@ -133,9 +139,14 @@ def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_schedule
 
     with build(config, init=False):  # the checkpoint gives every value: no initialisation to run
         model = model_cls(hf_config, **model_kwargs)
+    names = None
+    if wrap is not None:
+        from . import _wrap
+
+        model, names = _wrap.apply(model, wrap)
     engine = infinity.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler)
     try:
-        engine.pretrained_bytes_read = load_weights(engine, files, path)
+        engine.pretrained_bytes_read = load_weights(engine, files, path, names=names)
         engine._stats.start_step()  # the load counts in stats()["total"], not in the first step
     except BaseException:
         engine.close()
@@ -144,15 +155,19 @@ def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_schedule
     return engine
 
 
-def load_weights(engine, files: dict[str, str], where: str) -> None:
+def load_weights(engine, files: dict[str, str], where: str, names: dict[str, str] | None = None) -> None:
     """Stream the checkpoint's tensors into the engine's tiers, one optimizer sub-group (or
     frozen unit) at a time; buffers into the module; return the bytes of parameters read.
     Keys are checked first: a mis-shaped or missing parameter is an error naming every such
-    key; an unexpected key is a warning."""
+    key; an unexpected key is a warning. ``names``: a wrapped model's key -> the checkpoint's,
+    for what the model had before wrapping; the rest is the wrapper's, not loaded."""
     from safetensors import safe_open
 
     params = engine.parameter_keys()  # key -> [(unit, index)]: a tiled one's tiles
     buffers = {k: v for k, v in engine.module.state_dict(keep_vars=True).items() if k not in params}
+    if names is not None:  # see [Note: wrapping a built model] in _wrap
+        params = {names[k]: v for k, v in params.items() if k in names}
+        buffers = {names[k]: v for k, v in buffers.items() if k in names}
     handles = {}
 
     def tensor(key, full=True):

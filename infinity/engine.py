@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _build, _checkpoint, _resources
+from . import _build, _checkpoint, _resources, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -150,6 +150,7 @@ class Engine:
             for p in unit.params:
                 p._infinity_managed = True  # see _refuse_foreign_step
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
+        self._managed = {id(p) for u in units for p in u.params}  # see _check_training
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes,
                                    gather=self.params_sharded and self.dist.active, tiled=tiled)  # fmt: skip
@@ -160,7 +161,7 @@ class Engine:
             for key, buf in mod._buffers.items():
                 if buf is not None and buf.device != dev:
                     mod._buffers[key] = buf.to(dev)
-        self.scheduler.install(module, before_forward=self._check_usable, after_backward=self._end_backward,
+        self.scheduler.install(module, before_forward=self._check_training, after_backward=self._end_backward,
                                owner=self._owner)  # fmt: skip
         self._state_hooks = StateDictHooks(self, module)
         self._backwards = 0  # backward passes since the last step
@@ -320,7 +321,7 @@ class Engine:
 
     @entry("step")
     def _step(self) -> bool:
-        self._check_usable()
+        self._check_training()
         if self._grads_incomplete:
             raise RuntimeError(f"{self._grads_incomplete}: the gradients accumulated since the last step are "
                                "incomplete; call engine.zero_grad() and run this step's micro-batches again")  # fmt: skip
@@ -626,6 +627,12 @@ class Engine:
         self._check_open()
         if self._unusable:
             raise RuntimeError(self._unusable)
+
+    def _check_training(self) -> None:
+        """Before each forward and step: usable, and the module still holds only the parameters
+        its units were made of (peft applied to engine.module would train nothing)."""
+        self._check_usable()
+        _wrap.refuse_changed(self.module, self._managed)
 
     def __enter__(self) -> "Engine":
         return self

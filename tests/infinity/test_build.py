@@ -122,3 +122,30 @@ def test_every_engine_refuses_a_foreign_optimizer_and_a_second_initialize(tmp_pa
         engine.zero_grad()
         with pytest.raises(ValueError, match="already given to infinity.initialize .parameter '0.weight'"):
             infinity.initialize(engine.module, config(tmp_path / "again", ("nvme", "nvme", "nvme")))
+
+
+def test_parameters_with_values_of_their_own_keep_them_beside_a_built_model(tmp_path):
+    """What did not come from build keeps its values through the model's init pass: a real
+    parameter added to a built module (its unit is part meta, part real), and a real module put
+    into a built GPT-2 where an ancestor's init reaches it (GPT2Attention's init scales its
+    c_proj: it drew over the real one's values)."""
+    transformers = pytest.importorskip("transformers")
+    with infinity.build():
+        seq = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    seq[0].scale = nn.Parameter(torch.full((32,), 3.0))
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+    with infinity.build():
+        gpt2 = transformers.GPT2LMHeadModel(cfg)
+    proj = transformers.pytorch_utils.Conv1D(32, 32)
+    with torch.no_grad():
+        proj.weight.copy_(torch.arange(32 * 32, dtype=torch.float32).view(32, 32) / 1024)
+        proj.bias.fill_(0.5)
+    gpt2.transformer.h[0].attn.c_proj = proj
+    want = {k: v.clone() for k, v in proj.state_dict().items()}  # the module's own go at initialize
+    with infinity.initialize(seq, config(tmp_path / "a", ("nvme",) * 3)) as a:
+        assert torch.equal(a.gathered_weights()["0.scale"], torch.full((32,), 3.0))
+    with infinity.initialize(gpt2, config(tmp_path / "b", ("nvme",) * 3)) as b:
+        got = b.gathered_weights()
+        assert torch.equal(got["transformer.h.0.attn.c_proj.weight"], want["weight"])
+        assert torch.equal(got["transformer.h.0.attn.c_proj.bias"], want["bias"])
+        assert 0 < got["transformer.h.1.attn.c_proj.weight"].std() < 0.05  # the built one: the model's init

@@ -64,3 +64,97 @@ def test_lora_on_a_frozen_nvme_base_matches_plain_peft_and_never_writes_the_base
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=0)
     engine.close()
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _lora_config():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def _add_lora(model):
+    torch.manual_seed(1)  # the adapters' draws (lora_A) from the same state on both paths
+    return peft.get_peft_model(model, _lora_config())
+
+
+def _nvme(tmp_path, name="swap"):
+    (tmp_path / name).mkdir()
+    return {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
+            "nvme": {"paths": [str(tmp_path / name)], "grow_step": "4MiB"},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.01}}  # fmt: skip
+
+
+def _ids(step):
+    return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+
+
+def test_from_pretrained_with_wrap_streams_the_base_and_trains_the_adapters_as_plain_peft(tmp_path):
+    """The streamed path: the base built on the meta device and read from the checkpoint into
+    nvme, the adapters with peft's own initialisation (lora_B zeros, lora_A from its RNG).
+    Against plain transformers + peft + torch AdamW, 3 steps, losses and adapters within 1e-5
+    (fp32; the fused AdamW kernel against torch's default: float rounding)."""
+    _tiny_llama().save_pretrained(tmp_path / "base")
+    ref = _add_lora(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"))
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    engine = infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "base", _nvme(tmp_path),
+                                      wrap=_add_lora)  # fmt: skip
+    assert isinstance(engine.module, peft.PeftModel)
+    start = engine.gathered_weights()
+    adapters = [n for n, p in ref.named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in n for n in adapters)
+    for name, p in ref.named_parameters():  # base from the checkpoint, adapters as peft made them
+        assert torch.equal(start[name], p.detach()), name
+    assert all(start[n].abs().sum() == 0 for n in adapters if "lora_B" in n)
+    assert all(start[n].abs().sum() > 0 for n in adapters if "lora_A" in n)
+    for step in range(3):
+        loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert abs(loss.item() - ref_loss.item()) < 1e-5, (step, loss.item(), ref_loss.item())
+    got = engine.gathered_weights()
+    for name in adapters:
+        torch.testing.assert_close(got[name], ref.get_parameter(name).detach(), atol=1e-5, rtol=0)
+        assert not torch.equal(got[name], start[name]), name  # trained
+    engine.close()
+
+
+def test_peft_on_the_module_of_a_live_engine_is_refused_at_the_next_forward_and_step(tmp_path):
+    """Adapters added after initialize are nothing the engine manages: they never trained
+    (lora_B stayed zero); now the next forward or step says to wrap before."""
+    _tiny_llama().save_pretrained(tmp_path / "base")
+    with infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "base", _nvme(tmp_path)) as engine:
+        wrapped = peft.get_peft_model(engine.module, _lora_config())
+        with pytest.raises(RuntimeError, match=r"lora_A.default.weight' of engine.module is not one the engine "
+                                               r"manages.*from_pretrained\(ModelClass, path, config, wrap=fn\)"):
+            wrapped(input_ids=_ids(0), labels=_ids(0))
+        with pytest.raises(RuntimeError, match="not one the engine manages"):
+            engine.optimizer.step()
+
+
+def test_peft_on_a_built_model_is_refused_at_initialize_not_initialised_as_the_base(tmp_path):
+    """peft moves the adapters of a model built on the meta device there too: their own
+    initialisation is gone, and the model's (lora_B normal, not zero) would train from it."""
+    with infinity.build():
+        model = _tiny_llama()
+    wrapped = _add_lora(model)
+    with pytest.raises(ValueError, match=r"lora_A.default.weight' is on the meta device but infinity.build did "
+                                         r"not put it there.*wrap=fn"):
+        infinity.initialize(wrapped, _nvme(tmp_path))
+
+
+def test_a_wrapper_that_reads_the_base_weights_before_they_are_loaded_is_refused(tmp_path):
+    """modules_to_save copies the base layer (its weights not loaded yet): refused, not zeros."""
+    _tiny_llama().save_pretrained(tmp_path / "base")
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(ValueError, match="computed with the base parameter 'lm_head.weight'"):
+        infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "base", _nvme(tmp_path),
+                                 wrap=lambda m: peft.get_peft_model(m, cfg))  # fmt: skip

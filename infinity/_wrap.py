@@ -1,0 +1,106 @@
+"""Wrappers that add parameters to a model (peft's ``get_peft_model``): applied to a model built
+on the meta device before the engine is made, so that the base streams in from a checkpoint and
+the added parameters keep the wrapper's own initialisation; and the refusal of a module changed
+after the engine was made.
+
+Owns: the stand-ins the built parameters wear while the wrapper runs, the names the base's
+parameters and buffers had before wrapping (what the checkpoint calls them), and the check that
+``engine.module`` holds only the parameters the engine manages. Touches: the module's
+parameters (in place, through ``torch.utils.swap_tensors``); nothing of the tiers.
+
+[Note: wrapping a built model]
+A wrapper that sees its base on the meta device puts what it adds there too (peft moves each
+adapter to its base layer's device), and the adapters' initialisation is lost. So while ``fn``
+runs, each built parameter wears an `_Unloaded` stand-in: it reports the parameter's shape,
+dtype and the CPU, takes no memory, and any computation on it (a read, a copy, an in-place
+init) raises, naming the parameter: a wrapper whose initialisation reads the base weights
+(peft's PiSSA, OLoRA, LoftQ, or ``modules_to_save``, which copies them) cannot run before they
+are loaded, and is refused instead of seeing zeros. The parameters the wrapper adds are
+ordinary tensors with the wrapper's own values (peft's lora_A from its RNG, lora_B zeros);
+`initialize` keeps them as they are (see [Note: meta initialisation] in `_build`).
+Afterwards the stand-ins are meta again, the same Parameter objects, wherever the wrapper put
+their modules: the module objects it kept give each one the name it had before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_STANDIN_KEYS = ("_is_param", "_infinity_unloaded")  # what only the stand-in carries
+
+
+class _Unloaded(torch.Tensor):
+    """A built parameter's stand-in while a wrapper runs (see [Note: wrapping a built model])."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, name: str):
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device="cpu")
+        t._infinity_unloaded = name
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):  # nn.Parameter(...) detaches
+            return _Unloaded(args[0], args[0]._infinity_unloaded)
+        name = next((a._infinity_unloaded for a in args if isinstance(a, _Unloaded)), "?")
+        raise ValueError(
+            f"the wrapper computed with the base parameter {name!r} ({func}), which is not loaded yet: the "
+            "checkpoint streams in after wrapping. A wrapper whose initialisation reads or copies the base "
+            "weights (peft's PiSSA, OLoRA, LoftQ, modules_to_save) needs the model in memory: load it whole "
+            "(transformers' from_pretrained), wrap it, then infinity.initialize"
+        )
+
+
+def apply(model: nn.Module, fn) -> tuple[nn.Module, dict[str, str]]:
+    """``fn(model)`` for a model built on the meta device (`infinity.build`), with the parameters
+    ``fn`` adds keeping ``fn``'s own values. Returns the wrapped model and, for each of its
+    parameters and buffers that ``model`` had, key in the wrapped model -> key in ``model``
+    (see [Note: wrapping a built model])."""
+    if not callable(fn):
+        raise TypeError(f"wrap must be a callable taking the model and returning the wrapped one, got "
+                        f"{type(fn).__name__}")  # fmt: skip
+    before = {id(m): (name, m) for name, m in model.named_modules(remove_duplicate=False)}
+    built = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.is_meta and id(p) not in built:
+            built[id(p)] = (name, p)
+    for name, p in built.values():
+        _swap(p, _Unloaded(p, name))
+    try:
+        wrapped = fn(model)
+    finally:
+        for _, p in built.values():
+            _swap(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+    if not isinstance(wrapped, nn.Module):
+        raise TypeError(f"wrap(model) returned a {type(wrapped).__name__}, not the wrapped torch.nn.Module")
+    names = {}
+    for path, m in wrapped.named_modules(remove_duplicate=False):
+        if id(m) not in before or before[id(m)][1] is not m:
+            continue  # a module the wrapper made: its parameters are its own
+        old = before[id(m)][0]
+        for key in (*m._parameters, *m._buffers):
+            names[f"{path}.{key}" if path else key] = f"{old}.{key}" if old else key
+    return wrapped, names
+
+
+def _swap(p: nn.Parameter, value: torch.Tensor) -> None:
+    """``p`` takes ``value``'s contents and class, keeping its own attributes but the stand-in's."""
+    new = nn.Parameter(value, requires_grad=p.requires_grad)
+    new.__dict__.update({k: v for k, v in p.__dict__.items() if k not in _STANDIN_KEYS})
+    torch.utils.swap_tensors(p, new)
+
+
+def refuse_changed(module: nn.Module, managed: set[int]) -> None:
+    """``module`` holds a parameter the engine does not manage (``managed``: the ids of its
+    units' parameters): one added or replaced after `initialize`, which the engine would never
+    give a gradient or an update."""
+    for name, p in module.named_parameters():
+        if id(p) not in managed:
+            raise RuntimeError(
+                f"parameter {name!r} of engine.module is not one the engine manages: the module was changed "
+                "after infinity.initialize (peft.get_peft_model(engine.module) adds adapters the engine never "
+                "sees, so they would never train). Wrap the model before the engine is made: "
+                "infinity.from_pretrained(ModelClass, path, config, wrap=fn) streams the base from a "
+                "checkpoint, or apply fn to a model in memory before infinity.initialize"
+            )
