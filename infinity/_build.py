@@ -19,6 +19,10 @@ neither cannot be initialised this way and is an error at `initialize` naming it
 ``reset_parameters()``, or construct the model outside ``build()``. A model whose own
 whole-model init does more than per-module inits (a custom ``post_init``) must do that
 again after `initialize`, for instance through ``engine.module.load_state_dict``.
+Only what `build` put on the meta device is filled: a parameter with values of its own (a
+wrapper's adapter, a module made outside the block) is hidden from the inits and keeps them,
+and a meta parameter `build` did not make (peft on a built model) is refused, since nothing
+knows its initialisation (see [Note: wrapping a built model] in `_wrap`).
 """
 
 from __future__ import annotations
