@@ -108,11 +108,13 @@ def export_safetensors(engine, path) -> str:
     return path
 
 
-def write_files(engine, files: list[tuple[str, _Layout]], what: str, *, done: str, before_commit=None) -> None:
+def write_files(engine, files: list[tuple[str, _Layout]], what: str, *, done: str, before_commit=None,
+                after_commit=None) -> None:
     """Write each ``(path, layout)`` as a safetensors file, streaming the weights one unit at a
-    time (every rank iterates; rank 0 writes), and commit them all, or none; ``before_commit``
-    runs on rank 0 just before the commit (to write what must appear with them). ``what``
-    names the work in errors, ``done`` in the log line."""
+    time (every rank iterates; rank 0 writes), and rename them all into place, or none;
+    ``before_commit`` runs on rank 0 just before the renames (to write what must appear with
+    them), ``after_commit`` just after (to publish them: an index); an OSError of either fails
+    the write on every rank. ``what`` names the work in errors, ``done`` in the log line."""
     start = time.monotonic()
     outs, error = [], None
     try:
@@ -144,6 +146,8 @@ def write_files(engine, files: list[tuple[str, _Layout]], what: str, *, done: st
                     before_commit()
                 for out in outs:
                     out.commit()
+                if after_commit is not None:
+                    after_commit()
             except OSError as e:
                 error = e
         engine.dist.agree_on_outcome(error, what)

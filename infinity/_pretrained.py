@@ -1,118 +1,24 @@
 """Hugging Face checkpoint directories in and out, streamed: never the whole model in memory.
 
-Owns: the directory layout transformers reads and writes (``config.json``,
-``generation_config.json``, ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` with
-``model.safetensors.index.json``), the shard plan, and the key checks of a load. Touches: the
-engine's streamed writer (`_export.write_files`), `Optimizer.load_master` (weights into the
-tiers one sub-group at a time), safetensors' lazy ``safe_open`` (one tensor at a time).
+Owns: `infinity.from_pretrained` and the key checks of a load. Touches: `_safetensors` (which
+files, and the tensors one at a time), `_hf_save` (`engine.save_pretrained`: the directory
+written and replaced all at once), `Optimizer.load_master` (weights into the tiers one
+sub-group at a time).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 
 import torch
 
-from infinity.swap import fsync_dir, write_bytes_atomic
-
 from . import _resources
-from ._export import _entries, _Layout, write_files
+from ._hf_save import save_pretrained  # noqa: F401 - where engine.save_pretrained imports it
 from ._optim import Piece
+from ._safetensors import Shards, check_dtypes, checkpoint_files
 
 logger = logging.getLogger("infinity")
-
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([KMGT]?i?B)?", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
-def shard_bytes(size) -> int:
-    """``max_shard_size`` as transformers reads it: an int (bytes), or "2GB" (10^9) / "2GiB" (2^30)."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    m = _SIZE.fullmatch(str(size).strip())
-    if not m:
-        raise ValueError(f"max_shard_size={size!r} is not a size such as 2GB, 500MB or 1GiB")
-    value = float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()]
-    if value < 1:
-        raise ValueError(f"max_shard_size={size!r} must be at least one byte")
-    return int(value)
-
-
-# -- out ----------------------------------------------------------------------------------------
-def save_pretrained(engine, directory, max_shard_size="2GB") -> str:
-    """See `Engine.save_pretrained`."""
-    directory = os.path.abspath(os.fspath(directory))
-    limit = shard_bytes(max_shard_size)
-    entries = _entries(engine)
-    shards: list[list] = []
-    size = 0
-    for e in entries:  # in state_dict order; a tensor larger than the limit gets a shard of its own
-        if not shards or (size + e.nbytes > limit and shards[-1]):
-            shards.append([])
-            size = 0
-        shards[-1].append(e)
-        size += e.nbytes
-    names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                                for i in range(len(shards))]  # fmt: skip
-    error = None
-    if engine.rank == 0:
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as e:
-            error = e
-    engine.dist.agree_on_outcome(error, f"making {directory}")
-    module = engine.module
-
-    def configs():
-        for attr, name in (("config", "config.json"), ("generation_config", "generation_config.json")):
-            cfg = getattr(module, attr, None)
-            if cfg is not None and hasattr(cfg, "to_json_string"):
-                write_bytes_atomic(os.path.join(directory, name), cfg.to_json_string().encode())
-
-    files = [(os.path.join(directory, n), _Layout(shard)) for n, shard in zip(names, shards)]
-    write_files(engine, files, f"save_pretrained to {directory}", done=f"saved {directory}", before_commit=configs)
-    if engine.rank == 0:
-        # The index comes last: with it, a sharded set is whole. Files of an older save that the
-        # new one does not have go (as transformers does).
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                     "weight_map": {e.key: n for n, shard in zip(names, shards) for e in shard}}  # fmt: skip
-            write_bytes_atomic(os.path.join(directory, INDEX), json.dumps(index, indent=2).encode())
-        for entry in os.listdir(directory):
-            stale = (entry == INDEX and len(shards) == 1) or (
-                (entry == SINGLE or _SHARD.fullmatch(entry)) and entry not in names
-            )
-            if stale:
-                os.unlink(os.path.join(directory, entry))
-        fsync_dir(directory)
-    return directory
-
-
-# -- in -----------------------------------------------------------------------------------------
-def checkpoint_files(path: str) -> dict[str, str]:
-    """key -> the safetensors file that holds it, from ``path``'s index or single file."""
-    index = os.path.join(path, INDEX)
-    if os.path.isfile(index):
-        with open(index) as f:
-            try:
-                weight_map = json.load(f)["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{index}: not a safetensors index with a weight_map ({e})") from None
-        return {k: os.path.join(path, v) for k, v in weight_map.items()}
-    single = os.path.join(path, SINGLE)
-    if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
-            return {k: single for k in f.keys()}
-    raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX}: not a Hugging Face safetensors checkpoint")
 
 
 def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_scheduler=None, wrap=None, **model_kwargs):
@@ -161,27 +67,24 @@ def load_weights(engine, files: dict[str, str], where: str, names: dict[str, str
     Keys are checked first: a mis-shaped or missing parameter is an error naming every such
     key; an unexpected key is a warning. ``names``: a wrapped model's key -> the checkpoint's,
     for what the model had before wrapping; the rest is the wrapper's, not loaded."""
-    from safetensors import safe_open
-
     params = engine.parameter_keys()  # key -> [(unit, index)]: a tiled one's tiles
     buffers = {k: v for k, v in engine.module.state_dict(keep_vars=True).items() if k not in params}
     if names is not None:  # see [Note: wrapping a built model] in _wrap
         params = {names[k]: v for k, v in params.items() if k in names}
         buffers = {names[k]: v for k, v in buffers.items() if k in names}
-    handles = {}
+    shards = Shards(files)
 
     def tensor(key, full=True):
-        file = files[key]
-        if file not in handles:
-            handles[file] = safe_open(file, framework="pt")
-        return handles[file].get_tensor(key) if full else handles[file].get_slice(key)
+        return shards.tensor(key) if full else shards.slice(key)
 
-    shapes = {k: tuple(tensor(k, full=False).get_shape()) for k in params if k in files}  # headers only
+    headers = {k: shards.header(k) for k in [*params, *buffers] if k in files}  # (dtype, shape): headers only
+    shapes = {k: headers[k][1] for k in params if k in files}
     here = {k: unit.full_shapes[i] for k, [(unit, i), *_] in params.items()}  # the whole parameter's shape
     bad = [f"{k}: {list(shape)} in the checkpoint, {list(here[k])} here" for k, shape in shapes.items()
            if shape != here[k]]  # fmt: skip
     if bad:
         raise ValueError(f"{where}: mis-shaped tensors: " + "; ".join(bad))
+    check_dtypes(headers, buffers, where)
     loaded = {(u.index, i) for k in params if k in files for u, i in params[k]}  # (unit, index): a tied one once
     missing = sorted(k for k, pieces in params.items() if any((u.index, i) not in loaded for u, i in pieces))
     if missing:
@@ -220,7 +123,7 @@ def load_weights(engine, files: dict[str, str], where: str, names: dict[str, str
             del values
             # safe_open maps the file, and the pages read stay in this process's RSS while it is
             # open: closed per batch, the load holds one batch's pages, not the whole checkpoint.
-            handles.clear()
+            shards.close()
             trim.add(16 * sum(u.numel for u in units))  # see [Note: malloc threshold] in _resources
         for k, buf in buffers.items():
             if k in files:

@@ -9,6 +9,9 @@ the engine's logits.
 import copy
 import json
 import os
+import re
+import shutil
+import stat
 import sys
 
 import pytest
@@ -197,3 +200,247 @@ def test_an_engine_from_pretrained_refuses_a_foreign_optimizer_and_a_second_init
     with pytest.raises(ValueError, match="already given to infinity.initialize .parameter 'model.embed_tokens.weight'"):
         infinity.initialize(engine.module, _nvme(tmp_path / "again"))
     engine.close()
+
+
+# -- issue 22, item 5: what from_pretrained reads ---------------------------------------------
+_KEY = "model.layers.0.mlp.up_proj.weight"  # [64, 32] in _llama
+_INDEX = "model.safetensors.index.json"
+
+
+def _resident():
+    return {"tiers": {"params": "device", "grads": "device", "optimizer": "device"}}
+
+
+def _edit_index(directory, edit):
+    index = directory / _INDEX
+    data = json.loads(index.read_text())
+    edit(data)
+    index.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink", "single-symlink"])
+def test_a_weights_file_outside_the_directory_is_refused(tmp_path, where):
+    """An index naming ../evil/x.safetensors or an absolute path, or a file in the directory that
+    is a symlink out of it, was opened (and its tensor loaded into the weights)."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "in"
+    _llama().save_pretrained(directory, max_shard_size="2GB" if where == "single-symlink" else "20KB")
+    (tmp_path / "evil").mkdir()
+    evil = tmp_path / "evil" / "x.safetensors"
+    if where == "single-symlink":
+        os.replace(directory / "model.safetensors", evil)
+        os.symlink(evil, directory / "model.safetensors")
+    else:
+        save_file({_KEY: torch.full((64, 32), 7.0)}, evil)
+        name = {"dotdot": "../evil/x.safetensors", "absolute": str(evil), "symlink": "x.safetensors"}[where]
+        if where == "symlink":
+            os.symlink(evil, directory / "x.safetensors")
+        _edit_index(directory, lambda d: d["weight_map"].__setitem__(_KEY, name))
+    assert load_file(evil)  # a valid file: the refusal is about where it is
+    with pytest.raises(ValueError, match=f"outside {directory}"):
+        infinity.from_pretrained(transformers.LlamaForCausalLM, directory, _resident())
+
+
+def test_a_hub_cache_snapshot_loads_through_its_blob_symlinks(tmp_path):
+    """huggingface_hub's cache links snapshots/<rev>/<file> to ../../blobs/<hash>: not 'outside'."""
+    plain = _llama()
+    plain.save_pretrained(tmp_path / "saved", max_shard_size="20KB")
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted((tmp_path / "saved").iterdir())):
+        os.replace(f, repo / "blobs" / f"{i:040x}")
+        os.symlink(f"../../blobs/{i:040x}", snapshot / f.name)
+    engine = infinity.from_pretrained(transformers.LlamaForCausalLM, snapshot, _resident())
+    got = engine.gathered_weights()
+    assert all(torch.equal(got[k], v) for k, v in plain.state_dict().items() if k in got)
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float8_e4m3fn], ids=["I32", "BOOL", "F8_E4M3"])
+def test_a_parameter_stored_as_integers_booleans_or_float8_is_refused(tmp_path, dtype):
+    """They were cast into the weights silently (up_proj became [-5., 38., 45.])."""
+    from safetensors.torch import load_file, save_file
+
+    _llama().save_pretrained(tmp_path / "in")
+    tensors = load_file(tmp_path / "in" / "model.safetensors")
+    tensors[_KEY] = (torch.randn(64, 32) * 50).to(dtype)
+    save_file(tensors, tmp_path / "in" / "model.safetensors", metadata={"format": "pt"})
+    name = {torch.int32: "I32", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}[dtype]
+    with pytest.raises(ValueError, match=rf"{re.escape(_KEY)}: {name}"):
+        infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "in", _resident())
+
+
+@pytest.mark.parametrize("index", [{"weight_map": ["x.safetensors"]}, {"weight_map": {_KEY: 3}}, [], "{"],
+                         ids=["list", "not-a-name", "not-an-object", "not-json"])  # fmt: skip
+def test_an_index_of_the_wrong_shape_is_an_error_naming_it(tmp_path, index):
+    """A weight_map that is a list raised AttributeError; a name that is not a string, TypeError."""
+    directory = tmp_path / "in"
+    _llama().save_pretrained(directory, max_shard_size="20KB")
+    (directory / _INDEX).write_text(index if isinstance(index, str) else json.dumps(index))
+    with pytest.raises(ValueError, match=re.escape(str(directory / _INDEX))):
+        infinity.from_pretrained(transformers.LlamaForCausalLM, directory, _resident())
+
+
+def test_model_safetensors_wins_over_an_index_as_in_transformers(tmp_path):
+    """transformers loads model.safetensors where a directory holds it and an index; infinity
+    loaded the index."""
+    _llama().save_pretrained(tmp_path / "in", max_shard_size="20KB")
+    torch.manual_seed(1)
+    other = transformers.LlamaForCausalLM(_llama().config)
+    other.save_pretrained(tmp_path / "other")
+    os.replace(tmp_path / "other" / "model.safetensors", tmp_path / "in" / "model.safetensors")
+    want = other.state_dict()
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "in").state_dict()
+    assert all(torch.equal(theirs[k], v) for k, v in want.items())
+    engine = infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "in", _resident())
+    got = engine.gathered_weights()
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    engine.close()
+
+
+@pytest.mark.parametrize("damage", ["single-truncated", "shard-truncated", "key-not-in-its-shard"])
+def test_a_damaged_weights_file_is_an_error_naming_it(tmp_path, damage):
+    """safetensors' own errors (SafetensorError: ... incomplete metadata) name no file."""
+    directory = tmp_path / "in"
+    _llama().save_pretrained(directory, max_shard_size="2GB" if damage == "single-truncated" else "20KB")
+    if damage == "key-not-in-its-shard":
+        weight_map = json.loads((directory / _INDEX).read_text())["weight_map"]
+        bad = next(f for f in sorted(set(weight_map.values())) if f != weight_map[_KEY])
+        _edit_index(directory, lambda d: d["weight_map"].__setitem__(_KEY, bad))
+    else:
+        bad = "model.safetensors" if damage == "single-truncated" else "model-00002-of-00006.safetensors"
+        assert (directory / bad).is_file()
+        (directory / bad).write_bytes((directory / bad).read_bytes()[:100])
+    with pytest.raises(ValueError, match=re.escape(str(directory / bad))):
+        infinity.from_pretrained(transformers.LlamaForCausalLM, directory, _resident())
+
+
+# -- issue 22, items 6 and 12: what save_pretrained leaves ------------------------------------
+_CHANGES = ("replace", "rename", "unlink", "remove")
+
+
+def _snapshot_each_change(monkeypatch, directory, into):
+    """Before each change the save makes to ``directory``'s entries (a rename, an unlink), and
+    after the last, a copy of it: what a reader finds if the save is killed at that point."""
+    taken = []
+
+    def take():
+        taken.append(into / str(len(taken)))
+        shutil.copytree(directory, taken[-1], symlinks=True)
+
+    for name in _CHANGES:
+        real = getattr(os, name)
+
+        def change(src, *args, _real=real, **kwargs):
+            if os.path.dirname(os.path.abspath(src)) == str(directory):
+                take()
+            return _real(src, *args, **kwargs)
+
+        monkeypatch.setattr(os, name, change)
+    return taken, take
+
+
+def _same(got, want):
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("old, new", [("40KB", "40KB"), ("2GB", "40KB"), ("40KB", "2GB")],
+                         ids=["sharded-to-sharded", "single-to-sharded", "sharded-to-single"])  # fmt: skip
+def test_a_save_killed_at_any_point_leaves_the_old_checkpoint_or_the_new(tmp_path, monkeypatch, old, new):
+    """Killed between shard renames, the directory mixed old and new shards (1 new and 20 old
+    tensors of 21), and transformers and infinity loaded it without complaint."""
+    out = tmp_path / "out"
+    first = infinity.initialize(_llama(), _resident())
+    first.save_pretrained(out, max_shard_size=old)
+    before = {k: v.clone() for k, v in first.gathered_weights().items()}
+    first.close()
+    torch.manual_seed(1)
+    engine = infinity.initialize(transformers.LlamaForCausalLM(_llama().config), _resident())
+    after = engine.gathered_weights()
+    assert not _same(after, before)
+    (tmp_path / "seen").mkdir()
+    with monkeypatch.context() as m:
+        seen, take = _snapshot_each_change(m, out, tmp_path / "seen")
+        engine.save_pretrained(out, max_shard_size=new)
+        take()
+    engine.close()
+    assert len(seen) >= 4, seen
+    for snapshot in seen:
+        theirs = transformers.LlamaForCausalLM.from_pretrained(snapshot).state_dict()
+        theirs = {k: theirs[k] for k in before}
+        ours = infinity.from_pretrained(transformers.LlamaForCausalLM, snapshot, _resident())
+        got = ours.gathered_weights()
+        ours.close()
+        assert _same(theirs, before) or _same(theirs, after), (snapshot, sorted(os.listdir(snapshot)))
+        assert _same(got, theirs), snapshot
+    assert _same(theirs, after)  # the last: the save's result
+    left = sorted(os.listdir(out))
+    weights = [n for n in left if n.endswith(".safetensors")]
+    assert left == sorted(["config.json", "generation_config.json", *weights] +
+                          (["model.safetensors.index.json"] if len(weights) > 1 else [])), left  # fmt: skip
+
+
+_KILLED = r"""
+import os, signal, sys
+import torch, transformers
+import infinity
+out, at = sys.argv[1:3]
+torch.manual_seed(0)
+cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+torch.manual_seed(2)
+engine = infinity.initialize(transformers.LlamaForCausalLM(cfg),
+                             {"tiers": {"params": "device", "grads": "device", "optimizer": "device"}})
+real = getattr(os, at)
+def change(path, *args, **kwargs):
+    if os.path.dirname(path) == out and (at == "unlink" or ".safetensors" in os.path.basename(path)):
+        os.kill(os.getpid(), signal.SIGKILL)  # the first shard rename, or the first unlink
+    return real(path, *args, **kwargs)
+setattr(os, at, change)
+engine.save_pretrained(out, max_shard_size="40KB")
+"""
+
+
+@pytest.mark.parametrize("at", ["replace", "unlink"], ids=["first-shard-rename", "first-unlink"])
+def test_what_a_killed_save_leaves_is_collected_by_the_next(tmp_path, at):
+    """Preallocated temporary shards of killed saves stayed (6 full-size files after later
+    successful saves), and so did shards that no index names."""
+    import subprocess
+
+    out = tmp_path / "out"
+    engine = infinity.initialize(_llama(), _resident())
+    engine.save_pretrained(out, max_shard_size="40KB")
+    mine = engine.gathered_weights()
+    killed = subprocess.run([sys.executable, "-c", _KILLED, str(out), at], capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    left = set(os.listdir(out))
+    shards = {n for n in left if n.endswith(".safetensors")}
+    temporary = {n for n in left if n.startswith(".")}
+    assert (temporary if at == "replace" else shards - set(json.loads((out / _INDEX).read_text())["weight_map"].values()))
+    if at == "replace":  # killed before the commit: the old checkpoint
+        back = transformers.LlamaForCausalLM.from_pretrained(out).state_dict()
+        assert _same({k: back[k] for k in mine}, mine)
+    engine.save_pretrained(out, max_shard_size="40KB")
+    engine.close()
+    now = sorted(os.listdir(out))
+    named = set(json.loads((out / _INDEX).read_text())["weight_map"].values())
+    assert now == sorted({"config.json", "generation_config.json", _INDEX, *named}), now
+    back = transformers.LlamaForCausalLM.from_pretrained(out).state_dict()
+    assert _same({k: back[k] for k in mine}, mine)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_file_save_pretrained_writes_has_the_mode_the_umask_gives(tmp_path, umask):
+    """Shards followed the umask while config.json and the index were 0600."""
+    engine = infinity.initialize(_llama(), _resident())
+    before = os.umask(umask)
+    try:
+        engine.save_pretrained(tmp_path / "out", max_shard_size="40KB")
+    finally:
+        os.umask(before)
+    engine.close()
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in (tmp_path / "out").iterdir()}
+    assert len(modes) >= 5 and set(modes.values()) == {oct(0o666 & ~umask)}, modes
