@@ -444,3 +444,21 @@ def test_every_file_save_pretrained_writes_has_the_mode_the_umask_gives(tmp_path
     engine.close()
     modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in (tmp_path / "out").iterdir()}
     assert len(modes) >= 5 and set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+def test_a_second_save_into_a_directory_being_saved_is_refused_naming_it(tmp_path):
+    """Each save collects the temporary files it finds: two at once would delete each other's."""
+    import fcntl
+
+    engine = infinity.initialize(_llama(), _resident())
+    (tmp_path / "out").mkdir()
+    fd = os.open(tmp_path / "out", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a save in another process holds it
+        with pytest.raises(OSError, match=f"another save_pretrained is writing this directory.*{tmp_path / 'out'}"):
+            engine.save_pretrained(tmp_path / "out")
+    finally:
+        os.close(fd)
+    assert os.listdir(tmp_path / "out") == []
+    engine.save_pretrained(tmp_path / "out")
+    engine.close()
