@@ -94,6 +94,13 @@ class Transfer:
                     self._requests.append((fut, hi - lo, file, extent.offset + lo - pos))
                 pos += length
         except BaseException:
+            # A submit interrupted after the engine had its request leaves one running that
+            # self._requests lacks ([Note: request ownership] in infinity.aio): wait for all on
+            # this transfer's memory, so that neither the caller's tensor nor a staging buffer
+            # is reused, nor (for a put) its extents freed, while a request still moves them.
+            engine.wait_range(data)
+            for buf, *_ in self._staged:
+                engine.wait_range(buf)
             self._drain()
             raise
 

@@ -54,11 +54,12 @@ class PoolExhausted(MemoryError):
 class _Slab:
     """One empty_aligned allocation and the allocator that carves it."""
 
-    __slots__ = ("tensor", "array", "allocator", "registered", "alive")
+    __slots__ = ("tensor", "array", "address", "allocator", "registered", "alive")
 
     def __init__(self, nbytes: int, alignment: int):
         self.tensor = empty_aligned(nbytes, alignment)  # 1-D uint8, the whole slab
         self.array = self.tensor.numpy()  # per-buffer views are cut from this
+        self.address = self.tensor.data_ptr()
         self.allocator = ExtentAllocator(alignment, grow_step=0, capacity=nbytes)
         self.registered = False
         self.alive = True
@@ -177,6 +178,11 @@ class HostBufferPool:
         # so it queues the extent in _pending, which the owner drains before it lets go.
         self._owner: int | None = None
         self._pending: deque[tuple[_Slab, int, int]] = deque()
+        # [Note: buffers under I/O] A buffer released while the engine still runs a request on
+        # its memory (one whose caller was interrupted before it held the future, or one it
+        # gave up waiting for) is held here, still counted as in use, until those requests
+        # end: handed out before, the request would overwrite the next owner's bytes.
+        self._busy: list[tuple[_Slab, int, int, list]] = []  # (slab, offset, size, requests)
 
     # -- acquire / release --------------------------------------------------------------------
     def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer:
@@ -206,9 +212,13 @@ class HostBufferPool:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise self._exhausted(nbytes, size, timeout)
-                self._wait(remaining)
+                # A buffer under I/O comes back when its request ends, which no release
+                # signals: look again every few milliseconds while there are any.
+                self._wait(min(remaining, 0.005) if self._busy else remaining)
 
     def _place(self, size: int) -> tuple[_Slab, int] | None:
+        if self._busy:
+            self._reap_busy()
         for slab in self._slabs:
             if slab.allocator.largest_free >= size:
                 return slab, slab.allocator.allocate(size)
@@ -280,6 +290,25 @@ class HostBufferPool:
     def _free(self, slab: _Slab, offset: int, size: int) -> None:
         if not slab.alive:  # dropped by close(): nothing to return to
             return
+        if self.engine is not None:
+            running = self.engine.inflight(slab.address + offset, size)
+            if running:  # see [Note: buffers under I/O]
+                self._busy.append((slab, offset, size, running))
+                return
+        self._free_now(slab, offset, size)
+
+    def _reap_busy(self) -> None:
+        busy, self._busy = self._busy, []
+        for slab, offset, size, running in busy:
+            if not slab.alive:
+                continue
+            running = [r for r in running if not r.done()]
+            if running:
+                self._busy.append((slab, offset, size, running))
+            else:
+                self._free_now(slab, offset, size)
+
+    def _free_now(self, slab: _Slab, offset: int, size: int) -> None:
         slab.allocator.free(offset, size)
         self._in_use -= size
         self._buffers -= 1
@@ -343,6 +372,8 @@ class HostBufferPool:
 
     def stats(self) -> dict:
         with self._locked():
+            if self._busy:
+                self._reap_busy()
             return {
                 "budget_bytes": self.budget_bytes,
                 "allocated_bytes": self._allocated,
@@ -352,6 +383,7 @@ class HostBufferPool:
                 "slabs": len(self._slabs),
                 "registered_slabs": sum(s.registered for s in self._slabs),
                 "largest_free": max((s.allocator.largest_free for s in self._slabs), default=0),
+                "busy_buffers": len(self._busy),  # released, waiting for I/O on them to end
             }
 
     def trim(self) -> int:
@@ -374,6 +406,9 @@ class HostBufferPool:
             self._closed = True
             for slab in list(self._slabs):
                 self._drop(slab)
+            # The memory of buffers under I/O stays mapped while the engine holds their
+            # requests (each keeps its buffer alive until it is reaped).
+            self._busy.clear()
             self._in_use = self._buffers = 0
             self._cond.notify_all()  # waiting acquires wake and raise
 

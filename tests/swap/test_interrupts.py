@@ -185,14 +185,45 @@ def test_a_sigint_in_a_get_never_lets_the_pool_hand_out_the_buffer_being_read(
         space.put("x", torch.arange(NBYTES // 4, dtype=torch.float32)).result()
         monkeypatch.setattr(os, "preadv", held)
         sigint_after_submit(engine)
+        threading.Timer(0.2, gate.set).start()  # the read ends a little after the interrupt
         with pytest.raises(KeyboardInterrupt):
             space.get("x")  # into a pool buffer, which get's cleanup releases
         mine = space.pool.acquire(NBYTES)
         mine.tensor.fill_(0x11)
-        gate.set()
         engine.close()  # every request the backend was given has ended
         assert int((mine.tensor != 0x11).sum()) == 0, "the orphaned read overwrote the next owner's buffer"
         mine.release()
+        space.close()
+    finally:
+        gate.set()
+        engine.close()
+
+
+def test_a_get_into_the_callers_tensor_interrupted_after_submit_returns_only_once_the_read_ended(
+    open_space, monkeypatch, sigint_after_submit, no_hang
+):
+    # The caller may reuse ``out`` as soon as the KeyboardInterrupt reaches it: no read into
+    # it may still be running then, future or not.
+    engine = aio.open_engine("threads")
+    gate, real = threading.Event(), os.preadv
+
+    def held(*args):
+        gate.wait(timeout=60)
+        return real(*args)
+
+    try:
+        space = open_space(engine=engine)
+        t = torch.arange(NBYTES // 4, dtype=torch.float32)
+        space.put("x", t).result()
+        out = aio.empty_aligned(NBYTES).view(torch.float32)  # aligned: read into directly, not staged
+        monkeypatch.setattr(os, "preadv", held)
+        sigint_after_submit(engine)
+        threading.Timer(0.2, gate.set).start()  # the read ends a little after the interrupt
+        with pytest.raises(KeyboardInterrupt):
+            space.get("x", out)
+        out.fill_(-1.0)  # the caller's own use of it
+        engine.close()  # every request the backend was given has ended
+        assert bool((out == -1.0).all()), "a read into the caller's tensor ran on after get raised"
         space.close()
     finally:
         gate.set()
