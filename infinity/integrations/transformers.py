@@ -17,7 +17,11 @@ changes, when training starts:
 - gradient clipping (``max_grad_norm``) is the engine's, at its step, on the gradients in the
   tiers; the logged ``grad_norm`` is their global norm before clipping;
 - a checkpoint's optimizer state is the engine's checkpoint in ``<checkpoint>/infinity``
-  (every tensor in the tiers, checksummed, resharded on load), beside the Trainer's own files.
+  (every tensor in the tiers, checksummed, resharded on load), beside the Trainer's own files;
+  ``resume_from_checkpoint`` (a path, or True: the last checkpoint in ``output_dir``) naming a
+  checkpoint without it is refused, since the run would go on with fresh optimizer state;
+- the model is not wrapped in DistributedDataParallel under ``torchrun``: the engine reduces
+  the gradients across ranks itself (accelerate still applies its autocast).
 
 The model's weights are saved as the Trainer saves them (``save_pretrained``, through the
 module's ``state_dict``, which gathers them from the tiers into memory).
@@ -29,6 +33,7 @@ import os
 
 import torch
 import transformers
+from transformers.trainer_utils import get_last_checkpoint
 
 import infinity
 
@@ -51,6 +56,14 @@ class InfinityTrainer(transformers.Trainer):
         self.infinity_config = infinity_config
         self.engine = None
         super().__init__(*args, **kwargs)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True:
+            # Resolved here so that the check below sees the directory the Trainer will load.
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # True: the Trainer says none
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            _engine_state(resume_from_checkpoint)  # before an engine and its swap space are made
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # -- the optimizer is the engine's ------------------------------------------------------
     def create_optimizer(self, model=None):
@@ -79,6 +92,18 @@ class InfinityTrainer(transformers.Trainer):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}  # the engine's kernels are fused
         return cls(groups, **kwargs)
 
+    # -- no DistributedDataParallel: the engine reduces the gradients ----------------------
+    def _wrap_model(self, model, training=True, dataloader=None):
+        model = super()._wrap_model(model, training, dataloader)
+        if training and model is self.model and self.engine is not None:
+            # DDP's reducer keeps each placeholder's gradient accumulator, with the placeholder's
+            # empty shape, so the first backward fails (and it would reduce what the engine
+            # already reduces). Prepared as transformers prepares a model that owns its placement
+            # and gradient reduction: autocast and compilation only. The accelerator.prepare that
+            # follows finds it prepared and leaves it so.
+            model = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+        return model
+
     # -- clipping and the logged norm: the engine's -----------------------------------------
     def _clip_grad_norm(self, model):
         return self.engine.clip_grad_norm_(self.args.max_grad_norm)
@@ -99,10 +124,22 @@ class InfinityTrainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        saved = os.path.join(checkpoint, ENGINE_DIR)
-        if self.engine is None or not os.path.isdir(saved):
+        if self.engine is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        self.engine.load_checkpoint(saved, tag="state")
+        self.engine.load_checkpoint(_engine_state(checkpoint), tag="state")
         scheduler = os.path.join(checkpoint, _SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def _engine_state(checkpoint) -> str:
+    """``<checkpoint>/infinity``, or the refusal: without it a resume restores the weights and
+    the schedule but starts the Adam moments and step counts afresh, and the steps after it
+    differ from the uninterrupted run's with nothing said."""
+    saved = os.path.join(os.fspath(checkpoint), ENGINE_DIR)
+    if not os.path.isdir(saved):
+        raise FileNotFoundError(
+            f"resume_from_checkpoint: {saved} is missing, which holds the engine's optimizer state (moments, step "
+            f"counts, master weights) that InfinityTrainer saves in every checkpoint; {os.fspath(checkpoint)} was not "
+            "saved by InfinityTrainer or has lost it, and resuming would restart the optimizer state silently")
+    return saved

@@ -113,3 +113,25 @@ def test_plain_trainer_on_an_engine_module_is_refused_not_trained_silently(tmp_p
                                        train_dataset=_Tokens())  # fmt: skip
         with pytest.raises(RuntimeError, match="on parameters that an infinity engine manages"):
             trainer.train()
+
+
+@pytest.mark.parametrize("resume", ["path", "last"])
+def test_a_resume_from_a_checkpoint_without_the_engines_state_is_refused_naming_the_directory(tmp_path, resume):
+    """Without ``<checkpoint>/infinity`` the run went on with fresh Adam moments and step counts
+    (its steps differed from the uninterrupted run's) and said nothing. ``resume=True`` picks
+    the last checkpoint in output_dir: the same check."""
+    import shutil
+
+    out = tmp_path / "out"
+    first = InfinityTrainer(model=_llama(), args=_args(out, max_steps=2, save_steps=2), train_dataset=_Tokens(),
+                            infinity_config=_nvme(tmp_path))  # fmt: skip
+    first.train()
+    first.engine.close()
+    missing = out / "checkpoint-2" / ENGINE_DIR
+    shutil.rmtree(missing)
+
+    again = InfinityTrainer(model=_llama(), args=_args(out, max_steps=4, save_steps=2), train_dataset=_Tokens(),
+                            infinity_config=_nvme(tmp_path))  # fmt: skip
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        again.train(resume_from_checkpoint=str(out / "checkpoint-2") if resume == "path" else True)
+    assert again.engine is None  # refused before an engine (and its swap space) was made
