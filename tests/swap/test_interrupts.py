@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 
 import pytest
@@ -227,4 +228,31 @@ def test_a_get_into_the_callers_tensor_interrupted_after_submit_returns_only_onc
         space.close()
     finally:
         gate.set()
+        engine.close()
+
+
+def test_a_buffer_released_after_a_wait_was_interrupted_is_held_until_its_read_ends(
+    held_source, sigint_after_submit, no_hang
+):
+    # The threads backend's wait is where a Ctrl-C can cut in while the read runs (the uring
+    # wait does not return until the request is done). A careless caller releases anyway.
+    engine = aio.open_engine("threads")
+    try:
+        pool = HostBufferPool(1 << 20, engine=engine, slab_size=1 << 20)
+        fd, release = held_source("threads", b"\xab" * NBYTES)
+        lease = pool.acquire(NBYTES)
+        fut = engine.pread(lease.tensor, fd, 0)
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            fut.result()
+        lease.release()
+        mine = pool.acquire(NBYTES)
+        mine.tensor.fill_(0x11)
+        release()
+        assert fut.result() == NBYTES
+        assert int((mine.tensor != 0x11).sum()) == 0, "the read overwrote the next owner's buffer"
+        mine.release()
+        assert pool.stats()["in_use_bytes"] == 0 and pool.stats()["busy_buffers"] == 0
+        pool.close()
+    finally:
         engine.close()
