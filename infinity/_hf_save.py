@@ -78,15 +78,15 @@ def save_pretrained(engine, directory, max_shard_size="2GB") -> str:
             size = 0
         shards[-1].append(e)
         size += e.nbytes
-    save_id = secrets.token_hex(4)  # only rank 0's names are used
-    names = [SINGLE] if len(shards) == 1 else [f"model-{save_id}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                                for i in range(len(shards))]  # fmt: skip
+    names = _names(len(shards))  # only rank 0's are used
     lock, error = None, None
     if engine.rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
             lock = _lock(directory)
             _collect(directory, keep=(), temporary_only=True)
+            while len(names) > 1 and any(os.path.lexists(os.path.join(directory, n)) for n in names):
+                names = _names(len(shards))  # an id an earlier save drew: its shards must not be replaced
         except OSError as e:
             error = e
     try:
@@ -118,6 +118,13 @@ def save_pretrained(engine, directory, max_shard_size="2GB") -> str:
         if lock is not None:
             os.close(lock)
     return directory
+
+
+def _names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE]
+    save_id = secrets.token_hex(4)
+    return [f"model-{save_id}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def _lock(directory: str) -> int:

@@ -17,6 +17,7 @@ whose ``snapshots/<revision>/<file>`` are symlinks to ``../../blobs/<hash>`` of 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 
@@ -99,7 +100,9 @@ def _reading(file: str, key: str | None = None):
     except OSError as e:
         if e.filename is not None:
             raise
-        raise OSError(e.errno, f"{e.strerror or e}{of}", file) from None
+        code = e.errno or (errno.ENOENT if isinstance(e, FileNotFoundError) else errno.EIO)  # safetensors' carry none
+        why = os.strerror(code) if isinstance(e, FileNotFoundError) else (e.strerror or str(e))  # it names the file
+        raise type(e)(code, f"{why}{of}", file) from None
 
 
 class Shards:

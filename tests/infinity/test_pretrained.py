@@ -462,3 +462,29 @@ def test_a_second_save_into_a_directory_being_saved_is_refused_naming_it(tmp_pat
     assert os.listdir(tmp_path / "out") == []
     engine.save_pretrained(tmp_path / "out")
     engine.close()
+
+
+def test_a_save_id_an_earlier_save_drew_is_drawn_again(tmp_path, monkeypatch):
+    """Shards under the names of the checkpoint in place would replace it one by one."""
+    import infinity._hf_save
+
+    draws = iter(["aaaaaaaa", "aaaaaaaa", "bbbbbbbb"])
+    monkeypatch.setattr(infinity._hf_save.secrets, "token_hex", lambda n: next(draws))
+    out = tmp_path / "out"
+    first = infinity.initialize(_llama(), _resident())
+    first.save_pretrained(out, max_shard_size="40KB")
+    before = first.gathered_weights()
+    first.close()
+    torch.manual_seed(1)
+    engine = infinity.initialize(transformers.LlamaForCausalLM(_llama().config), _resident())
+    after = engine.gathered_weights()
+    (tmp_path / "seen").mkdir()
+    with monkeypatch.context() as m:
+        seen, take = _snapshot_each_change(m, out, tmp_path / "seen")
+        engine.save_pretrained(out, max_shard_size="40KB")
+        take()
+    engine.close()
+    for snapshot in seen:
+        theirs = transformers.LlamaForCausalLM.from_pretrained(snapshot).state_dict()
+        assert _same({k: theirs[k] for k in before}, before) or _same({k: theirs[k] for k in after}, after), snapshot
+    assert {n.split("-")[1] for n in os.listdir(out) if n.endswith(".safetensors")} == {"bbbbbbbb"}
