@@ -41,7 +41,7 @@ from torch.profiler import record_function
 
 from infinity.swap import PoolExhausted
 
-from . import _tiled
+from . import _gather, _tiled
 from ._grads import GradAccumulator
 from ._interrupts import held_interrupts
 from ._stats import Stats
@@ -447,6 +447,7 @@ class Scheduler:
 
     # -- saved tensors: see [Note: saved parameter views] -------------------------------------
     def pack(self, t: torch.Tensor):
+        _gather.refuse_placeholder(t)  # see [Note: reads outside a module]
         if self.always_ready or not self._by_storage:
             return t
         try:
@@ -608,7 +609,15 @@ class Scheduler:
                     unit.lease = None
 
     def release_all(self) -> None:
+        """Release every unit and forget the gradient uses still expected: a forward whose
+        backward has not run (a loss computed and dropped before a save) is forgotten with them,
+        or the next forward, taken for its recomputation, would count no uses and its units
+        would be released under their own backward."""
         for unit in self.units:
             self._drop_fetch(unit)
             unit.active = unit.uses = 0
             self.release(unit)
+        self._in_backward = False
+        self.backward_order = _Order([])
+        self._calls.clear()
+        self._recomputed.clear()

@@ -328,3 +328,44 @@ def test_after_an_interrupted_backward_the_next_backward_ends_and_is_counted(tmp
         engine.step()
     engine.close()
     assert "backward passes" not in caplog.text
+
+
+def test_a_ctrl_c_while_prefetches_are_given_back_leaves_the_engine_loadable(tmp_path, monkeypatch):
+    """A grad-enabled forward leaves the first units of its backward prefetched; a save gives
+    them back first. A Ctrl-C as one of those reads is given back (its lease released, the unit
+    not yet marked released) must not leave a unit fetching with no read."""
+    expected = _reference(tmp_path, 2)
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a"))
+    engine.backward(_loss(engine, 0))
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    _loss(engine, 5)  # a forward whose backward never runs
+    assert any(u.state is infinity._units.UnitState.FETCHING for u in engine.units)
+    _sigint_at(monkeypatch, infinity._store.Lease, "release", call=1, at="end")
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(tmp_path / "ckpt", tag="again")
+    monkeypatch.undo()
+    engine.load_checkpoint(tmp_path / "ckpt")
+    engine.backward(_loss(engine, 1))
+    engine.step()
+    got = engine.gathered_weights()
+    engine.close()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    again = infinity.initialize(_mlp(), _cfg(tmp_path / "a"))
+    again.close()
+
+
+def test_a_forward_whose_backward_never_runs_then_a_save_trains_on_exactly(tmp_path):
+    """A loss computed and dropped before a save: the save releases every unit and the
+    gradient uses that forward expected; the next step must still be exact."""
+    expected = _reference(tmp_path, 2)
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a"))
+    engine.backward(_loss(engine, 0))
+    engine.step()
+    _loss(engine, 5)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.backward(_loss(engine, 1))
+    engine.step()
+    got = engine.gathered_weights()
+    engine.close()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
