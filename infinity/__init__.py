@@ -29,6 +29,7 @@ _LAZY = {
     "initialize": ".engine",
     "from_pretrained": "._pretrained",
     "HostBudgetError": "._resources",
+    "GatheredParameters": "._gather",
 }
 
 __all__ = sorted(_LAZY)

@@ -30,6 +30,8 @@ import enum
 import torch
 from torch import nn
 
+from . import _gather
+
 
 class UnitState(enum.Enum):
     """Where a unit's full parameters are."""
@@ -120,18 +122,28 @@ class ParamUnit:
         if self.rows is None:
             for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
                 p.data = full[off : off + n].view(shape)
+                _gather.bind_param(p)
         self.state = UnitState.READY
 
     def unbind(self) -> None:
-        """Replace every parameter's data by an empty placeholder (the shard stays in its tier)."""
-        for p in self.params:
-            empty = torch.empty(0, dtype=self.placeholder_dtype or p.dtype, device=self.placeholder_device or p.device)
-            if p.is_meta:  # `build`'s: ``.data`` cannot move a tensor off the meta device
-                swap_contents(p, empty)
-            else:
-                p.data = empty
+        """Replace every parameter's data by an empty placeholder (the shard stays in its tier),
+        whose reads are refused (see [Note: reads outside a module] in `_gather`)."""
+        # A bound tile's parameters are placeholders already (`bind` leaves them), or hold the
+        # whole weight for a gather of it (`_gather`), which puts the placeholder back itself.
+        if self.rows is None or self.full is None:
+            for i, p in enumerate(self.params):
+                empty = torch.empty(0, dtype=self.placeholder_dtype or p.dtype, device=self.placeholder_device or p.device)
+                if p.is_meta:  # `build`'s: ``.data`` cannot move a tensor off the meta device
+                    swap_contents(p, empty)
+                else:
+                    p.data = empty
+                _gather.release_param(p, self.qualified_name(i))
         self.full = None
         self.state = UnitState.RELEASED
+
+    def qualified_name(self, i: int) -> str:
+        """Parameter ``i``'s name in the model (``"lm_head.weight"``)."""
+        return self.param_names[i] if self.path == "<root>" else f"{self.path}.{self.param_names[i]}"
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.name!r}, {len(self.params)} params, {self.numel} elements, {self.state.value})"

@@ -1,0 +1,308 @@
+"""Parameters used outside their modules: gathering them, and refusing a read of a placeholder.
+
+Owns: the class a released parameter has (whose reads of data are refused, naming it) and
+`GatheredParameters`, which materialises parameters for use outside their modules' forwards.
+Touches: the engine's units and `Scheduler` (materialise, release, the gradient hand-off), the
+parameters' ``.data`` and class.
+
+[Note: reads outside a module]
+A released parameter is an empty placeholder; the engine materialises it only around the
+forward and backward of the module that holds it. A model that reads a weight elsewhere
+(TRL's fused LM head multiplies the hidden states by ``lm_head.weight`` itself, never calling
+``lm_head``) would compute with the empty tensor: a vocabulary of 0 rows, then a size mismatch
+deep in backward, or a wrong result with no error at all. So:
+
+- A released parameter's class is a subclass of its own whose ``__torch_function__`` refuses
+  every operation that reads its data, naming the parameter and the way out; its metadata
+  (dtype, device, shape, ``requires_grad``, hooks) stays readable, since transformers, peft,
+  accelerate and the engine itself read those of released parameters. Autograd saving one for
+  backward is refused too (`refuse_placeholder`, from the saved-tensor hook): a Function may
+  save a weight it read nothing of in forward (a loop over 0 rows).
+- `GatheredParameters` (as ``deepspeed.zero.GatheredParameters``) materialises them for the
+  context: a whole unit is fetched and held; a tiled parameter (see [Note: tiles]) is
+  assembled from its tiles into one tensor of its own. Inside the model's forward with grad
+  enabled, each gathered trainable parameter counts one more gradient for its units, so the
+  gradient autograd accumulates into it reaches the engine's accumulation as if its module
+  had run (a tiled one's is cut into its tiles' rows). A saved view of a whole unit is kept by
+  position as always ([Note: saved parameter views]); one of an assembled tensor is assembled
+  again in backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from . import _resources
+from ._interrupts import held_interrupts
+
+# Reading these is reading metadata, or registering hooks: allowed on a placeholder.
+_META = frozenset({
+    "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "storage_offset",
+    "is_contiguous", "is_floating_point", "is_complex", "is_signed", "is_pinned", "is_shared", "get_device",
+    "data_ptr", "untyped_storage", "_typed_storage", "storage", "requires_grad_", "register_hook",
+    "register_post_accumulate_grad_hook", "retain_grad", "detach", "detach_", "_is_view", "__hash__",
+    "__repr__", "__format__", "__dir__", "__sizeof__",
+})  # fmt: skip
+# Properties that are views of the data, not metadata.
+_DATA_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# Conversions `nn.Module._apply` runs under no_grad (``model.to(device)``: Trainer, accelerate).
+_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type",
+                          "_has_compatible_shallow_copy_type"})
+
+
+class _Released:
+    """Mixed into a released parameter's class: see [Note: reads outside a module]."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _allowed(func):
+            for t in tree_leaves((args, kwargs)):
+                if type(t) in _RELEASED_CLASSES:
+                    raise _refusal(t, getattr(func, "__name__", repr(func)))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _allowed(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):  # a property: metadata, unless a view of the data
+        return getattr(getattr(func, "__self__", None), "__name__", "") not in _DATA_PROPERTIES
+    return name in _META or (name in _CONVERSIONS and not torch.is_grad_enabled())
+
+
+def _refusal(p: torch.Tensor, what: str) -> RuntimeError:
+    name = getattr(p, "_infinity_name", "?")
+    return RuntimeError(
+        f"{what} read parameter {name!r} outside the forward of the module that holds it, but an infinity engine "
+        f"keeps it in its tiers and it is an empty placeholder there (shape {tuple(p.shape)}): gather it for the "
+        f"read with `with infinity.GatheredParameters([param]): ...` (as deepspeed.zero.GatheredParameters), "
+        "inside the model's forward to train through it; for TRL's trainers use infinity.integrations.trl"
+    )
+
+
+_RELEASED_CLASSES: set[type] = set()
+_released_of: dict[type, type] = {}  # a parameter class -> its released subclass
+
+
+def release_param(p: nn.Parameter, name: str) -> None:
+    """``p`` is a placeholder now (its data empty): reads of its data are refused, naming it."""
+    p._infinity_name = name
+    cls = type(p)
+    if cls in _RELEASED_CLASSES:
+        return
+    released = _released_of.get(cls)
+    if released is None:
+        released = type(f"Released{cls.__name__}", (_Released, cls), {"_infinity_base": cls})
+        _released_of[cls] = released
+        _RELEASED_CLASSES.add(released)
+    p.__class__ = released
+
+
+def bind_param(p: nn.Parameter) -> None:
+    """``p`` holds its values: its own class again."""
+    if type(p) in _RELEASED_CLASSES:
+        p.__class__ = type(p)._infinity_base
+
+
+def refuse_placeholder(t: torch.Tensor) -> None:
+    """Raise if autograd is saving a placeholder for backward (the saved-tensor hook)."""
+    if type(t) in _RELEASED_CLASSES:
+        raise _refusal(t, "autograd saving it for backward")
+
+
+class _Assembled:
+    """A saved view of a tiled parameter assembled by a gather: assembled again to unpack."""
+
+    __slots__ = ("scheduler", "pieces", "offset", "size", "stride")
+
+    def __init__(self, scheduler, pieces, offset, size, stride):
+        self.scheduler, self.pieces, self.offset, self.size, self.stride = scheduler, pieces, offset, size, stride
+
+
+def _assemble(scheduler, pieces) -> torch.Tensor:
+    """A tiled parameter whole, from its tiles (``pieces``: (tile, index) in row order), each
+    fetched and released in turn."""
+    full = None
+    for unit, i in pieces:
+        scheduler.materialize(unit)
+        try:
+            piece = unit.piece(i)
+            if full is None:
+                full = torch.empty(unit.full_shapes[i], dtype=piece.dtype, device=piece.device)
+            full[unit.rows[0] : unit.rows[1]].copy_(piece)
+        finally:
+            scheduler.release(unit, after_forward=True)
+    return full
+
+
+def _hook(scheduler, p: nn.Parameter, pieces) -> None:
+    """Once per parameter and engine: the hooks that take a gathered parameter's gradient.
+
+    Autograd accumulates a leaf's gradient into a tensor laid out as the leaf (``p.grad`` in
+    ``p``'s shape), and by then ``p`` may be a placeholder again: an assembled tiled parameter
+    always is, a whole unit is when backward did not read it. The hook before accumulation
+    gives ``p`` a stand-in of the gradient's shape that takes no memory (stride 0); the one
+    after hands the gradient on (a tiled parameter's rows to each tile; a whole unit's goes
+    through the engine's own hook, registered first) and puts the placeholder back."""
+    ref = weakref.ref(scheduler)
+    stood_in = []
+
+    def before(grad):
+        if p.shape != grad.shape:
+            with held_interrupts:
+                p.data = grad.new_empty(()).expand(grad.shape)
+                stood_in.append(True)
+
+    def after(param):
+        live = ref()
+        if pieces[0][0].is_tile:
+            grad, param.grad = param.grad, None
+            if live is not None and grad is not None:
+                for unit, i in pieces:
+                    live.tile_grad(unit, i, grad[unit.rows[0] : unit.rows[1]])
+        if stood_in:
+            stood_in.clear()
+            unit, i = pieces[0]
+            if unit.is_tile or unit.full is None:
+                _replace(param, unit, i)
+            else:  # bound meanwhile (fetched for its grad's hand-off): its view again
+                unit.bind(unit.full)
+
+    scheduler._handles.append(p.register_hook(before))
+    scheduler._handles.append(p.register_post_accumulate_grad_hook(after))
+
+
+_hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> ids of hooked parameters
+
+
+class GatheredParameters:
+    """Materialise ``params`` (parameters an infinity engine holds) for use outside their
+    modules' forwards, for the duration of the context, as ``deepspeed.zero.GatheredParameters``.
+
+    Tensors no open engine holds (and None) are left alone. Inside the model's forward with
+    grad enabled, a gathered parameter may be used in the loss: its gradient reaches the
+    engine's accumulation as if its module had run. Changes made to the values inside are not
+    written back (``modifier_rank`` must be None). With several ranks at ZeRO stage 3 every
+    rank enters it for the same parameters: materialising is an all-gather."""
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled: bool = True):
+        if modifier_rank is not None:
+            raise ValueError(f"{modifier_rank=}: changes made to gathered parameters are not written back to the "
+                             "tiers; pass modifier_rank=None, and load new values with engine.module.load_state_dict")  # fmt: skip
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        seen, self._params = set(), []
+        for p in params if enabled else ():
+            if isinstance(p, torch.Tensor) and id(p) not in seen:
+                seen.add(id(p))
+                self._params.append(p)
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        try:
+            for engine, params in _by_engine(self._params):
+                self._gather(stack, engine, params)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc):
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+        return False
+
+    @staticmethod
+    def _gather(stack: contextlib.ExitStack, engine, params) -> None:
+        engine._check_open()
+        engine._owner.enter("GatheredParameters")
+        stack.callback(engine._owner.exit)
+        from ._units import holders  # _units imports this module
+
+        scheduler = engine.scheduler
+        where = holders(engine.units)
+        # A gradient through a gathered parameter is one more for its units in this backward.
+        counts = torch.is_grad_enabled() and scheduler.in_forward and not scheduler.in_backward
+        assembled: dict[int, tuple] = {}  # storage address -> (scheduler, pieces) of an assembled parameter
+        for p in params:
+            pieces = where[id(p)]
+            unit, i = pieces[0]
+            if not unit.is_tile:
+                scheduler.materialize(unit)
+                with held_interrupts:
+                    unit.active += 1
+                    stack.callback(_let_go, scheduler, unit)
+            else:
+                full = _assemble(scheduler, pieces)
+                with held_interrupts:
+                    p.data = full
+                    bind_param(p)
+                    stack.callback(_replace, p, unit, i)
+                assembled[full.untyped_storage().data_ptr()] = (scheduler, pieces)
+            if unit.requires_grad[i] and id(p) not in _hooked.setdefault(scheduler, set()):
+                _hooked[scheduler].add(id(p))
+                _hook(scheduler, p, pieces)
+            if counts:
+                for u, k in pieces:
+                    u.uses += int(u.requires_grad[k])
+        if assembled:
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                lambda t: _pack(scheduler, assembled, t), lambda s: _unpack(scheduler, s))
+            stack.enter_context(hooks)
+
+
+def _let_go(scheduler, unit) -> None:
+    with held_interrupts:
+        unit.active = max(unit.active - 1, 0)  # a no-grad root pass's end zeroes it (release_all)
+        scheduler.release(unit, after_forward=True)
+
+
+def _replace(p: nn.Parameter, unit, i: int) -> None:
+    """An assembled parameter back to its placeholder (see `ParamUnit.unbind`)."""
+    empty = torch.empty(0, dtype=unit.placeholder_dtype or p.dtype, device=unit.placeholder_device or p.device)
+    p.data = empty
+    release_param(p, unit.qualified_name(i))
+
+
+def _pack(scheduler, assembled, t):
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return scheduler.pack(t)
+    if ptr in assembled:
+        owner, pieces = assembled[ptr]
+        return _Assembled(owner, pieces, t.storage_offset(), t.size(), t.stride())
+    return scheduler.pack(t)
+
+
+def _unpack(scheduler, saved):
+    if not isinstance(saved, _Assembled):
+        return scheduler.unpack(saved)
+    full = _assemble(saved.scheduler, saved.pieces)
+    return full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+def _by_engine(params):
+    """(engine, its parameters among ``params``) for each open engine holding some; a
+    placeholder no open engine holds is refused (its engine was closed)."""
+    engines = [e for e in list(_resources._OPEN) if getattr(e, "_managed", None) is not None]
+    out = []
+    for engine in engines:
+        mine = [p for p in params if id(p) in engine._managed]
+        if mine:
+            out.append((engine, mine))
+    held = {id(p) for _, mine in out for p in mine}
+    for p in params:
+        if id(p) not in held and type(p) in _RELEASED_CLASSES:
+            raise RuntimeError(f"parameter {getattr(p, '_infinity_name', '?')!r} belongs to an infinity engine that "
+                               "is closed: its values are gone from memory (load them from a checkpoint or export)")  # fmt: skip
+    return out

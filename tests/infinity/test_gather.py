@@ -1,0 +1,212 @@
+"""Parameters used outside their modules: a released placeholder refuses the read, naming the
+parameter; `infinity.GatheredParameters` makes the read right and its gradients exact.
+
+The model is TRL's fused LM head in small: a backbone, then ``F.linear(h, head.weight,
+head.bias)`` outside ``head``'s forward. Numbers are compared with plain PyTorch on the same
+model and data at 1e-5 (fp32 AdamW, the engine with torch's fused kernel: rounding only).
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import infinity
+from infinity._schedule import _UnitView
+
+from ._common import config
+
+
+class _FusedHead(nn.Module):
+    """Reads ``head``'s parameters directly, as TRL's fused LM head does, gathering them
+    through ``gather`` (a context manager factory) when given."""
+
+    def __init__(self, vocab=200, width=16, gather=None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+        self.gather = gather
+
+    def forward(self, ids):
+        h = torch.tanh(self.body(self.embed(ids)))
+        if self.gather is None:
+            return F.linear(h, self.head.weight, self.head.bias)
+        with self.gather([self.head.weight, self.head.bias]):
+            return F.linear(h, self.head.weight, self.head.bias)
+
+
+def _gathered(params):
+    return infinity.GatheredParameters(params)
+
+
+def _model(gather=None, tied=False):
+    torch.manual_seed(0)
+    m = _FusedHead(gather=gather)
+    if tied:
+        m.head.weight = m.embed.weight
+    return m
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 200, (4, 6), generator=g), torch.randint(0, 200, (4, 6), generator=g)
+
+
+def _loss(model, step):
+    ids, labels = _batch(step)
+    return F.cross_entropy(model(ids).reshape(-1, 200), labels.reshape(-1))
+
+
+def _plain(steps, tied=False):
+    model = _model(tied=tied)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses = []
+    for step in range(steps):
+        loss = _loss(model, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _nvme(tmp_path, **sections):
+    (tmp_path / "swap").mkdir(exist_ok=True)
+    return config(tmp_path / "swap", ("nvme", "nvme", "nvme"), **sections)
+
+
+def test_a_placeholder_read_outside_its_module_is_refused_naming_the_parameter(tmp_path):
+    engine = infinity.initialize(_model(), _nvme(tmp_path))
+    try:
+        ids, _ = _batch(0)
+        with pytest.raises(RuntimeError, match=r"'head\.weight'.*GatheredParameters"):
+            engine(ids)
+        with torch.no_grad(), pytest.raises(RuntimeError, match=r"'head\.weight'"):
+            engine(ids)  # no backward to fail later: refused at the read itself
+        # Refused before anything ran: the engine trains on once the model gathers.
+        engine.module.gather = _gathered
+        loss = _loss(engine, 0)
+        engine.backward(loss)
+        engine.step()
+    finally:
+        engine.close()
+
+
+def test_a_placeholder_saved_for_backward_is_refused_naming_it(tmp_path):
+    class Saves(torch.autograd.Function):  # reads nothing in forward, as a kernel over 0 rows would
+        @staticmethod
+        def forward(ctx, h, w):
+            ctx.save_for_backward(w)
+            return h.sum(-1)
+
+        @staticmethod
+        def backward(ctx, g):
+            return None, None
+
+    class M(_FusedHead):
+        def forward(self, ids):
+            return Saves.apply(self.body(self.embed(ids)), self.head.weight)
+
+    torch.manual_seed(0)
+    engine = infinity.initialize(M(), _nvme(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match=r"'head\.weight'"):
+            engine(_batch(0)[0])
+    finally:
+        engine.close()
+
+
+def test_metadata_of_a_placeholder_stays_readable(tmp_path):
+    engine = infinity.initialize(_model(), _nvme(tmp_path))
+    try:
+        w = engine.module.head.weight
+        assert isinstance(w, nn.Parameter) and w.dtype == torch.float32 and w.device.type == "cpu"
+        assert w.requires_grad and w.numel() == 0 and w.grad is None
+        with torch.no_grad():
+            engine.module.to("cpu")  # what Trainer and accelerate do
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_training_through_gathered_parameters_matches_plain_pytorch(tmp_path, tied):
+    want, want_params = _plain(4, tied=tied)
+    engine = infinity.initialize(_model(gather=_gathered, tied=tied), _nvme(tmp_path))
+    try:
+        got = []
+        for step in range(4):
+            loss = _loss(engine, step)
+            engine.backward(loss)
+            engine.step()
+            got.append(loss.item())
+        assert got == pytest.approx(want, abs=1e-5)
+        for name, value in engine.gathered_weights().items():
+            torch.testing.assert_close(value, want_params[name], atol=1e-5, rtol=0)
+    finally:
+        engine.close()
+
+
+def test_a_tiled_parameter_is_gathered_whole_and_its_gradient_reaches_every_tile(tmp_path):
+    want, want_params = _plain(3)
+    # 200 x 17 fp32 is 13600 bytes: tiles of 4 KiB (60 rows) cut the head into 4 units.
+    engine = infinity.initialize(_model(gather=_gathered), _nvme(tmp_path, memory={"tile_size": 4096}))
+    try:
+        assert sum(u.path == "head" for u in engine.units) == 4
+        got = []
+        for step in range(3):
+            loss = _loss(engine, step)
+            engine.backward(loss)
+            engine.step()
+            got.append(loss.item())
+        assert got == pytest.approx(want, abs=1e-5)
+        for name, value in engine.gathered_weights().items():
+            torch.testing.assert_close(value, want_params[name], atol=1e-5, rtol=0)
+        w = engine.module.head.weight
+        assert w.numel() == 0  # a placeholder again after the context
+    finally:
+        engine.close()
+
+
+def test_gathered_parameters_read_the_values_in_the_tiers_and_release_them_after(tmp_path):
+    model = _model()
+    want = model.head.weight.detach().clone()
+    engine = infinity.initialize(model, _nvme(tmp_path))
+    try:
+        head = engine.module.head
+        with infinity.GatheredParameters(head.parameters()):
+            torch.testing.assert_close(head.weight.detach(), want, rtol=0, atol=0)
+            torch.testing.assert_close(head(torch.eye(16)).detach(), want.T + head.bias.detach(), rtol=0, atol=0)
+        assert head.weight.numel() == 0
+        with infinity.GatheredParameters([torch.ones(2), None], enabled=True):
+            pass  # tensors no engine holds are left alone
+        with infinity.GatheredParameters(head.parameters(), enabled=False):
+            assert head.weight.numel() == 0
+    finally:
+        engine.close()
+
+
+def test_modifier_rank_is_refused_naming_it(tmp_path):
+    engine = infinity.initialize(_model(), _nvme(tmp_path))
+    try:
+        with pytest.raises(ValueError, match="modifier_rank=0"):
+            infinity.GatheredParameters(engine.module.head.parameters(), modifier_rank=0)
+    finally:
+        engine.close()
+
+
+def test_a_gathered_unit_saved_for_backward_is_kept_by_position(tmp_path):
+    """The saved weight is packed as a view of its unit, not kept as the parameter, whose data
+    is a placeholder again by backward time."""
+    seen = []
+    engine = infinity.initialize(_model(gather=_gathered), _nvme(tmp_path))
+    try:
+        sched = engine.scheduler
+        pack = sched.pack
+        sched.pack = lambda t: seen.append(pack(t)) or seen[-1]
+        ids, labels = _batch(0)
+        engine.backward(F.cross_entropy(engine(ids).reshape(-1, 200), labels.reshape(-1)))
+        assert any(isinstance(s, _UnitView) and s.unit.path == "head" for s in seen)
+        engine.step()
+    finally:
+        engine.close()
