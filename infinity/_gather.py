@@ -64,7 +64,7 @@ class _Released:
         if not _allowed(func):
             for t in tree_leaves((args, kwargs)):
                 if type(t) in _RELEASED_CLASSES:
-                    raise _refusal(t, getattr(func, "__name__", repr(func)))
+                    raise _refusal(t, f"by {getattr(func, '__name__', func)}")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -79,8 +79,8 @@ def _allowed(func) -> bool:
 def _refusal(p: torch.Tensor, what: str) -> RuntimeError:
     name = getattr(p, "_infinity_name", "?")
     return RuntimeError(
-        f"{what} read parameter {name!r} outside the forward of the module that holds it, but an infinity engine "
-        f"keeps it in its tiers and it is an empty placeholder there (shape {tuple(p.shape)}): gather it for the "
+        f"parameter {name!r} was read outside the forward of the module that holds it ({what}), but an infinity "
+        f"engine keeps it in its tiers and it is an empty placeholder there (shape {tuple(p.shape)}): gather it for the "
         f"read with `with infinity.GatheredParameters([param]): ...` (as deepspeed.zero.GatheredParameters), "
         "inside the model's forward to train through it; for TRL's trainers use infinity.integrations.trl"
     )
@@ -113,7 +113,7 @@ def bind_param(p: nn.Parameter) -> None:
 def refuse_placeholder(t: torch.Tensor) -> None:
     """Raise if autograd is saving a placeholder for backward (the saved-tensor hook)."""
     if type(t) in _RELEASED_CLASSES:
-        raise _refusal(t, "autograd saving it for backward")
+        raise _refusal(t, "saved for backward")
 
 
 class _Assembled:
