@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _build, _checkpoint, _resources, _wrap
+from . import _build, _checkpoint, _ddp, _resources, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -630,9 +630,11 @@ class Engine:
 
     def _check_training(self) -> None:
         """Before each forward and step: usable, and the module still holds only the parameters
-        its units were made of (peft applied to engine.module would train nothing)."""
+        its units were made of (peft applied to engine.module would train nothing), run by no
+        DistributedDataParallel ([Note: no DDP around the engine])."""
         self._check_usable()
         _wrap.refuse_changed(self.module, self._managed)
+        _ddp.refuse_wrapped(self.module)
 
     def __enter__(self) -> "Engine":
         return self
