@@ -46,13 +46,12 @@ _META = frozenset({
     "is_contiguous", "is_floating_point", "is_complex", "is_signed", "is_pinned", "is_shared", "get_device",
     "data_ptr", "untyped_storage", "_typed_storage", "storage", "requires_grad_", "register_hook",
     "register_post_accumulate_grad_hook", "retain_grad", "detach", "detach_", "_is_view", "__hash__",
-    "__repr__", "__format__", "__dir__", "__sizeof__",
+    "__repr__", "__format__", "__dir__", "__sizeof__", "_has_compatible_shallow_copy_type",
 })  # fmt: skip
 # Properties that are views of the data, not metadata.
 _DATA_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 # Conversions `nn.Module._apply` runs under no_grad (``model.to(device)``: Trainer, accelerate).
-_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type",
-                          "_has_compatible_shallow_copy_type"})
+_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type"})
 
 
 class _Released:
