@@ -2,7 +2,9 @@
 
 Where the plain loop calls ``accelerator.clip_grad_norm_(model.parameters(), ...)``, the engine's
 loop calls ``engine.clip_grad_norm_``: the parameters have no ``.grad`` (the gradients are in
-the tiers). Losses within 1e-5 (fused AdamW against torch's default kernel: rounding).
+the tiers), and the module is prepared without DDP (the README's recipe; at several processes
+see test_multirank_frameworks.py). Losses within 1e-5 (fused AdamW against torch's default
+kernel: rounding).
 """
 
 import pytest
@@ -26,9 +28,13 @@ def _data():
     return torch.utils.data.DataLoader([{"input_ids": x, "labels": x} for x in ids], batch_size=2)
 
 
-def _loop(model, optimizer, clip):
+def _loop(model, optimizer, clip, engine=None):
     accelerator = accelerate.Accelerator(cpu=True)
-    model, optimizer, data = accelerator.prepare(model, optimizer, _data())
+    if engine is None:
+        model, optimizer, data = accelerator.prepare(model, optimizer, _data())
+    else:  # the README's recipe: no DDP around engine.module at several processes
+        model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+        optimizer, data = accelerator.prepare(optimizer, _data())
     losses = []
     for batch in data:
         loss = model(**batch).loss
@@ -48,7 +54,7 @@ def test_an_accelerate_loop_on_nvme_matches_plain_torch(tmp_path):
     cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
            "nvme": {"paths": [str(tmp_path)], "grow_step": "4MiB"}}  # fmt: skip
     engine = infinity.initialize(model, cfg, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
-    got = _loop(engine.module, engine.optimizer, lambda acc, m: engine.clip_grad_norm_(0.5))
+    got = _loop(engine.module, engine.optimizer, lambda acc, m: engine.clip_grad_norm_(0.5), engine)
     assert len(got) == len(want) == 8
     assert all(abs(a - b) < 1e-5 for a, b in zip(got, want)), list(zip(got, want))
     engine.close()
