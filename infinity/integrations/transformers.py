@@ -136,6 +136,8 @@ def _engine_state(checkpoint) -> str:
     """``<checkpoint>/infinity``, or the refusal: without it a resume restores the weights and
     the schedule but starts the Adam moments and step counts afresh, and the steps after it
     differ from the uninterrupted run's with nothing said."""
+    if not os.path.isdir(checkpoint):
+        raise FileNotFoundError(f"resume_from_checkpoint={os.fspath(checkpoint)!r}: no such directory")
     saved = os.path.join(os.fspath(checkpoint), ENGINE_DIR)
     if not os.path.isdir(saved):
         raise FileNotFoundError(
