@@ -188,7 +188,8 @@ class GatheredParameters:
     grad enabled, a gathered parameter may be used in the loss: its gradient reaches the
     engine's accumulation as if its module had run. Changes made to the values inside are not
     written back (``modifier_rank`` must be None). With several ranks at ZeRO stage 3 every
-    rank enters it for the same parameters: materialising is an all-gather."""
+    rank enters it for the same parameters: materialising is an all-gather. ``fwd_module`` is
+    DeepSpeed's and has no use here."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled: bool = True):
         if modifier_rank is not None:

@@ -6,6 +6,8 @@ head.bias)`` outside ``head``'s forward. Numbers are compared with plain PyTorch
 model and data at 1e-5 (fp32 AdamW, the engine with torch's fused kernel: rounding only).
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -208,5 +210,44 @@ def test_a_gathered_unit_saved_for_backward_is_kept_by_position(tmp_path):
         engine.backward(F.cross_entropy(engine(ids).reshape(-1, 200), labels.reshape(-1)))
         assert any(isinstance(s, _UnitView) and s.unit.path == "head" for s in seen)
         engine.step()
+    finally:
+        engine.close()
+
+
+class _LookupHead(_FusedHead):
+    """Looks rows of ``head.weight`` up: the lookup's backward reads no weight, so the unit is
+    released again when autograd accumulates the weight's (dense) gradient."""
+
+    def __init__(self, gather=None):
+        super().__init__(gather=gather)
+        self.register_buffer("mix", torch.randn(200))
+
+    def forward(self, ids):
+        h = torch.tanh(self.body(self.embed(ids))).sum(-1, keepdim=True)
+        with self.gather([self.head.weight]) if self.gather else contextlib.nullcontext():
+            return (h + F.embedding(ids, self.head.weight).sum(-1, keepdim=True)) * self.mix
+
+
+def test_a_gradient_into_a_parameter_released_again_reaches_the_engine(tmp_path):
+    def run(model, step_fn):
+        losses = []
+        for step in range(3):
+            loss = _loss(model, step)
+            step_fn(loss)
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    plain = _LookupHead()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
+    want = run(plain, lambda loss: (loss.backward(), opt.step(), opt.zero_grad()))
+    torch.manual_seed(0)
+    engine = infinity.initialize(_LookupHead(gather=_gathered), _nvme(tmp_path))
+    try:
+        got = run(engine, lambda loss: (engine.backward(loss), engine.step()))
+        assert got == pytest.approx(want, abs=1e-5)
+        head = engine.gathered_weights()["head.weight"]
+        torch.testing.assert_close(head, plain.head.weight.detach(), atol=1e-5, rtol=0)
+        assert engine.module.head.weight.numel() == 0  # the stand-in went: a placeholder again
     finally:
         engine.close()
