@@ -42,6 +42,7 @@ from torch.profiler import record_function
 from infinity.swap import PoolExhausted
 
 from . import _gather, _tiled
+from ._compile import eager
 from ._grads import GradAccumulator
 from ._interrupts import held_interrupts
 from ._stats import Stats
@@ -180,11 +181,13 @@ class Scheduler:
         its outputs ends with ``after_backward()``. ``owner`` (`_owner.Owner`) is entered for
         each root call: a second thread's is refused."""
         self._before_forward, self._after_backward, self.owner = before_forward, after_backward, owner
-        self._handles.append(root.register_forward_pre_hook(self._root_pre_hook, prepend=True))
+        # Every hook on a module runs eagerly under torch.compile: [Note: hooks under torch.compile].
+        self._handles.append(root.register_forward_pre_hook(eager(self._root_pre_hook), prepend=True))
         self._install_modules()
         for module, tiles in self.tiled.items():
             _tiled.install(module, self, tiles)
-        self._handles.append(root.register_forward_hook(self._root_post_hook, always_call=True))
+            module.forward = eager(module.forward)  # it reads tiles from the tiers
+        self._handles.append(root.register_forward_hook(eager(self._root_post_hook), always_call=True))
 
     def _install_modules(self) -> None:
         # Per module: for each unit, how many of its gradients one grad-enabled call will bring
@@ -195,8 +198,8 @@ class Scheduler:
             for module, units in self.module_units.items()
         }  # fmt: skip
         for module in self.module_units:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook))
-            self._handles.append(module.register_forward_hook(self._post_forward_hook))
+            self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook)))
+            self._handles.append(module.register_forward_hook(eager(self._post_forward_hook)))
         for unit in self.units:
             for i, (p, needs) in enumerate(zip(unit.params, unit.requires_grad)):
                 if needs and not unit.is_tile:  # a tile's gradients come from its Function (tile_grad)
@@ -259,10 +262,13 @@ class Scheduler:
         """Whether a call of ``root`` is running further up this thread's stack (a nested call),
         rather than left by a KeyboardInterrupt (see `end_interrupted_pass`). Looked at only
         when a root call begins inside another, which no ordinary forward does."""
-        caller = sys._getframe(2)  # the module call that runs this hook: `nn.Module._call_impl`
-        frame = caller.f_back
+        call = nn.Module._call_impl.__code__
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code is not call:  # past `eager`'s frames
+            frame = frame.f_back
+        frame = frame.f_back if frame is not None else None  # the module call that runs this hook
         while frame is not None:
-            if frame.f_code is caller.f_code and frame.f_locals.get("self") is root:
+            if frame.f_code is call and frame.f_locals.get("self") is root:
                 return True
             frame = frame.f_back
         return False
