@@ -7,6 +7,7 @@ import importlib
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -14,6 +15,39 @@ from pathlib import Path
 import pytest
 
 _files = importlib.import_module("infinity.aio._files")
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:  # setup, call or teardown: what it left is kept to be looked at
+        item.stash[_FAILED] = True
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _remove_tmp_path(request):
+    """A test's tmp_path is removed after it unless it failed: pytest keeps the directories of
+    its last three runs, and some tests write arenas of gigabytes (sparse files of 64 GiB,
+    2.5 GB of swap) that would stay under /tmp. Set up before the test's other fixtures, so it
+    runs after their teardown (engines closed, mounts undone)."""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    path = request.getfixturevalue("tmp_path")
+    yield
+    if request.node.stash.get(_FAILED, False):
+        return
+    errors = []
+
+    def record(fn, where, exc):  # exc: the exception (onexc), or sys.exc_info() (onerror, < 3.12)
+        errors.append(f"{where}: {exc[1] if isinstance(exc, tuple) else exc}")
+
+    shutil.rmtree(path, **({"onexc": record} if sys.version_info >= (3, 12) else {"onerror": record}))
+    if errors:  # a directory a test made unwritable, a mount left behind
+        pytest.fail(f"could not remove {path} after the test: " + "; ".join(errors[:3]), pytrace=False)
 
 
 @pytest.fixture
