@@ -29,17 +29,22 @@ Overlap applies when the optimizer states and the parameters are both on nvme (s
 needs the swap space, and parameters on a resident tier would be visible to a forward run
 again inside backward), with one rank or at stage 3 (stages 1 and 2 all-gather the new
 parameters: a collective cannot run at a point that differs across ranks), and when the host
-budget has room beside the backward for what the step plans (`Engine._fit_overlap`).
+budget has room beside the backward for what the step plans (`Engine._fit_overlap`). The
+staged copies take disk beside the state: only as many sub-groups are staged at once as the
+disk room allows, the rest are updated by the step ([Note: disk footprint] in `_footprint`).
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 
 import torch
 from torch.profiler import record_function
 
-from infinity.swap import PoolExhausted, WriteBehind
+from infinity.swap import OutOfSpace, PoolExhausted, WriteBehind
+
+from . import _footprint
 
 from ._store import Lease, release_unused
 
@@ -73,11 +78,18 @@ class _Early:
 class Overlap:
     """Early updates of one step (see [Note: exact overlap]). ``budget``: the pool bytes the
     sub-groups in hand (reads issued, or written behind) may hold together; a sub-group larger
-    than that is left to the step."""
+    than that is left to the step. ``disk_room``: the staged bytes the swap ``space`` may hold
+    at once (None: all sub-groups); past it the step updates the rest. ``on_disk_full(why)`` is
+    told when a staged write finds the disk full anyway (the engine then refuses to train)."""
 
-    def __init__(self, optimizer, budget: int, loss_scale):
+    def __init__(self, optimizer, budget: int, loss_scale, *, disk_room: int | None = None, space=None,
+                 on_disk_full=None):  # fmt: skip
         self.opt = optimizer
         self.budget = budget
+        self.disk_room = disk_room
+        self.on_disk_full = on_disk_full
+        members = len(space.rank_dirs) if space is not None else 1
+        self._disk = {sg.index: _footprint.staged_bytes(optimizer, sg, members) for sg in optimizer.groups}
         self.loss_scale = loss_scale  # () -> the loss scale gradients are multiplied by now
         self.group_of = {u.index: sg.index for sg in optimizer.groups for u in sg.units}
         self._bytes = {sg.index: group_bytes(optimizer, sg) for sg in optimizer.groups}
@@ -142,7 +154,7 @@ class Overlap:
         """Start what can start and finish what has arrived; with ``block``, all of it."""
         while self._ready:
             need = self._bytes[self._ready[0]]
-            if need > self.budget:  # never in hand: the step updates it
+            if need > self.budget or not self._disk_fits(self._ready[0]):  # never in hand: the step updates it
                 self._ready.popleft()
                 continue
             in_hand = self._in_hand()  # reaps finished writes first
@@ -162,6 +174,13 @@ class Overlap:
                 continue
             self._ready.popleft()  # no room even alone (a fragmented pool): the step updates it
         self._finish(block)
+
+    def _disk_fits(self, index: int) -> bool:
+        """Whether sub-group ``index``'s staged copies fit the disk room beside those staged."""
+        if self.disk_room is None:
+            return True
+        staged = sum(self._disk[i] for i in self._early) + sum(self._disk[e.index] for e in self._reading)
+        return staged + self._disk[index] <= self.disk_room
 
     def _make_room(self) -> None:
         """Finish the oldest sub-group in hand (its update, or its writes)."""
@@ -239,10 +258,22 @@ class Overlap:
                 futures.append(opt.param_store.put(u.name + STAGED, tensors[0][s], copy=True, dtype=opt.param_dtype,
                                                    timeout=0))  # fmt: skip
             self._early[early.index] = early
-        except PoolExhausted:  # no room for the parameters' copies: the step updates this sub-group
+        except (PoolExhausted, OutOfSpace):  # no room in the pool or the capped arena: the step updates it
             self._undo(early, leases, futures)
             self._delete_staged(early)
             return
+        except OSError as e:
+            self._undo(early, leases, futures)
+            self._delete_staged(early)
+            if e.errno == errno.ENOSPC and self.on_disk_full is not None:
+                why = (f"the disk under {e.filename or 'nvme.paths'} is full (errno {e.errno}, ENOSPC): the optimizer "
+                       f"under backward could not write its staged states ({e.strerror}). The parameters and "
+                       "optimizer states are those of the last step, but this step's gradients may be incomplete; "
+                       "free space on that drive (or set a lower nvme.disk_budget, or optimizer.overlap = false), "
+                       "then call engine.zero_grad() and load a checkpoint (engine.load_checkpoint) to train on")  # fmt: skip
+                self.on_disk_full(why)
+                raise OSError(e.errno, why, e.filename) from e
+            raise
         except BaseException:
             self._undo(early, leases, futures)
             raise

@@ -196,6 +196,11 @@ class NvmeConfig:
     keep: bool = True
     """At close, keep the swap files (their arenas shrunk to the data they hold: swap-inspect
     can read them) or, false, remove them: the swap is scratch, a new engine starts it over."""
+    disk_budget: Size | None = None
+    """The most bytes this rank's arena may take on each drive of ``paths`` (None: what the
+    drive has free). Initialize refuses a state that does not fit it or the free space
+    (statvfs); the optimizer under backward stages only what fits, the rest runs after
+    backward ([Note: disk footprint] in infinity/_footprint.py)."""
 
     def __post_init__(self) -> None:
         paths = self.paths
@@ -217,6 +222,7 @@ class NvmeConfig:
         _size(self, "stripe_size", multiple=ALIGNMENT)
         _size(self, "stripe_threshold", lo=0)
         _size(self, "grow_step", multiple=ALIGNMENT)
+        _size(self, "disk_budget", lo=ALIGNMENT, none_ok=True)
         _choice(self, "verify", VERIFY_MODES)
         if not isinstance(self.keep, bool):
             raise _type_error(self, "keep", "true or false", self.keep)

@@ -2,6 +2,7 @@
 user's unmodified module. It owns no policy of its own; each piece lives in its module:
 
     _resources.py  what a run opens (I/O engine, host pool, swap space) and the memory checks
+    _footprint.py  the disk the swap space takes, checked against free space and nvme.disk_budget
     _units.py      parameters flattened per module (what moves between tiers)
     _store.py      a tier: leases out of it, writes into it
     _transport.py  copies to the device and collectives across ranks
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _build, _checkpoint, _ddp, _resources, _wrap
+from . import _build, _checkpoint, _ddp, _footprint, _resources, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -167,7 +168,9 @@ class Engine:
         self._backwards = 0  # backward passes since the last step
         self._told_accumulation = False
         if self._overlap_budget:
-            self.optimizer.overlap = Overlap(self.optimizer, self._overlap_budget, self._loss_scale)
+            self.optimizer.overlap = Overlap(self.optimizer, self._overlap_budget, self._loss_scale,
+                                             disk_room=self.footprint.staging_room, space=self.space,
+                                             on_disk_full=self._refuse)  # fmt: skip
             self.scheduler.on_backward_due = self._backward_due
             self.scheduler.on_unit_final = self.optimizer.overlap.unit_final
             self.scheduler.on_pool_pressure = self.optimizer.overlap.relieve
@@ -197,6 +200,13 @@ class Engine:
         host = torch.device("cpu")
         resident = {k: n for k, (store, n) in kinds.items() if store.in_place_on(host)}
         _resources.check_host_memory(resident, max(needs.values()))
+        self.footprint = None  # the disk the swap space takes ([Note: disk footprint])
+        if self.space is not None:
+            self.footprint = _footprint.fit(self, cfg, bool(self._overlap_budget))
+            if self.footprint.staging_room == 0 and self._overlap_budget:
+                logger.info("optimizer.overlap: the disk has no room for a sub-group's staged copies beside the "
+                            "state; the optimizer runs after backward")  # fmt: skip
+                self._overlap_budget = 0
 
     def _overlap_applies(self, cfg: TierConfig) -> bool:
         """Whether the optimizer can run under backward at all, whatever the budget (see
@@ -417,7 +427,8 @@ class Engine:
     # -- reporting --------------------------------------------------------------------------
     def stats(self) -> dict:
         """Per step (the last one) and cumulative: bytes and busy seconds per tier, stall
-        seconds, fetches (prefetched or on demand), skipped steps, peak host-pool bytes."""
+        seconds, fetches (prefetched or on demand), skipped steps, peak host-pool bytes; "disk":
+        per swap directory, the state's bytes, the peak, the arena's cap and size now."""
         out = {
             "steps": self._stats.steps,
             "step": getattr(self, "_last_step", None),
@@ -426,6 +437,7 @@ class Engine:
             "host_budget_bytes": self.config.memory.host_budget,
             "loss_scale": self._scaler.scale if self._scaler else None,
             "resident_bytes": self._resident_bytes(),
+            "disk": self.footprint.as_dict(self.space) if self.footprint is not None else {},
         }
         if self.device.type == "cuda":
             out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)

@@ -614,6 +614,25 @@ class SwapSpace:
     def __len__(self) -> int:
         return len(self._records)
 
+    def arena_sizes(self) -> list[int]:
+        """Each arena file's size in bytes, in the order of the directories."""
+        return [a.capacity for a in self._allocs]
+
+    def limit(self, caps: Sequence[int | None]) -> None:
+        """Never grow arena ``k`` past ``caps[k]`` bytes (rounded down to the alignment; None:
+        no cap): a tensor that would need more raises `OutOfSpace` instead of taking the disk
+        (the engine sizes the caps at initialize: [Note: disk footprint] in infinity/_footprint.py)."""
+        if len(caps) != len(self._allocs):
+            raise ValueError(f"{len(caps)} caps for {len(self._allocs)} arenas ({', '.join(self.rank_dirs)})")
+        for alloc, cap, d in zip(self._allocs, caps, self.rank_dirs):
+            if cap is None:
+                alloc.max_capacity = None
+                continue
+            cap = cap // ALIGNMENT * ALIGNMENT
+            if cap < alloc.capacity:
+                raise ValueError(f"cap {cap} for the arena in {d} is below its size {alloc.capacity}")
+            alloc.max_capacity = cap
+
     def stats(self) -> dict:
         """Bytes in the arena files, allocated to tensors, and free inside the arenas."""
         capacity = sum(a.capacity for a in self._allocs)

@@ -73,6 +73,8 @@ BAD = [
     ({"nvme": {"grow_step": "4K1"}}, "nvme.grow_step: size '4K1'"),
     ({"nvme": {"grow_step": "6K"}}, "nvme.grow_step: 6144 bytes must be at least 1 and a multiple of 4096"),
     ({"nvme": {"grow_step": 4096.0}}, "nvme.grow_step: expected a size (int bytes, or a string such as '1MiB')"),
+    ({"nvme": {"disk_budget": 1024}}, "nvme.disk_budget: 1024 bytes must be at least 4096"),
+    ({"nvme": {"disk_budget": 4096.0}}, "nvme.disk_budget: expected a size (int bytes, or a string such as '1MiB')"),
     ({"nvme": {"verify": "sometimes"}}, "nvme.verify: 'sometimes' is not one of off, checkpoint, always"),
     ({"nvme": {"verify": 1}}, "nvme.verify"),
     ({"aio": {"backend": "spdk"}}, "aio.backend: 'spdk' is not one of auto, uring, threads"),

@@ -1,0 +1,170 @@
+"""How much disk a run's swap space takes, checked at initialize before anything is written.
+
+Owns: the peak bytes each drive of ``nvme.paths`` holds (the state under its real names, the
+overlap's staged ``~next`` copies, the arena's alignment), the comparison with the drive's free
+space and ``nvme.disk_budget``, the cap put on each arena so that it never grows past what was
+checked, and the bytes of staging the overlap may hold. Touches: the config, the engine's
+stores and sub-groups (read only), `infinity.swap.SwapSpace` (its layout and `limit`).
+
+[Note: disk footprint]
+A 2.7B model with every tier on nvme passed initialize and died in its first backward with
+ENOSPC: the overlap's staged copies of the optimizer states ([Note: exact overlap]) come on top
+of the state, and nothing had compared the two with the drive. The state under its real names
+is written in place at every step (same name, same size), so the arena's peak is the state plus
+what is staged at once; the growth rule of the arena (doubling, then ``grow_step``) would add up
+to one step more, which the cap (`SwapSpace.limit`) removes: an arena never grows past the
+smaller of its drive's free space at initialize and the budget. The overlap stages a sub-group
+only while the staged bytes fit what is left (`Footprint.staging_room`); the rest is updated by
+the step after backward, which is exact either way. A staged write that still finds the disk
+full (another process filled it) is a failure the engine refuses to train on until a checkpoint
+loads (`_overlap`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from infinity.swap import ALIGNMENT, human_size, round_up
+
+def disk_free(path: str) -> int:
+    """Bytes an unprivileged writer can still take on the filesystem of ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class Layout:
+    """Where a swap space puts tensors, per drive, as `SwapSpace._plan` does: a tensor of
+    ``stripe_threshold`` bytes or more in ``stripe_size`` pieces over every drive, a smaller
+    one whole on the drive holding the least; every piece rounded up to the alignment."""
+
+    def __init__(self, members: int, stripe_size: int, stripe_threshold: int):
+        self.members, self.stripe_size, self.stripe_threshold = members, stripe_size, stripe_threshold
+        self.used = [0] * members
+
+    def add(self, nbytes: int) -> list[int]:
+        """Place a tensor of ``nbytes``; the bytes it takes on each drive."""
+        taken = [0] * self.members
+        if nbytes <= 0:
+            return taken
+        if self.members > 1 and nbytes >= self.stripe_threshold:
+            per = round_up(-(-nbytes // self.members), self.stripe_size)
+            for k in range(self.members):
+                if k * per < nbytes:
+                    taken[k] = round_up(min(per, nbytes - k * per), ALIGNMENT)
+        else:
+            least = min(range(self.members), key=lambda k: self.used[k])
+            taken[least] = round_up(nbytes, ALIGNMENT)
+        for k, n in enumerate(taken):
+            self.used[k] += n
+        return taken
+
+
+def state_tensors(engine) -> list[int]:
+    """Bytes of each tensor the run keeps on nvme under its real name."""
+    opt, sizes = engine.optimizer, []
+    if engine.param_store.tier == "nvme":
+        whole = opt.gather_params
+        sizes += [(u.padded_numel if whole else u.shard_numel) * engine.dtype.itemsize for u in engine.units]
+    if engine.grads.store.tier == "nvme":
+        # frozen units (a LoRA's base) never get a gradient written
+        sizes += [(u.padded_numel if engine.grads_full else u.shard_numel) * 4
+                  for u in engine.units if any(u.requires_grad)]  # fmt: skip
+    if opt.states["master"].tier == "nvme":
+        sizes += [4 * g.numel for g in opt.groups for _ in opt.kinds]
+    return sizes
+
+
+def staged_tensors(opt, sg) -> list[int]:
+    """Bytes of each tensor an early update of sub-group ``sg`` of optimizer ``opt`` stages
+    (see [Note: exact overlap]): its states, and its units' new parameters."""
+    return [4 * sg.numel for _ in opt.kinds] + [u.shard_numel * opt.param_dtype.itemsize for u in sg.units]
+
+
+@dataclasses.dataclass
+class Footprint:
+    """The disk a run takes, per drive (in the order of ``nvme.paths``), in bytes."""
+
+    paths: list[str]
+    state: list[int]  # the state under its real names
+    staging: list[int]  # every sub-group staged at once (0 without overlap)
+    available: list[int]  # free space at initialize plus what the arena there held
+    budget: int | None  # nvme.disk_budget, per drive
+    staging_room: int | None = None  # staged bytes the overlap may hold at once (None: all)
+
+    @property
+    def caps(self) -> list[int]:
+        """The most each arena may grow to."""
+        return [a if self.budget is None else min(a, self.budget) for a in self.available]
+
+    @property
+    def peak(self) -> list[int]:
+        """What each drive holds at most: the state and the staging that fits."""
+        if self.staging_room is None:
+            return [s + t for s, t in zip(self.state, self.staging)]
+        total = sum(self.staging) or 1
+        return [min(c, s + -(-t * self.staging_room // total)) for s, t, c in zip(self.state, self.staging, self.caps)]
+
+    def as_dict(self, space=None) -> dict:
+        """Per path: state, peak and cap bytes, and the arena's size now when ``space`` is given."""
+        arenas = space.arena_sizes() if space is not None else [None] * len(self.paths)
+        return {p: {"state_bytes": s, "peak_bytes": k, "cap_bytes": c, "arena_bytes": a}
+                for p, s, k, c, a in zip(self.paths, self.state, self.peak, self.caps, arenas)}  # fmt: skip
+
+
+def plan(engine, cfg, overlap: bool) -> Footprint:
+    """The footprint of ``engine``'s run on its swap space (``overlap``: the optimizer may run
+    under backward), with each drive's room now."""
+    space = engine.space
+    layout = Layout(len(space.rank_dirs), cfg.nvme.stripe_size, cfg.nvme.stripe_threshold)
+    state = [0] * layout.members
+    for n in state_tensors(engine):
+        state = [a + b for a, b in zip(state, layout.add(n))]
+    staging = [0] * layout.members
+    if overlap:
+        for sg in engine.optimizer.groups:
+            for n in staged_tensors(engine.optimizer, sg):
+                staging = [a + b for a, b in zip(staging, layout.add(n))]
+    arenas = space.arena_sizes()
+    available = [(disk_free(d) + a) // ALIGNMENT * ALIGNMENT for d, a in zip(space.rank_dirs, arenas)]
+    return Footprint(list(space.rank_dirs), state, staging, available, cfg.nvme.disk_budget)
+
+
+def check(fp: Footprint, overlap_on: bool) -> None:
+    """Refuse a run whose state does not fit a drive's free space or ``nvme.disk_budget``,
+    naming the path, the figures and what to change; otherwise set ``fp.staging_room``."""
+    for path, state, avail in zip(fp.paths, fp.state, fp.available):
+        if state > avail:
+            raise ValueError(
+                f"the swap space under {path!r} needs {human_size(state)} for the state on nvme, but its "
+                f"filesystem has {human_size(avail)} free (statvfs, with what the arena there held); "
+                "put fewer tiers on nvme ([tiers] params, grads, optimizer), add or change nvme.paths "
+                "(the state stripes over them), or free space there"
+            )
+        if fp.budget is not None and state > fp.budget:
+            raise ValueError(
+                f"the swap space under {path!r} needs {human_size(state)} for the state on nvme, more than "
+                f"nvme.disk_budget={human_size(fp.budget)}; raise nvme.disk_budget, put fewer tiers on nvme "
+                "or add nvme.paths (the state stripes over them)"
+            )
+    total = sum(fp.staging)
+    if not overlap_on or total == 0:
+        fp.staging_room = None if overlap_on else 0
+        return
+    # The staged bytes the tightest drive allows, spread as the staging spreads over the drives.
+    room = min((c - s) * total // t for s, t, c in zip(fp.state, fp.staging, fp.caps) if t)
+    fp.staging_room = None if room >= total else max(room, 0)
+
+
+def staged_bytes(opt, sg, members: int) -> int:
+    """Disk bytes an early update of ``sg`` takes at most over ``members`` drives: its staged
+    tensors, each piece aligned (a striped one is cut into a piece per drive)."""
+    return sum(round_up(n, ALIGNMENT) + (members - 1) * ALIGNMENT for n in staged_tensors(opt, sg))
+
+
+def fit(engine, cfg, overlap: bool) -> Footprint:
+    """`plan` and `check` ``engine``'s footprint, then cap each arena at what was checked."""
+    fp = plan(engine, cfg, overlap)
+    check(fp, overlap)
+    engine.space.limit(fp.caps)
+    return fp

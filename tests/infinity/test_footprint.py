@@ -1,0 +1,141 @@
+"""The disk a run's swap space takes ([Note: disk footprint] in infinity/_footprint.py): checked
+against the drive's free space and nvme.disk_budget at initialize, before anything is written;
+the overlap stages only what fits (bit-identical to overlap off: the step updates the rest);
+reported by stats(); a disk that fills anyway leaves the engine refusing until a checkpoint loads.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from infinity import _footprint
+from infinity.swap import SwapSpace, round_up
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import config  # noqa: E402
+
+NVME = ("nvme", "nvme", "nvme")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def _cfg(path, overlap: bool, **nvme) -> dict:
+    cfg = config(path, NVME, optimizer={"overlap": overlap, "sub_group_size": "1KiB"})
+    cfg["nvme"].update(nvme)
+    return cfg
+
+
+def _step(engine, step: int) -> float:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    loss = ((engine(x) - y) ** 2).mean()
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _fake_free(monkeypatch, free: int) -> None:
+    """statvfs says every filesystem has ``free`` bytes left."""
+    monkeypatch.setattr(_footprint.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=free // 4096, f_frsize=4096))
+
+
+def _state_on_disk(space) -> int:
+    """Aligned bytes the tensors under their real names take in ``space``, from its records."""
+    return sum(round_up(e.nbytes) for n in space.names() if "~next" not in n for e in space.info(n).extents)
+
+
+def test_initialize_refuses_a_state_larger_than_the_free_space(tmp_path, monkeypatch):
+    _fake_free(monkeypatch, 64 << 10)  # the state of _mlp on nvme alone is over 64KiB in 4KiB pages
+    with pytest.raises(ValueError) as info:
+        infinity.initialize(_mlp(), _cfg(tmp_path, False))
+    message = str(info.value)
+    assert str(tmp_path) in message and "64KiB free" in message and "fewer tiers on nvme" in message
+    assert not os.path.exists(tmp_path / "rank0" / "arena.0") or os.path.getsize(tmp_path / "rank0" / "arena.0") == 0
+
+
+def test_initialize_refuses_a_state_larger_than_the_disk_budget(tmp_path):
+    with pytest.raises(ValueError, match=r"nvme.disk_budget=8KiB"):
+        infinity.initialize(_mlp(), _cfg(tmp_path, False, disk_budget="8KiB"))
+
+
+def test_footprint_counts_the_state_as_written(tmp_path):
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path, True))
+    try:
+        _step(engine, 0)
+        engine.space.flush()
+        disk = engine.stats()["disk"]
+        (path, figures), = disk.items()
+        assert path == engine.space.rank_dirs[0]
+        assert figures["state_bytes"] == _state_on_disk(engine.space)
+        # every sub-group staged at once, without a budget: the staging counted too
+        assert figures["peak_bytes"] > figures["state_bytes"]
+        assert figures["arena_bytes"] == engine.space.arena_sizes()[0] <= figures["cap_bytes"]
+    finally:
+        engine.close()
+
+
+def _train(path, overlap: bool, steps: int = 4, **nvme):
+    engine = infinity.initialize(_mlp(), _cfg(path, overlap, **nvme))
+    try:
+        losses, committed, arenas = [], [], []
+        for step in range(steps):
+            losses.append(_step(engine, step))
+            committed.append(engine.optimizer.overlap.committed if engine.optimizer.overlap else 0)
+            arenas.append(engine.space.arena_sizes()[0])
+        return losses, engine.gathered_weights(), committed, arenas, engine.footprint
+    finally:
+        engine.close()
+
+
+def test_overlap_stages_only_what_the_disk_budget_allows(tmp_path):
+    probe = infinity.initialize(_mlp(), _cfg(tmp_path / "probe", True))
+    state, staging = probe.footprint.state[0], probe.footprint.staging[0]
+    groups = len(probe.optimizer.groups)
+    probe.close()
+    budget = round_up(state + staging // 2)  # the state and about half the sub-groups staged
+    off = _train(tmp_path / "off", False)
+    on = _train(tmp_path / "on", True, disk_budget=budget)
+    assert on[0] == off[0]
+    for k in off[1]:
+        assert torch.equal(on[1][k], off[1][k]), k  # exact: the step updated what was not staged
+    assert all(0 < c < groups for c in on[2]), on[2]
+    assert max(on[3]) <= budget, (on[3], budget)
+
+
+def test_a_disk_full_in_a_staged_write_refuses_until_a_checkpoint_loads(tmp_path, monkeypatch):
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "swap", True))
+    try:
+        _step(engine, 0)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        put = SwapSpace.put
+        arena = engine.space.files[0].path
+
+        def full(self, name, tensor, **kw):
+            if "~next/" in name:  # a staged tensor: see [Note: exact overlap]
+                raise OSError(errno.ENOSPC, "cannot grow the arena file: No space left on device", arena)
+            return put(self, name, tensor, **kw)
+
+        monkeypatch.setattr(SwapSpace, "put", full)
+        with pytest.raises(OSError, match="is full") as info:
+            _step(engine, 1)
+        assert arena in str(info.value) and "load a checkpoint" in str(info.value)
+        monkeypatch.setattr(SwapSpace, "put", put)  # the disk has room again
+        with pytest.raises(RuntimeError, match="is full"):
+            _step(engine, 1)
+        assert not [n for n in engine.space.names() if "~next" in n]
+        engine.zero_grad()
+        engine.load_checkpoint(tmp_path / "ckpt")
+        _step(engine, 1)
+    finally:
+        engine.close()
