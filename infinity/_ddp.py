@@ -29,7 +29,10 @@ except ImportError:  # a torch built without distributed: no DDP to run inside
 def refuse_wrapped(root: nn.Module) -> None:
     """Raise when a DistributedDataParallel wrapper is running ``root`` (its forward is the
     caller's); see [Note: no DDP around the engine]."""
-    active = _DDP._get_active_ddp_module() if _DDP is not None else None
+    # torch records the DDP module in its forward (for its own checks); a torch without that
+    # record cannot tell, and DDP's own error at backward is what remains.
+    active_of = getattr(_DDP, "_get_active_ddp_module", None)
+    active = active_of() if active_of is not None else None
     if active is None or not any(m is root for m in active.module.modules()):
         return
     raise RuntimeError(
