@@ -163,6 +163,7 @@ def rank_summary(reader: SpaceReader) -> dict:
     ]  # fmt: skip
     return dict(rank=m.rank, rank_dir=reader.rank_dir, space_id=m.space_id, generation=m.generation,
                 alignment=m.alignment, members=reader.member_dirs, files=files, capacity=capacity, used=used,
+                tensor_bytes=sum(t.nbytes for t in m.tensors.values()),
                 free=capacity - used, leaked_bytes=sum(x["size"] for x in leaked), leaked=leaked,
                 kinds=dict(sorted(kinds.items())), tensors=tensors)  # fmt: skip
 
@@ -189,6 +190,9 @@ def print_summary(s: dict) -> None:
                       for k, v in s["kinds"].items())  # fmt: skip
     total = sum(t["nbytes"] for t in s["tensors"])
     print(f"  tensors: {len(s['tensors'])}, {human_size(total)}" + (f": {kinds}" if kinds else ""))
+    if total:  # what the arenas take on disk for what the tensors hold (staging, alignment, holes)
+        print(f"  footprint: {human_size(s['capacity'])} of arena for {human_size(total)} of tensors "
+              f"({s['capacity'] / total:.2f}x)")  # fmt: skip
     if not s["tensors"]:
         return
     files, striped = s["files"], len(s["members"]) > 1

@@ -139,3 +139,21 @@ def test_a_disk_full_in_a_staged_write_refuses_until_a_checkpoint_loads(tmp_path
         _step(engine, 1)
     finally:
         engine.close()
+
+
+def test_footprint_per_drive_follows_the_stripes(tmp_path):
+    cfg = _cfg(tmp_path / "a", False, stripe_threshold=0, stripe_size="4KiB")
+    cfg["nvme"]["paths"] = [str(tmp_path / "a"), str(tmp_path / "b")]
+    engine = infinity.initialize(_mlp(), cfg)
+    try:
+        _step(engine, 0)
+        space = engine.space
+        on_disk = [0, 0]
+        for name in space.names():
+            for e in space.info(name).extents:
+                on_disk[e.file] += round_up(e.nbytes)
+        disk = engine.stats()["disk"]
+        assert [disk[d]["state_bytes"] for d in space.rank_dirs] == on_disk
+        assert all(n > 0 for n in on_disk)  # both drives hold a share
+    finally:
+        engine.close()

@@ -116,6 +116,17 @@ def test_summary_and_table(space, capsys):
     assert "leaked 0B" in out and "leaked:" not in out
 
 
+def test_summary_shows_the_arena_against_the_tensor_bytes(space, capsys):
+    rank_dir, _ = space
+    code, out, err = run(capsys, rank_dir, "--json")
+    (r,) = json.loads(out)["ranks"]
+    assert r["tensor_bytes"] == sum(t["nbytes"] for t in r["tensors"])
+    code, out, err = run(capsys, rank_dir)
+    assert code == 0 and err == ""
+    ratio = r["capacity"] / r["tensor_bytes"]
+    assert f"footprint: {human_size(r['capacity'])} of arena for {human_size(r['tensor_bytes'])} of tensors ({ratio:.2f}x)" in out
+
+
 def test_json_summary(space, capsys):
     rank_dir, tensors = space
     code, out, err = run(capsys, rank_dir, "--json")
