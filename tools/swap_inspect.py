@@ -337,7 +337,8 @@ output:
   (files in the members' rank directories that the manifest does not list and a space does
   not make: orphaned arena files, temporary files of an interrupted manifest write, strays),
   each leaked file listed; tensor count and bytes per state kind (the part of a name after
-  its last "/"). Then one row per tensor: name, dtype, shape, bytes, file (the first
+  its last "/"); the footprint: the arenas' size against the tensors' bytes, and their
+  ratio (staged copies, alignment, holes). Then one row per tensor: name, dtype, shape, bytes, file (the first
   extent's arena file, "dK/" naming its member when there are several, "+N" for N more
   extents), offset of the first extent, checksum ("-" if none).
   --verify: afterwards reads every tensor back (through the aio engine) and checks its
