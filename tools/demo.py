@@ -57,6 +57,13 @@ DEFAULTS = dict(steps=500, host_budget=None, sample_bytes=120, log_every=50, gra
 # Optimizer sub-groups small enough for a budget of tens of MiB (a unit larger than this is a
 # sub-group of its own); the engine lowers its read-ahead to what the budget holds.
 SUB_GROUP_SIZE = "4MiB"
+# At the full --lr from the first step and with no clipping, one step of the large model's 30
+# threw its loss from about 3 to 12. The usual remedies: the learning rate rises linearly to
+# --lr over the first WARMUP_STEPS steps (a fixed number, not a fraction of --steps, so that a
+# run stopped early and --resume'd follows the schedule of one that did not stop), and the
+# gradients are clipped to a global norm of MAX_GRAD_NORM (optimizer.max_grad_norm).
+WARMUP_STEPS = 10
+MAX_GRAD_NORM = 1.0
 FP32_STATE_BYTES = 16  # a parameter's fp32 value and gradient (4 + 4) and AdamW's master and moments (12)
 VAL_FRACTION = 0.1
 
@@ -139,7 +146,7 @@ def tier_config(args: argparse.Namespace):
         "tiers": {"params": args.params, "grads": args.grads, "optimizer": args.optimizer},
         "nvme": {"paths": [os.path.abspath(args.swap_dir)]},
         "precision": {"param_dtype": args.param_dtype},
-        "optimizer": {"lr": args.lr, "sub_group_size": SUB_GROUP_SIZE},
+        "optimizer": {"lr": args.lr, "sub_group_size": SUB_GROUP_SIZE, "max_grad_norm": MAX_GRAD_NORM},
         **({"memory": {"host_budget": budget}} if budget else {}),
     })  # fmt: skip
 
@@ -383,7 +390,7 @@ def _setup(args: argparse.Namespace) -> tuple:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
         nparams = sum(p.numel() for p in model.parameters())  # before the engine swaps them out
-        engine = infinity.initialize(model, cfg)
+        engine = infinity.initialize(model, cfg, lr_scheduler=warmup)
     except (ValueError, FileNotFoundError) as e:
         raise BadInput(str(e)) from e
     memory.nparams = nparams
@@ -408,6 +415,16 @@ def _setup(args: argparse.Namespace) -> tuple:
         engine.close()
         raise
     return engine, batches, val, first, say, memory
+
+
+def lr_factor(step: int) -> float:
+    """The learning rate of step ``step + 1`` (0-based, as LambdaLR counts) over --lr."""
+    return min(1.0, (step + 1) / WARMUP_STEPS)
+
+
+def warmup(optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule (engine.step() steps it; checkpoints keep it): linear warmup, then --lr."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
 def _silent(*args, **kwargs) -> None:
@@ -457,10 +474,10 @@ def _train_loop(engine, args: argparse.Namespace, batches: Iterator, first: int,
 def _report(engine, args: argparse.Namespace, val: list[tuple], losses: list[float], say, memory=None) -> float:
     """The end of the run: train and validation loss, the engine's totals, a sample, host
     memory against the training state; returns the validation loss."""
-    window = losses[-args.log_every :]
+    window = losses[-train_loss_window(args.steps, args.log_every) :]
     val_loss = evaluate(engine, val)
-    say(f"train loss {sum(window) / len(window):.3f} (mean of the last {len(window)} steps), "
-        f"val loss {val_loss:.3f} (uniform guessing: {math.log(VOCAB):.3f})")  # fmt: skip
+    say(f"train loss {sum(window) / len(window):.3f} (mean of the last {len(window)} steps; "
+        f"the last step's {losses[-1]:.3f}), val loss {val_loss:.3f} (uniform guessing: {math.log(VOCAB):.3f})")  # fmt: skip
     stats = engine.stats()
     say("\n".join(["engine totals:", *format_totals(stats)]))
     if args.sample_bytes:
@@ -498,6 +515,12 @@ def resume(engine, args: argparse.Namespace, batches: Iterator, say) -> int:
         next(batches)
     say(f"resumed from {args.checkpoint_dir} at step {step}")
     return step
+
+
+def train_loss_window(steps: int, log_every: int) -> int:
+    """How many of the last steps the reported train loss averages: --log-every, but at most a
+    tenth of the run, so that the mean is of where the curve ended, not of its first steps."""
+    return max(1, min(log_every, steps // 10))
 
 
 def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:

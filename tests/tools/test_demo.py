@@ -153,7 +153,7 @@ class _PlainEngine:
 
 def test_ctrl_c_stops_after_the_current_step(monkeypatch, tmp_path, capsys):
     pytest.importorskip("transformers")
-    monkeypatch.setattr(infinity, "initialize", lambda m, c: _PlainEngine(m, c, interrupt_at=2), raising=False)
+    monkeypatch.setattr(infinity, "initialize", lambda m, c, **kw: _PlainEngine(m, c, interrupt_at=2), raising=False)
     monkeypatch.setattr(demo, "tier_config", lambda args: None)
     code = demo.main(["--size", "tiny", "--steps", "50", "--block-size", "32", "--batch-size", "2",
                       "--log-every", "1", "--swap-dir", str(tmp_path / "swap")])  # fmt: skip
@@ -161,6 +161,39 @@ def test_ctrl_c_stops_after_the_current_step(monkeypatch, tmp_path, capsys):
     assert code == 130
     assert "step 2/50 loss" in out and "step 3/50" not in out
     assert "interrupted after step 2 of 50" in out
+
+
+def test_the_learning_rate_warms_up_and_the_gradients_are_clipped(monkeypatch, tmp_path):
+    """The remedies for the step that threw the default run's loss from 3 to 12: initialize gets
+    a warmup schedule (to --lr in WARMUP_STEPS steps, then --lr) and a max_grad_norm."""
+    pytest.importorskip("transformers")
+    seen = {}
+
+    def initialize(model, config, **kwargs):
+        seen.update(kwargs, config=config)
+        return _PlainEngine(model, config, interrupt_at=1)
+
+    monkeypatch.setattr(infinity, "initialize", initialize, raising=False)
+    code = demo.main(["--size", "tiny", "--steps", "50", "--block-size", "32", "--batch-size", "2", "--lr", "2e-3",
+                      "--swap-dir", str(tmp_path / "swap")])  # fmt: skip
+    assert code == 130  # stopped after step 1: only the setup is looked at
+    assert seen["config"].optimizer.max_grad_norm == demo.MAX_GRAD_NORM == 1.0
+    assert seen["config"].optimizer.lr == 2e-3
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=2e-3)
+    schedule = seen["lr_scheduler"](opt)
+    lrs = []
+    for _ in range(demo.WARMUP_STEPS + 2):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+    warm = [2e-3 * (i + 1) / demo.WARMUP_STEPS for i in range(demo.WARMUP_STEPS)]
+    assert lrs == pytest.approx([*warm, 2e-3, 2e-3], rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize(("steps", "log_every", "window"), [(50, 50, 5), (30, 5, 3), (500, 50, 50), (6, 2, 1)])
+def test_the_train_loss_is_the_mean_of_where_the_run_ended(steps, log_every, window):
+    """Not of the first steps' high losses: at most a tenth of the run, at most --log-every."""
+    assert demo.train_loss_window(steps, log_every) == window
 
 
 # -- a real run -------------------------------------------------------------------------------
@@ -172,6 +205,7 @@ def test_demo_trains_on_nvme_and_shows_the_swap_space(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "step 3/3 loss" in out and "val loss" in out
+    assert "train loss" in out and "(mean of the last 1 steps; the last step's" in out
     assert "swap-inspect" in out and "tensors:" in out  # the summary of the rank directory
 
 
