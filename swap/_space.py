@@ -17,7 +17,7 @@ from infinity.aio._files import file_kind, open_regular
 
 from infinity import aio
 
-from ._allocator import ExtentAllocator
+from ._allocator import ExtentAllocator, OutOfSpace
 from ._checksum import SwapCorruption
 from ._checksum import checksum as compute_checksum
 from ._common import ALIGNMENT, VERIFY_MODES, round_up
@@ -429,7 +429,11 @@ class SwapSpace:
     def _alloc_in(self, k: int, nbytes: int) -> int:
         alloc, file = self._allocs[k], self._files[k]
         before = alloc.capacity
-        offset = alloc.allocate(nbytes)
+        try:
+            offset = alloc.allocate(nbytes)
+        except OutOfSpace as e:  # the cap `limit` set: say which arena
+            raise OutOfSpace(f"arena {file.path}: {e}", requested=e.requested, capacity=e.capacity,
+                             free_bytes=e.free_bytes, largest_free=e.largest_free) from None  # fmt: skip
         if alloc.capacity > before:
             try:
                 try:

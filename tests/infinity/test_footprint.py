@@ -157,3 +157,15 @@ def test_footprint_per_drive_follows_the_stripes(tmp_path):
         assert all(n > 0 for n in on_disk)  # both drives hold a share
     finally:
         engine.close()
+
+
+def test_a_write_past_the_cap_names_the_arena(tmp_path):
+    from infinity.swap import OutOfSpace
+
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path, False))
+    try:
+        engine.space.limit(engine.space.arena_sizes())  # no growth at all from here
+        with pytest.raises(OutOfSpace, match=str(engine.space.files[0].path)):
+            engine.space.put("big", torch.zeros(engine.space.arena_sizes()[0] // 4 + 1)).result()
+    finally:
+        engine.close()
