@@ -549,8 +549,9 @@ description:
   --seed), the last 10% for the validation loss. Params, grads and optimizer state are
   placed on the tiers T (device, cpu or nvme) given by the flags, all nvme by default, in
   swap files under --swap-dir, which is created. --config FILE takes a TOML tier config
-  (docs/config.md) instead of the tier, dtype, --lr and --swap-dir flags (an explicit
-  --host-budget still replaces its memory.host_budget). Ctrl-C stops after the current step.
+  (docs/config.md) instead of the tier, dtype, --lr and --swap-dir flags and the clipping
+  (its optimizer.lr and max_grad_norm apply, with the same warmup; an explicit --host-budget
+  still replaces its memory.host_budget). Ctrl-C stops after the current step.
 
   The default size, large (14 layers x 384, 25.0M parameters), has 381 MiB of fp32 training
   state (16 bytes a parameter: value, gradient, AdamW's master weight and two moments) and
@@ -573,7 +574,8 @@ output:
   A progress line per step (redrawn in place on a terminal; every --log-every steps
   otherwise): step, loss, tokens/s and, per tier that the engine reports, GB/s (1e9 bytes/s
   of wall time) read and written since the previous step. Then the train loss (mean of
-  the last --log-every steps), the validation loss over every window of the held-out text,
+  the last --log-every steps, at most the last tenth of the run, and the last step's loss),
+  the validation loss over every window of the held-out text,
   the engine's totals (bytes and busy-time GB/s per tier, stall time, peak host buffer
   pool), a sample of --sample-bytes bytes generated from --prompt, the host memory lines
   (training state, host budget, peak RSS growth and the ratios of the state to both), the
@@ -618,7 +620,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="nvme swap directory (default demo-swap in the checkout)")
     p.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="dtype of the training weights (default fp32)")  # fmt: skip
-    p.add_argument("--lr", metavar="LR", type=_positive(float), default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--lr", metavar="LR", type=_positive(float), default=1e-3, help=f"AdamW learning rate, reached by a linear warmup over the first {WARMUP_STEPS} steps; "
+                        f"gradients are clipped to norm {MAX_GRAD_NORM} (default 1e-3)")
     p.add_argument("--seed", metavar="N", type=int, default=0, help="seeds weights, batches and sample (default 0)")
     logs = ", ".join(f"{k} {v['log_every']}" for k, v in SIZE_DEFAULTS.items())
     p.add_argument("--log-every", metavar="N", type=_positive(int),
