@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from infinity.swap import ALIGNMENT, human_size, round_up
+from infinity.swap import ALIGNMENT, round_up
+
+from ._resources import distinct_sizes
 
 def disk_free(path: str) -> int:
     """Bytes an unprivileged writer can still take on the filesystem of ``path``."""
@@ -135,16 +137,18 @@ def check(fp: Footprint, overlap_on: bool) -> None:
     naming the path, the figures and what to change; otherwise set ``fp.staging_room``."""
     for path, state, avail in zip(fp.paths, fp.state, fp.available):
         if state > avail:
+            need, free = distinct_sizes(state, avail)  # never two different figures that read the same
             raise ValueError(
-                f"the swap space under {path!r} needs {human_size(state)} for the state on nvme, but its "
-                f"filesystem has {human_size(avail)} free (statvfs, with what the arena there held); "
+                f"the swap space under {path!r} needs {need} for the state on nvme, but its "
+                f"filesystem has {free} free (statvfs, with what the arena there held); "
                 "put fewer tiers on nvme ([tiers] params, grads, optimizer), add or change nvme.paths "
                 "(the state stripes over them), or free space there"
             )
         if fp.budget is not None and state > fp.budget:
+            need, budget = distinct_sizes(state, fp.budget)
             raise ValueError(
-                f"the swap space under {path!r} needs {human_size(state)} for the state on nvme, more than "
-                f"nvme.disk_budget={human_size(fp.budget)}; raise nvme.disk_budget, put fewer tiers on nvme "
+                f"the swap space under {path!r} needs {need} for the state on nvme, more than "
+                f"nvme.disk_budget={budget}; raise nvme.disk_budget, put fewer tiers on nvme "
                 "or add nvme.paths (the state stripes over them)"
             )
     total = sum(fp.staging)
