@@ -23,11 +23,14 @@ loads (`_overlap`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 from infinity.swap import ALIGNMENT, round_up
 
 from ._resources import distinct_sizes
+
+logger = logging.getLogger("infinity")
 
 def disk_free(path: str) -> int:
     """Bytes an unprivileged writer can still take on the filesystem of ``path``."""
@@ -170,5 +173,10 @@ def fit(engine, cfg, overlap: bool) -> Footprint:
     """`plan` and `check` ``engine``'s footprint, then cap each arena at what was checked."""
     fp = plan(engine, cfg, overlap)
     check(fp, overlap)
+    if fp.staging_room:
+        room, total = distinct_sizes(fp.staging_room, sum(fp.staging))
+        logger.info("optimizer.overlap: the disk (free space, nvme.disk_budget) leaves %s beside the state for "
+                    "staged copies, of the %s staging every sub-group takes; the sub-groups past it are "
+                    "updated after backward", room, total)  # fmt: skip
     engine.space.limit(fp.caps)
     return fp
