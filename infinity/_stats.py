@@ -116,6 +116,28 @@ class Stats:
         return done
 
 
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident set in bytes: VmHWM of /proc/self/status (the kernel's
+    high-water mark, which a write of "5" to /proc/self/clear_refs resets to the RSS now), or
+    getrusage's ru_maxrss where there is no such file; None where neither exists. Beside the
+    pool's peak it shows what the process holds outside ``memory.host_budget``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, OSError):
+        return None
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
 class _IoSpan:
     """One read or write of ``nbytes`` in ``tier``: call ``done()`` once it completed."""
 

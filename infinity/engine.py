@@ -37,7 +37,7 @@ from ._owner import Owner, entry
 from ._scaler import LossScaler
 from ._schedule import Scheduler
 from ._statedict import StateDictHooks
-from ._stats import Stats
+from ._stats import Stats, peak_rss_bytes
 from ._store import Store
 from ._transport import Transport
 from ._units import build_units
@@ -427,13 +427,14 @@ class Engine:
     # -- reporting --------------------------------------------------------------------------
     def stats(self) -> dict:
         """Per step (the last one) and cumulative: bytes and busy seconds per tier, stall
-        seconds, fetches (prefetched or on demand), skipped steps, peak host-pool bytes; "disk":
+        seconds, fetches (prefetched or on demand), skipped steps, peak host-pool bytes and the process's peak RSS; "disk":
         per swap directory, the state's bytes, the peak, the arena's cap and size now."""
         out = {
             "steps": self._stats.steps,
             "step": getattr(self, "_last_step", None),
             "total": self._stats.total.as_dict(),
             "peak_host_pool_bytes": self.pool.peak_bytes if self.pool else 0,
+            "peak_rss_bytes": peak_rss_bytes(),
             "host_budget_bytes": self.config.memory.host_budget,
             "loss_scale": self._scaler.scale if self._scaler else None,
             "resident_bytes": self._resident_bytes(),

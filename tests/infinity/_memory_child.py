@@ -69,7 +69,9 @@ for _ in range(2):
     engine.backward(engine(x).pow(2).mean())
     engine.step()
 numel = sum(u.numel for u in engine.units)
-print(json.dumps({"state_bytes": 16 * numel, "growth": peak_rss() - base, "pool_peak": engine.stats()["peak_host_pool_bytes"],
+stats = engine.stats()
+print(json.dumps({"state_bytes": 16 * numel, "growth": peak_rss() - base, "pool_peak": stats["peak_host_pool_bytes"],
+                  "peak_rss": peak_rss(), "stats_peak_rss": stats.get("peak_rss_bytes"),
                   "largest_unit_bytes": 4 * max(u.numel for u in engine.units), "params": numel,
                   "largest_module_bytes": largest_module,
                   "tiles": sum(u.is_tile for u in engine.units)}))  # fmt: skip
