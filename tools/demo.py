@@ -476,8 +476,10 @@ def _report(engine, args: argparse.Namespace, val: list[tuple], losses: list[flo
     memory against the training state; returns the validation loss."""
     window = losses[-train_loss_window(args.steps, args.log_every) :]
     val_loss = evaluate(engine, val)
-    say(f"train loss {sum(window) / len(window):.3f} (mean of the last {len(window)} steps; "
-        f"the last step's {losses[-1]:.3f}), val loss {val_loss:.3f} (uniform guessing: {math.log(VOCAB):.3f})")  # fmt: skip
+    which = f"mean of the last {len(window)} steps; the last step {losses[-1]:.3f}"
+    which = which if len(window) > 1 else "the last step"
+    say(f"train loss {sum(window) / len(window):.3f} ({which}), "
+        f"val loss {val_loss:.3f} (uniform guessing: {math.log(VOCAB):.3f})")  # fmt: skip
     stats = engine.stats()
     say("\n".join(["engine totals:", *format_totals(stats)]))
     if args.sample_bytes:
@@ -620,8 +622,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="nvme swap directory (default demo-swap in the checkout)")
     p.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="dtype of the training weights (default fp32)")  # fmt: skip
-    p.add_argument("--lr", metavar="LR", type=_positive(float), default=1e-3, help=f"AdamW learning rate, reached by a linear warmup over the first {WARMUP_STEPS} steps; "
-                        f"gradients are clipped to norm {MAX_GRAD_NORM} (default 1e-3)")
+    p.add_argument("--lr", metavar="LR", type=_positive(float), default=1e-3,
+                   help=f"AdamW learning rate, reached by a linear warmup over the first {WARMUP_STEPS} steps; "
+                        f"gradients are clipped to norm {MAX_GRAD_NORM} (default 1e-3)")  # fmt: skip
     p.add_argument("--seed", metavar="N", type=int, default=0, help="seeds weights, batches and sample (default 0)")
     logs = ", ".join(f"{k} {v['log_every']}" for k, v in SIZE_DEFAULTS.items())
     p.add_argument("--log-every", metavar="N", type=_positive(int),
