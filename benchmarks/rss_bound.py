@@ -7,7 +7,7 @@ forward, backward and step of each step: VmHWM of /proc/self/status, reset to th
 between phases by writing "5" to /proc/self/clear_refs. Then the pool's peak and the ratio of
 the process's peak growth to the budget (the target: <= 1.25 x budget + 128 MiB).
 
-    python benchmarks/rss_bound.py [--layers 16] [--overlap on|off] [--swap-dir bench-data/rss]
+    python benchmarks/rss_bound.py [--layers 16] [--overlap on|off] [--no-warmup] [--swap-dir bench-data/rss]
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--host-budget", default="256MiB")
     p.add_argument("--sub-group-size", default="32MiB")
     p.add_argument("--overlap", choices=["on", "off"], default="on")
+    p.add_argument("--no-warmup", action="store_true", help="measure from a process that ran no engine before")
     p.add_argument("--swap-dir", default=os.path.join(os.path.dirname(__file__), "..", "bench-data", "rss"))
     args = p.parse_args(argv)
 
@@ -65,9 +66,10 @@ def main(argv=None) -> int:
     try:
         # What every run pays once (torch's allocator, autograd, the aio engine) before the base.
         warm_cfg = {**cfg, "nvme": {"paths": [os.path.join(swap, "warm")]}, "optimizer": {}}
-        with infinity.initialize(nn.Linear(4, 4), warm_cfg) as warm:
-            warm.backward(warm(torch.randn(2, 4)).sum())
-            warm.step()
+        if not args.no_warmup:
+            with infinity.initialize(nn.Linear(4, 4), warm_cfg) as warm:
+                warm.backward(warm(torch.randn(2, 4)).sum())
+                warm.step()
         reset_peak()
         base = rss()
         rows = []

@@ -33,6 +33,7 @@ import sys
 import torch
 from torch import nn
 
+from . import _resources
 from ._units import swap_contents
 
 
@@ -48,6 +49,7 @@ def build(config=None, *, init: bool = True):
     # built after torch.manual_seed(s) gets the same values on every run (and, for a model
     # whose constructor draws them module by module in order, the values it would have had).
     state = torch.get_rng_state()
+    _resources.pin_malloc_threshold()  # before the parameters made and dropped here (see [Note: malloc threshold])
 
     def on_parameter(module, name, param):
         if param is None or param.device.type == "meta":

@@ -98,6 +98,12 @@ def close_io(space, pool, engine) -> None:
 # initialize and after each step, and every 512 MiB of state while initialize writes it and
 # from_pretrained loads it (`TrimEvery`): on the 953M Llama it gave back 240 to 880 MiB each
 # time, in about 60 ms.
+# The pin must come before the first large free, which raises the threshold for good:
+# `infinity.build` makes each module's parameters for real and frees them (a 16 MiB weight
+# per Linear(2048, 2048)), so it pins too. Pinned only at initialize, after such a build, the
+# unit-sized gradients of backward came from the heap and stayed until the step's trim: the
+# peak RSS growth of 48 x Linear(2048, 2048) under a 256 MiB budget was 488 to 621 MiB, and
+# is 414 MiB pinned here (benchmarks/rss_bound.py --no-warmup).
 _MALLOC_PINNED = False
 
 
@@ -119,7 +125,12 @@ def pin_malloc_threshold() -> None:
     if _MALLOC_PINNED or "MALLOC_MMAP_THRESHOLD_" in os.environ or libc is None:
         return
     libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    # A large free before this call raised the trim threshold with the mmap threshold (to
+    # twice the block: glibc's dynamic rule), and pinning the one leaves the other: set it
+    # as glibc would for 1 MiB. Then give back what such frees left in the heaps.
+    libc.mallopt(-1, 2 << 20)  # M_TRIM_THRESHOLD
     _MALLOC_PINNED = True
+    trim_malloc()
 
 
 class TrimEvery:

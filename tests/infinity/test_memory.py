@@ -12,7 +12,7 @@ MiB = 1 << 20
 
 def _measure(tmp_path, *args: str) -> dict:
     """Run _memory_child.py with ``args`` (width, layers, budget, vocab, tile size, sub-group
-    size) on a swap directory under ``tmp_path``; its JSON report."""
+    size, and "cold": no engine run before the one measured) on a swap directory under ``tmp_path``; its JSON report."""
     path = tmp_path / "swap"
     path.mkdir()
     child = os.path.join(os.path.dirname(__file__), "_memory_child.py")
@@ -58,21 +58,26 @@ def test_a_vocabulary_sized_module_in_tiles_does_not_set_the_memory_floor(tmp_pa
 
 
 def test_peak_rss_stays_within_the_budget_with_unit_sized_gradients(tmp_path):
-    """16 x Linear(2048, 2048) fp32 (16 MiB per layer: its weight gradient from autograd is as
-    large as a unit), every tier on nvme, host_budget 256 MiB, 32 MiB sub-groups, batch 8,
+    """24 x Linear(2048, 2048) fp32 (16 MiB per layer: its weight gradient from autograd is as
+    large as a unit), built with `infinity.build` in a process that ran no engine before (a
+    user's script), every tier on nvme, host_budget 256 MiB, 32 MiB sub-groups, batch 8,
     trained two steps (issue 23, item 2). The promise `memory.host_budget` makes, with a
     batch whose activations are small (8 x 2048 floats per layer: 64 KiB): the process's peak
     RSS growth from before the model is built stays within 1.25 x the budget + 128 MiB for
     what is not the pool (autograd's gradients before the hooks take them, the builder's and
     initialize's copies of a unit, glibc's free lists, the interpreter). `engine.stats()`
-    reports the process's peak RSS beside the pool's: at least the growth measured, and the
-    figure the kernel gives (VmHWM) at that moment."""
-    r = _measure(tmp_path, "2048", "16", "256MiB", "0", "64MiB", "32MiB")
+    reports the process's peak RSS beside the pool's: the figure the kernel gives (VmHWM)."""
+    r = _measure(tmp_path, "2048", "24", "256MiB", "0", "64MiB", "32MiB", "cold")
     budget = 256 * MiB
     assert r["pool_peak"] <= budget, r
     assert r["growth"] <= 1.25 * budget + 128 * MiB, r
+    # The steps hold what initialize left (the pool's slab, torch) and a few of autograd's
+    # unit-sized gradients at a time, which the hooks take as they come: not one per layer.
+    # (With glibc's mmap threshold raised by the build's frees, backward's gradients came from
+    # the heap and stayed there until the step's trim: 235 to 285 MiB here.)
+    assert r["training_growth"] <= 4 * r["largest_unit_bytes"], r
+    # stats() read VmHWM just before the child did, with nothing large allocated between
     assert r["stats_peak_rss"] is not None, r
-    # read by stats() just before the child read it: nothing ran between that allocates much
-    assert r["growth"] <= r["stats_peak_rss"] <= r["peak_rss"], r
+    assert r["peak_rss"] - 4 * MiB <= r["stats_peak_rss"] <= r["peak_rss"], r
     print(f"peak RSS growth {r['growth'] / MiB:.0f} MiB ({r['growth'] / budget:.2f} x host_budget), "
-          f"pool peak {r['pool_peak'] / MiB:.0f} MiB")
+          f"{r['training_growth'] / MiB:.0f} MiB of it in the steps, pool peak {r['pool_peak'] / MiB:.0f} MiB")
