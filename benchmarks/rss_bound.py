@@ -7,6 +7,10 @@ forward, backward and step of each step: VmHWM of /proc/self/status, reset to th
 between phases by writing "5" to /proc/self/clear_refs. Then the pool's peak and the ratio of
 the process's peak growth to the budget (the target: <= 1.25 x budget + 128 MiB).
 
+By default a tiny engine runs first, so that what any run pays once is not counted; with
+``--no-warmup`` it is: about 72 MiB of it is torch._dynamo, which the constructor of any
+``torch.optim.Optimizer`` (the engine's is one) imports.
+
     python benchmarks/rss_bound.py [--layers 16] [--overlap on|off] [--no-warmup] [--swap-dir bench-data/rss]
 """
 
