@@ -12,6 +12,9 @@ By default a tiny engine runs first, so that what any run pays once is not count
 ``torch.optim.Optimizer`` (the engine's is one) imports.
 
     python benchmarks/rss_bound.py [--layers 16] [--overlap on|off] [--no-warmup] [--swap-dir bench-data/rss]
+
+Output: one line per phase (peak growth in it, growth after it), then the pool's peak and the
+ratio. Exit status 0 (it measures; it does not judge); the swap files it made are removed.
 """
 
 from __future__ import annotations
