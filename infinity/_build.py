@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from . import _resources
+from . import _init_record
 from ._units import swap_contents
 
 
@@ -52,20 +53,32 @@ def build(config=None, *, init: bool = True):
     _resources.pin_malloc_threshold()  # before the parameters made and dropped here (see [Note: malloc threshold])
 
     def on_parameter(module, name, param):
-        if param is None or param.device.type == "meta":
+        if param is None:
             return None
-        meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        meta = param  # made on the meta device in the block (torchtitan's way): build's all the same
+        if param.device.type != "meta":
+            meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            if init:
+                _init_record.keep_value(meta, param)
         meta._infinity_rng = state
         meta._infinity_init = init
-        return meta
+        meta._infinity_where = f"{type(module).__name__}.{name}"
+        return meta if meta is not param else None
 
     handle = nn.modules.module.register_module_parameter_registration_hook(on_parameter)
     restore = _refuse_hf_from_pretrained()
     try:
-        yield
+        with _init_record.recording() if init else contextlib.nullcontext() as recorder:
+            yield
     finally:
         handle.remove()
         restore()
+    if recorder is not None and recorder.errors:  # see [Note: recorded initialisation]
+        raise ValueError(
+            "infinity.build() cannot initialise the model as its own code does: "
+            + "; ".join(dict.fromkeys(recorder.errors))
+            + ". Construct the model outside build(), or initialise it in a way build records"
+        )
 
 
 def _refuse_hf_from_pretrained():
@@ -126,6 +139,13 @@ def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
     while chain[-1]:
         chain.append(chain[-1].rpartition(".")[0])
     init = _hf_init(model, chain, modules)
+    if init is None:  # the model's own calls, recorded in the block (see [Note: recorded initialisation])
+        for p in empty:
+            if _init_record.replayable(p):
+                _init_record.replay(p)
+        empty = [p for p in empty if not _init_record.replayable(p)]
+        if not empty:
+            return
     filling = {id(p) for p in empty}
     with torch.no_grad(), _guard(), _hidden(modules, filling):
         if init is not None:

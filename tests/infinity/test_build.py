@@ -149,3 +149,165 @@ def test_parameters_with_values_of_their_own_keep_them_beside_a_built_model(tmp_
         assert torch.equal(got["transformer.h.0.attn.c_proj.weight"], want["weight"])
         assert torch.equal(got["transformer.h.0.attn.c_proj.bias"], want["bias"])
         assert 0 < got["transformer.h.1.attn.c_proj.weight"].std() < 0.05  # the built one: the model's init
+
+
+class _LayerNorm(nn.Module):
+    """nanoGPT's: its weight made by torch.ones, no reset_parameters."""
+
+    def __init__(self, ndim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim))
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = _LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(3 * d, d)
+
+    def forward(self, x):
+        return x + self.c_proj(torch.relu(self.c_attn(self.ln(x))))
+
+
+class _NanoGPT(nn.Module):
+    """nanoGPT's init: apply(_init_weights) after construction, then a scaled c_proj."""
+
+    def __init__(self, vocab=256, d=128, n_layer=3):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.h = nn.ModuleList([_Block(d) for _ in range(n_layer)])
+        self.ln_f = _LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / (2 * n_layer) ** 0.5)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class _Titan(nn.Module):
+    """torchtitan's way: made on the meta device, then init_weights() (trunc_normal_, norms to
+    ones through .data, an in-place scale) called by the user inside the build block."""
+
+    def __init__(self, d=128, n_layer=3):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(n_layer)])
+        self.norm = nn.RMSNorm(d)
+        self.out = nn.Linear(d, d, bias=False)
+
+    def init_weights(self):
+        for i, layer in enumerate(self.layers):
+            nn.init.trunc_normal_(layer.weight, mean=0.0, std=0.02 / (i + 1))
+            nn.init.zeros_(layer.bias)
+        self.norm.weight.data.fill_(1.0)
+        nn.init.trunc_normal_(self.out.weight, std=0.5, a=-1.0, b=1.0)
+        with torch.no_grad():
+            self.out.weight.mul_(0.1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.out(self.norm(x))
+
+
+def _compare_with_plain(engine, plain, tol=0.05):
+    """Every tensor's std within ``tol`` of the plain model's (other draws of the same
+    distribution), constants exactly; returns the gathered weights."""
+    got = engine.gathered_weights()
+    assert set(got) == {n for n, _ in plain.named_parameters()}
+    for name, p in plain.named_parameters():
+        want = p.detach()
+        if want.std() > 0:
+            assert abs(got[name].std() / want.std() - 1) < tol, (name, got[name].std().item(), want.std().item())
+            assert abs(got[name].mean() - want.mean()) < 0.1 * want.std(), name
+        else:
+            assert torch.equal(got[name], want), name
+    return got
+
+
+def test_a_model_that_initialises_itself_after_construction_keeps_its_own_init(tmp_path):
+    """nanoGPT: apply(_init_weights) + scaled c_proj, and a LayerNorm made of torch.ones without
+    reset_parameters (it was refused; the rest got torch's defaults: wte's std 1.0, not 0.02)."""
+    torch.manual_seed(0)
+    plain = _NanoGPT()
+    torch.manual_seed(0)
+    with infinity.build():
+        model = _NanoGPT()
+    with infinity.initialize(model, config(tmp_path, ("nvme",) * 3)) as engine:
+        got = _compare_with_plain(engine, plain)
+        assert abs(got["wte.weight"].std() - 0.02) < 0.001
+        assert abs(got["h.0.c_proj.weight"].std() - 0.02 / 6**0.5) < 0.0005
+        assert torch.equal(got["ln_f.weight"], torch.ones(128))
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            loss = nn.functional.cross_entropy(engine(ids).flatten(0, 1), ids.flatten())
+            want = nn.functional.cross_entropy(plain(ids).flatten(0, 1), ids.flatten())
+        assert abs(loss.item() - want.item()) / want.item() < 0.02, (loss.item(), want.item())
+
+
+def test_a_model_made_on_meta_and_initialised_by_init_weights_in_the_block_gets_that_init(tmp_path):
+    """torchtitan: torch.device('meta') + model.init_weights() inside build()."""
+    torch.manual_seed(0)
+    plain = _Titan()
+    plain.init_weights()
+    torch.manual_seed(0)
+    with infinity.build():
+        with torch.device("meta"):
+            model = _Titan()
+        model.init_weights()
+    with infinity.initialize(model, config(tmp_path, ("nvme",) * 3)) as engine:
+        got = _compare_with_plain(engine, plain)
+        assert abs(got["layers.2.weight"].std() - 0.02 / 3) < 0.0005
+        assert got["out.weight"].abs().max() <= 0.1  # truncated at 1.0, then scaled
+
+
+def test_a_constructor_initialised_model_is_bit_equal_to_a_plain_build(tmp_path):
+    """Linear's reset_parameters in its constructor, a LayerNorm, a torch.ones parameter: each
+    drawn in unit order, so the recorded calls draw exactly what the plain build drew."""
+
+    def make():
+        m = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+        m[1].gain = nn.Parameter(torch.full((32,), 2.0))
+        return m
+
+    torch.manual_seed(3)
+    plain = make()
+    torch.manual_seed(3)  # before the block: build draws from the state it started with
+    with infinity.build():
+        model = make()
+    with infinity.initialize(model, config(tmp_path, ("nvme",) * 3)) as engine:
+        got = engine.gathered_weights()
+        for name, p in plain.named_parameters():
+            assert torch.equal(got[name], p.detach()), name
+
+
+def test_an_init_that_cannot_be_done_again_is_an_error_at_the_end_of_the_block():
+    """Copying one built parameter into another: the source has no values until initialize."""
+    with pytest.raises(ValueError, match=r"Tensor.copy_ writes parameter 'Linear.weight' \(4, 4\) from another tensor"):
+        with infinity.build():
+            a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+            with torch.no_grad():
+                b.weight.copy_(a.weight)
+    with pytest.raises(ValueError, match=r"Tensor.fill_ on a view of parameter 'Linear.weight' \(4, 4\)"):
+        with infinity.build():
+            a = nn.Linear(4, 4)
+            with torch.no_grad():
+                a.weight[0].fill_(1.0)

@@ -1,0 +1,166 @@
+"""What a model's own code does to its parameters while they are on the meta device inside
+``infinity.build()``, kept so that `initialize` can do it again to the real tensors, one unit at
+a time (see [Note: recorded initialisation]).
+
+Owns: the recording (``torch.nn.init.*`` patched for the block, a TorchFunctionMode for the
+in-place tensor methods) and `replay`. Touches: the parameters' ``_infinity_ops`` and
+``_infinity_value`` attributes; nothing of the units or the I/O.
+
+[Note: recorded initialisation]
+On the meta device an init is a no-op, so a model that initialises itself after construction
+(nanoGPT's ``self.apply(self._init_weights)`` and scaled ``c_proj``; torchtitan's
+``init_weights()`` called in the block) would otherwise get torch's defaults at `initialize`.
+Each call that writes a built parameter is recorded on it: an ``nn.init`` function, or an
+in-place method (``normal_``, ``fill_``, ``copy_``, ``p[...] = v``, ...) on it or on its ``.data``.
+A small parameter (at most `KEEP_BYTES`) keeps the values it was registered with (LayerNorm's
+``torch.ones``), as the start the calls apply to. At `initialize` the calls from the last one
+that overwrites the whole tensor on are run again, in order, on the real tensor, drawing from
+the random state `build` started with. Values are bit-equal to a plain build when the model
+draws them parameter by parameter in unit order (each module's constructor initialising its
+own, as ``nn.Linear`` does); a second pass over the model (``apply(init)``) draws in a
+different order, so the values are other draws of the same distributions. A call that cannot
+be done again (its arguments include another tensor on the meta device, or it writes a view
+of a parameter) is an error when the ``build()`` block ends, naming the parameter and the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+KEEP_BYTES = 1 << 16  # a LayerNorm's weight of 16k floats: kept whole, small beside its layer
+
+# Calls after which the tensor's earlier contents no longer matter.
+_OVERWRITE = {"normal_", "uniform_", "zero_", "fill_", "copy_", "random_", "bernoulli_", "exponential_",
+              "geometric_", "log_normal_", "cauchy_"}  # fmt: skip
+_INIT_FNS = [name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
+
+
+_DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor whose __get__ is `p.data`
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", repr(func))
+
+
+def _where(p) -> str:
+    return f"{getattr(p, '_infinity_where', '?')!r} {tuple(p.shape)}"
+
+
+def built(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_meta and hasattr(t, "_infinity_init")
+
+
+class Recorder(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.aliases = {}  # id(alias) -> (weakref to the alias, its parameter): `p.data`
+        self.errors = []
+
+    def target(self, t):
+        if built(t):
+            return t
+        if isinstance(t, torch.Tensor):
+            entry = self.aliases.get(id(t))
+            if entry is not None and entry[0]() is t:
+                return entry[1]
+        return None
+
+    def record(self, param, func, args, kwargs, what):
+        others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_meta]
+        if others:
+            self.errors.append(
+                f"{what} writes parameter {_where(param)} from another tensor on "
+                "the meta device, whose values do not exist until initialize"
+            )
+            return
+        ops = param.__dict__.setdefault("_infinity_ops", [])
+        if _name(func) in _OVERWRITE or what.startswith("torch.nn.init"):
+            ops.clear()  # what came before is overwritten: not run again (and not kept)
+            param.__dict__.pop("_infinity_value", None)
+        ops.append((func, tuple(args[1:]), dict(kwargs), _generator_states(args, kwargs)))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = _name(func)
+        if not args:
+            return out
+        data = name == "__get__" and getattr(func, "__self__", None) is _DATA
+        if (data or name == "detach") and self.target(args[0]) is not None:
+            param = self.target(args[0])  # p.data: the same values, another tensor object
+            self.aliases[id(out)] = (weakref.ref(out), param)
+            return out
+        writes = name.endswith("_") and not name.startswith("_") or name == "__setitem__"
+        if writes and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            param = self.target(args[0])
+            if param is not None:
+                self.record(param, func, args, kwargs, f"Tensor.{name}")
+            elif args[0]._base is not None and built(args[0]._base):
+                self.errors.append(
+                    f"Tensor.{name} on a view of parameter {_where(args[0]._base)}, built on the meta device: "
+                    "write the parameter itself (p[...] = v, or an nn.init function on it)"
+                )
+        return out
+
+
+def _generator_states(args, kwargs):
+    """A generator passed to the call is cloned as it is now, so the replay draws what the call
+    would have drawn from it."""
+    gen = kwargs.get("generator")
+    return None if not isinstance(gen, torch.Generator) else gen.get_state()
+
+
+@contextlib.contextmanager
+def recording():
+    """Record, for the block, what the model's code does to its built parameters."""
+    recorder = Recorder()
+    originals = {name: getattr(nn.init, name) for name in _INIT_FNS}
+
+    def wrap(name, fn):
+        def init_fn(tensor, *args, **kwargs):
+            param = recorder.target(tensor)
+            if param is None:
+                return fn(tensor, *args, **kwargs)
+            recorder.record(param, fn, (tensor, *args), kwargs, f"torch.nn.init.{name}")
+            return tensor
+
+        init_fn.__name__ = name
+        return init_fn
+
+    for name, fn in originals.items():
+        setattr(nn.init, name, wrap(name, fn))
+    try:
+        with recorder:
+            yield recorder
+    finally:
+        for name, fn in originals.items():
+            setattr(nn.init, name, fn)
+
+
+def keep_value(meta: torch.Tensor, value: torch.Tensor) -> None:
+    """A small parameter's registered values are its start (nanoGPT's LayerNorm: torch.ones)."""
+    if value.numel() * value.element_size() <= KEEP_BYTES:
+        meta._infinity_value = value.detach().clone()
+
+
+def replayable(p) -> bool:
+    return bool(getattr(p, "_infinity_ops", None)) or hasattr(p, "_infinity_value")
+
+
+def replay(p: torch.Tensor) -> None:
+    """``p`` (real now, its contents undefined) gets what the model's code did to it."""
+    with torch.no_grad():
+        value = getattr(p, "_infinity_value", None)
+        if value is not None:
+            p.copy_(value)
+        for func, rest, kwargs, gen_state in getattr(p, "_infinity_ops", ()):
+            if gen_state is not None:
+                gen = torch.Generator()
+                gen.set_state(gen_state)
+                kwargs = {**kwargs, "generator": gen}
+            func(p, *rest, **kwargs)
