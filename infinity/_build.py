@@ -14,10 +14,12 @@ M's parameters: transformers' ``_init_weights`` of the nearest ``PreTrainedModel
 each module, on M and then each of its ancestors (``post_init`` goes children first, so a
 parent's init, such as GPT-2's scaled ``c_proj``, has the last word); the other units'
 parameters are still on the meta device meanwhile, where an init is a no-op. A model without
-transformers' ``_init_weights`` gets ``M.reset_parameters()``. A module with parameters and
-neither cannot be initialised this way and is an error at `initialize` naming it: give it a
-``reset_parameters()``, or construct the model outside ``build()``. A model whose own
-whole-model init does more than per-module inits (a custom ``post_init``) must do that
+transformers' ``_init_weights`` gets, per parameter, what its own code did to it in the block
+(recorded: [Note: recorded initialisation] in `_init_record`), and a parameter it did nothing
+recordable to gets ``M.reset_parameters()``. A module with such a parameter and no
+``reset_parameters()`` is an error at `initialize` naming it: initialise it in the block, give
+it a ``reset_parameters()``, or construct the model outside ``build()``. A transformers model
+whose whole-model init does more than per-module inits (a custom ``post_init``) must do that
 again after `initialize`, for instance through ``engine.module.load_state_dict``.
 Only what `build` put on the meta device is filled: a parameter with values of its own (a
 wrapper's adapter, a module made outside the block) is hidden from the inits and keeps them,
