@@ -55,34 +55,56 @@ def built(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_meta and hasattr(t, "_infinity_init")
 
 
+class _OnView:
+    """An in-place call on a view of a parameter (Embedding's ``weight[padding_idx].fill_(0)``):
+    the view is made again from the real parameter, then the call runs on it."""
+
+    def __init__(self, chain, func):
+        self.chain, self.func = chain, func
+        self.__name__ = f"{_name(func)} on a view"
+
+    def __call__(self, p, *rest, **kwargs):
+        view = p
+        for func, vrest, vkwargs in self.chain:
+            view = func(view, *vrest, **vkwargs)
+        return self.func(view, *rest, **kwargs)
+
+
+def _meta_args(args, kwargs) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values()))
+
+
 class Recorder(TorchFunctionMode):
     def __init__(self):
         super().__init__()
-        self.aliases = {}  # id(alias) -> (weakref to the alias, its parameter): `p.data`
+        # id(tensor) -> (weakref to it, its parameter, the view calls that make it from the
+        # parameter): `p.data` (no calls), `p[0]`, `p.data.view(-1)`, ...
+        self.aliases = {}
         self.errors = []
 
     def target(self, t):
+        """(parameter, view calls) when ``t`` is a built parameter or a view of one made in the block."""
         if built(t):
-            return t
+            return t, ()
         if isinstance(t, torch.Tensor):
             entry = self.aliases.get(id(t))
             if entry is not None and entry[0]() is t:
-                return entry[1]
+                return entry[1], entry[2]
         return None
 
-    def record(self, param, func, args, kwargs, what):
-        others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_meta]
-        if others:
+    def record(self, found, func, args, kwargs, what):
+        param, chain = found
+        if _meta_args(args[1:], kwargs):
             self.errors.append(
                 f"{what} writes parameter {_where(param)} from another tensor on "
                 "the meta device, whose values do not exist until initialize"
             )
             return
         ops = param.__dict__.setdefault("_infinity_ops", [])
-        if _name(func) in _OVERWRITE or what.startswith("torch.nn.init"):
+        if not chain and (_name(func) in _OVERWRITE or what.startswith("torch.nn.init")):
             ops.clear()  # what came before is overwritten: not run again (and not kept)
             param.__dict__.pop("_infinity_value", None)
-        ops.append((func, tuple(args[1:]), dict(kwargs), _generator_states(args, kwargs)))
+        ops.append((_OnView(chain, func) if chain else func, tuple(args[1:]), dict(kwargs), _generator_states(args, kwargs)))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,21 +112,25 @@ class Recorder(TorchFunctionMode):
         name = _name(func)
         if not args:
             return out
-        data = name == "__get__" and getattr(func, "__self__", None) is _DATA
-        if (data or name == "detach") and self.target(args[0]) is not None:
-            param = self.target(args[0])  # p.data: the same values, another tensor object
-            self.aliases[id(out)] = (weakref.ref(out), param)
-            return out
+        found = self.target(args[0])
+        if found is not None and name == "__get__" and getattr(func, "__self__", None) is not _DATA:
+            return out  # p.shape, p.is_meta, ...: not a tensor of the parameter's values
         writes = name.endswith("_") and not name.startswith("_") or name == "__setitem__"
         if writes and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-            param = self.target(args[0])
-            if param is not None:
-                self.record(param, func, args, kwargs, f"Tensor.{name}")
+            if found is not None:
+                self.record(found, func, args, kwargs, f"Tensor.{name}")
             elif args[0]._base is not None and built(args[0]._base):
                 self.errors.append(
-                    f"Tensor.{name} on a view of parameter {_where(args[0]._base)}, built on the meta device: "
+                    f"Tensor.{name} on a view of parameter {_where(args[0]._base)} that build could not follow: "
                     "write the parameter itself (p[...] = v, or an nn.init function on it)"
                 )
+            return out
+        aliased = name in ("__get__", "detach") or isinstance(out, torch.Tensor) and out._base is not None
+        if found is not None and isinstance(out, torch.Tensor) and out.is_meta and aliased:
+            if not _meta_args(args[1:], kwargs):  # the view can be made again from the real parameter
+                param, chain = found
+                step = () if name in ("__get__", "detach") else ((func, tuple(args[1:]), dict(kwargs)),)
+                self.aliases[id(out)] = (weakref.ref(out), param, (*chain, *step))
         return out
 
 
@@ -123,10 +149,10 @@ def recording():
 
     def wrap(name, fn):
         def init_fn(tensor, *args, **kwargs):
-            param = recorder.target(tensor)
-            if param is None:
+            found = recorder.target(tensor)
+            if found is None:
                 return fn(tensor, *args, **kwargs)
-            recorder.record(param, fn, (tensor, *args), kwargs, f"torch.nn.init.{name}")
+            recorder.record(found, fn, (tensor, *args), kwargs, f"torch.nn.init.{name}")
             return tensor
 
         init_fn.__name__ = name
@@ -149,7 +175,7 @@ def keep_value(meta: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def replayable(p) -> bool:
-    return bool(getattr(p, "_infinity_ops", None)) or hasattr(p, "_infinity_value")
+    return bool(getattr(p, "_infinity_ops", None)) or hasattr(p, "_infinity_value") or hasattr(p, "_infinity_replayed")
 
 
 def replay(p: torch.Tensor) -> None:
@@ -164,3 +190,7 @@ def replay(p: torch.Tensor) -> None:
                 gen.set_state(gen_state)
                 kwargs = {**kwargs, "generator": gen}
             func(p, *rest, **kwargs)
+    # Done once (a tiled module's first tile makes it whole): the copies and call arguments go.
+    p.__dict__.pop("_infinity_value", None)
+    p.__dict__.pop("_infinity_ops", None)
+    p._infinity_replayed = True
