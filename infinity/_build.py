@@ -48,11 +48,14 @@ def build(config=None, *, init: bool = True):
     accepted for symmetry with `initialize` and not needed. ``init=False``: the values are
     zeros, for weights that a checkpoint overwrites anyway (`from_pretrained`)."""
 
-    # The random state at the start: `initialize` draws the initial values from it, so a model
-    # built after torch.manual_seed(s) gets the same values on every run (and, for a model
-    # whose constructor draws them module by module in order, the values it would have had).
+    # The random state at the start (or, once the model's code makes an init call, at the first
+    # one): `initialize` draws the initial values from it, so a model built after
+    # torch.manual_seed(s) gets the same values on every run (and, for a model whose
+    # constructor draws them module by module in order, the values it would have had).
     state = torch.get_rng_state()
     _resources.pin_malloc_threshold()  # before the parameters made and dropped here (see [Note: malloc threshold])
+
+    made = []
 
     def on_parameter(module, name, param):
         if param is None:
@@ -64,6 +67,7 @@ def build(config=None, *, init: bool = True):
                 _init_record.keep_value(meta, param)
         meta._infinity_rng = state
         meta._infinity_init = init
+        made.append(meta)
         meta._infinity_where = f"{type(module).__name__}.{name}"
         return meta if meta is not param else None
 
@@ -81,6 +85,11 @@ def build(config=None, *, init: bool = True):
             + "; ".join(dict.fromkeys(recorder.errors))
             + ". Construct the model outside build(), or initialise it in a way build records"
         )
+    if recorder is not None and recorder.rng is not None:
+        # Draw from the state the model's first init call saw: a torch.manual_seed inside the
+        # block (at the top of the model's own constructor) then counts, as in a plain build.
+        for p in made:
+            p._infinity_rng = recorder.rng
 
 
 def _refuse_hf_from_pretrained():

@@ -15,7 +15,7 @@ in-place method (``normal_``, ``fill_``, ``copy_``, ``p[...] = v``, ...) on it o
 A small parameter (at most `KEEP_BYTES`) keeps the values it was registered with (LayerNorm's
 ``torch.ones``), as the start the calls apply to. At `initialize` the calls from the last one
 that overwrites the whole tensor on are run again, in order, on the real tensor, drawing from
-the random state `build` started with. Values are bit-equal to a plain build when the model
+the random state the first recorded call saw (a ``torch.manual_seed`` in the block counts). Values are bit-equal to a plain build when the model
 draws them parameter by parameter in unit order (each module's constructor initialising its
 own, as ``nn.Linear`` does); a second pass over the model (``apply(init)``) draws in a
 different order, so the values are other draws of the same distributions. A call that cannot
@@ -81,6 +81,7 @@ class Recorder(TorchFunctionMode):
         # parameter): `p.data` (no calls), `p[0]`, `p.data.view(-1)`, ...
         self.aliases = {}
         self.errors = []
+        self.rng = None  # the random state at the first recorded call: see `build`
 
     def target(self, t):
         """(parameter, view calls) when ``t`` is a built parameter or a view of one made in the block."""
@@ -100,6 +101,8 @@ class Recorder(TorchFunctionMode):
                 "the meta device, whose values do not exist until initialize"
             )
             return
+        if self.rng is None:
+            self.rng = torch.get_rng_state()
         ops = param.__dict__.setdefault("_infinity_ops", [])
         if not chain and (_name(func) in _OVERWRITE or what.startswith("torch.nn.init")):
             ops.clear()  # what came before is overwritten: not run again (and not kept)
