@@ -56,6 +56,7 @@ def build(config=None, *, init: bool = True):
     _resources.pin_malloc_threshold()  # before the parameters made and dropped here (see [Note: malloc threshold])
 
     made = []
+    recorder = _init_record.Recorder() if init else None
 
     def on_parameter(module, name, param):
         if param is None:
@@ -64,7 +65,7 @@ def build(config=None, *, init: bool = True):
         if param.device.type != "meta":
             meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
             if init:
-                _init_record.keep_value(meta, param)
+                _init_record.keep_value(meta, param, recorder)
         meta._infinity_rng = state
         meta._infinity_init = init
         made.append(meta)
@@ -74,7 +75,7 @@ def build(config=None, *, init: bool = True):
     handle = nn.modules.module.register_module_parameter_registration_hook(on_parameter)
     restore = _refuse_hf_from_pretrained()
     try:
-        with _init_record.recording() if init else contextlib.nullcontext() as recorder:
+        with _init_record.recording(recorder) if init else contextlib.nullcontext():
             yield
     finally:
         handle.remove()
@@ -157,6 +158,15 @@ def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
         empty = [p for p in empty if not _init_record.replayable(p)]
         if not empty:
             return
+        prefix = "" if unit.path == "<root>" else f"{unit.path}."
+        for name, p in zip(unit.param_names, unit.params):
+            if any(p is q for q in empty) and _init_record.lost(p):
+                raise ValueError(
+                    f"parameter {prefix + name!r} {tuple(p.shape)} was registered inside infinity.build with values "
+                    f"its module's constructor computed (more than {_init_record.KEEP_BYTES} bytes, not kept) and "
+                    "nothing in the block initialised it again: initialise it with a torch.nn.init call (or an "
+                    "in-place normal_/fill_/copy_) in the model's code, or construct the model outside build()"
+                )
     filling = {id(p) for p in empty}
     with torch.no_grad(), _guard(), _hidden(modules, filling):
         if init is not None:

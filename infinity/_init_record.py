@@ -20,7 +20,10 @@ draws them parameter by parameter in unit order (each module's constructor initi
 own, as ``nn.Linear`` does); a second pass over the model (``apply(init)``) draws in a
 different order, so the values are other draws of the same distributions. A call that cannot
 be done again (its arguments include another tensor on the meta device, or it writes a view
-of a parameter) is an error when the ``build()`` block ends, naming the parameter and the call.
+of a parameter that build could not follow) is an error when the ``build()`` block ends,
+naming the parameter and the call. A larger parameter registered with values the constructor
+computed (not ``torch.empty``) that nothing in the block overwrites is refused at `initialize`,
+naming it: its values are gone, and another init in their place would be silent.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ _OVERWRITE = {"normal_", "uniform_", "zero_", "fill_", "copy_", "random_", "bern
 _INIT_FNS = [name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
 
 
+_EMPTY = {"empty", "empty_like", "new_empty", "empty_strided"}
 _DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor whose __get__ is `p.data`
 
 
@@ -82,6 +86,12 @@ class Recorder(TorchFunctionMode):
         self.aliases = {}
         self.errors = []
         self.rng = None  # the random state at the first recorded call: see `build`
+        # data_ptr -> True for the tensors torch.empty made in the block: a parameter registered
+        # with one of those has no values of its own to lose (nn.Linear's, before its init).
+        self.empties = {}
+
+    def made_empty(self, t) -> bool:
+        return self.empties.pop(t.data_ptr(), False)
 
     def target(self, t):
         """(parameter, view calls) when ``t`` is a built parameter or a view of one made in the block."""
@@ -107,12 +117,18 @@ class Recorder(TorchFunctionMode):
         if not chain and (_name(func) in _OVERWRITE or what.startswith("torch.nn.init")):
             ops.clear()  # what came before is overwritten: not run again (and not kept)
             param.__dict__.pop("_infinity_value", None)
+            param.__dict__.pop("_infinity_lost", None)
         ops.append((_OnView(chain, func) if chain else func, tuple(args[1:]), dict(kwargs), _generator_states(args, kwargs)))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = _name(func)
+        if name in _EMPTY and isinstance(out, torch.Tensor) and not out.is_meta:
+            if len(self.empties) > 4096:  # only the latest matter: a parameter is registered right after
+                self.empties.clear()
+            self.empties[out.data_ptr()] = True
+            return out
         if not args:
             return out
         found = self.target(args[0])
@@ -145,9 +161,8 @@ def _generator_states(args, kwargs):
 
 
 @contextlib.contextmanager
-def recording():
+def recording(recorder: Recorder):
     """Record, for the block, what the model's code does to its built parameters."""
-    recorder = Recorder()
     originals = {name: getattr(nn.init, name) for name in _INIT_FNS}
 
     def wrap(name, fn):
@@ -171,10 +186,20 @@ def recording():
             setattr(nn.init, name, fn)
 
 
-def keep_value(meta: torch.Tensor, value: torch.Tensor) -> None:
-    """A small parameter's registered values are its start (nanoGPT's LayerNorm: torch.ones)."""
+def keep_value(meta: torch.Tensor, value: torch.Tensor, recorder) -> None:
+    """A small parameter's registered values are its start (nanoGPT's LayerNorm: torch.ones); a
+    larger one's are dropped, and marked, unless torch.empty made them: if nothing in the block
+    overwrites them, `initialize` refuses the parameter rather than put another init in their place."""
+    empty = recorder is not None and recorder.made_empty(value)
     if value.numel() * value.element_size() <= KEEP_BYTES:
         meta._infinity_value = value.detach().clone()
+    elif not empty and recorder is not None:
+        meta._infinity_lost = True
+
+
+def lost(p) -> bool:
+    """Registered with values build could not keep, and nothing in the block overwrote them."""
+    return getattr(p, "_infinity_lost", False)
 
 
 def replayable(p) -> bool:

@@ -311,3 +311,24 @@ def test_an_init_that_cannot_be_done_again_is_an_error_at_the_end_of_the_block()
         with infinity.build():
             a = nn.Linear(4, 4)
             nn.init.normal_(a.bias, std=a.weight.std())
+
+
+class _Scaled(nn.Linear):
+    """A parameter computed in the constructor (128 KiB, beyond what build keeps) that the
+    module's reset_parameters() does not make: it got that init's values without a word."""
+
+    def __init__(self):
+        super().__init__(256, 128)
+        self.mix = nn.Parameter(torch.randn(128, 256) * 0.02)
+
+
+def test_a_large_parameter_with_constructor_values_and_no_init_in_the_block_is_refused_by_name(tmp_path):
+    with infinity.build():
+        model = nn.Sequential(_Scaled())
+    with pytest.raises(ValueError, match=r"parameter '0.mix' \(128, 256\) was registered inside infinity.build with values"):
+        infinity.initialize(model, config(tmp_path, ("nvme",) * 3))
+    with infinity.build():  # initialised in the block: recorded, so it is not refused
+        model = nn.Sequential(_Scaled())
+        nn.init.normal_(model[0].mix, std=0.02)
+    with infinity.initialize(model, config(tmp_path / "b", ("nvme",) * 3)) as engine:
+        assert abs(engine.gathered_weights()["0.mix"].std() - 0.02) < 0.001
