@@ -41,8 +41,7 @@ KEEP_BYTES = 1 << 16  # a LayerNorm's weight of 16k floats: kept whole, small be
 _OVERWRITE = {"normal_", "uniform_", "zero_", "fill_", "copy_", "random_", "bernoulli_", "exponential_",
               "geometric_", "log_normal_", "cauchy_"}  # fmt: skip
 _INIT_FNS = [name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
-
-
+# What torch.empty and its kin make holds no values a parameter could lose (see `keep_value`).
 _EMPTY = {"empty", "empty_like", "new_empty", "empty_strided"}
 _DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor whose __get__ is `p.data`
 
