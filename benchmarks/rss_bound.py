@@ -14,7 +14,8 @@ By default a tiny engine runs first, so that what any run pays once is not count
     python benchmarks/rss_bound.py [--layers 16] [--overlap on|off] [--no-warmup] [--swap-dir bench-data/rss]
 
 Output: one line per phase (peak growth in it, growth after it), then the pool's peak and the
-ratio. Exit status 0 (it measures; it does not judge); the swap files it made are removed.
+ratio, and per swap directory the disk footprint (engine.stats()["disk"]): the state's bytes, the
+peak initialize checked against free space, and the size the arena file reached. Exit status 0 (it measures; it does not judge); the swap files it made are removed.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def main(argv=None) -> int:
               f"{top / budget:.2f} x host_budget (target <= {(1.25 * budget + 128 * MiB) / MiB:.0f}MiB)")  # fmt: skip
         if "peak_rss_bytes" in stats:
             print(f"engine.stats() peak_rss_bytes {stats['peak_rss_bytes'] / MiB:.0f}MiB (absolute, not growth)")
+        for path, d in stats.get("disk", {}).items():  # the footprint initialize checked, and what the arena reached
+            print(f"disk {path}: state {d['state_bytes'] / MiB:.0f}MiB, checked peak {d['peak_bytes'] / MiB:.0f}MiB, "
+                  f"arena {d['arena_bytes'] / MiB:.0f}MiB = {d['arena_bytes'] / max(d['state_bytes'], 1):.2f} x state")  # fmt: skip
     finally:
         shutil.rmtree(swap, ignore_errors=True)
     return 0
