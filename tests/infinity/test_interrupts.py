@@ -104,19 +104,7 @@ def test_an_interrupted_step_refuses_to_train_on(tmp_path, monkeypatch):
     x, y = _batch(0)
     engine.save_checkpoint(tmp_path / "ckpt")
     engine.backward(((engine(x) - y) ** 2).mean())
-    calls = []
-    real = engine.optimizer._update
-
-    def interrupted(index, *args):
-        calls.append(index)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(index, *args)
-
-    monkeypatch.setattr(engine.optimizer, "_update", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        engine.step()
-    monkeypatch.undo()
+    _ctrl_c_in_the_second_subgroup_update(engine, monkeypatch)
     with pytest.raises(RuntimeError, match="optimizer step failed part-way .*load the last checkpoint"):
         engine(x)
     with pytest.raises(RuntimeError, match="optimizer step failed part-way"):  # no checkpoint of a half step
@@ -285,19 +273,7 @@ def test_a_ctrl_c_inside_forward_ends_the_pass(tmp_path, monkeypatch, call):
     with pytest.raises(KeyboardInterrupt):
         (engine if call == "engine" else engine.module)(_batch(0)[0])
     engine.backward(_loss(engine, 0))  # a later forward and backward still work
-    calls = []
-    real = engine.optimizer._update
-
-    def interrupted(index, *args):
-        calls.append(index)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(index, *args)
-
-    monkeypatch.setattr(engine.optimizer, "_update", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        engine.step()
-    monkeypatch.undo()
+    _ctrl_c_in_the_second_subgroup_update(engine, monkeypatch)
     with pytest.raises(RuntimeError, match="optimizer step failed part-way .*load the last checkpoint"):
         _loss(engine, 0)
     engine.load_checkpoint(tmp_path / "ckpt")
@@ -369,3 +345,20 @@ def test_a_forward_whose_backward_never_runs_then_a_save_trains_on_exactly(tmp_p
     got = engine.gathered_weights()
     engine.close()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def _ctrl_c_in_the_second_subgroup_update(engine, monkeypatch) -> None:
+    """engine.step() interrupted after its first sub-group was updated: a half step."""
+    calls = []
+    real = engine.optimizer._update
+
+    def interrupted(index, *args):
+        calls.append(index)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(index, *args)
+
+    monkeypatch.setattr(engine.optimizer, "_update", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
