@@ -197,10 +197,16 @@ def distinct_sizes(*sizes: int) -> list[str]:
 def mem_available() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (what the kernel can give without swapping), or
     None where there is no such file."""
+    return proc_bytes("/proc/meminfo", "MemAvailable")
+
+
+def proc_bytes(path: str, key: str) -> int | None:
+    """The ``key:`` line of a /proc file whose figures are in kB (``/proc/meminfo``,
+    ``/proc/self/status``), in bytes; None where the file or the line is missing."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None

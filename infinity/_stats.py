@@ -121,13 +121,11 @@ def peak_rss_bytes() -> int | None:
     high-water mark, which a write of "5" to /proc/self/clear_refs resets to the RSS now), or
     getrusage's ru_maxrss where there is no such file; None where neither exists. Beside the
     pool's peak it shows what the process holds outside ``memory.host_budget``."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    from ._resources import proc_bytes
+
+    peak = proc_bytes("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     try:
         import resource
         import sys

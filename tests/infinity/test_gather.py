@@ -136,15 +136,7 @@ def test_training_through_gathered_parameters_matches_plain_pytorch(tmp_path, ti
     want, want_params = _plain(4, tied=tied)
     engine = infinity.initialize(_model(gather=_gathered, tied=tied), _nvme(tmp_path))
     try:
-        got = []
-        for step in range(4):
-            loss = _loss(engine, step)
-            engine.backward(loss)
-            engine.step()
-            got.append(loss.item())
-        assert got == pytest.approx(want, abs=1e-5)
-        for name, value in engine.gathered_weights().items():
-            torch.testing.assert_close(value, want_params[name], atol=1e-5, rtol=0)
+        _train_and_compare(engine, 4, want, want_params)
     finally:
         engine.close()
 
@@ -155,15 +147,7 @@ def test_a_tiled_parameter_is_gathered_whole_and_its_gradient_reaches_every_tile
     engine = infinity.initialize(_model(gather=_gathered), _nvme(tmp_path, memory={"tile_size": 4096}))
     try:
         assert sum(u.path == "head" for u in engine.units) == 4
-        got = []
-        for step in range(3):
-            loss = _loss(engine, step)
-            engine.backward(loss)
-            engine.step()
-            got.append(loss.item())
-        assert got == pytest.approx(want, abs=1e-5)
-        for name, value in engine.gathered_weights().items():
-            torch.testing.assert_close(value, want_params[name], atol=1e-5, rtol=0)
+        _train_and_compare(engine, 3, want, want_params)
         w = engine.module.head.weight
         assert w.numel() == 0  # a placeholder again after the context
     finally:
@@ -251,3 +235,16 @@ def test_a_gradient_into_a_parameter_released_again_reaches_the_engine(tmp_path)
         assert engine.module.head.weight.numel() == 0  # the stand-in went: a placeholder again
     finally:
         engine.close()
+
+
+def _train_and_compare(engine, steps, want, want_params) -> None:
+    """Train ``steps`` steps; the losses and final weights must be plain PyTorch's (1e-5)."""
+    got = []
+    for step in range(steps):
+        loss = _loss(engine, step)
+        engine.backward(loss)
+        engine.step()
+        got.append(loss.item())
+    assert got == pytest.approx(want, abs=1e-5)
+    for name, value in engine.gathered_weights().items():
+        torch.testing.assert_close(value, want_params[name], atol=1e-5, rtol=0)
