@@ -11,13 +11,19 @@ A 2.7B model with every tier on nvme passed initialize and died in its first bac
 ENOSPC: the overlap's staged copies of the optimizer states ([Note: exact overlap]) come on top
 of the state, and nothing had compared the two with the drive. The state under its real names
 is written in place at every step (same name, same size), so the arena's peak is the state plus
-what is staged at once; the growth rule of the arena (doubling, then ``grow_step``) would add up
-to one step more, which the cap (`SwapSpace.limit`) removes: an arena never grows past the
-smaller of its drive's free space at initialize and the budget. The overlap stages a sub-group
-only while the staged bytes fit what is left (`Footprint.staging_room`); the rest is updated by
-the step after backward, which is exact either way. A staged write that still finds the disk
-full (another process filled it) is a failure the engine refuses to train on until a checkpoint
-loads (`_overlap`).
+what is staged at once. Staging every sub-group of an fp32 AdamW with every tier on nvme takes
+16 bytes a parameter beside the state's 20 (the arena reached 1.87x the state), so the staging
+is bounded too: ``optimizer.overlap_disk`` (default 0.3) of the state on each drive. The cap
+(`SwapSpace.limit`) makes the bound hold whatever the growth rule of the arena (doubling, then
+``grow_step``) would add: an arena never grows past the smallest of its drive's free space at
+initialize, the budget, and the state with ``overlap_disk`` of it more. The overlap stages a
+sub-group only while the staged bytes fit what is left (`Footprint.staging_room`); the rest is
+updated by the step after backward, which is exact either way. What a commit frees (the old
+extents of the names the staged copies take) is taken again, best fit, by the next step's
+staged copies of the same sizes. A staged write that still finds no room (another process
+filled the drive, or the extents free do not fit it) leaves its sub-group to the step; one
+that finds the disk full is a failure the engine refuses to train on until a checkpoint loads
+(`_overlap`).
 """
 
 from __future__ import annotations
@@ -95,12 +101,22 @@ class Footprint:
     staging: list[int]  # every sub-group staged at once (0 without overlap)
     available: list[int]  # free space at initialize plus what the arena there held
     budget: int | None  # nvme.disk_budget, per drive
+    fraction: float = 0.0  # optimizer.overlap_disk: the staging allowed beside the state, per byte of it
+    slack: int = 0  # how far the placement of whole (unstriped) tensors may stray from `Layout`'s, per drive
     staging_room: int | None = None  # staged bytes the overlap may hold at once (None: all)
 
     @property
-    def caps(self) -> list[int]:
-        """The most each arena may grow to."""
+    def limits(self) -> list[int]:
+        """What each drive allows: its free space, and ``nvme.disk_budget``."""
         return [a if self.budget is None else min(a, self.budget) for a in self.available]
+
+    @property
+    def caps(self) -> list[int]:
+        """The most each arena may grow to: within its drive's limit, and within the state
+        and ``fraction`` of it more (what the overlap may stage there, and the slack of the
+        placement), so that the arena's bound holds whatever the growth steps."""
+        return [min(lim, round_up(s + int(s * self.fraction), ALIGNMENT) + self.slack)
+                for s, lim in zip(self.state, self.limits)]  # fmt: skip
 
     @property
     def peak(self) -> list[int]:
@@ -132,7 +148,11 @@ def plan(engine, cfg, overlap: bool) -> Footprint:
                 staging = [a + b for a, b in zip(staging, layout.add(n))]
     arenas = space.arena_sizes()
     available = [(disk_free(d) + a) // ALIGNMENT * ALIGNMENT for d, a in zip(space.rank_dirs, arenas)]
-    return Footprint(list(space.rank_dirs), state, staging, available, cfg.nvme.disk_budget)
+    # A whole tensor goes to the drive holding the least when it is written, which need not be
+    # the drive `Layout` chose: a drive may hold up to one such tensor more than planned.
+    slack = round_up(cfg.nvme.stripe_threshold, ALIGNMENT) if layout.members > 1 else 0
+    return Footprint(list(space.rank_dirs), state, staging, available, cfg.nvme.disk_budget,
+                     fraction=cfg.optimizer.overlap_disk, slack=slack)  # fmt: skip
 
 
 def check(fp: Footprint, overlap_on: bool) -> None:
@@ -158,8 +178,9 @@ def check(fp: Footprint, overlap_on: bool) -> None:
     if not overlap_on or total == 0:
         fp.staging_room = None if overlap_on else 0
         return
-    # The staged bytes the tightest drive allows, spread as the staging spreads over the drives.
-    room = min((c - s) * total // t for s, t, c in zip(fp.state, fp.staging, fp.caps) if t)
+    # The staged bytes the tightest drive allows (its cap, less the state and the placement's
+    # slack), spread as the staging spreads over the drives.
+    room = min((c - s - fp.slack) * total // t for s, t, c in zip(fp.state, fp.staging, fp.caps) if t)
     fp.staging_room = None if room >= total else max(room, 0)
 
 
@@ -175,8 +196,10 @@ def fit(engine, cfg, overlap: bool) -> Footprint:
     check(fp, overlap)
     if fp.staging_room:
         room, total = distinct_sizes(fp.staging_room, sum(fp.staging))
-        logger.info("optimizer.overlap: the disk (free space, nvme.disk_budget) leaves %s beside the state for "
-                    "staged copies, of the %s staging every sub-group takes; the sub-groups past it are "
-                    "updated after backward", room, total)  # fmt: skip
-    engine.space.limit(fp.caps)
+        logger.info("optimizer.overlap: the disk (optimizer.overlap_disk=%g of the state, free space, "
+                    "nvme.disk_budget) leaves %s beside the state for staged copies, of the %s staging every "
+                    "sub-group takes; the sub-groups past it are updated after backward",
+                    fp.fraction, room, total)  # fmt: skip
+    # never below what an arena holds already (a swap space reopened with its tensors)
+    engine.space.limit([max(c, a) for c, a in zip(fp.caps, engine.space.arena_sizes())])
     return fp

@@ -395,6 +395,12 @@ class OptimizerConfig:
     final, into new extents on nvme that the step commits, or discards when the step turns out
     to clip, skip (a non-finite gradient) or change hyperparameters: then it updates
     sequentially. Results are the same either way; it applies when the optimizer tier is nvme."""
+    overlap_disk: float = 0.3
+    """The disk the overlap's staged copies may take on each drive beside the state, as a
+    fraction of the state there: each arena stays within (1 + overlap_disk) x its state. The
+    sub-groups past it are updated after backward (the same numbers); 0.8 stages every
+    sub-group of an fp32 AdamW with every tier on nvme ([Note: disk footprint] in
+    infinity/_footprint.py)."""
 
     def __post_init__(self) -> None:
         _choice(self, "type", OPTIMIZERS)
@@ -418,6 +424,7 @@ class OptimizerConfig:
         _int(self, "gradient_accumulation_steps", lo=1)
         if not isinstance(self.overlap, bool):
             raise _type_error(self, "overlap", "true or false", self.overlap)
+        _float(self, "overlap_disk", lo=0.0)
 
     @property
     def sub_group_numel(self) -> int:

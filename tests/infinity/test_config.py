@@ -138,6 +138,8 @@ BAD = [
     ({"optimizer": {"gradient_accumulation_steps": 0}}, "optimizer.gradient_accumulation_steps: 0 must be at least 1"),
     ({"optimizer": {"gradient_accumulation_steps": 2.0}}, "optimizer.gradient_accumulation_steps: expected an int"),
     ({"optimizer": {"overlap": 1}}, "optimizer.overlap: expected true or false"),
+    ({"optimizer": {"overlap_disk": -0.1}}, "optimizer.overlap_disk: -0.1 must be in [0.0, inf)"),
+    ({"optimizer": {"overlap_disk": "30%"}}, "optimizer.overlap_disk: expected a number"),
     ({"nvme": {"keep": "no"}}, "nvme.keep: expected true or false"),
     ({"optimizer": {"type": "lamb"}}, "optimizer.type: 'lamb' is not one of adamw, adam, sgd, adagrad"),
     ({"optimizer": {"type": 1}}, "optimizer.type"),
@@ -224,7 +226,7 @@ def test_constructors_check_too():
     "data, message",
     [({"optimizer": {"learning_rate": 1e-3}},
       "unknown key 'optimizer.learning_rate' (known: type, lr, betas, eps, weight_decay, momentum, nesterov, "
-      "max_grad_norm, sub_group_size, gradient_accumulation_steps, overlap)"),
+      "max_grad_norm, sub_group_size, gradient_accumulation_steps, overlap, overlap_disk)"),
      ({"offload": {}}, "unknown section 'offload' (known: tiers, nvme, aio, memory, prefetch, precision"),
      ([1, 2], "a tier config is a table of sections, got list")],
 )  # fmt: skip

@@ -30,8 +30,11 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 4))
 
 
-def _cfg(path, overlap: bool, **nvme) -> dict:
-    cfg = config(path, NVME, optimizer={"overlap": overlap, "sub_group_size": "1KiB"})
+def _cfg(path, overlap: bool, overlap_disk: float | None = None, **nvme) -> dict:
+    optimizer = {"overlap": overlap, "sub_group_size": "1KiB"}
+    if overlap_disk is not None:
+        optimizer["overlap_disk"] = overlap_disk
+    cfg = config(path, NVME, optimizer=optimizer)
     cfg["nvme"].update(nvme)
     return cfg
 
@@ -86,8 +89,8 @@ def test_footprint_counts_the_state_as_written(tmp_path):
         engine.close()
 
 
-def _train(path, overlap: bool, steps: int = 4, **nvme):
-    engine = infinity.initialize(_mlp(), _cfg(path, overlap, **nvme))
+def _train(path, overlap: bool, steps: int = 4, model=_mlp, **cfg):
+    engine = infinity.initialize(model(), _cfg(path, overlap, **cfg))
     try:
         losses, committed, arenas = [], [], []
         for step in range(steps):
@@ -100,18 +103,41 @@ def _train(path, overlap: bool, steps: int = 4, **nvme):
 
 
 def test_overlap_stages_only_what_the_disk_budget_allows(tmp_path):
-    probe = infinity.initialize(_mlp(), _cfg(tmp_path / "probe", True))
+    probe = infinity.initialize(_mlp(), _cfg(tmp_path / "probe", True, overlap_disk=1.0))
     state, staging = probe.footprint.state[0], probe.footprint.staging[0]
     groups = len(probe.optimizer.groups)
     probe.close()
     budget = round_up(state + staging // 2)  # the state and about half the sub-groups staged
     off = _train(tmp_path / "off", False)
-    on = _train(tmp_path / "on", True, disk_budget=budget)
+    on = _train(tmp_path / "on", True, overlap_disk=1.0, disk_budget=budget)
     assert on[0] == off[0]
     for k in off[1]:
         assert torch.equal(on[1][k], off[1][k]), k  # exact: the step updated what was not staged
     assert all(0 < c < groups for c in on[2]), on[2]
     assert max(on[3]) <= budget, (on[3], budget)
+
+
+def _layers() -> nn.Module:
+    torch.manual_seed(0)  # five 66KiB units and two small ones, a sub-group each (1KiB sub-groups)
+    hidden = [nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(5)]
+    return nn.Sequential(nn.Linear(16, 128), *hidden, nn.Linear(128, 4))
+
+
+@pytest.mark.parametrize("overlap_disk", [None, 0.5])  # None: the default, 0.3
+def test_the_arena_stays_within_the_state_and_overlap_disk_of_it(tmp_path, overlap_disk):
+    fraction = 0.3 if overlap_disk is None else overlap_disk
+    off = _train(tmp_path / "off", False, steps=5, model=_layers)
+    on = _train(tmp_path / "on", True, steps=5, model=_layers, overlap_disk=overlap_disk)
+    assert on[0] == off[0]
+    for k in off[1]:
+        assert torch.equal(on[1][k], off[1][k]), k  # exact: the step updated what was not staged
+    state = on[4].state[0]
+    groups = 7
+    # some sub-groups staged, not all: every one would take 0.8 x the state beside it
+    assert all(0 < c < groups for c in on[2]), on[2]
+    assert max(on[3]) <= round_up(int(state * (1 + fraction))), (on[3], state)
+    # what a commit frees is taken again by the next step's staged copies: no growth after the first step
+    assert on[3][1:] == [on[3][1]] * 4, on[3]
 
 
 def test_a_disk_full_in_a_staged_write_refuses_until_a_checkpoint_loads(tmp_path, monkeypatch):

@@ -37,7 +37,8 @@ def _batch(step: int, micro: int = 0, dtype=torch.float32):
 
 
 def _cfg(path, overlap: bool, tiers=NVME, **sections):
-    opt = {"overlap": overlap, "sub_group_size": "1KiB", **sections.pop("optimizer", {})}
+    # overlap_disk 1.0: disk for every sub-group's staged copies (test_footprint tests the bound)
+    opt = {"overlap": overlap, "sub_group_size": "1KiB", "overlap_disk": 1.0, **sections.pop("optimizer", {})}
     return config(path, tiers, optimizer=opt, **sections)
 
 
