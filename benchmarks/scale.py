@@ -3,10 +3,13 @@ tier on nvme, a few steps. Not run by CI (about 20 GB of swap and minutes a step
 
 Reports, per phase (build, initialize, each step), the peak RSS growth over the RSS before the
 model existed (VmHWM, reset before each phase); per step the forward, backward and optimizer
-seconds and the bytes read and written; and the fp32 training state (16 bytes a parameter)
-over the largest peak RSS growth.
+seconds and the bytes read and written; the fp32 training state (16 bytes a parameter) over
+the largest peak RSS growth, and that growth against the bound 1.25 x host_budget + 128MiB;
+and per swap directory the disk footprint of engine.stats()["disk"] (the state, the peak
+initialize checked, the arena's cap and the size it reached, over the state).
 
     python benchmarks/scale.py [--dir bench-data/] [--steps 3] [--host-budget 4GiB] [--json]
+                               [--hidden 2048 --layers 16 --intermediate 5632]  (2.7B: 2560 32 6912)
 """
 
 from __future__ import annotations
@@ -127,10 +130,21 @@ def main(argv=None) -> int:
                    f"{nvme['write_bytes'] / 1e9:.1f} GB, peak RSS growth {growth / 2**30:.2f} GiB")  # fmt: skip
         state = 16 * n
         worst = max(worst, *(o["peak_growth"] for o in out if "peak_growth" in o))
+        stats = engine.stats()
+        budget = engine.config.memory.host_budget
+        bound = 1.25 * budget + (128 << 20)  # the README's bound on the peak RSS growth
         report({"phase": "summary", "state_bytes": state, "peak_growth": worst, "ratio": state / worst,
-                "pool_peak": engine.stats()["peak_host_pool_bytes"]},
+                "pool_peak": stats["peak_host_pool_bytes"], "host_budget": budget, "rss_bound": bound},
                f"fp32 state {state / 2**30:.1f} GiB over peak RSS growth {worst / 2**30:.2f} GiB: {state / worst:.1f}x "
-               f"(host pool peak {engine.stats()['peak_host_pool_bytes'] / 2**30:.2f} GiB)")  # fmt: skip
+               f"(host pool peak {stats['peak_host_pool_bytes'] / 2**30:.2f} GiB; growth {worst / budget:.2f} x "
+               f"host_budget, bound 1.25 x host_budget + 128MiB = {bound / 2**30:.2f} GiB)")  # fmt: skip
+        for path, d in stats["disk"].items():  # the footprint initialize checked, and what the arena reached
+            report({"phase": "disk", "path": path, **d},
+                   f"disk: state {d['state_bytes'] / 2**30:.2f} GiB, peak checked at initialize "
+                   f"{d['peak_bytes'] / 2**30:.2f} GiB, cap {d['cap_bytes'] / 2**30:.2f} GiB, arena "
+                   f"{d['arena_bytes'] / 2**30:.2f} GiB = {d['arena_bytes'] / max(d['state_bytes'], 1):.3f} x state "
+                   f"({engine.optimizer.overlap.committed if engine.optimizer.overlap else 0} of "
+                   f"{len(engine.optimizer.groups)} sub-groups committed early in the last step)")  # fmt: skip
         engine.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)  # our own directory only

@@ -29,8 +29,10 @@ that finds the disk full is a failure the engine refuses to train on until a che
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+import socket
 
 from infinity.swap import ALIGNMENT, round_up
 
@@ -99,7 +101,7 @@ class Footprint:
     paths: list[str]
     state: list[int]  # the state under its real names
     staging: list[int]  # every sub-group staged at once (0 without overlap)
-    available: list[int]  # free space at initialize plus what the arena there held
+    available: list[int]  # free space at initialize plus what the arena there held (this rank's share)
     budget: int | None  # nvme.disk_budget, per drive
     fraction: float = 0.0  # optimizer.overlap_disk: the staging allowed beside the state, per byte of it
     slack: int = 0  # how far the placement of whole (unstriped) tensors may stray from `Layout`'s, per drive
@@ -155,6 +157,36 @@ def plan(engine, cfg, overlap: bool) -> Footprint:
                      fraction=cfg.optimizer.overlap_disk, slack=slack)  # fmt: skip
 
 
+def share(fp: Footprint, dist, space) -> None:
+    """Ranks whose swap directories lie on one filesystem (this host's, by ``st_dev``) share its
+    free space: refuse, on each of them, states that do not fit it together, naming the ranks
+    and the figures; otherwise give each rank a share of the space in proportion to its state
+    (``fp.available``). Every rank calls it (a collective); nothing with one rank."""
+    if not dist.active:
+        return
+    host = socket.gethostname()
+    held = space.arena_sizes()
+    mine = [[f"{host}:{os.stat(d).st_dev}", s, disk_free(d), h] for d, s, h in zip(space.rank_dirs, fp.state, held)]
+    every = [json.loads(t) for t in dist.gather_text(json.dumps(mine), "the disk footprint check at initialize")]
+    for k, (key, state, _, _) in enumerate(mine):
+        alike = [(r, s, f, h) for r, drives in enumerate(every) for fs, s, f, h in drives if fs == key]
+        if len(alike) < 2:
+            continue  # this drive is this rank's alone
+        total = sum(s for _, s, _, _ in alike)
+        room = (min(f for _, _, f, _ in alike) + sum(h for _, _, _, h in alike)) // ALIGNMENT * ALIGNMENT
+        if total > room:
+            need, free = distinct_sizes(total, room)
+            ranks = ", ".join(str(r) for r, _, _, _ in alike)
+            raise ValueError(
+                f"the swap spaces of ranks {ranks} lie on one filesystem (this rank's under {fp.paths[k]!r}) "
+                f"and need {need} together for their state on nvme, but it has {free} free (statvfs, with "
+                "what their arenas held); give the ranks drives of their own (nvme.paths with {local_rank}), "
+                "put fewer tiers on nvme, or free space there"
+            )
+        if total:
+            fp.available[k] = min(fp.available[k], room * state // total // ALIGNMENT * ALIGNMENT)
+
+
 def check(fp: Footprint, overlap_on: bool) -> None:
     """Refuse a run whose state does not fit a drive's free space or ``nvme.disk_budget``,
     naming the path, the figures and what to change; otherwise set ``fp.staging_room``."""
@@ -191,8 +223,9 @@ def staged_bytes(opt, sg, members: int) -> int:
 
 
 def fit(engine, cfg, overlap: bool) -> Footprint:
-    """`plan` and `check` ``engine``'s footprint, then cap each arena at what was checked."""
+    """`plan`, `share` and `check` ``engine``'s footprint, then cap each arena at what was checked."""
     fp = plan(engine, cfg, overlap)
+    share(fp, engine.dist, engine.space)
     check(fp, overlap)
     if fp.staging_room:
         room, total = distinct_sizes(fp.staging_room, sum(fp.staging))

@@ -35,6 +35,10 @@ cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme"
        "optimizer": {"lr": lr}, "partition": {"stage": stage, "timeout": 10}}  # fmt: skip
 # The test's memory.tile_size, if any: every Linear over it in tiles (docs/architecture.md#tiles).
 cfg["memory"] = {"tile_size": os.environ.get("INFINITY_TEST_TILE_SIZE") or None}
+if os.environ.get("INFINITY_TEST_DISK_FREE"):  # what statvfs says every filesystem has free
+    from infinity import _footprint
+
+    _footprint.disk_free = lambda path: int(os.environ["INFINITY_TEST_DISK_FREE"])
 try:
     engine = infinity.initialize(model, cfg)
 except ValueError as e:
@@ -89,5 +93,5 @@ except RuntimeError as e:
     sys.exit(4)
 if rank == 0:
     torch.save(weights, f"{out}.weights.pt")
-json.dump({"losses": losses, "reads": reads}, open(f"{out}.{rank}.json", "w"))
+json.dump({"losses": losses, "reads": reads, "disk": engine.stats()["disk"]}, open(f"{out}.{rank}.json", "w"))
 engine.close()

@@ -73,6 +73,34 @@ def test_two_ranks_match_one_rank(tmp_path, stage, tiles, monkeypatch):
         torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0)
 
 
+def test_ranks_on_one_drive_share_its_free_space(tmp_path, monkeypatch):
+    """Two ranks whose swap directories are on one filesystem: a free space that holds either
+    rank's state but not both is refused on both, naming them; one that holds both is split in
+    proportion to their states, and each arena is capped at its share ([Note: disk footprint])."""
+    def launch(name: str, free: int | None):
+        if free is not None:
+            monkeypatch.setenv("INFINITY_TEST_DISK_FREE", str(free))
+        (tmp_path / name).mkdir()
+        return _launch("parity", 2, 3, tmp_path / name)
+
+    out, codes, logs, _ = launch("real", None)
+    assert codes == [0, 0], logs
+    states = [next(iter(json.load(open(f"{out}.{r}.json"))["disk"].values()))["state_bytes"] for r in (0, 1)]
+    total = sum(states)
+    out, codes, logs, _ = launch("short", max(states) * 3 // 2 // 4096 * 4096)
+    assert max(states) * 3 // 2 < total and codes == [3, 3], logs
+    for r in (0, 1):
+        error = open(f"{out}.{r}.err").read()
+        assert "ranks 0, 1 lie on one filesystem" in error and "{local_rank}" in error, error
+    room = total * 11 // 10 // 4096 * 4096
+    out, codes, logs, _ = launch("enough", room)
+    assert codes == [0, 0], logs
+    for r in (0, 1):
+        disk = next(iter(json.load(open(f"{out}.{r}.json"))["disk"].values()))
+        share = room * disk["state_bytes"] // total // 4096 * 4096
+        assert disk["cap_bytes"] == share and disk["arena_bytes"] <= share, (disk, share)
+
+
 def test_a_failed_rank_is_named_by_the_survivors_within_the_timeout(tmp_path):
     out, codes, logs, elapsed = _launch("dead", 2, 3, tmp_path, timeout=90)
     assert codes[1] != 0 and "SimulatedFailure" in logs[1][1]  # rank 1 died of its own error
