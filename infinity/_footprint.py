@@ -23,7 +23,9 @@ extents of the names the staged copies take) is taken again, best fit, by the ne
 staged copies of the same sizes. A staged write that still finds no room (another process
 filled the drive, or the extents free do not fit it) leaves its sub-group to the step; one
 that finds the disk full is a failure the engine refuses to train on until a checkpoint loads
-(`_overlap`).
+(`_overlap`). Ranks whose swap directories lie on one filesystem (one host, one ``st_dev``)
+each saw all of its free space: `share` adds up their states, refuses on each of them what
+does not fit together, and gives each a share of the space in proportion to its state.
 """
 
 from __future__ import annotations
