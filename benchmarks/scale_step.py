@@ -23,11 +23,14 @@ medians over the pairs (the first step of each side is a warm-up and not counted
   measured with the CPU idle; the step computes beside its I/O, and on this 2-core machine
   that alone slows the drive (benchmarks/io_under_compute.py);
 - the phase split of both sides, backward / forward, and the largest loss difference;
-- the infinity side's peak RSS growth, and the fp32 state (16 bytes a parameter) over it.
+- the infinity side's peak RSS growth, and the fp32 state (16 bytes a parameter) over it;
+- the infinity side's arena (the swap files) over the state it holds on disk (``--overlap-disk``
+  sets optimizer.overlap_disk, the staging the overlap may add: 0.3 by default).
 
     python benchmarks/scale_step.py [--pairs 3] [--dir bench-data/] [--host-budget 4GiB]
                                     [--tile-size 32MiB] [--sub-group-size 128MiB]
                                     [--aio-block-size 4MiB] [--aio-queue-depth 32] [--json]
+                                    [--against plain|sequential] [--no-overlap] [--overlap-disk 0.3]
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ def _infinity_worker(args) -> None:
              "optimizer": {"lr": args.lr, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap}}  # fmt: skip
     aio = {"block_size": args.aio_block_size, "queue_depth": args.aio_queue_depth}
     tiers["aio"] = {k: v for k, v in aio.items() if v is not None}  # the config's defaults where not given
+    if args.overlap_disk is not None:
+        tiers["optimizer"]["overlap_disk"] = args.overlap_disk
     if args.worker == "sequential":  # the same engine with the optimizer after backward
         tiers["optimizer"]["overlap"] = False
     base = rss()
@@ -120,7 +125,9 @@ def _infinity_worker(args) -> None:
         t3 = time.perf_counter()
         after = engine.stats()["total"]["nvme"]
         st = engine.stats()["step"]
-        return {"loss": loss.item(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0,
+        disk = engine.stats()["disk"].values()
+        return {"arena_bytes": sum(d["arena_bytes"] for d in disk), "disk_state_bytes": sum(d["state_bytes"] for d in disk),
+                "loss": loss.item(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0,
                 "read_bytes": st["nvme"]["read_bytes"], "write_bytes": st["nvme"]["write_bytes"],
                 "opt_read_bytes": after["read_bytes"] - before["read_bytes"],
                 "opt_write_bytes": after["write_bytes"] - before["write_bytes"],
@@ -174,6 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sub-group-size", default="128MiB")
     p.add_argument("--tile-size", default="32MiB", help='memory.tile_size ("none": no tiles)')
     p.add_argument("--no-overlap", action="store_true", help="optimizer.overlap = false on the infinity side")
+    p.add_argument("--overlap-disk", type=float, help="optimizer.overlap_disk of the infinity side (default: the "
+                   "config's, 0.3; 0.8 or more stages every sub-group)")  # fmt: skip
     p.add_argument("--aio-block-size", help="aio.block_size of the engine (default: the config's; the floor's "
                    "throughput is always measured with 1MiB blocks at queue depth 32, as nvme-bench does)")
     p.add_argument("--aio-queue-depth", type=int, help="aio.queue_depth of the engine (default: the config's)")
@@ -270,6 +279,7 @@ def main(argv=None) -> int:
             "state_over_rss": 16 * params / growth, "host_budget": args.host_budget, "tile_size": args.tile_size,
             "init_growth": init_growth, "step_growth": step_growth,
             "pool_peak": max(r["infinity"]["pool_peak"] for r in rows),
+            "arena_over_state": max(r["infinity"]["arena_bytes"] for r in rows) / rows[-1]["infinity"]["disk_state_bytes"],
         }  # fmt: skip
         for side in ("plain", "infinity"):
             for phase in ("forward", "backward", "optimizer", "step"):
@@ -301,6 +311,7 @@ def main(argv=None) -> int:
             f"{summary['state_over_rss']:.1f}x (host_budget {args.host_budget}, tile_size {args.tile_size}, pool peak "
             f"{summary['pool_peak'] / 2**30:.2f} GiB); the growth: {init_growth / 2**30:.2f} GiB by from_pretrained, "
             f"{step_growth / 2**30:.2f} GiB by the steps",
+            f"  infinity's arena: {summary['arena_over_state']:.3f} x its state on disk at the most",
         ]))  # fmt: skip
     finally:
         for w in workers:
