@@ -7,7 +7,8 @@ scaler, stats, RNG) and its stores through leases; the format is `infinity.check
 
 State is kept per unit, not per optimizer sub-group, so a checkpoint does not depend on
 ``optimizer.sub_group_size`` or the tiers, and a different world size only changes which slice
-of each unit a rank reads (resharding).
+of each unit a rank reads (resharding). Modules cut into other tiles are re-cut as they load:
+`_recut` says which runs of which saved units make each unit (see [Note: re-cut]).
 
 [Note: atomic checkpoint]
 Every rank writes its own ``rank<r>`` in ``.tmp-<tag>.<pid>.<hex>`` (its own swap space:
@@ -51,7 +52,7 @@ from infinity.swap import (
     SpaceReader, SwapSpace, WriteBehind, fsync_dir, parse_json, read_json, round_up, write_bytes_atomic, write_json_atomic,
 )  # fmt: skip
 
-from . import _rng
+from . import _recut, _rng
 from .checkpoint import (
     FORMAT, LATEST_NAME, LOCK_NAME, META_NAME, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, check_tag,
     list_checkpoints, load_meta, resolve,
@@ -450,6 +451,7 @@ class _Sources:
     def __init__(self, where: str, world: int, engine):
         self.where, self.world, self.aio = where, world, engine.aio
         self.readers: dict[int, SpaceReader] = {}
+        self.cache: dict[tuple[int, str], torch.Tensor] = {}  # (saved rank, tensor) -> 1-D, CPU; see _slice
 
     def reader(self, q: int) -> SpaceReader:
         if q not in self.readers:
@@ -475,83 +477,49 @@ class _Sources:
                                   f"{str(dtype).removeprefix('torch.')} [{numel}]")  # fmt: skip
         return r
 
+    def read(self, name: str, numel: int, kind: str, dtype: torch.dtype, a: int, b: int,
+             out: torch.Tensor) -> None:  # fmt: skip
+        """``out`` = elements ``[a, b)`` (within ``numel``) of the saved unit ``name``'s flat
+        ``kind``, read from the saved ranks' slices, each verified against its checksum."""
+        shard = -(-numel // self.world)  # a saved slice's length (the unit padded to the saved world size)
+        tensor = f"{name}/{kind}"
+        for q in range(a // shard, -(-b // shard)) if a < b else ():
+            x, y = max(a, q * shard), min(b, (q + 1) * shard)
+            reader = self.record(q, tensor, dtype, shard)
+            if y - x == shard:
+                reader.read(tensor, verify=True, out=out[x - a : y - a])
+            else:
+                out[x - a : y - a].copy_(self._slice(q, tensor)[x - q * shard : y - q * shard])
+
+    def _slice(self, q: int, tensor: str) -> torch.Tensor:
+        """Saved rank ``q``'s ``tensor``, whole, for reading part of it. The last two are kept: a
+        re-cut unit takes its weight rows and its bias from one saved unit, and the next unit
+        takes the rows after them from the same (see [Note: re-cut] in `_recut`)."""
+        key = (q, tensor)
+        if key in self.cache:
+            self.cache[key] = self.cache.pop(key)  # the most recent last
+        else:
+            while len(self.cache) >= 2:
+                del self.cache[next(iter(self.cache))]
+            self.cache[key] = self.reader(q).read(tensor, verify=True)
+        return self.cache[key]
+
     def close(self) -> None:
+        self.cache.clear()
         for r in self.readers.values():
             r.close()
 
 
-def _fill(src: _Sources, dst: torch.Tensor, unit, meta_numel: int, kind: str, dtype, lo: int, hi: int) -> None:
-    """``dst`` (1-D, CPU) = elements [lo, hi) of unit's flat ``kind`` (zero past its numel),
-    read from the saved ranks' slices (each verified against its checksum)."""
-    world = src.world
-    shard_old = -(-meta_numel // world)  # the saved slice length (the unit padded to the old world size)
-    numel = unit.numel
+def _fill(src: _Sources, dst: torch.Tensor, runs: list, numel: int, kind: str, dtype, lo: int, hi: int) -> None:
+    """``dst`` (1-D, CPU) = elements [lo, hi) of a unit's flat ``kind`` (zero past its ``numel``),
+    made of ``runs`` of the saved units' (its `_recut.Plan` runs)."""
     if hi > numel:
         dst[max(numel - lo, 0) :].zero_()
-    for q in range(lo // shard_old, min(-(-min(hi, numel) // shard_old), world)):
-        a, b = max(lo, q * shard_old), min(hi, (q + 1) * shard_old, numel)
-        if a >= b:
-            continue
-        name = f"{unit.name}/{kind}"
-        reader = src.record(q, name, dtype, shard_old)
-        if a == q * shard_old and b - a == shard_old:
-            reader.read(name, verify=True, out=dst[a - lo : b - lo])
-        else:
-            piece = reader.read(name, verify=True)
-            dst[a - lo : b - lo].copy_(piece[a - q * shard_old : b - q * shard_old])
-
-
-def _check_model(engine, meta: dict, where: str) -> None:
-    saved = meta["units"]
-    # A tile is named "<module>#<first row>" (see [Note: tiles] in `_units`): the same model
-    # tiled otherwise has other units, and the state of one cannot be read into the other.
-    saved_modules = list(dict.fromkeys(s["name"].partition("#")[0] for s in saved))  # in order, once each
-    same_modules = saved_modules == list(dict.fromkeys(u.path for u in engine.units))
-    if saved and same_modules and [s["name"] for s in saved] != [u.name for u in engine.units]:
-        raise CheckpointError(_other_tiles(engine, meta, where))
-    if len(saved) != len(engine.units):
-        raise CheckpointError(f"{where}: saved from a model with {len(saved)} parameter units, this one has "
-                              f"{len(engine.units)}: not the same model")  # fmt: skip
-    for u, s in zip(engine.units, saved):
-        if s["name"] != u.name or s["numel"] != u.numel:
-            raise CheckpointError(f"{where}: unit {u.name!r} ({u.numel} elements) was saved as {s['name']!r} "
-                                  f"({s['numel']} elements): not the same model")  # fmt: skip
-
-
-def _other_tiles(engine, meta: dict, where: str) -> str:
-    """Why the checkpoint ``where``, of the same modules, has other units than ``engine``: its
-    large modules cut into other tiles, or one side tiled and the other whole. Tiles are cut
-    only where some tier is not the device, so the tiers decide as much as memory.tile_size."""
-    saved_config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
-    saved_tiers, saved_memory = saved_config.get("tiers") or {}, saved_config.get("memory") or {}
-    then = saved_memory.get("tile_size", "?")
-    now = engine.config.memory.tile_size
-    saved_tiled = sorted({s["name"].partition("#")[0] for s in meta["units"] if "#" in s["name"]})
-    tiled = sorted({u.path for u in engine.units if u.is_tile})
-    saved_on_device = all(saved_tiers.get(k) == "device" for k in ("params", "grads", "optimizer"))
-    on_device = all(getattr(engine.config.tiers, k) == "device" for k in ("params", "grads", "optimizer"))
-
-    def whole(on_device_then: bool, size) -> str:
-        if on_device_then:
-            return "whole, saved with every tier on the device (where nothing is tiled)"
-        return f"whole (memory.tile_size={size})"
-
-    if saved_tiled and tiled:
-        held, here = (f"{', '.join(saved_tiled)} in tiles of memory.tile_size={then}",
-                      f"in tiles of memory.tile_size={now}")  # fmt: skip
-        advice = f"load it with memory.tile_size={then}"
-    elif saved_tiled:
-        held = f"{', '.join(saved_tiled)} in tiles of memory.tile_size={then}"
-        here = ("whole: every tier is on the device, where nothing is tiled" if on_device
-                else f"whole (memory.tile_size={now})")  # fmt: skip
-        advice = (f"load it into an engine with some tier off the device and memory.tile_size={then} (to carry "
-                  "only the weights over, use save_pretrained and from_pretrained)")  # fmt: skip
-    else:
-        held = f"{', '.join(tiled)} {whole(saved_on_device, then)}"
-        here = f"in tiles of memory.tile_size={now}"
-        advice = "load it with memory.tile_size=None (no tiles), or with every tier on the device"
-    return (f"{where}: holds {held}; this engine holds them {here}. A checkpoint keeps its state per unit (per "
-            f"tile), so it loads only into an engine that cuts the modules as it did: {advice}")
+    for run in runs:
+        a, b = max(lo, run.at), min(hi, run.at + run.n)
+        if a < b:
+            at = run.start - run.at  # where the run's elements are in the saved unit, relative to the unit
+            src.read(run.name, run.numel, kind, dtype, a + at, b + at, dst[a - lo : b - lo])
 
 
 def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
@@ -568,9 +536,14 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
         try:
             where = resolve(path, tag)
             meta = load_meta(where)
-            _check_model(engine, meta, where)
-            writing = True  # from here on, the engine's state is being replaced
-            _load_rank(engine, where, meta)
+            cut = _recut.plan(engine.units, meta, where)
+            src = _Sources(where, meta["world_size"], engine)
+            try:
+                steps = _unit_steps(engine, src, meta, cut)  # refused here, before any state is replaced
+                writing = True  # from here on, the engine's state is being replaced
+                _load_rank(engine, src, meta, cut, steps)
+            finally:
+                src.close()
         except BaseException as e:  # noqa: BLE001 - all ranks agree before anyone trains on it
             error = e
         try:
@@ -598,8 +571,9 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
     else:
         logger.warning("checkpoint saved by %d ranks: rank %d keeps its own RNG state", meta["world_size"], rank)
     if rank == 0:
-        logger.info("checkpoint %s loaded (step %d, saved by %d rank(s)) in %.2fs", where, meta["step"],
-                    meta["world_size"], time.perf_counter() - start)  # fmt: skip
+        recut = f"; {', '.join(cut.recut)} re-cut into this engine's tiles" if cut.recut else ""
+        logger.info("checkpoint %s loaded (step %d, saved by %d rank(s)%s) in %.2fs", where, meta["step"],
+                    meta["world_size"], recut, time.perf_counter() - start)  # fmt: skip
     return meta["client_state"]
 
 
@@ -620,19 +594,25 @@ def _load_into(store, name: str, writes: WriteBehind, fill) -> None:
     writes.add(pending, lease)
 
 
-def _load_rank(engine, where: str, meta: dict) -> None:
+def _unit_steps(engine, src: _Sources, meta: dict, cut: _recut.Plan) -> torch.Tensor:
+    """Every unit's step count from this rank's saved ones (the same on every rank; a new rank
+    takes rank 0's), re-cut where the units are (see [Note: re-cut] in `_recut`)."""
+    reader = src.reader(engine.rank if engine.rank < meta["world_size"] else 0)
+    return cut.steps(engine.units, reader.read("optimizer/steps", verify=True), reader.rank_dir)
+
+
+def _load_rank(engine, src: _Sources, meta: dict, cut: _recut.Plan, steps: torch.Tensor) -> None:
+    """Replace this rank's state of every unit (optimizer states, parameters, step counts) by
+    the checkpoint's, each unit's elements read from the saved units ``cut`` names."""
     opt = engine.optimizer
-    src = _Sources(where, meta["world_size"], engine)
     writes = WriteBehind(2)
     try:
-        saved_numel = {s["name"]: s["numel"] for s in meta["units"]}
-        padded = {u.name: -(-saved_numel[u.name] // meta["world_size"]) * meta["world_size"] for u in engine.units}
         for group in opt.groups:
             for kind in opt.kinds:
                 def fill(flat, group=group, kind=kind):
                     for u in group.units:
-                        s = group.slices[u.index]
-                        _fill(src, flat[s], u, padded[u.name], kind, torch.float32, u.shard.start, u.shard.stop)
+                        dst = flat[group.slices[u.index]]
+                        _fill(src, dst, cut.runs[u.index], u.numel, kind, torch.float32, u.shard.start, u.shard.stop)
 
                 _load_into(opt.states[kind], group.name, writes, fill)
         same_dtype = meta["param_dtype"] == engine.config.precision.param_dtype
@@ -643,26 +623,20 @@ def _load_rank(engine, where: str, meta: dict) -> None:
 
             def fill(flat, u=u, lo=lo, hi=hi):
                 if same_dtype:
-                    _fill(src, flat, u, padded[u.name], "param", engine.dtype, lo, hi)
+                    _fill(src, flat, cut.runs[u.index], u.numel, "param", engine.dtype, lo, hi)
                     return
                 # The precision changed: the parameters are the master weights, cast (a frozen
                 # unit has no master weights: its saved parameters, cast).
                 kind, dtype = ("param", saved_dtype) if u.index in frozen else ("master", torch.float32)
                 value = torch.empty(hi - lo, dtype=dtype)
-                _fill(src, value, u, padded[u.name], kind, dtype, lo, hi)
+                _fill(src, value, cut.runs[u.index], u.numel, kind, dtype, lo, hi)
                 flat.copy_(value)
 
             _load_into(engine.param_store, u.name, writes, fill)
-        # Step counts: this rank's own (the same on every rank; a new rank takes rank 0's).
-        q = engine.rank if engine.rank < meta["world_size"] else 0
-        steps = src.reader(q).read("optimizer/steps", verify=True)
-        try:
-            opt.load_state_dict({"unit_steps": steps})
-        except ValueError as e:
-            raise CheckpointError(f"{src.reader(q).rank_dir}: optimizer/steps: {e}") from None
+        opt.load_state_dict({"unit_steps": steps})
         saved_state = (meta.get("optimizer") or {}).get("torch_state")
         if opt.foreign is not None and saved_state:
-            reader = src.reader(q)
+            reader = src.reader(engine.rank if engine.rank < meta["world_size"] else 0)
             state = {idx: {key: (reader.read(v["tensor"], verify=True).view(v["shape"])
                                  if isinstance(v, dict) and "tensor" in v else v) for key, v in st.items()}
                      for idx, st in saved_state.items()}  # fmt: skip
@@ -670,4 +644,3 @@ def _load_rank(engine, where: str, meta: dict) -> None:
         writes.drain()
     finally:
         writes.discard_errors()  # after an error: every buffer back, the first error propagating
-        src.close()

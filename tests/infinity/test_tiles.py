@@ -71,9 +71,9 @@ def _plain(model, steps, *, micro=1, clip=None):
     return losses
 
 
-def _run(engine, steps, *, micro=1):
+def _run(engine, steps, *, micro=1, start=0):
     losses = []
-    for step in range(steps):
+    for step in range(start, start + steps):
         for m in range(micro):
             ids, y = _batch(step, m)
             loss = _loss(engine(ids), y)
@@ -198,11 +198,114 @@ def test_state_dict_round_trip_and_checkpoint_resume(tmp_path):
         _close(engine.gathered_weights(), sd)
 
 
-def test_a_checkpoint_with_other_tiles_is_refused_naming_tile_size(tmp_path):
+DEVICE = ("device", "device", "device")
+
+
+def _save_and_load_in(tmp_path, saved: tuple, loaded: tuple, *, model=Toy, **sections):
+    """Train 2 steps tiled as ``saved`` says ((memory.tile_size, tiers)), save, train 2 more:
+    the run that never re-cuts. A fresh engine tiled as ``loaded`` says loads the checkpoint
+    (re-cut: its weights are the saved ones, bit for bit), saves it again and trains the same 2
+    steps; an engine tiled as the first loads that second checkpoint and trains them too."""
+    (tile, tiers), (tile_b, tiers_b) = saved, loaded
+    torch.manual_seed(0)
+    first = model()
+    with infinity.initialize(first, _cfg(tmp_path / "a", tiers, tile, **sections)) as engine:
+        _run(engine, 2)
+        engine.save_checkpoint(tmp_path / "saved")
+        at_save, cut_a = engine.gathered_weights(), [u.name for u in engine.units]
+        after, final = _run(engine, 2, start=2), engine.gathered_weights()
+    with infinity.initialize(model(), _cfg(tmp_path / "b", tiers_b, tile_b, **sections)) as engine:
+        assert [u.name for u in engine.units] != cut_a  # another cut of the same modules
+        engine.load_checkpoint(tmp_path / "saved")
+        _close(engine.gathered_weights(), at_save, tol=0)
+        engine.save_checkpoint(tmp_path / "again")
+        recut, recut_final = _run(engine, 2, start=2), engine.gathered_weights()
+    with infinity.initialize(model(), _cfg(tmp_path / "c", tiers, tile, **sections)) as engine:
+        engine.load_checkpoint(tmp_path / "again")
+        assert _run(engine, 2, start=2) == after  # cut back: every kind of state came through exact
+        _close(engine.gathered_weights(), final, tol=0)
+    # The other cut computes the same sums in another order: 1e-6.
+    assert recut == pytest.approx(after, abs=1e-6)
+    _close(recut_final, final, tol=1e-6)
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [
+    (("4KiB", NVME), ("8KiB", NVME)),  # tiles of 42 and 85 rows: no boundary of one is one of the other
+    (("4KiB", NVME), (None, NVME)),
+    ((None, NVME), ("4KiB", ("cpu", "nvme", "cpu"))),
+    (("4KiB", NVME), ("4KiB", DEVICE)),  # every tier on the device: nothing tiled
+    (("4KiB", DEVICE), ("8KiB", ("cpu", "cpu", "cpu"))),
+], ids=["4KiB-8KiB", "4KiB-whole", "whole-4KiB", "4KiB-device", "device-8KiB"])  # fmt: skip
+def test_a_checkpoint_loads_into_another_tiling(tmp_path, saved, loaded):
+    _save_and_load_in(tmp_path, saved, loaded)
+
+
+def test_a_checkpoint_loads_into_another_tiling_in_bf16(tmp_path):
+    _save_and_load_in(tmp_path, ("8KiB", NVME), ("4KiB", NVME), precision={"param_dtype": "bf16"})
+
+
+def test_a_checkpoint_loads_into_another_tiling_with_sgd_momentum(tmp_path):
+    """SGD starts a momentum buffer at a unit's first step: the loaded units have stepped."""
+    _save_and_load_in(tmp_path, ("4KiB", NVME), (None, NVME), optimizer={"type": "sgd", "momentum": 0.9})
+
+
+def test_a_checkpoint_loads_into_another_tiling_and_precision_with_a_frozen_embedding(tmp_path):
+    """bf16 in 4KiB tiles to fp32 whole: the parameters become the saved master weights, and
+    those of the frozen embedding (which has none) its saved bf16 parameters, re-cut and cast."""
+    torch.manual_seed(0)
+    model = Toy()
+    model.embed.weight.requires_grad_(False)
+    with infinity.initialize(copy.deepcopy(model).to(torch.bfloat16),
+                             _cfg(tmp_path / "a", precision={"param_dtype": "bf16"})) as engine:  # fmt: skip
+        _run(engine, 2)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        at_save = engine.gathered_weights()
+    with infinity.initialize(model, _cfg(tmp_path / "b", tile=None)) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert not any(u.is_tile for u in engine.units)
+        _close(engine.gathered_weights(), at_save, tol=0)
+        _close(engine.module.state_dict(), at_save, tol=0)
+        _run(engine, 1, start=2)
+
+
+class _TiedWide(Toy):
+    """The output layer tied to the embedding, which keeps both whole; the hidden layers (9600
+    and 9312 bytes) are the ones tiled."""
+
+    def __init__(self):
+        super().__init__(tied=True)
+        self.hidden = nn.Sequential(nn.Linear(WIDTH, 96), nn.Tanh(), nn.Linear(96, WIDTH))
+
+
+def test_a_checkpoint_with_a_tied_embedding_loads_into_another_tiling(tmp_path):
+    _save_and_load_in(tmp_path, ("16KiB", NVME), ("4KiB", NVME), model=_TiedWide)
+
+
+def test_a_checkpoint_whose_tiles_stepped_apart_is_refused_naming_them(tmp_path):
+    """The tiles of one module step together; were their counts ever to differ, no one count
+    could be the whole module's, and the load says which."""
+    with infinity.initialize(Toy(), _cfg(tmp_path / "a")) as engine:
+        _run(engine, 1)
+        tile = next(u for u in engine.units if u.name == "out#40")
+        engine.optimizer.steps[tile.index].fill_(7.0)
+        engine.save_checkpoint(tmp_path / "ckpt")
+    with infinity.initialize(Toy(), _cfg(tmp_path / "b", tile=None)) as engine:
+        with pytest.raises(CheckpointError, match=r"'out'.*'out#0' and 6 more: 1; 'out#40': 7"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+        _run(engine, 1)  # refused before any state was replaced: the engine trains on
+
+
+class _Wider(Toy):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(WIDTH, VOCAB + 1)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_unit(tmp_path):
     with infinity.initialize(Toy(), _cfg(tmp_path / "a")) as engine:
         engine.save_checkpoint(tmp_path / "ckpt")
-    with infinity.initialize(Toy(), _cfg(tmp_path / "b", tile="8KiB")) as engine:
-        with pytest.raises(CheckpointError, match="tile_size"):
+    with infinity.initialize(_Wider(), _cfg(tmp_path / "b", tile="8KiB")) as engine:
+        with pytest.raises(CheckpointError, match=r"'out#0'.*not the same model"):
             engine.load_checkpoint(tmp_path / "ckpt")
 
 
