@@ -143,6 +143,33 @@ def test_a_checkpoint_reshards_to_another_world_size(tmp_path, tiles, monkeypatc
             torch.testing.assert_close(mine[name], final[name], atol=1e-5, rtol=0)
 
 
+def test_a_checkpoint_loads_into_another_tile_size_and_world_size_at_once(tmp_path, monkeypatch):
+    """Saved by 2 ranks with the Linears in 4KiB tiles; loaded by 1 rank with no tiles, and by
+    3 ranks at stage 1 in 8KiB tiles (the first Linear whole, the second in 3 tiles whose rows
+    are not the saved tiles'): the weights right after the load are exactly the saved ones, and
+    5 more steps match the 2-rank run within 1e-5, as resharding alone does."""
+    monkeypatch.setenv("INFINITY_TEST_TILE_SIZE", "4KiB")
+    ckpt = str(tmp_path / "ckpt")
+    saved, codes, logs, _ = _launch("ckpt-save", 2, 3, tmp_path, 120, ckpt)
+    assert codes == [0, 0], logs
+    at_save = torch.load(f"{saved}.at_ckpt.pt", weights_only=True)
+    final = torch.load(f"{saved}.weights.pt", weights_only=True)
+    for world, stage, tiles in ((1, 3, None), (3, 1, "8KiB")):
+        if tiles is None:
+            monkeypatch.delenv("INFINITY_TEST_TILE_SIZE")
+        else:
+            monkeypatch.setenv("INFINITY_TEST_TILE_SIZE", tiles)
+        out, codes, logs, _ = _launch("ckpt-load", world, stage, tmp_path, 120, ckpt)
+        assert codes == [0] * world, logs
+        at_load = torch.load(f"{out}.at_ckpt.pt", weights_only=True)
+        assert at_load.keys() == at_save.keys()
+        for name in at_save:
+            assert torch.equal(at_load[name], at_save[name]), (world, tiles, name)
+        mine = torch.load(f"{out}.weights.pt", weights_only=True)
+        for name in final:
+            torch.testing.assert_close(mine[name], final[name], atol=1e-5, rtol=0)
+
+
 def test_the_demo_runs_under_torchrun(tmp_path):
     """What a new user would type: torchrun with 2 ranks runs the same demo."""
     pytest.importorskip("transformers")
