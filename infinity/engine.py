@@ -583,8 +583,9 @@ class Engine:
 
         Every tensor is checked against its checksum as it is read: a corrupt or incomplete
         checkpoint is refused, naming the tensor and file, before anything trains on it. A
-        checkpoint saved with another world size, stage, tier placement, precision or
-        sub-group size loads too: each rank reads the slices of every unit it now owns."""
+        checkpoint saved with another world size, stage, tier placement, precision,
+        sub-group size or tile size loads too: each rank reads the slices of every unit it now
+        owns, re-cut by rows where the modules are tiled otherwise ([Note: re-cut] in `_recut`)."""
         self._check_open()
         client_state = _checkpoint.load(self, path, tag, on_partial=self._refuse)
         self._unusable = None
