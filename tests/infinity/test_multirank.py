@@ -132,15 +132,21 @@ def test_a_checkpoint_reshards_to_another_world_size(tmp_path, tiles, monkeypatc
     at_save = torch.load(f"{saved}.at_ckpt.pt", weights_only=True)
     final = torch.load(f"{saved}.weights.pt", weights_only=True)
     for world, stage in ((1, 3), (3, 3), (3, 1)):
-        out, codes, logs, _ = _launch("ckpt-load", world, stage, tmp_path, 120, ckpt)
-        assert codes == [0] * world, logs
-        at_load = torch.load(f"{out}.at_ckpt.pt", weights_only=True)
-        assert at_load.keys() == at_save.keys()
-        for name in at_save:
-            assert torch.equal(at_load[name], at_save[name]), (world, stage, name)
-        mine = torch.load(f"{out}.weights.pt", weights_only=True)
-        for name in final:
-            torch.testing.assert_close(mine[name], final[name], atol=1e-5, rtol=0)
+        _load_and_compare(ckpt, world, stage, tmp_path, at_save, final)
+
+
+def _load_and_compare(ckpt: str, world: int, stage: int, tmp_path, at_save: dict, final: dict) -> None:
+    """Load ``ckpt`` with ``world`` ranks at ``stage`` and train on: the weights right after the
+    load must be ``at_save`` exactly, and 5 steps on within 1e-5 of ``final``."""
+    out, codes, logs, _ = _launch("ckpt-load", world, stage, tmp_path, 120, ckpt)
+    assert codes == [0] * world, logs
+    at_load = torch.load(f"{out}.at_ckpt.pt", weights_only=True)
+    assert at_load.keys() == at_save.keys()
+    for name in at_save:
+        assert torch.equal(at_load[name], at_save[name]), (world, stage, os.environ.get("INFINITY_TEST_TILE_SIZE"), name)
+    mine = torch.load(f"{out}.weights.pt", weights_only=True)
+    for name in final:
+        torch.testing.assert_close(mine[name], final[name], atol=1e-5, rtol=0)
 
 
 def test_a_checkpoint_loads_into_another_tile_size_and_world_size_at_once(tmp_path, monkeypatch):
@@ -159,15 +165,7 @@ def test_a_checkpoint_loads_into_another_tile_size_and_world_size_at_once(tmp_pa
             monkeypatch.delenv("INFINITY_TEST_TILE_SIZE")
         else:
             monkeypatch.setenv("INFINITY_TEST_TILE_SIZE", tiles)
-        out, codes, logs, _ = _launch("ckpt-load", world, stage, tmp_path, 120, ckpt)
-        assert codes == [0] * world, logs
-        at_load = torch.load(f"{out}.at_ckpt.pt", weights_only=True)
-        assert at_load.keys() == at_save.keys()
-        for name in at_save:
-            assert torch.equal(at_load[name], at_save[name]), (world, tiles, name)
-        mine = torch.load(f"{out}.weights.pt", weights_only=True)
-        for name in final:
-            torch.testing.assert_close(mine[name], final[name], atol=1e-5, rtol=0)
+        _load_and_compare(ckpt, world, stage, tmp_path, at_save, final)
 
 
 def test_the_demo_runs_under_torchrun(tmp_path):
