@@ -3,7 +3,8 @@ tier on nvme, a few steps. Not run by CI (about 20 GB of swap and minutes a step
 
 Reports, per phase (build, initialize, each step), the peak RSS growth over the RSS before the
 model existed (VmHWM, reset before each phase); per step the forward, backward and optimizer
-seconds and the bytes read and written; the fp32 training state (16 bytes a parameter) over
+seconds, the bytes read and written, and those bytes per parameter, split by kind of state
+(param, grad, master, exp_avg, exp_avg_sq: engine.stats()["step"]["nvme"]["by_kind"]); the fp32 training state (16 bytes a parameter) over
 the largest peak RSS growth, and that growth against the bound 1.25 x host_budget + 128MiB;
 and per swap directory the disk footprint of engine.stats()["disk"] (the state, the peak
 initialize checked, the arena's cap and the size it reached, over the state).
@@ -122,12 +123,17 @@ def main(argv=None) -> int:
             nvme = engine.stats()["step"]["nvme"]
             growth = peak() - base
             worst = max(worst, growth)
+            # bytes per parameter this step, per kind of state (read + written)
+            per_param = {k: (v["read_bytes"] + v["write_bytes"]) / n for k, v in sorted(nvme["by_kind"].items())}
             report({"phase": "step", "step": step, "loss": loss.item(), "forward": t1 - t0, "backward": t2 - t1,
                     "optimizer": t3 - t2, "read_bytes": nvme["read_bytes"], "write_bytes": nvme["write_bytes"],
+                    "bytes_per_param": (nvme["read_bytes"] + nvme["write_bytes"]) / n, "by_kind": per_param,
                     "stall": engine.stats()["step"]["stall_seconds"], "peak_growth": growth},
                    f"step {step}: loss {loss.item():.3f}, {t3 - t0:.1f}s (forward {t1 - t0:.1f}, backward {t2 - t1:.1f}, "
                    f"optimizer {t3 - t2:.1f}), read {nvme['read_bytes'] / 1e9:.1f} GB, written "
-                   f"{nvme['write_bytes'] / 1e9:.1f} GB, peak RSS growth {growth / 2**30:.2f} GiB")  # fmt: skip
+                   f"{nvme['write_bytes'] / 1e9:.1f} GB = {(nvme['read_bytes'] + nvme['write_bytes']) / n:.1f} B/param "
+                   f"({', '.join(f'{k} {v:.1f}' for k, v in per_param.items())}), peak RSS growth "
+                   f"{growth / 2**30:.2f} GiB")  # fmt: skip
         state = 16 * n
         worst = max(worst, *(o["peak_growth"] for o in out if "peak_growth" in o))
         stats = engine.stats()

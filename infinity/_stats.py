@@ -38,6 +38,17 @@ class TierCounters:
     write_bytes: int = 0
     read_busy: _Busy = field(default_factory=_Busy)
     write_busy: _Busy = field(default_factory=_Busy)
+    # bytes read and written per kind of state (params, grads, master, exp_avg, ...): where a
+    # step's traffic goes, against what exact training must move (docs/architecture.md)
+    by_kind: dict[str, list[int]] = field(default_factory=dict)
+
+    def count(self, kind: str | None, write: bool, nbytes: int) -> None:
+        if write:
+            self.write_bytes += nbytes
+        else:
+            self.read_bytes += nbytes
+        if kind is not None:
+            self.by_kind.setdefault(kind, [0, 0])[int(write)] += nbytes
 
     def as_dict(self) -> dict:
         r, w = self.read_busy.seconds, self.write_busy.seconds
@@ -48,6 +59,7 @@ class TierCounters:
             "write_seconds": w,
             "read_gbps": self.read_bytes / r / 1e9 if r else 0.0,
             "write_gbps": self.write_bytes / w / 1e9 if w else 0.0,
+            "by_kind": {k: {"read_bytes": rw[0], "write_bytes": rw[1]} for k, rw in self.by_kind.items()},
         }
 
 
@@ -90,8 +102,9 @@ class Stats:
     def both(self):
         return (self.total, self.step)
 
-    def io(self, tier: str, write: bool, nbytes: int) -> "_IoSpan":
-        return _IoSpan(self, tier, write, nbytes)
+    def io(self, tier: str, write: bool, nbytes: int, kind: str | None = None) -> "_IoSpan":
+        """A read or write of ``nbytes`` of state ``kind`` in ``tier``, counted when done."""
+        return _IoSpan(self, tier, write, nbytes, kind)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps}
@@ -139,12 +152,13 @@ def peak_rss_bytes() -> int | None:
 class _IoSpan:
     """One read or write of ``nbytes`` in ``tier``: call ``done()`` once it completed."""
 
-    __slots__ = ("_counters", "_write", "_nbytes", "_open")
+    __slots__ = ("_counters", "_write", "_nbytes", "_kind", "_open")
 
-    def __init__(self, stats: Stats, tier: str, write: bool, nbytes: int):
+    def __init__(self, stats: Stats, tier: str, write: bool, nbytes: int, kind: str | None = None):
         self._counters = [c.tiers[tier] for c in stats.both()]
         self._write = write
         self._nbytes = nbytes
+        self._kind = kind
         self._open = True
         for c in self._counters:
             (c.write_busy if write else c.read_busy).begin()
@@ -155,7 +169,4 @@ class _IoSpan:
         self._open = False
         for c in self._counters:
             (c.write_busy if self._write else c.read_busy).end()
-            if self._write:
-                c.write_bytes += self._nbytes
-            else:
-                c.read_bytes += self._nbytes
+            c.count(self._kind, self._write, self._nbytes)

@@ -142,7 +142,7 @@ class Store:
             view.copy_(tensor.detach())
             tensor = view
         nbytes = tensor.numel() * tensor.element_size()
-        span = self._stats.io("nvme", True, nbytes)
+        span = self._stats.io("nvme", True, nbytes, self.kind)
         try:
             future = self._space.put(key, tensor)
         except BaseException:
@@ -162,7 +162,7 @@ class Store:
         future = self._space.get(key, timeout=timeout, urgent=urgent)  # after a write of ``name`` in flight
         record = self._space.info(key)
         dtype, shape = DTYPES[record.dtype], record.shape
-        span = self._stats.io("nvme", False, record.nbytes)
+        span = self._stats.io("nvme", False, record.nbytes, self.kind)
         return Pending(future, span, wrap=lambda buffer: Lease(buffer.view(dtype, shape), buffer))
 
     def rename(self, src: str, dst: str) -> None:
@@ -229,22 +229,26 @@ def stream_together(stores: Sequence[Store], names: Sequence[str], *, ahead: int
         return
     keys = [tuple(s._key(name) for s in stores) for name in names]
     start = time.perf_counter()
-    moved = 0
+    read = [0] * len(stores)  # bytes per store: every item is read, and written back unless told not to
+    written = [0] * len(stores)
     items = stream(first._space, keys, ahead=ahead, ahead_bytes=ahead_bytes)
     try:
         for item in items:
             out = _Streamed(item.tensors, item)
+            sizes = [t.numel() * t.element_size() for t in item.tensors]
+            read = [a + b for a, b in zip(read, sizes)]
             yield out
             item.write_back = out.write_back
             if out.write_back:
-                moved += sum(t.numel() * t.element_size() for t in item.tensors)
+                written = [a + b for a, b in zip(written, sizes)]
     finally:
         items.close()  # also when the caller stops early: what is in flight finishes now
         # The stream overlaps its reads and writes; its wall time is their busy time.
         elapsed = time.perf_counter() - start
         for c in first._stats.both():
             t = c.tiers["nvme"]
-            t.read_bytes += moved
-            t.write_bytes += moved
+            for s, r, w in zip(stores, read, written):
+                t.count(s.kind, False, r)
+                t.count(s.kind, True, w)
             t.read_busy.seconds += elapsed
             t.write_busy.seconds += elapsed

@@ -323,6 +323,32 @@ def test_stats_count_nvme_traffic(tmp_path):
     assert engine.stats()["steps"] == 2
 
 
+def test_stats_split_the_traffic_by_kind_of_state(tmp_path):
+    """fp32 AdamW, every tier on nvme, the optimizer after backward: a step writes each
+    gradient once and reads it once, reads and writes the master weights and both moments
+    once, writes the new parameters once and reads them for forward and again (all but what
+    stayed in memory) for backward; the kinds add up to the tier's totals."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+    engine = infinity.initialize(model, _config(tmp_path, ("nvme",) * 3, optimizer={"overlap": False}))
+    try:
+        for _ in range(2):
+            engine.backward(engine(torch.randn(8, 16)).pow(2).mean())
+            engine.step()
+        nvme = engine.stats()["step"]["nvme"]
+        kinds = nvme["by_kind"]
+        assert sorted(kinds) == ["exp_avg", "exp_avg_sq", "grad", "master", "param"]
+        assert sum(k["read_bytes"] for k in kinds.values()) == nvme["read_bytes"]
+        assert sum(k["write_bytes"] for k in kinds.values()) == nvme["write_bytes"]
+        fp32 = 4 * sum(u.shard_numel for u in engine.units)
+        for kind in ("grad", "master", "exp_avg", "exp_avg_sq"):
+            assert kinds[kind] == {"read_bytes": fp32, "write_bytes": fp32}, (kind, kinds[kind], fp32)
+        assert kinds["param"]["write_bytes"] == fp32
+        assert fp32 <= kinds["param"]["read_bytes"] <= 2 * fp32, kinds["param"]
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_the_first_step_counts_only_its_own_traffic(tmp_path, overlap):
     """What initialize writes (every state, once) is in stats()["total"], not in the first
