@@ -247,7 +247,7 @@ class Overlap:
                 grads[i] = g if g.device == tensors[0].device else g.to(tensors[0].device)
             early.divide = self.loss_scale()
             early.hyper = opt.hyperparameters()
-            early.first = {u.index for u in early.units} & opt._never_stepped
+            early.first = {u.index for u in early.units} & opt.substates.never_stepped
             early.steps = {u.index: opt.steps[u.index] + 1 for u in early.units}
             with record_function("infinity::optimizer.early"):
                 opt.apply(early.index, tensors[0], tensors[1:], grads, early.divide, early.steps, early.first)
@@ -339,7 +339,7 @@ class Overlap:
                 for u in early.units:
                     opt.param_store.rename(u.name + STAGED, u.name)
                     opt.steps[u.index].copy_(early.steps[u.index])
-                opt._never_stepped -= set(early.steps)
+                opt.substates.mark_stepped(early.steps)
                 del self._early[index]
                 done.add(index)
         finally:

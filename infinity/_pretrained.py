@@ -15,7 +15,7 @@ import torch
 
 from . import _resources
 from ._hf_save import save_pretrained  # noqa: F401 - where engine.save_pretrained imports it
-from ._optim import Piece
+from ._substates import Piece
 from ._safetensors import Shards, check_dtypes, checkpoint_files
 
 logger = logging.getLogger("infinity")

@@ -8,7 +8,10 @@ user's unmodified module. It owns no policy of its own; each piece lives in its 
     _transport.py  copies to the device and collectives across ranks
     _schedule.py   fetch / prefetch / release around forward and backward
     _grads.py      gradient accumulation in fp32 into the grads tier
-    _optim.py      AdamW on fp32 master weights where the optimizer states live
+    _algorithms.py the optimizer algorithms: state kinds, hyperparameters, kernels
+    _substates.py  the optimizer state per sub-group: stores, keys, byte sizes, step counts
+    _update.py     the streamed optimizer step where the optimizer states live
+    _optim.py      engine.optimizer, the torch.optim.Optimizer around them
     _scaler.py     the fp16 loss scaler
     _stats.py      the counters behind stats()
     _checkpoint.py save and load, through the components' state_dict()s
@@ -31,7 +34,10 @@ from . import _build, _checkpoint, _ddp, _footprint, _resources, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
-from ._optim import KINDS, POOL_SLACK, READ_AHEAD, Optimizer, make_groups, resolve
+from ._algorithms import resolve
+from ._optim import Optimizer
+from ._substates import make_groups
+from ._update import POOL_SLACK, READ_AHEAD
 from ._overlap import Overlap, group_bytes
 from ._owner import Owner, entry
 from ._scaler import LossScaler
@@ -111,16 +117,15 @@ class Engine:
         self.param_store = Store(tiers.params, "param", device=dev, space=space, stats=stats)
         grad_store = Store(tiers.grads, "grad", device=dev, space=space, stats=stats)
         params = list({id(p): p for u in units for p in u.params}.values())  # a tiled one is in each tile
-        kind, param_groups, defaults, foreign = resolve(optimizer_spec, params,
-                                                        cfg.optimizer, all_device=all_device)  # fmt: skip
-        kinds = ("master", *KINDS[kind])
-        states = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in kinds}
+        algorithm, param_groups, defaults, foreign = resolve(optimizer_spec, params,
+                                                             cfg.optimizer, all_device=all_device)  # fmt: skip
+        states = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in algorithm.kind_names}
         self.units = units
         self.transport = Transport(dev, self.dtype, self.pool, self.dist, stats)
         self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full)
         trainable = [u for u in units if any(u.requires_grad)]  # frozen units get no optimizer state
         self.optimizer = Optimizer(
-            kind, param_groups, defaults, units=units, groups=make_groups(trainable, cfg.optimizer.sub_group_size, len(kinds)),
+            algorithm, param_groups, defaults, units=units, groups=make_groups(trainable, cfg.optimizer.sub_group_size, algorithm),
             states=states, param_store=self.param_store, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
             param_dtype=self.dtype, dist=self.dist, params_sharded=self.params_sharded, foreign=foreign,
         )  # fmt: skip

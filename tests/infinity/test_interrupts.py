@@ -350,7 +350,7 @@ def test_a_forward_whose_backward_never_runs_then_a_save_trains_on_exactly(tmp_p
 def _ctrl_c_in_the_second_subgroup_update(engine, monkeypatch) -> None:
     """engine.step() interrupted after its first sub-group was updated: a half step."""
     calls = []
-    real = engine.optimizer._update
+    real = engine.optimizer.updater._update
 
     def interrupted(index, *args):
         calls.append(index)
@@ -358,7 +358,7 @@ def _ctrl_c_in_the_second_subgroup_update(engine, monkeypatch) -> None:
             raise KeyboardInterrupt
         return real(index, *args)
 
-    monkeypatch.setattr(engine.optimizer, "_update", interrupted)
+    monkeypatch.setattr(engine.optimizer.updater, "_update", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     monkeypatch.undo()

@@ -1,0 +1,249 @@
+"""The optimizer algorithms: one object per algorithm owns what is particular to it.
+
+Owns: per algorithm (AdamW, Adam, SGD, Adagrad, and "torch": a torch optimizer the engine runs
+as it is), the state kinds it keeps beside the fp32 master weights (each a `StateKind`: its
+dtype, its bytes per element, how it starts), the hyperparameters a parameter group holds and
+their defaults from ``[optimizer]``, the ``torch.optim`` class it stands for, and its kernel
+(torch's fused CPU kernels: ``torch._fused_adamw_``, ``_fused_adam_``, ``_fused_sgd_``,
+``_fused_adagrad_``); and `resolve`, which picks the algorithm and the parameter groups from
+what `initialize` was given. Touches: nothing but the tensors its kernel is handed.
+
+Code that is not about one algorithm (the stores, checkpoints, the memory plan, the overlap)
+asks the algorithm for its kinds and their sizes (through `_state.StateRecord`) and never names
+a kind: a compact state (a bf16 moment, an 8-bit one with per-block scales) is a new
+`StateKind` here, not a change there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StateKind:
+    """One tensor an algorithm keeps per parameter element, stored flat per sub-group."""
+
+    name: str
+    """The kind's name: its store's, and the last part of its keys (``optimizer.3/exp_avg``)."""
+    dtype: torch.dtype = torch.float32
+    """What it is stored and updated in."""
+    init: str | None = None
+    """The hyperparameter of its parameter group it starts at (Adagrad's ``sum`` starts at
+    ``initial_accumulator_value``); None: zeros."""
+    first_step: bool = False
+    """The kernel starts it at a unit's first step (SGD's momentum buffer takes the first
+    gradient) instead of updating it: the kernel is told which units step for the first time."""
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return self.dtype.itemsize
+
+    def initial(self, master: torch.Tensor, per_group: dict[int, list], param_groups: list[dict]) -> torch.Tensor:
+        """Its value before the first step for a sub-group whose master weights are ``master``
+        (``per_group``: parameter group -> entries whose second item is the slice of the
+        sub-group's state it holds)."""
+        value = torch.zeros_like(master, dtype=self.dtype)
+        if self.init is not None:
+            for gi, entries in per_group.items():
+                for _, s, _, _ in entries:
+                    value[s] = param_groups[gi][self.init]
+        return value
+
+
+MASTER = StateKind(name="master")  # the fp32 master weights: every algorithm's first kind
+
+
+def _config_values(cfg) -> dict:
+    """Every hyperparameter an algorithm here takes, from ``[optimizer]`` (torch's defaults
+    where the config has no key)."""
+    return {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
+            "momentum": cfg.momentum, "dampening": 0.0, "nesterov": cfg.nesterov, "lr_decay": 0.0,
+            "initial_accumulator_value": 0.0}  # fmt: skip
+
+
+class Algorithm:
+    """What one optimizer algorithm keeps and runs. Subclasses set the class attributes and
+    `step`; the instances in `ALGORITHMS` are the only ones."""
+
+    name: ClassVar[str]  # [optimizer] type, and "type" in the optimizer's state_dict
+    torch_class: ClassVar[type[torch.optim.Optimizer] | None] = None
+    states: ClassVar[tuple[StateKind, ...]] = ()  # its own kinds, besides the master weights
+    hyperparameters: ClassVar[tuple[str, ...]] = ()  # what a parameter group holds
+
+    @property
+    def kinds(self) -> tuple[StateKind, ...]:
+        """Every kind stored per sub-group, the master weights first."""
+        return (MASTER, *self.states)
+
+    @property
+    def kind_names(self) -> tuple[str, ...]:
+        return tuple(k.name for k in self.kinds)
+
+    def kind(self, name: str) -> StateKind:
+        for k in self.kinds:
+            if k.name == name:
+                return k
+        raise ValueError(f"{self.name} keeps no state {name!r}; its kinds are {', '.join(self.kind_names)}")
+
+    def itemsizes(self) -> dict[str, int]:
+        """Bytes per element of each kind (what `_state.StateRecord` sizes keys by)."""
+        return {k.name: k.itemsize for k in self.kinds}
+
+    @property
+    def bytes_per_parameter(self) -> int:
+        """Bytes of state every trained parameter element takes, master weights included."""
+        return sum(k.itemsize for k in self.kinds)
+
+    def defaults(self, cfg) -> dict:
+        """The hyperparameters ``[optimizer]`` (``cfg``) gives every group of this algorithm."""
+        every = _config_values(cfg)
+        return {k: every[k] for k in self.hyperparameters}
+
+    def step(self, hp: dict, params: list, grads: list, states: list[list], steps: list, first: list[bool],
+             grad_scale) -> None:  # fmt: skip
+        """One update in place of ``params`` (fp32 master-weight views) from ``grads``, with one
+        parameter group's hyperparameters ``hp``: ``states[k]`` holds the views of this
+        algorithm's k-th own kind, ``steps`` the step counts (already counting this step),
+        ``first`` whether each steps for the first time, ``grad_scale`` what the gradients are
+        divided by (None: 1)."""
+        raise NotImplementedError(f"the {self.name} algorithm has no kernel of its own")
+
+
+class _Adam(Algorithm):
+    states = (StateKind(name="exp_avg"), StateKind(name="exp_avg_sq"))
+    hyperparameters = ("lr", "betas", "eps", "weight_decay")
+    _kernel: ClassVar[str]
+
+    def step(self, hp, params, grads, states, steps, first, grad_scale) -> None:
+        beta1, beta2 = hp["betas"]
+        getattr(torch, self._kernel)(
+            params, grads, states[0], states[1], [], steps, lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2),
+            weight_decay=float(hp["weight_decay"]), eps=float(hp["eps"]), amsgrad=False, maximize=False,
+            grad_scale=grad_scale, found_inf=None,
+        )  # fmt: skip
+
+
+class AdamW(_Adam):
+    name = "adamw"
+    torch_class = torch.optim.AdamW
+    _kernel = "_fused_adamw_"
+
+
+class Adam(_Adam):
+    name = "adam"
+    torch_class = torch.optim.Adam
+    _kernel = "_fused_adam_"
+
+
+class SGD(Algorithm):
+    name = "sgd"
+    torch_class = torch.optim.SGD
+    states = (StateKind(name="momentum_buffer", first_step=True),)
+    hyperparameters = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+
+    def step(self, hp, params, grads, states, steps, first, grad_scale) -> None:
+        momentum = float(hp["momentum"])
+        for is_first in (True, False):  # the kernel starts a momentum buffer at a unit's first step
+            part = [i for i, f in enumerate(first) if f == is_first]
+            if not part:
+                continue
+            bufs = [] if momentum == 0 else [states[0][i] for i in part]
+            torch._fused_sgd_([params[i] for i in part], [grads[i] for i in part], bufs,
+                              weight_decay=float(hp["weight_decay"]), momentum=momentum, lr=float(hp["lr"]),
+                              dampening=float(hp["dampening"]), nesterov=bool(hp["nesterov"]), maximize=False,
+                              is_first_step=is_first and momentum != 0, grad_scale=grad_scale, found_inf=None)  # fmt: skip
+
+
+class Adagrad(Algorithm):
+    name = "adagrad"
+    torch_class = torch.optim.Adagrad
+    states = (StateKind(name="sum", init="initial_accumulator_value"),)
+    hyperparameters = ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value")
+
+    def step(self, hp, params, grads, states, steps, first, grad_scale) -> None:
+        torch._fused_adagrad_(params, grads, states[0], steps, lr=float(hp["lr"]), lr_decay=float(hp["lr_decay"]),
+                              weight_decay=float(hp["weight_decay"]), eps=float(hp["eps"]), maximize=False,
+                              grad_scale=grad_scale, found_inf=None)  # fmt: skip
+
+
+class TorchOptimizer(Algorithm):
+    """Any other torch optimizer, every tier on the device: its state is its own (stepped on
+    views of the master weights, `_update.Update`), the engine keeps only the master weights."""
+
+    name = "torch"
+
+
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (AdamW(), Adam(), SGD(), Adagrad(), TorchOptimizer())}
+_BY_TORCH_CLASS = {a.torch_class: a for a in ALGORITHMS.values() if a.torch_class is not None}
+# Options of the torch classes the fused kernels here do not run: refused when set.
+_UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+
+
+def algorithm(name: str) -> Algorithm:
+    """The algorithm ``[optimizer] type = name`` (or a saved state's "type") names."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"no optimizer algorithm {name!r}; the engine runs {', '.join(ALGORITHMS)}") from None
+
+
+def resolve(spec, model_params: list, cfg, *, all_device: bool = False):
+    """(algorithm, parameter groups, defaults, the torch optimizer to run as it is or None)
+    from what `initialize` was given.
+
+    ``spec``: None (``[optimizer]`` over every trainable parameter), parameters or parameter
+    groups (``[{"params": [...], "weight_decay": 0.0}, ...]``: ``[optimizer]`` fills in the
+    rest), a ``torch.optim`` optimizer, its class, ``(class, kwargs)``, or a callable that
+    builds one from the parameters (``functools.partial(torch.optim.SGD, lr=0.1)``)."""
+    trainable = [p for p in model_params if p.requires_grad]
+    configured = algorithm(cfg.type)
+    if spec is None:
+        return configured, [{"params": trainable}], configured.defaults(cfg), None
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], type) and isinstance(spec[1], dict):
+        spec = functools.partial(spec[0], **spec[1])
+    if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer) or (
+        callable(spec) and not isinstance(spec, (torch.optim.Optimizer, list, tuple))
+    ):
+        built = spec(trainable)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"optimizer={spec!r} built a {type(built).__name__}, not a torch.optim.Optimizer")
+        spec = built
+    if isinstance(spec, torch.optim.Optimizer):
+        algo = _BY_TORCH_CLASS.get(type(spec))
+        if algo is None or any(g.get(k, v) != v for g in spec.param_groups for k, v in _UNSUPPORTED.items()):
+            if all_device:  # nothing offloaded: the optimizer runs as it is, on fp32 master weights
+                groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                          for g in spec.param_groups]  # fmt: skip
+                return ALGORITHMS["torch"], groups, dict(spec.defaults), spec
+        if algo is None:
+            raise ValueError(
+                f"optimizer {type(spec).__name__} cannot run on offloaded state: the engine runs "
+                f"{', '.join(c.__name__ for c in _BY_TORCH_CLASS)} (torch.optim), or [optimizer] type = "
+                f"{' | '.join(repr(k) for k, a in ALGORITHMS.items() if a.torch_class is not None)}; with every "
+                "tier on the device, any torch optimizer runs"
+            )
+        for group in spec.param_groups:
+            for key, allowed in _UNSUPPORTED.items():
+                if group.get(key, allowed) != allowed:
+                    raise ValueError(f"{type(spec).__name__}({key}={group[key]!r}) is not supported on offloaded "
+                                     f"state; use {key}={allowed!r} (with every tier on the device, it runs)")  # fmt: skip
+        keys = algo.hyperparameters
+        groups = [{"params": list(g["params"]), **{k: g[k] for k in keys}} for g in spec.param_groups]
+        return algo, groups, {k: spec.defaults[k] for k in keys}, None
+    groups = list(spec)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    defaults = configured.defaults(cfg)
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"optimizer parameter group {i} must be a dict with 'params', got {type(g).__name__}")
+        unknown = set(g) - {"params", *defaults}
+        if unknown:
+            raise ValueError(f"optimizer parameter group {i}: {sorted(unknown)} are not hyperparameters of "
+                             f"{cfg.type!r} ({', '.join(defaults)})")  # fmt: skip
+    return configured, [dict(g, params=list(g["params"])) for g in groups], defaults, None

@@ -1,0 +1,347 @@
+"""The optimizer's state, per sub-group: where it is stored, under which keys, and how big.
+
+Owns: the sub-groups (consecutive units whose state fits ``optimizer.sub_group_size``), the
+record of every sub-group's and unit's keys and byte sizes (`StateRecord`, [Note: state
+keys]), the optimizer-state stores, the per-unit step counts, the master weights' first
+values and loads (`SubGroupStates.init_state`, `load_master`), and the writes of new
+low-precision parameters to the params tier. Touches: the params store (to write the new
+parameters), ``dist`` at stages 1 and 2 (to gather them), a torch optimizer run as it is (its
+parameters become views of the master weights).
+
+States (the fp32 master weights and the algorithm's own kinds, `_algorithms`) are kept per
+sub-group, stored as one flat tensor per kind, so NVMe sees a few large transfers rather than
+many small ones.
+
+[Note: state keys]
+A sub-group's state of kind ``k`` lies in the swap space under ``<sub-group>/<k>``
+(``optimizer.3/exp_avg``), a unit's parameters under ``<unit>/param``, and a checkpoint keeps
+each unit's slice of every kind under ``<unit>/<k>``; the overlap's staged copies add ``~next``
+to the name (``optimizer.3~next/exp_avg``, [Note: exact overlap]). `state_key` is that format
+and `StateRecord.key` the one way to a key; `_store.Store._key` builds the same from the name
+a record gives (`StateRecord.name_for`). The names on disk are the formats of
+docs/formats.md: checkpoints and swap spaces written before must read the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import record_function
+
+from infinity.swap import WriteBehind
+
+from ._algorithms import Algorithm
+from ._store import Store
+from ._units import ParamUnit, holders
+
+STAGED = "~next"  # the suffix of a staged name: see [Note: exact overlap]
+
+
+def state_key(name: str, kind: str, staged: bool = False) -> str:
+    """The key of ``name``'s (a unit's or sub-group's) tensor of ``kind``: see [Note: state keys]."""
+    return f"{name}{STAGED if staged else ''}/{kind}"
+
+
+class StateRecord:
+    """The keys and byte sizes of one unit's or sub-group's state: ``numel`` elements of each
+    kind in ``itemsizes`` (kind -> bytes per element)."""
+
+    __slots__ = ("name", "numel", "itemsizes")
+
+    def __init__(self, name: str, numel: int, itemsizes: dict[str, int]):
+        self.name = name
+        self.numel = numel
+        self.itemsizes = itemsizes
+
+    def name_for(self, staged: bool = False) -> str:
+        """The name a `Store` takes for this state (the store adds the kind)."""
+        return self.name + STAGED if staged else self.name
+
+    def key(self, kind: str, staged: bool = False) -> str:
+        """Its tensor of ``kind`` in a swap space or a checkpoint ([Note: state keys])."""
+        return state_key(self.name, kind, staged)
+
+    def nbytes(self, kind: str) -> int:
+        """Bytes of its tensor of ``kind``."""
+        try:
+            return self.numel * self.itemsizes[kind]
+        except KeyError:
+            raise ValueError(f"{self.name} has no state {kind!r}; its kinds are {', '.join(self.itemsizes)}") from None
+
+    def state_bytes(self, kinds) -> int:
+        """Bytes of its tensors of ``kinds``, together."""
+        return sum(self.nbytes(k) for k in kinds)
+
+
+class SubGroup:
+    """Consecutive units whose optimizer state is stored and updated as one flat tensor per kind."""
+
+    def __init__(self, index: int, units: list[ParamUnit], itemsizes: dict[str, int]):
+        self.index = index
+        self.name = f"optimizer.{index}"
+        self.units = units
+        self.slices: dict[int, slice] = {}  # unit index -> its part of every flat state
+        pos = 0
+        for u in units:
+            n = u.shard_numel
+            self.slices[u.index] = slice(pos, pos + n)
+            pos += n
+        self.numel = pos
+        self.record = StateRecord(self.name, self.numel, itemsizes)
+
+
+def make_groups(units: list[ParamUnit], sub_group_bytes: int, algorithm: Algorithm) -> list[SubGroup]:
+    """Consecutive units whose state (every kind of ``algorithm``) fits ``sub_group_bytes``."""
+    itemsizes = algorithm.itemsizes()
+    per_element = algorithm.bytes_per_parameter
+    groups, current, size = [], [], 0
+    for u in units:
+        nbytes = per_element * u.shard_numel
+        if current and size + nbytes > sub_group_bytes:
+            groups.append(SubGroup(len(groups), current, itemsizes))
+            current, size = [], 0
+        current.append(u)
+        size += nbytes
+    if current:
+        groups.append(SubGroup(len(groups), current, itemsizes))
+    return groups
+
+
+class SubGroupStates:
+    """Every sub-group's state in the optimizer tier and every unit's step count; the writes of
+    new parameters made from the master weights. ``param_groups`` is the optimizer's own list
+    (read as it is now: LR schedulers change it)."""
+
+    def __init__(self, algorithm: Algorithm, param_groups: list[dict], *, units, groups, stores: dict[str, Store],
+                 param_store: Store, param_dtype: torch.dtype, dist=None, params_sharded: bool = True,
+                 foreign=None):  # fmt: skip
+        self.algorithm = algorithm
+        self.param_groups = param_groups
+        self.units = units
+        self.groups = groups  # SubGroups of the trainable units
+        grouped = {u.index for g in groups for u in g.units}
+        self.frozen = [u for u in units if u.index not in grouped]  # no optimizer state, never written
+        self.stores = stores  # kind -> Store, all in the optimizer tier: algorithm.kind_names
+        self.param_store = param_store
+        self.param_dtype = param_dtype
+        self.device = stores["master"].device
+        self.dist = dist
+        # ZeRO stages 1 and 2 keep whole parameters on every rank: new shards are gathered.
+        self.gather_params = not params_sharded and dist is not None and dist.active
+        unit_sizes = {**algorithm.itemsizes(), "param": param_dtype.itemsize}
+        self.records = {u.index: StateRecord(u.name, u.shard_numel, unit_sizes) for u in units}
+        self.steps = {u.index: torch.zeros((), dtype=torch.float32, device=self.device) for u in units}
+        self.never_stepped = {u.index for u in units}  # SGD's first step starts a momentum buffer; no device read
+        self.param_writes = WriteBehind(2)  # new parameters from their own pool copies (see write_params)
+        # Per sub-group, per parameter group: (unit, slice of the sub-group's state, slice of
+        # the unit's gradient shard, index of the parameter in the unit) of every parameter in
+        # that group, cut to this rank's shard.
+        self.slices = self._map_slices()
+        self.foreign = foreign  # algorithm "torch": the user's optimizer, stepped on views of the masters
+        self.shadows: dict[tuple[int, int], torch.nn.Parameter] = {}
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The state kinds stored per sub-group: "master" and the algorithm's own."""
+        return self.algorithm.kind_names
+
+    def _map_slices(self) -> list[dict[int, list]]:
+        where = holders(self.units)  # id(param) -> [(unit, index in the unit)]: a tiled one's every tile
+        owner = {}  # (unit index, param index) -> parameter group index
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if id(p) not in where:
+                    raise ValueError(f"optimizer parameter group {gi} holds a tensor of shape {tuple(p.shape)} that "
+                                     "is not a parameter of the model given to initialize")  # fmt: skip
+                for u, i in where[id(p)]:
+                    owner[(u.index, i)] = gi
+        out = []
+        for sg in self.groups:
+            per_group: dict[int, list] = {}
+            for u in sg.units:
+                lo, hi = u.shard.start, u.shard.stop
+                base = sg.slices[u.index].start
+                for i, (off, n) in enumerate(zip(u.offsets, u.numels)):
+                    gi = owner.get((u.index, i))
+                    a, b = max(off, lo), min(off + n, hi)
+                    if gi is None or a >= b:
+                        continue
+                    per_group.setdefault(gi, []).append((u, slice(base + a - lo, base + b - lo), slice(a - lo, b - lo), i))
+            out.append(per_group)
+        return out
+
+    # -- step counts ------------------------------------------------------------------------
+    def mark_stepped(self, units) -> set[int]:
+        """``units`` (indices) take a step now; returns those for which it is the first."""
+        first = set(units) & self.never_stepped
+        self.never_stepped -= set(units)
+        return first
+
+    def load_steps(self, steps: torch.Tensor) -> None:
+        """Every unit's step count from ``steps`` (one per unit, in order)."""
+        if steps.numel() != len(self.units):
+            raise ValueError(f"optimizer state has {steps.numel()} step counts, this model has {len(self.units)} units")
+        for u in self.units:
+            self.steps[u.index].fill_(float(steps[u.index]))
+        self.never_stepped = {u.index for u in self.units if float(steps[u.index]) == 0}
+
+    # -- first values and loads -------------------------------------------------------------
+    def init_state(self, prepare=None, done=None) -> None:
+        """Master weights from the parameters' values as the user made them, the algorithm's
+        states as it starts them; and each unit's low-precision parameters into the params
+        tier. One sub-group is in memory at a time; ``prepare(unit)`` runs before a unit's
+        values are read and ``done(unit)`` after (`build`'s models get their values there).
+        Frozen units (no parameter requires grad) have no optimizer state: only their
+        parameters are stored."""
+
+        def values(u):
+            if prepare is not None:
+                prepare(u)
+            try:
+                return u.flat(torch.float32)
+            finally:
+                if done is not None:
+                    done(u)
+
+        for u in self.frozen:
+            whole = values(u)
+            kept = whole[u.shard] if not self.gather_params else whole
+            self.param_store.put(u.name, kept.to(self.param_dtype)).result()
+        for sg, per_group in zip(self.groups, self.slices):
+            flats = []
+            for u in sg.units:
+                whole = values(u)
+                flat = whole[u.shard]
+                kept = flat if not self.gather_params else whole  # see [Note: unit partition]
+                self.param_store.put(u.name, kept.to(self.param_dtype, copy=True)).result()
+                flats.append(flat)
+            master = torch.cat(flats)
+            del flats
+            self.stores["master"].put(sg.record.name_for(), master).result()
+            for kind in self.algorithm.states:
+                value = kind.initial(master, per_group, self.param_groups)
+                self.stores[kind.name].put(sg.record.name_for(), value).result()
+        if self.foreign is not None:
+            self._bind_foreign()
+
+    def _bind_foreign(self) -> None:
+        """Point the user's optimizer at fp32 Parameters that are views of the master weights
+        (on the device, resident: they stay put), one per parameter of its groups."""
+        by_param = {}
+        for sg, per_group in zip(self.groups, self.slices):
+            master = self.stores["master"].get(sg.record.name_for()).result().tensor
+            for entries in per_group.values():
+                for u, s, _, i in entries:
+                    shadow = torch.nn.Parameter(master[s].view(u.shapes[i]))
+                    self.shadows[(u.index, i)] = shadow
+                    by_param[id(u.params[i])] = shadow
+        old_state = dict(self.foreign.state)
+        for group in self.foreign.param_groups:
+            group["params"] = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
+        self.foreign.state.clear()
+        for p, st in old_state.items():  # state it had already (a loaded one, say) follows its parameter
+            if id(p) in by_param:
+                self.foreign.state[by_param[id(p)]] = st
+
+    def load_master(self, values: dict) -> None:
+        """Write new weights (``(unit index, parameter index) -> tensor``: the whole parameter,
+        or a `Piece` of it holding at least this rank's slice of the unit's part) into the master
+        weights and the params tier; the optimizer states stay as they are."""
+        for u in self.frozen:
+            if any((u.index, i) in values for i in range(len(u.params))):
+                self._load_frozen(u, values)
+        for sg in self.groups:
+            units = [u for u in sg.units if any((u.index, i) in values for i in range(len(u.params)))]
+            if not units:
+                continue
+            lease = self.stores["master"].get(sg.record.name_for()).result()
+            try:
+                master = lease.tensor
+                for u in units:
+                    base, lo, hi = sg.slices[u.index].start, u.shard.start, u.shard.stop
+                    for i, (off, n, start) in enumerate(zip(u.offsets, u.numels, u.starts)):
+                        value = values.get((u.index, i))
+                        a, b = max(off, lo), min(off + n, hi)
+                        if value is not None and a < b:
+                            master[base + a - lo : base + b - lo].copy_(_elements(value, start + a - off, start + b - off))
+                self.stores["master"].put(sg.record.name_for(), master).result()
+                self.write_params(sg, units, master)
+                self.param_writes.drain()
+            except BaseException:
+                self.param_writes.discard_errors()
+                raise
+            finally:
+                lease.release()
+
+    def _load_frozen(self, u: ParamUnit, values: dict) -> None:
+        lease = self.param_store.get(u.name).result()
+        try:
+            flat = lease.tensor.reshape(-1)
+            lo = 0 if flat.numel() == u.padded_numel else u.shard.start  # stages 1, 2 keep all of it
+            for i, (off, n, start) in enumerate(zip(u.offsets, u.numels, u.starts)):
+                value = values.get((u.index, i))
+                a, b = max(off, lo), min(off + n, lo + flat.numel())
+                if value is not None and a < b:
+                    flat[a - lo : b - lo].copy_(_elements(value, start + a - off, start + b - off))
+            self.param_store.put(u.name, lease.tensor).result()
+        finally:
+            lease.release()
+
+    # -- new parameters ---------------------------------------------------------------------
+    def write_params(self, group: SubGroup, have: list, master: torch.Tensor, after: list | None = None) -> bool:
+        """The new low-precision parameters of ``have`` (units of ``group``) from ``master``.
+
+        ``after``: the stream's list of writes that hold ``master``'s buffer (`stream_together`).
+        Given, and the parameters fp32 on nvme, each is written straight from ``master``, the
+        buffer held until the write is done: no copy (3.8 GB a step on the 953M model; CPU
+        work beside the stream slows this machine's drive, a copy loop on one core to 0.4-0.45
+        of its idle throughput, benchmarks/io_under_compute.py). Otherwise each write goes from
+        its own pool copy (or cast): ``master`` may be reused before the write is done."""
+        direct = after is not None and self.params_direct()
+        for u in have:
+            s = group.slices[u.index]
+            if self.gather_params:
+                self._gather_new_params(u, master[s])
+            elif direct:
+                after.append(self.param_store.put(u.name, master[s]))
+            else:
+                self.param_writes.add(self.param_store.put(u.name, master[s], copy=True))
+        return True
+
+    def params_direct(self) -> bool:
+        """Whether the update writes new parameters straight from the streamed master weights
+        (`write_params`): fp32 parameters, both on nvme, each rank writing its own."""
+        return (self.param_dtype == torch.float32 and self.param_store.uses_pool
+                and self.stores["master"].uses_pool and not self.gather_params)  # fmt: skip
+
+    def _gather_new_params(self, unit: ParamUnit, master: torch.Tensor) -> None:
+        """Stages 1 and 2: every rank updated its slice; all gather the whole parameters."""
+        shard = master.to(self.param_dtype, copy=True)
+        lease = self.param_store.writable(unit.name)
+        full = lease.tensor
+        with record_function("infinity::gather"):
+            try:
+                self.dist.all_gather(full, shard.to(full.device), f"parameter gather of {unit.name}")
+                pending = self.param_store.put(unit.name, full)
+            except BaseException:
+                lease.release()
+                raise
+        self.param_writes.add(pending, lease)
+
+
+class Piece:
+    """Elements ``[start, start + tensor.numel())`` of a parameter, flattened."""
+
+    __slots__ = ("start", "tensor")
+
+    def __init__(self, start: int, tensor: torch.Tensor):
+        self.start, self.tensor = start, tensor
+
+
+def _elements(value, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of a flattened parameter given whole or as a `Piece`."""
+    if isinstance(value, Piece):
+        flat = value.tensor.detach().reshape(-1)
+        if a < value.start or b > value.start + flat.numel():
+            raise ValueError(f"elements [{a}, {b}) are not in the piece [{value.start}, {value.start + flat.numel()})")
+        return flat[a - value.start : b - value.start]
+    return value.detach().reshape(-1)[a:b]

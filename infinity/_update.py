@@ -1,0 +1,241 @@
+"""The optimizer step: the sub-groups streamed through the algorithm's kernel.
+
+Owns: the update of one step (clipping, the commit of the overlap's early updates, the stream
+of the sub-groups that are left), the read of each sub-group's gradients ahead of its update,
+the kernel calls (one per parameter group, with that group's hyperparameters as they are now),
+and how far the stream reads ahead in the host budget (`StreamedUpdate.fit_read_ahead`).
+Touches: the grads (their norm, their reads), the sub-group states (`_substates`: stores, step
+counts, new parameters), the algorithm (`_algorithms`: its kernel), the overlap (`_overlap`).
+
+The step streams the sub-groups (`_store.stream_together`): on nvme group i+1 is read and i-1
+written back while the update runs on i, and each unit's new low-precision parameters are
+written to the params tier as they are made. Semantics follow the matching ``torch.optim``
+class: only parameters in a group are updated (frozen ones are left alone), a unit without a
+gradient this step is left alone (no decay, no state update), and each unit keeps its own step
+count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.profiler import record_function
+
+from infinity.swap import PoolExhausted, round_up
+
+from ._grads import GradAccumulator
+from ._store import release_unused, stream_together
+from ._substates import SubGroup, SubGroupStates
+
+READ_AHEAD = 3  # sub-groups; see StreamedUpdate.fit_read_ahead
+POOL_SLACK = 0.15  # of the host budget the read-ahead does not plan for; see fit_read_ahead
+
+
+class StreamedUpdate:
+    """The update of every sub-group with a gradient, streamed (see the module's docstring).
+    ``param_groups`` is the optimizer's own list: its hyperparameters as they are now."""
+
+    def __init__(self, substates: SubGroupStates, param_groups: list[dict], grads: GradAccumulator, max_grad_norm):
+        self.substates = substates
+        self.algorithm = substates.algorithm
+        self.param_groups = param_groups
+        self.grads = grads
+        self.max_grad_norm = max_grad_norm  # clip every step to this (the config's)
+        self.clip_next: float | None = None  # clip the next step to this (Engine.clip_grad_norm_)
+        self.clipped_last = False  # the last step clipped (early updates would be discarded)
+        self.ahead = READ_AHEAD
+        self.ahead_bytes: int | None = None  # read-ahead by bytes too (see fit_read_ahead)
+        self.overlap = None  # _overlap.Overlap, set by the engine where it applies
+
+    def update(self, loss_scale: float = 1.0) -> bool:
+        """One update of every parameter with a gradient; False when skipped (non-finite).
+        Sub-groups updated early under backward are committed where valid, see
+        [Note: exact overlap] in `_overlap`."""
+        st = self.substates
+        self.grads.flush()
+        if not self.grads.all_finite():
+            if self.overlap is not None:
+                self.overlap.discard()
+            return False
+        divide = loss_scale  # gradients are stored multiplied by the loss scale
+        clip, self.clip_next = (self.clip_next if self.clip_next is not None else self.max_grad_norm), None
+        self.clipped_last = False
+        if clip is not None:
+            norm = self.grads.global_norm() / loss_scale
+            coef = min(1.0, clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+            divide = loss_scale / coef
+            self.clipped_last = coef < 1.0
+        committed = self.overlap.commit(divide) if self.overlap is not None else set()
+        groups = [g for g in st.groups if g.index not in committed]
+        grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=st.device)
+        grads_now = grads_next = None
+        try:
+            # The next sub-group's gradients are read while this one is updated.
+            grads_next = self._read_grads(groups[0]) if groups else None
+            stores = [st.stores[k] for k in st.kinds]
+            items = stream_together(stores, [g.record.name_for() for g in groups], ahead=self.ahead,
+                                    ahead_bytes=self.ahead_bytes)  # fmt: skip
+            # Iterate the stream itself (not a zip with the groups, which would stop without
+            # resuming the generator after its last item, and so skip that item's write-back).
+            for i, item in enumerate(items):
+                # Read ahead only where the pool has room now, else now that they are needed
+                # (waiting then only for this step's write-behinds, not for reads ahead that
+                # this loop itself would release).
+                grads_now = grads_next if grads_next is not None else self._read_grads(groups[i])
+                grads_next = None  # held as grads_now now: released once on failure, not twice
+                grads_next = self._read_grads(groups[i + 1], wait=False) if i + 1 < len(groups) else None
+                with record_function("infinity::optimizer.subgroup"):
+                    item.write_back = self._update(groups[i].index, item.tensors, grad_scale, grads_now, item.after)
+        except BaseException:
+            # Every buffer goes back; the first error is the one raised.
+            release_unused((*(grads_now or {}).values(), *(grads_next or {}).values()))
+            st.param_writes.discard_errors()
+            raise
+        st.param_writes.drain()
+        return True
+
+    def _read_grads(self, group: SubGroup, wait: bool = True) -> dict | None:
+        """Issue the reads of ``group``'s gradients (unit index -> store Pending of a lease);
+        without ``wait``, only if the pool has room for all of them now (None if not)."""
+        pending = {}
+        try:
+            for u in group.units:
+                if u.index in self.grads.has_grad:
+                    pending[u.index] = self.grads.store.get(u.name, timeout=None if wait else 0)
+        except BaseException as e:
+            release_unused(pending.values())
+            if wait or not isinstance(e, PoolExhausted):
+                raise
+            return None
+        return pending
+
+    def _update(self, index: int, tensors, grad_scale, pending: dict, after: list | None = None) -> bool:
+        """Update sub-group ``index``'s parameters that have a gradient; False when none has.
+        ``after``: see `SubGroupStates.write_params`."""
+        st = self.substates
+        group = st.groups[index]
+        have = [u for u in group.units if u.index in pending]
+        if not have:
+            return False
+        master, states = tensors[0], tensors[1:]
+        grads, leases = {}, []
+        try:
+            for u in have:
+                lease = pending[u.index].result()
+                leases.append(lease)
+                value = lease.tensor
+                if value.numel() != u.shard_numel:  # stage 1 keeps the whole gradient
+                    value = value[u.shard]
+                grads[u.index] = value if value.device == master.device else value.to(master.device)
+            stepped = {u.index for u in have}
+            if st.foreign is not None:
+                self._step_foreign(index, grads, grad_scale)
+                return st.write_params(group, have, master, after)
+            first = st.mark_stepped(stepped)
+            torch._foreach_add_([st.steps[i] for i in stepped], 1.0)
+            self._apply_kernels(index, master, states, grads, grad_scale, st.steps, first)
+        finally:
+            for lease in leases:
+                lease.release()
+        return st.write_params(group, have, master, after)
+
+    def apply(self, index: int, master, states, grads: dict, divide: float, steps: dict, first: set) -> None:
+        """Sub-group ``index``'s update in place on ``master`` and ``states`` from ``grads``
+        (unit -> its gradient shard, divided by ``divide``), with the step counts ``steps``
+        (unit -> the count this update makes) and ``first`` the units stepping for the first time."""
+        grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=self.substates.device)
+        self._apply_kernels(index, master, states, grads, grad_scale, steps, first)
+
+    def _apply_kernels(self, index, master, states, grads, grad_scale, step_of, first) -> None:
+        """The algorithm's kernel once per parameter group over its parameters in sub-group
+        ``index`` that have a gradient."""
+        for gi, entries in self.substates.slices[index].items():
+            entries = [e for e in entries if e[0].index in grads]
+            if not entries:
+                continue
+            self.algorithm.step(
+                self.param_groups[gi],
+                [master[s] for _, s, _, _ in entries],
+                [grads[u.index][gs] for u, _, gs, _ in entries],
+                [[state[s] for _, s, _, _ in entries] for state in states],
+                [step_of[u.index] for u, _, _, _ in entries],
+                [u.index in first for u, _, _, _ in entries],
+                grad_scale,
+            )
+
+    def _step_foreign(self, index: int, grads: dict, grad_scale) -> None:
+        """The user's torch optimizer on sub-group ``index``: gradients as ``.grad`` of the
+        master views (unscaled and clipped first), hyperparameters as ours are now."""
+        st = self.substates
+        used = []
+        for entries in st.slices[index].values():
+            for u, _, gs, i in entries:
+                if u.index in grads:
+                    shadow = st.shadows[(u.index, i)]
+                    g = grads[u.index][gs].view(u.shapes[i])
+                    shadow.grad = g if grad_scale is None else g / grad_scale
+                    used.append(shadow)
+        for mine, theirs in zip(self.param_groups, st.foreign.param_groups):
+            theirs.update({k: v for k, v in mine.items() if k != "params"})
+        try:
+            st.foreign.step()
+        finally:
+            for shadow in used:
+                shadow.grad = None
+
+    # -- host memory ------------------------------------------------------------------------
+    def _largest_state(self, rounded: bool) -> int:
+        """Bytes of the largest sub-group's state, every kind (each rounded to whole pages of
+        the pool where ``rounded``)."""
+        st = self.substates
+        size = round_up if rounded else int
+        return max(sum(size(g.record.nbytes(k)) for k in st.kinds) for g in st.groups)
+
+    def host_bytes_needed(self, ahead: int | None = None) -> int:
+        """Pool bytes the update holds at most: the stream's sub-groups (read ahead: ``ahead``
+        of the largest, the one given or else this optimizer's, or ``ahead_bytes``; one in hand,
+        one written behind), the gradients of one sub-group and the next one's, and three
+        parameter write-behinds (copies; none where they are written from the master weights,
+        `SubGroupStates.params_direct`); each only where its store uses the pool."""
+        st = self.substates
+        if not st.groups:
+            return 0
+        # Each buffer takes whole pages of the pool: counted so, small units are not free.
+        need = 0
+        if st.stores["master"].uses_pool:
+            state = self._largest_state(rounded=True)
+            if ahead is None and self.ahead_bytes is not None:
+                need += 2 * state + self.ahead_bytes
+            else:
+                need += (2 + (self.ahead if ahead is None else ahead)) * state
+        if self.grads.store.uses_pool:  # one buffer per unit
+            need += 2 * max(sum(round_up(4 * u.shard_numel) for u in g.units) for g in st.groups)
+        if st.param_store.uses_pool and not st.params_direct():
+            need += 3 * max(round_up(st.param_dtype.itemsize * u.shard_numel) for u in st.units)
+        return need
+
+    def fit_read_ahead(self, budget: int) -> int:
+        """Read as many sub-groups ahead as ``budget`` allows, up to `READ_AHEAD` (3 measured
+        best here: step time over the I/O floor 1.3 at 1, 1.2 at 2, 1.0-1.1 at 3;
+        benchmarks/engine_bench.py), counted in bytes when the sub-groups differ in size: one
+        vocabulary-sized sub-group (an embedding alone) then holds back only itself, not the
+        read-ahead of every other. At least one ahead; returns the pool bytes the update then
+        needs."""
+        # The read-ahead leaves POOL_SLACK of the budget unplanned: the pool places buffers
+        # first-fit in slabs, and a stream planned to the last byte found no contiguous room
+        # for its next read once other users had cut the slabs (the 25M demo at 46MiB, planned
+        # at 45.1MiB, waited out the pool's timeout). At least one ahead whatever the slack.
+        usable = int(budget * (1 - POOL_SLACK))
+        self.ahead, self.ahead_bytes = READ_AHEAD, None
+        if self.host_bytes_needed() <= usable or not self.substates.groups:
+            return self.host_bytes_needed()
+        largest_state = self._largest_state(rounded=False)
+        self.ahead_bytes = largest_state  # one of the largest ahead, at least
+        spare = usable - self.host_bytes_needed()
+        if spare > 0:
+            self.ahead_bytes += min(spare, (READ_AHEAD - 1) * largest_state)
+        # The slack is part of what the budget must hold: planned to the last byte, the pool
+        # ran out of contiguous room (a step at exactly this figure without it waited out the
+        # pool's timeout: tests/infinity/test_resources.py).
+        return math.ceil(self.host_bytes_needed() / (1 - POOL_SLACK))
