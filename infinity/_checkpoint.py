@@ -53,6 +53,7 @@ from infinity.swap import (
 )  # fmt: skip
 
 from . import _recut, _rng
+from ._substates import state_key
 from .checkpoint import (
     FORMAT, LATEST_NAME, LOCK_NAME, META_NAME, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, check_tag,
     list_checkpoints, load_meta, resolve,
@@ -230,14 +231,14 @@ class _Writer:
 
 def _rank_bytes(engine) -> int:
     """Arena bytes one rank's checkpoint needs (every tensor rounded up to the alignment)."""
-    itemsize = engine.dtype.itemsize
-    total = round_up(len(engine.units) * 4)
+    opt = engine.optimizer
+    total = round_up(len(engine.units) * 4)  # the step counts, fp32
     for u in engine.units:
-        total += round_up(u.shard_numel * itemsize)
-    for g in engine.optimizer.groups:
+        total += round_up(opt.record(u).nbytes("param"))
+    for g in opt.groups:
         for u in g.units:
-            total += len(engine.optimizer.kinds) * round_up(u.shard_numel * 4)
-    for _, tensor in engine.optimizer.foreign_tensors():
+            total += sum(round_up(opt.record(u).nbytes(k)) for k in opt.kinds)
+    for _, tensor in opt.foreign_tensors():
         total += round_up(max(tensor.numel() * tensor.element_size(), 1))
     return total
 
@@ -248,17 +249,17 @@ def _write_state(engine, out: _Writer) -> None:
     for group in opt.groups:
         # The group's optimizer state, kind by kind, as leases of the tier.
         for kind in opt.kinds:
-            lease = opt.states[kind].get(group.name).result()
+            lease = opt.states[kind].get(group.record.name_for()).result()
             try:
                 for u in group.units:
-                    out.put(f"{u.name}/{kind}", lease.tensor[group.slices[u.index]])
+                    out.put(opt.record(u).key(kind), lease.tensor[group.slices[u.index]])
             finally:
                 lease.release()
     for u in engine.units:  # frozen units too: they have parameters and no optimizer state
         lease = engine.param_store.get(u.name).result()
         try:
             flat = lease.tensor.reshape(-1)  # stages 1, 2 keep the whole unit: save the slice
-            out.put(f"{u.name}/param", flat if flat.numel() == u.shard_numel else flat[u.shard])
+            out.put(opt.record(u).key("param"), flat if flat.numel() == u.shard_numel else flat[u.shard])
         finally:
             lease.release()
     out.put("optimizer/steps", opt.state_dict()["unit_steps"])
@@ -482,7 +483,7 @@ class _Sources:
         """``out`` = elements ``[a, b)`` (within ``numel``) of the saved unit ``name``'s flat
         ``kind``, read from the saved ranks' slices, each verified against its checksum."""
         shard = -(-numel // self.world)  # a saved slice's length (the unit padded to the saved world size)
-        tensor = f"{name}/{kind}"
+        tensor = state_key(name, kind)
         for q in range(a // shard, -(-b // shard)) if a < b else ():
             x, y = max(a, q * shard), min(b, (q + 1) * shard)
             reader = self.record(q, tensor, dtype, shard)
@@ -608,13 +609,13 @@ def _load_rank(engine, src: _Sources, meta: dict, cut: _recut.Plan, steps: torch
     writes = WriteBehind(2)
     try:
         for group in opt.groups:
-            for kind in opt.kinds:
+            for kind in opt.algorithm.kinds:
                 def fill(flat, group=group, kind=kind):
                     for u in group.units:
                         dst = flat[group.slices[u.index]]
-                        _fill(src, dst, cut.runs[u.index], u.numel, kind, torch.float32, u.shard.start, u.shard.stop)
+                        _fill(src, dst, cut.runs[u.index], u.numel, kind.name, kind.dtype, u.shard.start, u.shard.stop)
 
-                _load_into(opt.states[kind], group.name, writes, fill)
+                _load_into(opt.states[kind.name], group.record.name_for(), writes, fill)
         same_dtype = meta["param_dtype"] == engine.config.precision.param_dtype
         frozen = {u.index for u in opt.frozen}
         saved_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[meta["param_dtype"]]

@@ -86,14 +86,14 @@ def state_tensors(engine) -> list[int]:
         sizes += [(u.padded_numel if engine.grads_full else u.shard_numel) * 4
                   for u in engine.units if any(u.requires_grad)]  # fmt: skip
     if opt.states["master"].tier == "nvme":
-        sizes += [4 * g.numel for g in opt.groups for _ in opt.kinds]
+        sizes += [g.record.nbytes(k) for g in opt.groups for k in opt.kinds]
     return sizes
 
 
 def staged_tensors(opt, sg) -> list[int]:
     """Bytes of each tensor an early update of sub-group ``sg`` of optimizer ``opt`` stages
     (see [Note: exact overlap]): its states, and its units' new parameters."""
-    return [4 * sg.numel for _ in opt.kinds] + [u.shard_numel * opt.param_dtype.itemsize for u in sg.units]
+    return [sg.record.nbytes(k) for k in opt.kinds] + [opt.record(u).nbytes("param") for u in sg.units]
 
 
 @dataclasses.dataclass

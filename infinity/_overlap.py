@@ -16,7 +16,7 @@ step, or (d) see more gradients: another micro-batch, or a module run again in b
 the early update assumes none of these happens: clip coefficient 1 (what clipping multiplies
 by when the norm is under the limit), the loss scale of now, the hyperparameters of now, and
 the gradients of now (each unit's version). It writes its states and parameters under staged
-names (``<name>~next``), new extents of the swap space, so the states and parameters under
+names (``<name>~next``: `_substates.StateRecord.name_for`, [Note: state keys]), new extents of the swap space, so the states and parameters under
 the real names stay those of the previous step; its step counts are kept aside. At the step,
 once everything is known, each early update whose assumptions all hold is committed: its
 staged tensors take the real names (`infinity.swap.SwapSpace.rename`, no copy) and its step
@@ -48,14 +48,14 @@ from . import _footprint
 
 from ._store import Lease, release_unused
 
-STAGED = "~next"  # the suffix of a staged name: see [Note: exact overlap]
 MAX_IN_HAND = 4  # sub-groups being read or written at once, whatever their size
 
 
 def group_bytes(optimizer, sg) -> int:
     """Pool bytes an early update of ``sg`` holds: its states and gradients read, the copies
     of its new parameters written."""
-    return (len(optimizer.kinds) * 4 + 4 + optimizer.param_dtype.itemsize) * sg.numel
+    params = sum(optimizer.record(u).nbytes("param") for u in sg.units)
+    return sg.record.state_bytes(optimizer.kinds) + 4 * sg.numel + params  # the gradients are fp32
 
 
 class _Early:
@@ -212,7 +212,7 @@ class Overlap:
             return False  # read back once written, not by waiting for the write here
         try:
             for kind in opt.kinds:
-                early.reads.append(opt.states[kind].get(sg.name, timeout=0))
+                early.reads.append(opt.states[kind].get(sg.record.name_for(), timeout=0))
             for u in early.units:
                 early.versions[u.index] = opt.grads.version[u.index]
                 kept = opt.grads.take_kept(u.index)
@@ -252,11 +252,11 @@ class Overlap:
             with record_function("infinity::optimizer.early"):
                 opt.apply(early.index, tensors[0], tensors[1:], grads, early.divide, early.steps, early.first)
             for k, t in zip(opt.kinds, tensors):
-                futures.append(opt.states[k].put(sg.name + STAGED, t))
+                futures.append(opt.states[k].put(sg.record.name_for(staged=True), t))
             for u in early.units:
                 s = sg.slices[u.index]
-                futures.append(opt.param_store.put(u.name + STAGED, tensors[0][s], copy=True, dtype=opt.param_dtype,
-                                                   timeout=0))  # fmt: skip
+                futures.append(opt.param_store.put(opt.record(u).name_for(staged=True), tensors[0][s], copy=True,
+                                                   dtype=opt.param_dtype, timeout=0))  # fmt: skip
             self._early[early.index] = early
         except (PoolExhausted, OutOfSpace):  # no room in the pool or the capped arena: the step updates it
             self._undo(early, leases, futures)
@@ -311,9 +311,9 @@ class Overlap:
         opt = self.opt
         sg = opt.groups[early.index]
         for kind in opt.kinds:
-            opt.states[kind].discard(sg.name + STAGED)
+            opt.states[kind].discard(sg.record.name_for(staged=True))
         for u in early.units:
-            opt.param_store.discard(u.name + STAGED)
+            opt.param_store.discard(opt.record(u).name_for(staged=True))
 
     # -- the step ---------------------------------------------------------------------------
     def commit(self, divide: float) -> set[int]:
@@ -335,9 +335,10 @@ class Overlap:
                 if not valid:
                     continue
                 for kind in opt.kinds:
-                    opt.states[kind].rename(sg.name + STAGED, sg.name)
+                    opt.states[kind].rename(sg.record.name_for(staged=True), sg.record.name_for())
                 for u in early.units:
-                    opt.param_store.rename(u.name + STAGED, u.name)
+                    rec = opt.record(u)
+                    opt.param_store.rename(rec.name_for(staged=True), rec.name_for())
                     opt.steps[u.index].copy_(early.steps[u.index])
                 opt.substates.mark_stepped(early.steps)
                 del self._early[index]

@@ -196,11 +196,11 @@ class Engine:
         # machine without a GPU.
         shard = sum(u.shard_numel for u in units)
         full = sum(u.padded_numel for u in units)
-        trained = sum(u.shard_numel for g in self.optimizer.groups for u in g.units)
+        opt = self.optimizer
         kinds = {
-            "params": (self.param_store, (full if self.optimizer.gather_params else shard) * self.dtype.itemsize),
+            "params": (self.param_store, (full if opt.gather_params else shard) * self.dtype.itemsize),
             "grads": (self.grads.store, (full if self.grads_full else shard) * 4),
-            "optimizer": (self.optimizer.states["master"], len(self.optimizer.kinds) * 4 * trained),
+            "optimizer": (opt.states["master"], sum(g.record.state_bytes(opt.kinds) for g in opt.groups)),
         }
         host = torch.device("cpu")
         resident = {k: n for k, (store, n) in kinds.items() if store.in_place_on(host)}
