@@ -2,7 +2,7 @@
 
 Owns: `infinity.from_pretrained` and the key checks of a load. Touches: `_safetensors` (which
 files, and the tensors one at a time), `_hf_save` (`engine.save_pretrained`: the directory
-written and replaced all at once), `Optimizer.load_master` (weights into the tiers one
+written and replaced all at once), `engine.optimizer.load_master` (weights into the tiers one
 sub-group at a time).
 """
 

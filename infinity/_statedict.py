@@ -6,7 +6,7 @@ it into the tiers (the fp32 master weights and the low-precision parameters; opt
 are left as they are, as torch leaves an optimizer's); the rest loads as usual, and a missing,
 unexpected or mis-shaped key is reported as torch reports it. ``state_dict()`` gives every
 managed parameter's weights (the fp32 masters in the parameter's own dtype) instead of its
-empty placeholder. Touches: the units, `Engine.unit_weights`, `Optimizer.load_master`.
+empty placeholder. Touches: the units, `Engine.unit_weights`, `engine.optimizer.load_master`.
 """
 
 from __future__ import annotations
