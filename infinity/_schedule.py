@@ -21,6 +21,18 @@ as the same view of the unit's memory at backward time (fetching the unit if it 
 A forward that runs again inside backward (activation recomputation) keeps its units until
 their gradients have arrived, for the same reason.
 
+[Note: kept for backward]
+Backward uses the units in the reverse of forward's order, so the units forward used last are
+the ones backward needs first. With the compute on the host (the pool buffer a unit was read
+into is its parameters), a unit that backward will need is kept bound after its forward
+rather than released, as long as the pool keeps room for what the rest of the pass needs
+(`keep_reserve`: a unit in use, ``depth`` prefetched, gradients being written); when it does
+not, the units kept longest go first, those backward needs last. Backward finds the rest bound
+and reads only what was let go: with a budget that holds every unit, each parameter is read
+once a step. A kept unit whose module's backward has not begun is given back whenever a fetch
+or a gradient buffer finds the pool full; one whose backward has begun is in use and never is.
+The values are the ones a second read would give (parameters change only at the step).
+
 [Note: predicted order]
 The first forward uses module registration order (so prefetch works from the first step);
 each forward records the order that really ran, and the next forward predicts it. When a
@@ -130,6 +142,7 @@ class Scheduler:
         prefetch_bytes: int | None,
         gather: bool,
         tiled: dict[nn.Module, list[ParamUnit]] | None = None,
+        keep: bool = True,
     ):
         self.units = units
         self.module_units = module_units
@@ -172,6 +185,13 @@ class Scheduler:
         self.on_backward_due = None
         self.on_unit_final = None
         self.on_pool_pressure = None  # the pool has no room for what backward needs now
+        # Units kept bound after forward for backward, in the order forward left them: see
+        # [Note: kept for backward]. Only with the compute on the host, where the pool buffer
+        # is the parameters (on a GPU it would hold device memory).
+        largest = max((u.padded_numel for u in units), default=0)
+        self.keep = keep and self.device.type == "cpu" and not self.always_ready and self.pool is not None
+        self.keep_reserve = ((depth + 1) * self._itemsize + (grads.max_writes + 1) * 4) * largest
+        self._kept: dict[int, ParamUnit] = {}
 
     # -- hooks ------------------------------------------------------------------------------
     def install(self, root: nn.Module, *, before_forward, after_backward, owner=None) -> None:
@@ -346,13 +366,39 @@ class Scheduler:
                 # that the model may not change in place) says so.
                 _map_tensors(output, lambda t: _on_grad(t, functools.partial(self._grad_arrives, module)))
         for unit in units:
-            self.release(unit, after_forward=True)
+            if not self._keep_for_backward(unit):
+                self.release(unit, after_forward=True)
         return output
+
+    def _keep_for_backward(self, unit: ParamUnit) -> bool:
+        """Keep ``unit`` bound after its forward for backward, giving back the units kept
+        longest while the pool is short of `keep_reserve` ([Note: kept for backward])."""
+        if (not self.keep or unit.uses <= 0 or unit.active > 0 or unit.is_tile or unit.lease is None
+                or unit.state is not UnitState.READY):  # fmt: skip
+            return False
+        self._kept.pop(unit.index, None)
+        self._kept[unit.index] = unit  # the newest: needed first in backward
+        while self._kept and self.pool.budget_bytes - self.pool.in_use_bytes < self.keep_reserve:
+            self._let_go(next(iter(self._kept.values())))
+        return unit.index in self._kept
+
+    def _let_go(self, unit: ParamUnit) -> None:
+        """Release a kept unit: backward reads it again."""
+        del self._kept[unit.index]
+        self.release(unit, after_forward=True)
+
+    def _give_back_kept(self) -> None:
+        """The pool is full: release every unit kept for a backward that has not reached it."""
+        for unit in list(self._kept.values()):
+            self._let_go(unit)
 
     def pre_backward(self, module: nn.Module) -> None:
         # Several outputs of one call each run this; the first materialises, the rest find it ready.
         pos = self.backward_order.advance(module) if self.backward_order.valid else None
         for unit in self._held(module):
+            if self._kept.pop(unit.index, None) is not None:  # in use from here: never given back
+                for c in self.stats.both():
+                    c.kept_for_backward += 1
             self.materialize(unit)
         if pos is not None:
             self._prefetch(self.backward_order, pos + 1)
@@ -507,6 +553,7 @@ class Scheduler:
             if not wait:
                 return False
             self._cancel_prefetches()
+            self._give_back_kept()
             if self.on_pool_pressure is not None:
                 self.on_pool_pressure()
             pending = self.store.get(unit.name, urgent=True)
@@ -521,6 +568,7 @@ class Scheduler:
         try:
             return self.pool.acquire(nbytes, timeout=0)
         except PoolExhausted:
+            self._give_back_kept()
             if self.on_pool_pressure is not None:
                 self.on_pool_pressure()
             return self.pool.acquire(nbytes)
@@ -608,6 +656,7 @@ class Scheduler:
             return  # a prefetch for a coming module: keep it
         if unit.state is UnitState.READY:
             with held_interrupts:  # see [Note: interrupt windows]
+                self._kept.pop(unit.index, None)
                 self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
                 unit.unbind()
                 if unit.lease is not None:

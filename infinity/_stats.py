@@ -70,6 +70,7 @@ class Counters:
     fetches: int = 0  # parameter units materialised
     prefetch_hits: int = 0  # ... whose read was already issued when they were needed
     on_demand: int = 0  # ... read only when needed (first use, or the order departed from the trace)
+    kept_for_backward: int = 0  # units backward found still in memory from forward (not read again)
     skipped_steps: int = 0  # fp16 overflows
     h2d_bytes: int = 0  # parameters copied host -> GPU (side stream)
     h2d_seconds: float = 0.0  # ... the GPU time of those copies (CUDA events)
@@ -82,6 +83,7 @@ class Counters:
             "fetches": self.fetches,
             "prefetch_hits": self.prefetch_hits,
             "on_demand": self.on_demand,
+            "kept_for_backward": self.kept_for_backward,
             "skipped_steps": self.skipped_steps,
             "h2d_bytes": self.h2d_bytes,
             "h2d_seconds": self.h2d_seconds,

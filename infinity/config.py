@@ -314,10 +314,16 @@ class PrefetchConfig:
     """Modules ahead of the one running (0: fetch each on use)."""
     bytes: Size | None = None
     """A byte budget ahead, when set; prefetch stops at whichever of the two limits comes first."""
+    keep: bool = True
+    """Computing on the host: keep the units forward used last in memory for backward, as far
+    as memory.host_budget allows, instead of reading them again ([Note: kept for backward] in
+    infinity/_schedule.py). False: backward reads every unit again."""
 
     def __post_init__(self) -> None:
         _int(self, "depth", 0)
         _size(self, "bytes", none_ok=True)
+        if not isinstance(self.keep, bool):
+            raise _type_error(self, "keep", "true or false", self.keep)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

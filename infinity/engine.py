@@ -158,7 +158,7 @@ class Engine:
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
         self._managed = {id(p) for u in units for p in u.params}  # see _check_training
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
-                                   depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes,
+                                   depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes, keep=cfg.prefetch.keep,
                                    gather=self.params_sharded and self.dist.active, tiled=tiled)  # fmt: skip
         if self.scheduler.always_ready:
             for unit in units:

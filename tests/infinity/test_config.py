@@ -141,6 +141,7 @@ BAD = [
     ({"optimizer": {"overlap_disk": -0.1}}, "optimizer.overlap_disk: -0.1 must be in [0.0, inf)"),
     ({"optimizer": {"overlap_disk": "30%"}}, "optimizer.overlap_disk: expected a number"),
     ({"nvme": {"keep": "no"}}, "nvme.keep: expected true or false"),
+    ({"prefetch": {"keep": 1}}, "prefetch.keep: expected true or false"),
     ({"optimizer": {"type": "lamb"}}, "optimizer.type: 'lamb' is not one of adamw, adam, sgd, adagrad"),
     ({"optimizer": {"type": 1}}, "optimizer.type"),
     ({"optimizer": {"momentum": -0.5}}, "optimizer.momentum"),
@@ -192,7 +193,7 @@ _RIGHT_TYPE = {
 }
 
 
-_EVERY_VALUE_IN_RANGE = {"optimizer.overlap", "nvme.keep"}
+_EVERY_VALUE_IN_RANGE = {"optimizer.overlap", "nvme.keep", "prefetch.keep"}
 
 
 def test_the_table_has_a_wrong_type_and_an_out_of_range_value_for_every_key():

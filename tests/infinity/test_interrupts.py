@@ -30,9 +30,9 @@ def _batch(step: int):
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
-def _cfg(path, overlap=True):
+def _cfg(path, overlap=True, keep=True):
     os.makedirs(path, exist_ok=True)
-    return config(path, NVME, optimizer={"overlap": overlap, "sub_group_size": "1KiB"})
+    return config(path, NVME, optimizer={"overlap": overlap, "sub_group_size": "1KiB"}, prefetch={"keep": keep})
 
 
 class _Interrupt(torch.autograd.Function):
@@ -198,7 +198,8 @@ def test_a_ctrl_c_in_a_parameter_fetch_leaves_the_engine_loadable_and_exact(tmp_
     uninterrupted run; close() then frees the swap directory for a new engine."""
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     expected = _reference(tmp_path, 3)
-    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a"))
+    # prefetch.keep off: forward releases each unit after use, so the windows are in forward
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", keep=False))
     engine.backward(_loss(engine, 0))
     engine.step()
     engine.save_checkpoint(tmp_path / "ckpt")
@@ -311,7 +312,8 @@ def test_a_ctrl_c_while_prefetches_are_given_back_leaves_the_engine_loadable(tmp
     them back first. A Ctrl-C as one of those reads is given back (its lease released, the unit
     not yet marked released) must not leave a unit fetching with no read."""
     expected = _reference(tmp_path, 2)
-    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a"))
+    # prefetch.keep off: the units backward needs first are prefetched, not kept from forward
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", keep=False))
     engine.backward(_loss(engine, 0))
     engine.step()
     engine.save_checkpoint(tmp_path / "ckpt")

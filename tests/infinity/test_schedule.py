@@ -1,0 +1,60 @@
+"""The scheduler's fetch and release around forward and backward: units kept from forward for
+backward ([Note: kept for backward] in infinity/_schedule.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import config  # noqa: E402
+
+NVME = ("nvme", "nvme", "nvme")
+
+
+def _layers() -> nn.Module:
+    torch.manual_seed(0)  # eight 257KiB units (fp32) and two small ones
+    return nn.Sequential(nn.Linear(16, 256), *[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(8)],
+                         nn.Linear(256, 4))  # fmt: skip
+
+
+def _run(path, keep: bool, budget: str, steps: int = 3):
+    cfg = config(path, NVME, prefetch={"keep": keep}, memory={"host_budget": budget},
+                 optimizer={"overlap": False, "sub_group_size": "256KiB"})  # fmt: skip
+    engine = infinity.initialize(_layers(), cfg)
+    try:
+        losses = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = ((engine(x) - y) ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        st = engine.stats()["step"]
+        fp32 = 4 * sum(u.shard_numel for u in engine.units)
+        return losses, engine.gathered_weights(), st["nvme"]["by_kind"]["param"]["read_bytes"], fp32, st
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("budget", ["64MiB", "3584KiB"], ids=["all-fit", "tight"])
+def test_units_kept_from_forward_are_not_read_again_and_change_nothing(tmp_path, budget):
+    off = _run(tmp_path / "off", False, budget)
+    on = _run(tmp_path / "on", True, budget)
+    assert on[0] == off[0]
+    for k in off[1]:
+        assert torch.equal(on[1][k], off[1][k]), k
+    read_off, read_on, fp32 = off[2], on[2], on[3]
+    assert read_off == 2 * fp32  # forward and backward each read every unit
+    assert off[4]["kept_for_backward"] == 0
+    if budget == "64MiB":  # every unit fits beside what the pass needs: each is read once a step
+        assert read_on == fp32 and on[4]["kept_for_backward"] == 10
+    else:  # the units forward used last are kept, the rest read again
+        assert fp32 < read_on < 2 * fp32 and 0 < on[4]["kept_for_backward"] < 10, (read_on, fp32, on[4])
