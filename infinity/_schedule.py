@@ -371,16 +371,28 @@ class Scheduler:
         return output
 
     def _keep_for_backward(self, unit: ParamUnit) -> bool:
+        """After ``unit``'s module's forward: keep it for backward if backward will use it
+        (a tile was kept or not by its module's own forward: `_tiled`)."""
+        if unit.is_tile:
+            return unit.index in self._kept
+        return unit.uses > 0 and self.keep_for_backward(unit)
+
+    def keep_for_backward(self, unit: ParamUnit) -> bool:
         """Keep ``unit`` bound after its forward for backward, giving back the units kept
         longest while the pool is short of `keep_reserve` ([Note: kept for backward])."""
-        if (not self.keep or unit.uses <= 0 or unit.active > 0 or unit.is_tile or unit.lease is None
-                or unit.state is not UnitState.READY):  # fmt: skip
+        if not self.keep or unit.active > 0 or unit.lease is None or unit.state is not UnitState.READY:
             return False
         self._kept.pop(unit.index, None)
         self._kept[unit.index] = unit  # the newest: needed first in backward
         while self._kept and self.pool.budget_bytes - self.pool.in_use_bytes < self.keep_reserve:
             self._let_go(next(iter(self._kept.values())))
         return unit.index in self._kept
+
+    def take_kept(self, unit: ParamUnit) -> None:
+        """``unit`` is in use from now (its backward began): never given back while kept."""
+        if self._kept.pop(unit.index, None) is not None:
+            for c in self.stats.both():
+                c.kept_for_backward += 1
 
     def _let_go(self, unit: ParamUnit) -> None:
         """Release a kept unit: backward reads it again."""
@@ -396,9 +408,7 @@ class Scheduler:
         # Several outputs of one call each run this; the first materialises, the rest find it ready.
         pos = self.backward_order.advance(module) if self.backward_order.valid else None
         for unit in self._held(module):
-            if self._kept.pop(unit.index, None) is not None:  # in use from here: never given back
-                for c in self.stats.both():
-                    c.kept_for_backward += 1
+            self.take_kept(unit)
             self.materialize(unit)
         if pos is not None:
             self._prefetch(self.backward_order, pos + 1)

@@ -6,8 +6,9 @@ prefetch and release a tile, and to hand it a tile's gradients), the tiles' memo
 
 Forward computes the output rows (Linear: the output features; Embedding: the looked-up rows)
 of one tile at a time, the next tile's read in flight meanwhile, and releases each tile after
-use; only the input is saved for backward. Backward goes over the tiles in the same order,
-fetching them again only when the input needs a gradient (the weight's needs the input and
+use (or keeps the last ones for backward, where the pool has room); only the input is saved for
+backward. A Linear's backward goes over the tiles in the reverse order, fetching them again (but
+those kept) only when the input needs a gradient (the weight's needs the input and
 the output's gradient alone): a tile's weight gradient is complete as soon as that tile is
 done, so it is handed on (written behind, or updated early by the overlapped optimizer)
 before the next tile is read. The input gradient is summed over the tiles in fp32 and cast
@@ -44,19 +45,23 @@ class _Tiles:
         return s
 
     @contextlib.contextmanager
-    def use(self, scheduler, k: int):
-        """Tile ``k`` ready to read, the next one's read started; released after (also when
-        the work on it fails)."""
+    def use(self, scheduler, k: int, step: int = 1, keep: bool = False):
+        """Tile ``k`` ready to read, the read of the next one (``k + step``) started; released
+        after (also when the work on it fails), or, with ``keep`` (a forward whose backward
+        reads the tiles again), kept for backward where the pool has room ([Note: kept for
+        backward] in `_schedule`)."""
         unit = self.tiles[k]
+        scheduler.take_kept(unit)
         scheduler.materialize(unit)
-        if k + 1 < len(self.tiles):
-            scheduler.prefetch_unit(self.tiles[k + 1])
+        if 0 <= k + step < len(self.tiles):
+            scheduler.prefetch_unit(self.tiles[k + step])
         unit.active += 1
         try:
             yield unit
         finally:
             unit.active -= 1
-            scheduler.release(unit, after_forward=True)
+            if not (keep and scheduler.keep_for_backward(unit)):
+                scheduler.release(unit, after_forward=True)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -64,8 +69,11 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, tiles: _Tiles):
         scheduler = tiles.live()
         out = None
+        # Backward reads the tiles again for the input's gradient, last tile first: the tiles
+        # read last here are kept for it where the pool has room.
+        keep = ctx.needs_input_grad[0]  # False without grad (forward runs with grad off)
         for k in range(len(tiles.tiles)):
-            with tiles.use(scheduler, k) as unit:
+            with tiles.use(scheduler, k, keep=keep) as unit:
                 lo, hi = unit.rows
                 b = unit.piece(1) if bias is not None else None
                 y = F.linear(x, unit.piece(0), b)  # under autocast too: the caller's autocast state holds here
@@ -88,10 +96,13 @@ class _LinearFn(torch.autograd.Function):
         g = grad_out.to(cdt)
         xc = x.to(cdt).reshape(-1, x.shape[-1])
         gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_x else None
-        for k, unit in enumerate(tiles.tiles):
+        # The last tile first: forward read it last, and may have kept it ([Note: kept for
+        # backward] in `_schedule`).
+        for k in reversed(range(len(tiles.tiles))):
+            unit = tiles.tiles[k]
             # The weights are read only for the input's gradient; the weight's and the bias's
             # need the input and the output's gradient alone.
-            with tiles.use(scheduler, k) if need_x else contextlib.nullcontext(unit):
+            with tiles.use(scheduler, k, step=-1) if need_x else contextlib.nullcontext(unit):
                 lo, hi = unit.rows
                 gk = g[..., lo:hi]
                 if need_x:
@@ -147,9 +158,12 @@ def _embedding_forward(module: nn.Embedding, tiles: _Tiles, ids):
 
 
 def ahead(module: nn.Module, tiles, backward: bool) -> list:
-    """The tiles the scheduler prefetches before ``module`` runs: the first (the Function reads
-    the rest one ahead), none before an embedding's backward, which reads no weights."""
-    return [] if backward and type(module) is nn.Embedding else tiles[:1]
+    """The tiles the scheduler prefetches before ``module`` runs: the one it reads first (the
+    Function reads the rest one ahead): the first in forward, the last in a Linear's backward;
+    none before an embedding's backward, which reads no weights."""
+    if backward:
+        return [] if type(module) is nn.Embedding else tiles[-1:]
+    return tiles[:1]
 
 
 def install(module: nn.Module, scheduler, tiles) -> None:

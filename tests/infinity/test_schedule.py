@@ -24,8 +24,8 @@ def _layers() -> nn.Module:
                          nn.Linear(256, 4))  # fmt: skip
 
 
-def _run(path, keep: bool, budget: str, steps: int = 3):
-    cfg = config(path, NVME, prefetch={"keep": keep}, memory={"host_budget": budget},
+def _run(path, keep: bool, budget: str, steps: int = 3, tile_size: str | None = None):
+    cfg = config(path, NVME, prefetch={"keep": keep}, memory={"host_budget": budget, "tile_size": tile_size},
                  optimizer={"overlap": False, "sub_group_size": "256KiB"})  # fmt: skip
     engine = infinity.initialize(_layers(), cfg)
     try:
@@ -58,3 +58,15 @@ def test_units_kept_from_forward_are_not_read_again_and_change_nothing(tmp_path,
         assert read_on == fp32 and on[4]["kept_for_backward"] == 10
     else:  # the units forward used last are kept, the rest read again
         assert fp32 < read_on < 2 * fp32 and 0 < on[4]["kept_for_backward"] < 10, (read_on, fp32, on[4])
+
+
+def test_tiles_kept_from_forward_are_not_read_again(tmp_path):
+    """Every 257KiB Linear in 64KiB tiles: forward keeps its last tiles, backward goes over them
+    last tile first, and with a budget that holds them all each tile is read once a step."""
+    off = _run(tmp_path / "off", False, "64MiB", tile_size="64KiB")
+    on = _run(tmp_path / "on", True, "64MiB", tile_size="64KiB")
+    assert on[0] == off[0]
+    for k in off[1]:
+        assert torch.equal(on[1][k], off[1][k]), k
+    assert off[2] == 2 * on[3] and on[2] == on[3], (off[2], on[2], on[3])
+    assert on[4]["kept_for_backward"] > 10  # the tiles, and the two small whole units
