@@ -173,7 +173,7 @@ class Adagrad(Algorithm):
 
 class TorchOptimizer(Algorithm):
     """Any other torch optimizer, every tier on the device: its state is its own (stepped on
-    views of the master weights, `_update.Update`), the engine keeps only the master weights."""
+    views of the master weights, `_update.StreamedUpdate`), the engine keeps only the master weights."""
 
     name = "torch"
 

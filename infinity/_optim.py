@@ -45,7 +45,8 @@ class Optimizer(torch.optim.Optimizer):
         self.updater = StreamedUpdate(self.substates, self.param_groups, grads, max_grad_norm)
         # What the rest of the engine reads of them, fixed at initialize (the objects are shared).
         sub = self.substates
-        self.units, self.groups, self.frozen = sub.units, sub.groups, sub.frozen  # groups: SubGroups of the trainable units
+        self.units, self.frozen = sub.units, sub.frozen
+        self.groups = sub.groups  # SubGroups of the trainable units
         self.states = sub.stores  # kind -> Store, all in the optimizer tier: algorithm.kind_names
         self.param_store, self.param_dtype, self.device = sub.param_store, sub.param_dtype, sub.device
         self.gather_params, self.steps, self.foreign = sub.gather_params, sub.steps, sub.foreign
