@@ -27,7 +27,9 @@ the ones backward needs first. With the compute on the host (the pool buffer a u
 into is its parameters), a unit that backward will need is kept bound after its forward
 rather than released, as long as the pool keeps room for what the rest of the pass needs
 (`keep_reserve`: a unit in use, ``depth`` prefetched, gradients being written); when it does
-not, the units kept longest go first, those backward needs last. Backward finds the rest bound
+not, the units kept longest go first, those backward needs last. The optimizer's early updates
+under backward ([Note: exact overlap] in `_overlap`) have their room planned from the same
+budget: it is part of the reserve, so kept units never take it. Backward finds the rest bound
 and reads only what was let go: with a budget that holds every unit, each parameter is read
 once a step. A kept unit whose module's backward has not begun is given back whenever a fetch
 or a gradient buffer finds the pool full; one whose backward has begun is in use and never is.
@@ -61,6 +63,7 @@ from ._stats import Stats
 from ._store import Store
 from ._transport import Transport
 from ._units import ParamUnit, UnitState
+from ._update import POOL_SLACK
 
 
 class _Order:
@@ -191,6 +194,9 @@ class Scheduler:
         largest = max((u.padded_numel for u in units), default=0)
         self.keep = keep and self.device.type == "cpu" and not self.always_ready and self.pool is not None
         self.keep_reserve = ((depth + 1) * self._itemsize + (grads.max_writes + 1) * 4) * largest
+        # What the pool may hold with kept units in it: its budget less the slack that the plans
+        # of the pool leave (buffers placed in slabs do not fill it to the byte).
+        self.keep_limit = int(self.pool.budget_bytes * (1 - POOL_SLACK)) if self.pool is not None else 0
         self._kept: dict[int, ParamUnit] = {}
 
     # -- hooks ------------------------------------------------------------------------------
@@ -384,7 +390,7 @@ class Scheduler:
             return False
         self._kept.pop(unit.index, None)
         self._kept[unit.index] = unit  # the newest: needed first in backward
-        while self._kept and self.pool.budget_bytes - self.pool.in_use_bytes < self.keep_reserve:
+        while self._kept and self.keep_limit - self.pool.in_use_bytes < self.keep_reserve:
             self._let_go(next(iter(self._kept.values())))
         return unit.index in self._kept
 

@@ -179,6 +179,8 @@ class Engine:
             self.scheduler.on_backward_due = self._backward_due
             self.scheduler.on_unit_final = self.optimizer.overlap.unit_final
             self.scheduler.on_pool_pressure = self.optimizer.overlap.relieve
+            # The optimizer's room under backward is not the kept units' ([Note: kept for backward]).
+            self.scheduler.keep_reserve += self._overlap_budget
 
     def _check_memory(self, cfg: TierConfig, units) -> None:
         """Refuse at initialize a host budget the pipelines cannot run in, or a placement the
