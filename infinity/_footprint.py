@@ -168,7 +168,8 @@ def share(fp: Footprint, dist, space) -> None:
         return
     host = socket.gethostname()
     held = space.arena_sizes()
-    mine = [[f"{host}:{os.stat(d).st_dev}", s, disk_free(d), h] for d, s, h in zip(space.rank_dirs, fp.state, held)]
+    mine = [[f"{host}:{os.stat(d).st_dev}", s, a - h, h]  # a - h: the free space `plan` read
+            for d, s, a, h in zip(space.rank_dirs, fp.state, fp.available, held)]  # fmt: skip
     every = [json.loads(t) for t in dist.gather_text(json.dumps(mine), "the disk footprint check at initialize")]
     for k, (key, state, _, _) in enumerate(mine):
         alike = [(r, s, f, h) for r, drives in enumerate(every) for fs, s, f, h in drives if fs == key]

@@ -16,8 +16,9 @@ step, or (d) see more gradients: another micro-batch, or a module run again in b
 the early update assumes none of these happens: clip coefficient 1 (what clipping multiplies
 by when the norm is under the limit), the loss scale of now, the hyperparameters of now, and
 the gradients of now (each unit's version). It writes its states and parameters under staged
-names (``<name>~next``: `_substates.StateRecord.name_for`, [Note: state keys]), new extents of the swap space, so the states and parameters under
-the real names stay those of the previous step; its step counts are kept aside. At the step,
+names (``<name>~next``: `_substates.StateRecord.name_for`, [Note: state keys]), new extents
+of the swap space, so the states and parameters under the real names stay those of the
+previous step; its step counts are kept aside. At the step,
 once everything is known, each early update whose assumptions all hold is committed: its
 staged tensors take the real names (`infinity.swap.SwapSpace.rename`, no copy) and its step
 counts replace the old ones. Every other one is discarded and its sub-group updated then, as

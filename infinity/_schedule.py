@@ -25,11 +25,13 @@ their gradients have arrived, for the same reason.
 Backward uses the units in the reverse of forward's order, so the units forward used last are
 the ones backward needs first. With the compute on the host (the pool buffer a unit was read
 into is its parameters), a unit that backward will need is kept bound after its forward
-rather than released, as long as the pool keeps room for what the rest of the pass needs
-(`keep_reserve`: a unit in use, ``depth`` prefetched, gradients being written); when it does
-not, the units kept longest go first, those backward needs last. The optimizer's early updates
-under backward ([Note: exact overlap] in `_overlap`) have their room planned from the same
-budget: it is part of the reserve, so kept units never take it. Backward finds the rest bound
+rather than released, as long as the pool keeps room for what the rest of the pass needs (the
+engine's plan gives `keep_limit`: the budget less its slack and backward's own buffers, a unit
+in use, ``depth`` prefetched, gradients being written); when it does not, the units kept
+longest go first, those backward needs last. Where the optimizer's early updates under
+backward ([Note: exact overlap] in `_overlap`) are planned, they have that room and nothing is
+kept (kept units took it at a 2.7B model's 2GiB budget: forward then waited on the pool, and
+the RSS passed its bound). Backward finds the rest bound
 and reads only what was let go: with a budget that holds every unit, each parameter is read
 once a step. A kept unit whose module's backward has not begun is given back whenever a fetch
 or a gradient buffer finds the pool full; one whose backward has begun is in use and never is.
@@ -63,7 +65,6 @@ from ._stats import Stats
 from ._store import Store
 from ._transport import Transport
 from ._units import ParamUnit, UnitState
-from ._update import POOL_SLACK
 
 
 class _Order:
@@ -146,6 +147,7 @@ class Scheduler:
         gather: bool,
         tiled: dict[nn.Module, list[ParamUnit]] | None = None,
         keep: bool = True,
+        keep_limit: int = 0,
     ):
         self.units = units
         self.module_units = module_units
@@ -188,15 +190,12 @@ class Scheduler:
         self.on_backward_due = None
         self.on_unit_final = None
         self.on_pool_pressure = None  # the pool has no room for what backward needs now
-        # Units kept bound after forward for backward, in the order forward left them: see
-        # [Note: kept for backward]. Only with the compute on the host, where the pool buffer
-        # is the parameters (on a GPU it would hold device memory).
-        largest = max((u.padded_numel for u in units), default=0)
-        self.keep = keep and self.device.type == "cpu" and not self.always_ready and self.pool is not None
-        self.keep_reserve = ((depth + 1) * self._itemsize + (grads.max_writes + 1) * 4) * largest
-        # What the pool may hold with kept units in it: its budget less the slack that the plans
-        # of the pool leave (buffers placed in slabs do not fill it to the byte).
-        self.keep_limit = int(self.pool.budget_bytes * (1 - POOL_SLACK)) if self.pool is not None else 0
+        # Units kept bound after forward for backward, in the order forward left them, while
+        # the pool holds at most ``keep_limit`` bytes: see [Note: kept for backward]. Only with
+        # the compute on the host, where the pool buffer is the parameters (on a GPU it would
+        # hold device memory).
+        self.keep = keep and keep_limit > 0 and self.device.type == "cpu" and not self.always_ready
+        self.keep_limit = keep_limit
         self._kept: dict[int, ParamUnit] = {}
 
     # -- hooks ------------------------------------------------------------------------------
@@ -385,12 +384,12 @@ class Scheduler:
 
     def keep_for_backward(self, unit: ParamUnit) -> bool:
         """Keep ``unit`` bound after its forward for backward, giving back the units kept
-        longest while the pool is short of `keep_reserve` ([Note: kept for backward])."""
+        longest while the pool holds more than `keep_limit` ([Note: kept for backward])."""
         if not self.keep or unit.active > 0 or unit.lease is None or unit.state is not UnitState.READY:
             return False
         self._kept.pop(unit.index, None)
         self._kept[unit.index] = unit  # the newest: needed first in backward
-        while self._kept and self.keep_limit - self.pool.in_use_bytes < self.keep_reserve:
+        while self._kept and self.pool.in_use_bytes > self.keep_limit:
             self._let_go(next(iter(self._kept.values())))
         return unit.index in self._kept
 

@@ -51,7 +51,6 @@ class _Tiles:
         reads the tiles again), kept for backward where the pool has room ([Note: kept for
         backward] in `_schedule`)."""
         unit = self.tiles[k]
-        scheduler.take_kept(unit)
         scheduler.materialize(unit)
         if 0 <= k + step < len(self.tiles):
             scheduler.prefetch_unit(self.tiles[k + step])
@@ -102,6 +101,7 @@ class _LinearFn(torch.autograd.Function):
             unit = tiles.tiles[k]
             # The weights are read only for the input's gradient; the weight's and the bias's
             # need the input and the output's gradient alone.
+            scheduler.take_kept(unit)
             with tiles.use(scheduler, k, step=-1) if need_x else contextlib.nullcontext(unit):
                 lo, hi = unit.rows
                 gk = g[..., lo:hi]

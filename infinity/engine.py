@@ -159,7 +159,7 @@ class Engine:
         self._managed = {id(p) for u in units for p in u.params}  # see _check_training
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes, keep=cfg.prefetch.keep,
-                                   gather=self.params_sharded and self.dist.active, tiled=tiled)  # fmt: skip
+                                   keep_limit=self._keep_limit(cfg), gather=self.params_sharded and self.dist.active, tiled=tiled)  # fmt: skip
         if self.scheduler.always_ready:
             for unit in units:
                 self.scheduler.materialize(unit)
@@ -179,8 +179,6 @@ class Engine:
             self.scheduler.on_backward_due = self._backward_due
             self.scheduler.on_unit_final = self.optimizer.overlap.unit_final
             self.scheduler.on_pool_pressure = self.optimizer.overlap.relieve
-            # The optimizer's room under backward is not the kept units' ([Note: kept for backward]).
-            self.scheduler.keep_reserve += self._overlap_budget
 
     def _check_memory(self, cfg: TierConfig, units) -> None:
         """Refuse at initialize a host budget the pipelines cannot run in, or a placement the
@@ -191,6 +189,7 @@ class Engine:
             itemsize = self.dtype.itemsize
             needs["forward/backward"] = ((cfg.prefetch.depth + 1) * itemsize + (self.grads.max_writes + 1) * 4) * largest
         backward = needs.get("forward/backward", 0)
+        self._backward_bytes = backward
         self.overlap_from = self._overlap_from(cfg, backward)
         _resources.check_host_budget(cfg, needs, largest * 4, overlap_from=self.overlap_from)
         self._overlap_budget = self._fit_overlap(cfg, backward, needs["optimizer step"])
@@ -214,6 +213,14 @@ class Engine:
                 logger.info("optimizer.overlap: the disk has no room for a sub-group's staged copies beside the "
                             "state; the optimizer runs after backward")  # fmt: skip
                 self._overlap_budget = 0
+
+    def _keep_limit(self, cfg: TierConfig) -> int:
+        """Pool bytes in use up to which units stay kept from forward for backward ([Note: kept
+        for backward] in `_schedule`): what the budget, less its slack, leaves beside the
+        backward's own buffers; none when the optimizer's early updates are planned into it."""
+        if self._overlap_budget:
+            return 0
+        return int(cfg.memory.host_budget * (1 - POOL_SLACK)) - self._backward_bytes
 
     def _overlap_applies(self, cfg: TierConfig) -> bool:
         """Whether the optimizer can run under backward at all, whatever the budget (see

@@ -13,7 +13,7 @@ from torch import nn
 import infinity
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import config  # noqa: E402
+from _common import config, train  # noqa: E402
 
 NVME = ("nvme", "nvme", "nvme")
 
@@ -29,14 +29,7 @@ def _run(path, keep: bool, budget: str, steps: int = 3, tile_size: str | None = 
                  optimizer={"overlap": False, "sub_group_size": "256KiB"})  # fmt: skip
     engine = infinity.initialize(_layers(), cfg)
     try:
-        losses = []
-        for step in range(steps):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            loss = ((engine(x) - y) ** 2).mean()
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train(engine, steps)
         st = engine.stats()["step"]
         fp32 = 4 * sum(u.shard_numel for u in engine.units)
         return losses, engine.gathered_weights(), st["nvme"]["by_kind"]["param"]["read_bytes"], fp32, st
