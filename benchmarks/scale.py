@@ -11,6 +11,7 @@ initialize checked, the arena's cap and the size it reached, over the state).
 
     python benchmarks/scale.py [--dir bench-data/] [--steps 3] [--host-budget 4GiB] [--json]
                                [--hidden 2048 --layers 16 --intermediate 5632]  (2.7B: 2560 32 6912)
+                               [--no-overlap] [--no-keep]
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--host-budget", default="4GiB")
     p.add_argument("--sub-group-size", default="128MiB")
     p.add_argument("--tile-size", default="32MiB", help='memory.tile_size ("none": no tiles)')
+    p.add_argument("--no-overlap", action="store_true", help="optimizer.overlap = false")
+    p.add_argument("--no-keep", action="store_true", help="prefetch.keep = false (backward reads every unit again)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     import transformers
@@ -93,7 +96,8 @@ def main(argv=None) -> int:
         tiers = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [work]},
                  "memory": {"host_budget": args.host_budget,
                             "tile_size": None if args.tile_size == "none" else args.tile_size},
-                 "optimizer": {"lr": 1e-4, "sub_group_size": args.sub_group_size}}  # fmt: skip
+                 "optimizer": {"lr": 1e-4, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap},
+                 "prefetch": {"keep": not args.no_keep}}  # fmt: skip
         torch.manual_seed(0)
         base = rss()
         reset_peak()
