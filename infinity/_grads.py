@@ -7,16 +7,35 @@ gradient's squared norm and finiteness. Touches: the grads `Store` (leases), the
 Accumulation over micro-batches: the first backward of a step writes a unit's gradient, later
 ones read, add and write it back. On nvme the write is behind (at most ``max_writes`` in
 flight, each from the pool buffer it was gathered in, so nothing is staged twice). The squared
-norm and finiteness of each unit's accumulated gradient are kept as it is written, so the
+norm and finiteness of each unit's accumulated gradient are kept as it is stored, so the
 optimizer knows the global norm (clipping) and an fp16 overflow before it reads any back.
+
+[Note: gradients held]
+Backward makes the gradients in the reverse of the units' order, and the step streams the
+sub-groups in that order, so the gradients backward makes last are the ones the step needs
+first. On nvme, a gradient gathered in a pool buffer is held there, not written, as long as
+the held ones together stay within ``hold_limit`` (the engine's plan: what the host budget
+leaves beside the larger of the backward's and the step's own buffers); past it the one held
+longest (the one the step needs last) is written, and its buffer goes back once written. A
+later micro-batch adds into a held gradient in memory; the step first writes what it has no
+room for beside its own buffers (`spill`), then takes the held ones from memory
+(`take_held`); `zero` gives them back. So a gradient the step finds held is neither
+written nor read: 8 bytes a parameter less on nvme in fp32, all of them when the budget holds
+every gradient. Where backward needs pool memory that is not free, every held gradient is
+written and given back (`spill`): backward never waits on them. The values are the ones a
+write and a read would give. Not where the optimizer runs under backward ([Note: exact
+overlap]): an early update that is discarded needs the gradient from the grads tier, so
+there each is written (and kept in memory for its early update, `keep`).
 """
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from torch.profiler import record_function
 
-from infinity.swap import WriteBehind
+from infinity.swap import PoolExhausted, WriteBehind
 
 from ._store import Store
 from ._units import ParamUnit
@@ -37,6 +56,10 @@ class GradAccumulator:
         # for an early update (which then reads it from memory, not back from nvme).
         self.keep = None
         self._kept: dict[int, tuple[torch.Tensor, object]] = {}  # unit -> (gradient, its buffer)
+        # Gradients held in memory, not written: see [Note: gradients held]. Oldest first.
+        self.hold_limit = 0  # bytes; set by the engine's plan (0: none held)
+        self._held: collections.OrderedDict[int, tuple[ParamUnit, torch.Tensor, object]] = collections.OrderedDict()
+        self._held_bytes = 0
         self._writes = WriteBehind(max_writes)  # keyed by unit index
         self._norm: float | None = None  # global_norm of the gradients as they are now
 
@@ -61,7 +84,23 @@ class GradAccumulator:
         """(the accumulated gradient, the buffer it lives in) for this micro-batch."""
         if unit.index not in self.has_grad:
             return grad, lease
-        held = self.store.get(unit.name).result()  # the sum so far
+        held = self._unhold(unit.index)
+        if held is not None:  # the sum so far is in memory: nothing to read
+            acc, hold = held
+            try:
+                acc.add_(grad.to(acc.device))
+            except BaseException:
+                hold.release()
+                raise
+            if lease is not None:
+                lease.release()
+            return acc, hold
+        try:
+            pending = self.store.get(unit.name, timeout=0)  # the sum so far
+        except PoolExhausted:  # the pool is full of held gradients: they make room
+            self.spill()
+            pending = self.store.get(unit.name)
+        held = pending.result()
         try:
             held.tensor.add_(grad.to(held.tensor.device))
         except BaseException:
@@ -72,6 +111,14 @@ class GradAccumulator:
         return held.tensor, held
 
     def _store(self, unit: ParamUnit, acc: torch.Tensor, hold) -> None:
+        nbytes = acc.numel() * acc.element_size()
+        if hold is not None and self.store.uses_pool and nbytes <= self.hold_limit:
+            self._note(unit, acc)
+            self._held[unit.index] = (unit, acc, hold)  # see [Note: gradients held]
+            self._held_bytes += nbytes
+            while self._held_bytes > self.hold_limit:
+                self._write_held(next(iter(self._held)))
+            return
         try:
             pending = self.store.put(unit.name, acc)
         except BaseException:
@@ -81,6 +128,14 @@ class GradAccumulator:
                 hold.release()
             self.has_grad.discard(unit.index)
             raise
+        self._note(unit, acc)
+        if hold is not None and self.keep is not None and self.keep(unit, acc.numel() * acc.element_size()):
+            self._kept[unit.index] = (acc, hold)
+            hold = None
+        self._writes.add(pending, hold, key=unit.index)
+
+    def _note(self, unit: ParamUnit, acc: torch.Tensor) -> None:
+        """``unit`` has ``acc`` as its gradient now: its version, squared norm and finiteness."""
         self.has_grad.add(unit.index)
         self.version[unit.index] = self.version.get(unit.index, 0) + 1
         mine = acc[unit.shard] if self.grads_full else acc  # norms of this rank's slice only
@@ -93,10 +148,51 @@ class GradAccumulator:
         self.norm_sq[unit.index] = norm_sq
         self._norm = None
         self.finite[unit.index] = torch.isfinite(norm_sq)
-        if hold is not None and self.keep is not None and self.keep(unit, acc.numel() * acc.element_size()):
-            self._kept[unit.index] = (acc, hold)
-            hold = None
-        self._writes.add(pending, hold, key=unit.index)
+
+    # -- held gradients: see [Note: gradients held] ------------------------------------------
+    def _unhold(self, index: int):
+        """(gradient, buffer) of unit ``index`` if held, no longer counted as held; else None."""
+        held = self._held.pop(index, None)
+        if held is None:
+            return None
+        _, acc, hold = held
+        self._held_bytes -= acc.numel() * acc.element_size()
+        return acc, hold
+
+    def _write_held(self, index: int) -> None:
+        """Write unit ``index``'s held gradient; its buffer goes back once written."""
+        unit, acc, hold = self._held[index]
+        try:
+            pending = self.store.put(unit.name, acc)
+        except BaseException:
+            # Not stored: as in `_store`, this unit has no gradient this step now.
+            self._unhold(index)
+            hold.release()
+            self.has_grad.discard(index)
+            raise
+        self._unhold(index)
+        self._writes.add(pending, hold, key=index)
+
+    def is_held(self, index: int) -> bool:
+        return index in self._held
+
+    def take_held(self, index: int):
+        """(gradient, buffer) of unit ``index`` held in memory, or None; the caller releases
+        the buffer. The gradient is the step's from here (`zero` follows the step)."""
+        return self._unhold(index)
+
+    def spill(self, keep: int = 0) -> None:
+        """Write held gradients, the one held longest first, until at most ``keep`` bytes
+        stay held, and wait for the writes: their buffers are free after."""
+        if self._held_bytes <= keep:
+            return
+        while self._held and self._held_bytes > keep:
+            self._write_held(next(iter(self._held)))
+        self._writes.drain()
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held_bytes
 
     def take_kept(self, index: int):
         """(gradient, buffer) of unit ``index`` kept in memory, its write finished, or None.
@@ -160,6 +256,8 @@ class GradAccumulator:
         self._writes.discard_errors()
         for index in list(self._kept):
             self._kept.pop(index)[1].release()
+        while self._held:
+            self._unhold(next(iter(self._held)))[1].release()
         self.has_grad.clear()
         self._norm = None
         self.norm_sq.clear()

@@ -47,7 +47,7 @@ from infinity.swap import OutOfSpace, PoolExhausted, WriteBehind
 
 from . import _footprint
 
-from ._store import Lease, release_unused
+from ._store import InHand, Lease, release_unused
 
 MAX_IN_HAND = 4  # sub-groups being read or written at once, whatever their size
 
@@ -218,7 +218,7 @@ class Overlap:
                 early.versions[u.index] = opt.grads.version[u.index]
                 kept = opt.grads.take_kept(u.index)
                 if kept is not None:  # still in memory: nothing to read
-                    early.grads[u.index] = _InHand(Lease(*kept))
+                    early.grads[u.index] = InHand(Lease(*kept))
                 else:
                     early.grads[u.index] = opt.grads.store.get(u.name, timeout=0)
         except PoolExhausted:
@@ -368,21 +368,6 @@ class Overlap:
     def pending(self) -> int:
         """Sub-groups updated early and not yet committed or discarded."""
         return len(self._early) + len(self._reading)
-
-
-class _InHand:
-    """A Pending whose lease is already here."""
-
-    __slots__ = ("_lease",)
-
-    def __init__(self, lease):
-        self._lease = lease
-
-    def done(self) -> bool:
-        return True
-
-    def result(self):
-        return self._lease
 
 
 def _give_back(early: _Early) -> None:

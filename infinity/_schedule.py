@@ -568,9 +568,7 @@ class Scheduler:
             if not wait:
                 return False
             self._cancel_prefetches()
-            self._give_back_kept()
-            if self.on_pool_pressure is not None:
-                self.on_pool_pressure()
+            self._relieve_pool()
             pending = self.store.get(unit.name, urgent=True)
         with held_interrupts:  # see [Note: interrupt windows]
             unit.pending = pending
@@ -583,10 +581,17 @@ class Scheduler:
         try:
             return self.pool.acquire(nbytes, timeout=0)
         except PoolExhausted:
-            self._give_back_kept()
-            if self.on_pool_pressure is not None:
-                self.on_pool_pressure()
+            self._relieve_pool()
             return self.pool.acquire(nbytes)
+
+    def _relieve_pool(self) -> None:
+        """Backward or forward needs pool memory that is not free: give back what waits in
+        the pool for later (units kept for backward, the optimizer's work under backward, then
+        gradients held from the step: [Note: gradients held] in `_grads`)."""
+        self._give_back_kept()
+        if self.on_pool_pressure is not None:
+            self.on_pool_pressure()
+        self.grads.spill()
 
     def _cancel_prefetches(self) -> None:
         for other in self.units:

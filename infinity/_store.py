@@ -42,6 +42,21 @@ class Lease:
             self._buffer = None
 
 
+class InHand:
+    """A `Pending` whose lease is already here (a tensor held in memory, not read)."""
+
+    __slots__ = ("_lease",)
+
+    def __init__(self, lease: Lease):
+        self._lease = lease
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> Lease:
+        return self._lease
+
+
 class Pending:
     """A store operation: ``result()`` waits and returns its value or raises its error, the
     same on every call; ``done()`` polls. An interrupt (KeyboardInterrupt) while it waits leaves

@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from infinity.swap import PoolExhausted, round_up
 
 from ._grads import GradAccumulator
-from ._store import release_unused, stream_together
+from ._store import InHand, Lease, release_unused, stream_together
 from ._substates import SubGroup, SubGroupStates
 
 READ_AHEAD = 3  # sub-groups; see StreamedUpdate.fit_read_ahead
@@ -99,15 +99,19 @@ class StreamedUpdate:
         """Issue the reads of ``group``'s gradients (unit index -> store Pending of a lease);
         without ``wait``, only if the pool has room for all of them now (None if not)."""
         pending = {}
+        units = [u for u in group.units if u.index in self.grads.has_grad]
         try:
-            for u in group.units:
-                if u.index in self.grads.has_grad:
+            for u in units:
+                if not self.grads.is_held(u.index):
                     pending[u.index] = self.grads.store.get(u.name, timeout=None if wait else 0)
         except BaseException as e:
-            release_unused(pending.values())
+            release_unused(pending.values())  # the held ones stay held: a later read finds them
             if wait or not isinstance(e, PoolExhausted):
                 raise
             return None
+        for u in units:  # see [Note: gradients held] in `_grads`
+            if u.index not in pending:
+                pending[u.index] = InHand(Lease(*self.grads.take_held(u.index)))
         return pending
 
     def _update(self, index: int, tensors, grad_scale, pending: dict, after: list | None = None) -> bool:

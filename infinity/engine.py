@@ -157,6 +157,9 @@ class Engine:
                 p._infinity_managed = True  # see _refuse_foreign_step
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
         self._managed = {id(p) for u in units for p in u.params}  # see _check_training
+        self.grads.hold_limit = self._hold_limit(cfg)
+        # What the step leaves held: the pool's room beside the stream's own buffers.
+        self._step_hold_room = max(0, int(cfg.memory.host_budget * (1 - POOL_SLACK)) - self.optimizer.host_bytes_needed())
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes, keep=cfg.prefetch.keep,
                                    keep_limit=self._keep_limit(cfg), gather=self.params_sharded and self.dist.active, tiled=tiled)  # fmt: skip
@@ -221,6 +224,16 @@ class Engine:
         if self._overlap_budget:
             return 0
         return int(cfg.memory.host_budget * (1 - POOL_SLACK)) - self._backward_bytes
+
+    def _hold_limit(self, cfg: TierConfig) -> int:
+        """Bytes of gradients held in the pool, not written, for the step ([Note: gradients
+        held] in `_grads`): what the budget, less its slack, leaves beside the larger of the
+        backward's and the step's own buffers (the step starts with them held). None where the
+        optimizer runs under backward, the grads are not on nvme, or compute is not on the host."""
+        if self._overlap_budget or not self.grads.store.uses_pool or self.device.type != "cpu":
+            return 0
+        usable = int(cfg.memory.host_budget * (1 - POOL_SLACK))
+        return max(0, usable - max(self._backward_bytes, self.optimizer.host_bytes_needed()))
 
     def _overlap_applies(self, cfg: TierConfig) -> bool:
         """Whether the optimizer can run under backward at all, whatever the budget (see
@@ -353,6 +366,7 @@ class Engine:
         scale = self._scaler.scale if self._scaler is not None else 1.0
         self._tell_accumulation()
         try:
+            self.grads.spill(keep=self._step_hold_room)  # see [Note: gradients held] in `_grads`
             stepped = self.optimizer.update(scale)
         except BaseException as e:
             self.dist.report_failure(e)

@@ -324,13 +324,15 @@ def test_stats_count_nvme_traffic(tmp_path):
 
 
 def test_stats_split_the_traffic_by_kind_of_state(tmp_path):
-    """fp32 AdamW, every tier on nvme, the optimizer after backward: a step writes each
-    gradient once and reads it once, reads and writes the master weights and both moments
-    once, writes the new parameters once and reads them for forward and again (all but what
-    stayed in memory) for backward; the kinds add up to the tier's totals."""
+    """fp32 AdamW, every tier on nvme, the optimizer after backward, no gradient held in
+    memory (tests/infinity/test_grads.py has those): a step writes each gradient once and
+    reads it once, reads and writes the master weights and both moments once, writes the new
+    parameters once and reads them for forward and again (all but what stayed in memory) for
+    backward; the kinds add up to the tier's totals."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
     engine = infinity.initialize(model, _config(tmp_path, ("nvme",) * 3, optimizer={"overlap": False}))
+    engine.grads.hold_limit = 0
     try:
         for _ in range(2):
             engine.backward(engine(torch.randn(8, 16)).pow(2).mean())

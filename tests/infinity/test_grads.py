@@ -1,0 +1,111 @@
+"""Gradients held in the pool for the step instead of written and read back ([Note: gradients
+held] in infinity/_grads.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import config  # noqa: E402
+
+NVME = ("nvme", "nvme", "nvme")
+MICRO = 2  # micro-batches a step: the second adds into what the first left
+
+
+def _layers(n: int = 8) -> nn.Module:
+    torch.manual_seed(0)  # ``n`` 257KiB units (fp32) and two small ones
+    return nn.Sequential(nn.Linear(16, 256), *[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(n)],
+                         nn.Linear(256, 4))  # fmt: skip
+
+
+def _run(path, budget: str, hold_limit: int | None = None, steps: int = 3, layers: int = 8):
+    """Train ``steps`` steps of `MICRO` micro-batches; ``hold_limit`` replaces the engine's
+    plan (0: every gradient written, as before gradients were held). Returns the losses, the
+    weights, the grads' nvme traffic of the last step, the fp32 bytes of the gradients, and
+    the most bytes held at a step's start."""
+    cfg = config(path, NVME, memory={"host_budget": budget},
+                 optimizer={"overlap": False, "sub_group_size": "256KiB", "gradient_accumulation_steps": MICRO})  # fmt: skip
+    engine = infinity.initialize(_layers(layers), cfg)
+    try:
+        if hold_limit is not None:
+            engine.grads.hold_limit = hold_limit
+        losses, held = [], 0
+        for step in range(steps):
+            for micro in range(MICRO):
+                g = torch.Generator().manual_seed(step * MICRO + micro)
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+                loss = ((engine(x) - y) ** 2).mean()
+                engine.backward(loss)
+                losses.append(loss.item())
+            held = max(held, engine.grads.held_bytes)
+            engine.step()
+            assert engine.grads.held_bytes == 0
+        traffic = engine.stats()["step"]["nvme"]["by_kind"].get("grad", {"read_bytes": 0, "write_bytes": 0})
+        fp32 = 4 * sum(u.shard_numel for u in engine.units)
+        return losses, engine.gathered_weights(), traffic, fp32, held
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("budget", ["64MiB", "6MiB"], ids=["all-fit", "part"])
+def test_held_gradients_are_neither_written_nor_read_and_change_nothing(tmp_path, budget):
+    written = _run(tmp_path / "written", budget, hold_limit=0)
+    held = _run(tmp_path / "held", budget)
+    assert held[0] == written[0]
+    for k in written[1]:
+        assert torch.equal(held[1][k], written[1][k]), k
+    fp32 = held[3]
+    # Written: the first micro-batch writes, the second reads, adds and writes, the step reads.
+    assert written[2] == {"read_bytes": 2 * fp32, "write_bytes": 2 * fp32}, (written[2], fp32)
+    assert written[4] == 0
+    if budget == "64MiB":  # every gradient fits beside what backward and the step need
+        assert held[2] == {"read_bytes": 0, "write_bytes": 0}, held[2]
+        assert held[4] == fp32
+    else:  # the gradients backward makes last (the step's first) are held, the rest written
+        assert 0 < held[2]["write_bytes"] < 2 * fp32 and 0 < held[2]["read_bytes"] < 2 * fp32, (held[2], fp32)
+        assert 0 < held[4] < fp32
+
+
+def test_backward_writes_held_gradients_when_the_pool_is_full(tmp_path):
+    """A hold limit past what the pool has (16 layers: twice the budget in gradients):
+    backward finds the pool full, writes every held gradient and goes on (no wait on the
+    pool's timeout); the step writes what it has no room for; the numbers are the same."""
+    written = _run(tmp_path / "written", "3584KiB", hold_limit=0, layers=16)
+    spilled = _run(tmp_path / "spilled", "3584KiB", hold_limit=1 << 40, layers=16)
+    assert spilled[0] == written[0]
+    for k in written[1]:
+        assert torch.equal(spilled[1][k], written[1][k]), k
+    assert spilled[2]["write_bytes"] > 0 and spilled[4] > 0, (spilled[2], spilled[4])
+
+
+def test_zero_grad_gives_held_gradients_back(tmp_path):
+    cfg = config(tmp_path, NVME, optimizer={"overlap": False})
+    engine = infinity.initialize(_layers(), cfg)
+    try:
+        engine.backward(engine(torch.randn(8, 16)).pow(2).mean())
+        assert engine.grads.held_bytes == 4 * sum(u.shard_numel for u in engine.units)
+        engine.zero_grad()
+        assert engine.grads.held_bytes == 0
+        assert engine.scheduler.pool.in_use_bytes == 0
+        engine.backward(engine(torch.randn(8, 16)).pow(2).mean())  # a fresh gradient, not added to the dropped one
+        engine.step()
+        assert engine.scheduler.pool.in_use_bytes == 0
+    finally:
+        engine.close()
+
+
+def test_no_gradient_is_held_where_the_optimizer_runs_under_backward(tmp_path):
+    """An early update that is discarded needs its gradient from the grads tier."""
+    cfg = config(tmp_path, NVME, optimizer={"overlap": True, "overlap_disk": 1.0})
+    engine = infinity.initialize(_layers(), cfg)
+    try:
+        assert engine.optimizer.overlap is not None and engine.grads.hold_limit == 0
+    finally:
+        engine.close()
