@@ -9,18 +9,22 @@ their defaults from ``[optimizer]``, the ``torch.optim`` class it stands for, an
 what `initialize` was given. Touches: nothing but the tensors its kernel is handed.
 
 Code that is not about one algorithm (the stores, checkpoints, the memory plan, the overlap)
-asks the algorithm for its kinds and their sizes (through `_state.StateRecord`) and never names
-a kind: a compact state (a bf16 moment, an 8-bit one with per-block scales) is a new
-`StateKind` here, not a change there.
+asks the algorithm for its kinds and their sizes (through `_substates.StateRecord`) and never
+names a kind: a compact state (``[optimizer] state_dtype``: a bf16 moment, an 8-bit one with
+per-block scales) is a set of `StateKind`s here, made by an `Algorithm` built for that
+state dtype from its fp32 kinds, with `_compact`'s codec ([Note: compact state format]).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import ClassVar
 
 import torch
+
+from . import _compact
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,6 +41,11 @@ class StateKind:
     first_step: bool = False
     """The kernel starts it at a unit's first step (SGD's momentum buffer takes the first
     gradient) instead of updating it: the kernel is told which units step for the first time."""
+    signed: bool = True
+    """Whether it may be negative (int8 states pick their code map by it)."""
+    block: int = 0
+    """0: one element per parameter element. B > 0: one per block of B elements of each unit's
+    part (an int8 moment's scales, [Note: compact state format])."""
 
     @property
     def itemsize(self) -> int:
@@ -68,36 +77,107 @@ def _config_values(cfg) -> dict:
 
 class Algorithm:
     """What one optimizer algorithm keeps and runs. Subclasses set the class attributes and
-    `step`; the instances in `ALGORITHMS` are the only ones."""
+    `step`; the instances in `ALGORITHMS` are the fp32 ones, `with_state_dtype` makes the others."""
 
     name: ClassVar[str]  # [optimizer] type, and "type" in the optimizer's state_dict
     torch_class: ClassVar[type[torch.optim.Optimizer] | None] = None
-    states: ClassVar[tuple[StateKind, ...]] = ()  # its own kinds, besides the master weights
+    states: ClassVar[tuple[StateKind, ...]] = ()  # its own kinds, besides the master weights, in fp32
     hyperparameters: ClassVar[tuple[str, ...]] = ()  # what a parameter group holds
+
+    def __init__(self, state_dtype: str = "fp32"):
+        self.state_dtype = state_dtype  # how its own kinds are stored: fp32, bf16 or int8
+        moments = tuple((k.name, k.signed) for k in self.states)
+        self.codec = None if state_dtype == "fp32" else _compact.Codec(state_dtype, moments)  # fp32: none
 
     @property
     def kinds(self) -> tuple[StateKind, ...]:
         """Every kind stored per sub-group, the master weights first."""
-        return (MASTER, *self.states)
+        return (MASTER, *self.stored)
 
     @property
     def kind_names(self) -> tuple[str, ...]:
         return tuple(k.name for k in self.kinds)
 
     def kind(self, name: str) -> StateKind:
-        for k in self.kinds:
+        for k in (*self.kinds, *self.states):
             if k.name == name:
                 return k
         raise ValueError(f"{self.name} keeps no state {name!r}; its kinds are {', '.join(self.kind_names)}")
 
     def itemsizes(self) -> dict[str, int]:
-        """Bytes per element of each kind (what `_state.StateRecord` sizes keys by)."""
+        """Bytes per element of each kind (what `_substates.StateRecord` sizes keys by)."""
         return {k.name: k.itemsize for k in self.kinds}
+
+    def numels(self, parts) -> dict[str, int]:
+        """Elements of each kind that is not one per parameter element, for a unit or sub-group
+        whose units' parts hold ``parts`` elements each (what `_substates.StateRecord` takes)."""
+        return {k.name: sum(-(-n // k.block) for n in parts) for k in self.kinds if k.block}
 
     @property
     def bytes_per_parameter(self) -> int:
-        """Bytes of state every trained parameter element takes, master weights included."""
-        return sum(k.itemsize for k in self.kinds)
+        """Bytes of state every trained parameter element takes, master weights included (the
+        per-block scales of int8 states aside: `state_bytes`)."""
+        return sum(k.itemsize for k in self.kinds if not k.block)
+
+    def state_bytes(self, numel: int) -> int:
+        """Bytes of every kind of one unit of ``numel`` elements."""
+        per_block = sum(n * self.kind(k).itemsize for k, n in self.numels([numel]).items())
+        return numel * self.bytes_per_parameter + per_block
+
+    # -- compact states (``[optimizer] state_dtype``) -------------------------------------------
+    def with_state_dtype(self, state_dtype: str) -> Algorithm:
+        """This algorithm with its own kinds stored as ``state_dtype`` (fp32, bf16, int8)."""
+        if state_dtype == self.state_dtype:
+            return self
+        if state_dtype != "fp32" and not self.states:
+            raise ValueError(f"optimizer.state_dtype={state_dtype!r}: the {self.name!r} optimizer keeps no state of "
+                             "the engine's to store compact (a torch optimizer run as it is keeps its own, in fp32); "
+                             "use state_dtype = 'fp32' or optimizer type adamw, adam, sgd or adagrad")  # fmt: skip
+        return type(self)(state_dtype)
+
+    @property
+    def stored(self) -> tuple[StateKind, ...]:
+        """Its own kinds as stored: `states` itself in fp32, else the codec's codes and scales."""
+        if self.codec is None:
+            return self.states
+        by_name = {k.name: k for k in self.states}
+        out = []
+        for name, dtype, per_block in self.codec.stored():
+            base = by_name.get(name)
+            if per_block:
+                out.append(StateKind(name=name, dtype=dtype, block=_compact.BLOCK))
+            else:
+                out.append(dataclasses.replace(base, dtype=dtype))
+        return tuple(out)
+
+    @property
+    def saved_kinds(self) -> tuple[StateKind, ...]:
+        """What a checkpoint keeps per unit: the master weights and the own kinds, fp32 whatever
+        the state dtype ([Note: compact state format]; docs/formats.md)."""
+        return (MASTER, *self.states)
+
+    def initial_states(self, master: torch.Tensor, per_group: dict, param_groups: list[dict],
+                       slices: dict[int, slice]) -> list[tuple[str, torch.Tensor]]:  # fmt: skip
+        """(kind, value) of each stored kind before the first step, for a sub-group whose master
+        weights are ``master`` and units' parts ``slices``."""
+        values = [k.initial(master, per_group, param_groups) for k in self.states]
+        return self.encoded(values, slices)
+
+    def encoded(self, values: list[torch.Tensor], slices: dict[int, slice]) -> list[tuple[str, torch.Tensor]]:
+        """(kind, tensor) of each stored kind for a sub-group whose own kinds are ``values``
+        (fp32, flat), rounded to nearest."""
+        stored = values if self.codec is None else self.codec.encode_group(values, slices)
+        return [(k.name, t) for k, t in zip(self.stored, stored)]
+
+    def unpacked(self, states: list, group, stepped, steps: dict):
+        """A context that gives the kernel its own kinds of sub-group ``group`` in fp32 from the
+        stored ``states``, and stores back the parts of the units in ``stepped`` when it ends
+        (the others untouched): ``states`` itself when they are fp32. ``steps``: unit -> its
+        step count (this update's)."""
+        if self.codec is None:
+            return contextlib.nullcontext(states)
+        base = {u.index: u.shard.start for u in group.units}
+        return self.codec.unpacked(states, group.slices, stepped, steps, base)
 
     def defaults(self, cfg) -> dict:
         """The hyperparameters ``[optimizer]`` (``cfg``) gives every group of this algorithm."""
@@ -115,7 +195,7 @@ class Algorithm:
 
 
 class _Adam(Algorithm):
-    states = (StateKind(name="exp_avg"), StateKind(name="exp_avg_sq"))
+    states = (StateKind(name="exp_avg"), StateKind(name="exp_avg_sq", signed=False))
     hyperparameters = ("lr", "betas", "eps", "weight_decay")
     _kernel: ClassVar[str]
 
@@ -162,7 +242,7 @@ class SGD(Algorithm):
 class Adagrad(Algorithm):
     name = "adagrad"
     torch_class = torch.optim.Adagrad
-    states = (StateKind(name="sum", init="initial_accumulator_value"),)
+    states = (StateKind(name="sum", init="initial_accumulator_value", signed=False),)
     hyperparameters = ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value")
 
     def step(self, hp, params, grads, states, steps, first, grad_scale) -> None:
@@ -200,6 +280,15 @@ def resolve(spec, model_params: list, cfg, *, all_device: bool = False):
     groups (``[{"params": [...], "weight_decay": 0.0}, ...]``: ``[optimizer]`` fills in the
     rest), a ``torch.optim`` optimizer, its class, ``(class, kwargs)``, or a callable that
     builds one from the parameters (``functools.partial(torch.optim.SGD, lr=0.1)``)."""
+    algo, groups, defaults, foreign = _resolve(spec, model_params, cfg, all_device=all_device)
+    if cfg.state_dtype != "fp32" and foreign is not None:
+        raise ValueError(f"optimizer.state_dtype={cfg.state_dtype!r}: {type(foreign).__name__} runs as it is in torch "
+                         "(every tier on the device), with its own fp32 state; compact states need the engine's own "
+                         "adamw, adam, sgd or adagrad: use one of those, or state_dtype = 'fp32'")  # fmt: skip
+    return algo.with_state_dtype(cfg.state_dtype), groups, defaults, foreign
+
+
+def _resolve(spec, model_params: list, cfg, *, all_device: bool):
     trainable = [p for p in model_params if p.requires_grad]
     configured = algorithm(cfg.type)
     if spec is None:

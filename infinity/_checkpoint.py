@@ -235,26 +235,35 @@ def _rank_bytes(engine) -> int:
     total = round_up(len(engine.units) * 4)  # the step counts, fp32
     for u in engine.units:
         total += round_up(opt.record(u).nbytes("param"))
-    for g in opt.groups:
+    for g in opt.groups:  # every kind fp32, whatever the state dtype (see _write_state)
         for u in g.units:
-            total += sum(round_up(opt.record(u).nbytes(k)) for k in opt.kinds)
+            total += sum(round_up(u.shard_numel * k.itemsize) for k in opt.algorithm.saved_kinds)
     for _, tensor in opt.foreign_tensors():
         total += round_up(max(tensor.numel() * tensor.element_size(), 1))
     return total
 
 
 def _write_state(engine, out: _Writer) -> None:
-    """Every unit's optimizer state and parameters (this rank's slices), and the step counts."""
+    """Every unit's optimizer state and parameters (this rank's slices), and the step counts.
+
+    Compact states (``optimizer.state_dtype`` bf16 or int8) are saved decoded, in fp32 like
+    fp32 ones: the format stays one fp32 tensor per unit and kind, which reshards and re-cuts
+    at any element (an int8 block would not), and loads into any state dtype; the cost is the
+    checkpoint's size (docs/formats.md). Decoding then encoding gives the same codes back, so
+    a compact run resumes bit-exactly ([Note: compact state format] in `_compact`)."""
     opt = engine.optimizer
+    codec = opt.algorithm.codec
     for group in opt.groups:
         # The group's optimizer state, kind by kind, as leases of the tier.
-        for kind in opt.kinds:
+        for kind in opt.kinds if codec is None else ("master",):
             lease = opt.states[kind].get(group.record.name_for()).result()
             try:
                 for u in group.units:
                     out.put(opt.record(u).key(kind), lease.tensor[group.slices[u.index]])
             finally:
                 lease.release()
+        if codec is not None:
+            _write_compact(opt, group, out)
     for u in engine.units:  # frozen units too: they have parameters and no optimizer state
         lease = engine.param_store.get(u.name).result()
         try:
@@ -265,6 +274,22 @@ def _write_state(engine, out: _Writer) -> None:
     out.put("optimizer/steps", opt.state_dict()["unit_steps"])
     for name, tensor in opt.foreign_tensors():  # a torch optimizer run as it is: its own state
         out.put(name, tensor.detach().reshape(-1))
+
+
+def _write_compact(opt, group, out: _Writer) -> None:
+    """A sub-group's compact moments, each unit's decoded to fp32 under its own kind's name."""
+    leases = []
+    try:
+        for kind in opt.kinds[1:]:
+            leases.append(opt.states[kind].get(group.record.name_for()).result())
+        tensors = [lease.tensor for lease in leases]
+        for k, kind in enumerate(opt.algorithm.states):
+            for u in group.units:
+                value = opt.algorithm.codec.decode_unit(tensors, k, group.slices, u.index)
+                out.put(opt.record(u).key(kind.name), value)
+    finally:
+        for lease in leases:
+            lease.release()
 
 
 def _save_rank(engine, tmp: str) -> int:
@@ -595,6 +620,23 @@ def _load_into(store, name: str, writes: WriteBehind, fill) -> None:
     writes.add(pending, lease)
 
 
+def _load_compact(opt, src: _Sources, cut: _recut.Plan, group, writes: WriteBehind) -> None:
+    """A sub-group's state where the own kinds are compact: every kind read in fp32 as saved
+    (checkpoints keep them fp32, `_write_state`), the own kinds then encoded (to nearest)."""
+
+    def read(kind: str, flat: torch.Tensor | None = None) -> torch.Tensor:
+        flat = torch.empty(group.numel, dtype=torch.float32) if flat is None else flat
+        for u in group.units:
+            _fill(src, flat[group.slices[u.index]], cut.runs[u.index], u.numel, kind, torch.float32,
+                  u.shard.start, u.shard.stop)  # fmt: skip
+        return flat
+
+    _load_into(opt.states["master"], group.record.name_for(), writes, lambda flat: read("master", flat))
+    values = [read(kind.name) for kind in opt.algorithm.states]
+    for kind, tensor in opt.algorithm.encoded(values, group.slices):
+        _load_into(opt.states[kind], group.record.name_for(), writes, lambda flat, t=tensor: flat.copy_(t))
+
+
 def _unit_steps(engine, src: _Sources, meta: dict, cut: _recut.Plan) -> torch.Tensor:
     """Every unit's step count from this rank's saved ones (the same on every rank; a new rank
     takes rank 0's), re-cut where the units are (see [Note: re-cut] in `_recut`)."""
@@ -609,6 +651,9 @@ def _load_rank(engine, src: _Sources, meta: dict, cut: _recut.Plan, steps: torch
     writes = WriteBehind(2)
     try:
         for group in opt.groups:
+            if opt.algorithm.codec is not None:
+                _load_compact(opt, src, cut, group, writes)
+                continue
             for kind in opt.algorithm.kinds:
                 def fill(flat, group=group, kind=kind):
                     for u in group.units:

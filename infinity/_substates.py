@@ -43,14 +43,16 @@ def state_key(name: str, kind: str, staged: bool = False) -> str:
 
 class StateRecord:
     """The keys and byte sizes of one unit's or sub-group's state: ``numel`` elements of each
-    kind in ``itemsizes`` (kind -> bytes per element)."""
+    kind in ``itemsizes`` (kind -> bytes per element), except the kinds in ``numels`` (kind ->
+    its elements: an int8 moment's per-block scales, [Note: compact state format])."""
 
-    __slots__ = ("name", "numel", "itemsizes")
+    __slots__ = ("name", "numel", "itemsizes", "numels")
 
-    def __init__(self, name: str, numel: int, itemsizes: dict[str, int]):
+    def __init__(self, name: str, numel: int, itemsizes: dict[str, int], numels: dict[str, int] | None = None):
         self.name = name
         self.numel = numel
         self.itemsizes = itemsizes
+        self.numels = numels or {}
 
     def name_for(self, staged: bool = False) -> str:
         """The name a `Store` takes for this state (the store adds the kind)."""
@@ -60,10 +62,14 @@ class StateRecord:
         """Its tensor of ``kind`` in a swap space or a checkpoint ([Note: state keys])."""
         return state_key(self.name, kind, staged)
 
+    def numel_of(self, kind: str) -> int:
+        """Elements of its tensor of ``kind``."""
+        return self.numels.get(kind, self.numel)
+
     def nbytes(self, kind: str) -> int:
         """Bytes of its tensor of ``kind``."""
         try:
-            return self.numel * self.itemsizes[kind]
+            return self.numel_of(kind) * self.itemsizes[kind]
         except KeyError:
             raise ValueError(f"{self.name} has no state {kind!r}; its kinds are {', '.join(self.itemsizes)}") from None
 
@@ -75,7 +81,7 @@ class StateRecord:
 class SubGroup:
     """Consecutive units whose optimizer state is stored and updated as one flat tensor per kind."""
 
-    def __init__(self, index: int, units: list[ParamUnit], itemsizes: dict[str, int]):
+    def __init__(self, index: int, units: list[ParamUnit], itemsizes: dict[str, int], numels: dict[str, int]):
         self.index = index
         self.name = f"optimizer.{index}"
         self.units = units
@@ -86,23 +92,26 @@ class SubGroup:
             self.slices[u.index] = slice(pos, pos + n)
             pos += n
         self.numel = pos
-        self.record = StateRecord(self.name, self.numel, itemsizes)
+        self.record = StateRecord(self.name, self.numel, itemsizes, numels)
 
 
 def make_groups(units: list[ParamUnit], sub_group_bytes: int, algorithm: Algorithm) -> list[SubGroup]:
     """Consecutive units whose state (every kind of ``algorithm``) fits ``sub_group_bytes``."""
     itemsizes = algorithm.itemsizes()
-    per_element = algorithm.bytes_per_parameter
+
+    def group(members):
+        return SubGroup(len(groups), members, itemsizes, algorithm.numels([u.shard_numel for u in members]))
+
     groups, current, size = [], [], 0
     for u in units:
-        nbytes = per_element * u.shard_numel
+        nbytes = algorithm.state_bytes(u.shard_numel)
         if current and size + nbytes > sub_group_bytes:
-            groups.append(SubGroup(len(groups), current, itemsizes))
+            groups.append(group(current))
             current, size = [], 0
         current.append(u)
         size += nbytes
     if current:
-        groups.append(SubGroup(len(groups), current, itemsizes))
+        groups.append(group(current))
     return groups
 
 
@@ -128,7 +137,8 @@ class SubGroupStates:
         # ZeRO stages 1 and 2 keep whole parameters on every rank: new shards are gathered.
         self.gather_params = not params_sharded and dist is not None and dist.active
         unit_sizes = {**algorithm.itemsizes(), "param": param_dtype.itemsize}
-        self.records = {u.index: StateRecord(u.name, u.shard_numel, unit_sizes) for u in units}
+        self.records = {u.index: StateRecord(u.name, u.shard_numel, unit_sizes, algorithm.numels([u.shard_numel]))
+                        for u in units}  # fmt: skip
         self.steps = {u.index: torch.zeros((), dtype=torch.float32, device=self.device) for u in units}
         self.never_stepped = {u.index for u in units}  # SGD's first step starts a momentum buffer; no device read
         self.param_writes = WriteBehind(2)  # new parameters from their own pool copies (see write_params)
@@ -217,9 +227,8 @@ class SubGroupStates:
             master = torch.cat(flats)
             del flats
             self.stores["master"].put(sg.record.name_for(), master).result()
-            for kind in self.algorithm.states:
-                value = kind.initial(master, per_group, self.param_groups)
-                self.stores[kind.name].put(sg.record.name_for(), value).result()
+            for kind, value in self.algorithm.initial_states(master, per_group, self.param_groups, sg.slices):
+                self.stores[kind].put(sg.record.name_for(), value).result()
         if self.foreign is not None:
             self._bind_foreign()
 

@@ -153,20 +153,22 @@ class StreamedUpdate:
 
     def _apply_kernels(self, index, master, states, grads, grad_scale, step_of, first) -> None:
         """The algorithm's kernel once per parameter group over its parameters in sub-group
-        ``index`` that have a gradient."""
-        for gi, entries in self.substates.slices[index].items():
-            entries = [e for e in entries if e[0].index in grads]
-            if not entries:
-                continue
-            self.algorithm.step(
-                self.param_groups[gi],
-                [master[s] for _, s, _, _ in entries],
-                [grads[u.index][gs] for u, _, gs, _ in entries],
-                [[state[s] for _, s, _, _ in entries] for state in states],
-                [step_of[u.index] for u, _, _, _ in entries],
-                [u.index in first for u, _, _, _ in entries],
-                grad_scale,
-            )
+        ``index`` that have a gradient (on fp32 copies of compact states: `_compact`)."""
+        group = self.substates.groups[index]
+        with self.algorithm.unpacked(states, group, grads, step_of) as states:
+            for gi, entries in self.substates.slices[index].items():
+                entries = [e for e in entries if e[0].index in grads]
+                if not entries:
+                    continue
+                self.algorithm.step(
+                    self.param_groups[gi],
+                    [master[s] for _, s, _, _ in entries],
+                    [grads[u.index][gs] for u, _, gs, _ in entries],
+                    [[state[s] for _, s, _, _ in entries] for state in states],
+                    [step_of[u.index] for u, _, _, _ in entries],
+                    [u.index in first for u, _, _, _ in entries],
+                    grad_scale,
+                )
 
     def _step_foreign(self, index: int, grads: dict, grad_scale) -> None:
         """The user's torch optimizer on sub-group ``index``: gradients as ``.grad`` of the

@@ -33,6 +33,7 @@ TIERS = ("device", "cpu", "nvme")
 AIO_BACKENDS = ("auto", *BACKENDS)
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad")
+STATE_DTYPES = ("fp32", "bf16", "int8")  # infinity._compact's; here so the config loads no torch
 ADAM_STATE_BYTES = 12  # fp32 master weight + exp_avg + exp_avg_sq, per parameter
 
 # The same grammar as nvme-bench's --size, so a figure it prints pastes into a config.
@@ -407,9 +408,15 @@ class OptimizerConfig:
     sub-groups past it are updated after backward (the same numbers); 0.8 stages every
     sub-group of an fp32 AdamW with every tier on nvme ([Note: disk footprint] in
     infinity/_footprint.py)."""
+    state_dtype: str = "fp32"
+    """How the algorithm's own states (Adam's moments, SGD's momentum buffer, Adagrad's sum) are
+    stored: fp32 (4 bytes an element), bf16 (2, stochastically rounded) or int8 (1, plus one fp32
+    scale per 256 elements: blockwise dynamic quantisation). The master weights stay fp32;
+    updates run in fp32 on decoded copies ([Note: compact state format] in infinity/_compact.py)."""
 
     def __post_init__(self) -> None:
         _choice(self, "type", OPTIMIZERS)
+        _choice(self, "state_dtype", STATE_DTYPES)
         _float(self, "lr", lo=0.0)
         _float(self, "momentum", lo=0.0)
         if not isinstance(self.nesterov, bool):

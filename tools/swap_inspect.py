@@ -104,7 +104,10 @@ def checkpoint_summary(directory: str) -> dict | None:
         raise BadInput(str(e)) from None
     keys = {k: meta[k] for k in ("tag", "step", "world_size", "stage", "param_dtype", "saved_at") if k in meta}
     client = meta.get("client_state")
-    return dict(keys, directory=directory, units=len(meta["units"]),
+    # The run's optimizer.state_dtype (absent before it existed: fp32); states are saved fp32 whatever it is.
+    optimizer = meta["config"].get("optimizer") if isinstance(meta.get("config"), dict) else None
+    state_dtype = optimizer.get("state_dtype", "fp32") if isinstance(optimizer, dict) else "fp32"
+    return dict(keys, directory=directory, units=len(meta["units"]), state_dtype=state_dtype,
                 client_state_keys=sorted(client) if isinstance(client, dict) else None)  # fmt: skip
 
 
@@ -120,7 +123,13 @@ def print_checkpoint(c: dict) -> None:
     client = f"; client_state: {', '.join(map(shown, c['client_state_keys']))}" if c["client_state_keys"] else ""
     print(f"checkpoint {shown(c.get('tag'))}: {shown(c['directory'])}\n  step {c['step']}, saved by "
           f"{c['world_size']} rank(s) at stage {c['stage']}, params {c['param_dtype']}, {c['units']} units, "
-          f"{shown(c.get('saved_at', '?'))}{client}")  # fmt: skip
+          f"{_states_line(c['state_dtype'])}, {shown(c.get('saved_at', '?'))}{client}")  # fmt: skip
+
+
+def _states_line(state_dtype) -> str:
+    """The saving run's optimizer states: compact ones are saved decoded (docs/formats.md)."""
+    state_dtype = shown(state_dtype)
+    return f"states {state_dtype}" + ("" if state_dtype == "fp32" else " (saved as fp32)")
 
 
 # -- what a rank holds ------------------------------------------------------------------------
@@ -186,8 +195,11 @@ def print_summary(s: dict) -> None:
           f"free {human_size(s['free'])}, leaked {human_size(s['leaked_bytes'])}")  # fmt: skip
     for x in s["leaked"]:
         print(f"  leaked: {shown(x['path'])}  {human_size(x['size'])}  ({x['why']})")
-    kinds = ", ".join(f"{shown(k) if k else '(no kind)'} {v['tensors']} ({human_size(v['bytes'])})"
-                      for k, v in s["kinds"].items())  # fmt: skip
+    dtypes: dict[str, set] = {}  # a compact optimizer state's kinds are uint8 or bfloat16, its scales float32
+    for t in s["tensors"]:
+        dtypes.setdefault(t["kind"], set()).add(t["dtype"])
+    kinds = ", ".join(f"{shown(k) if k else '(no kind)'} {v['tensors']} {'/'.join(sorted(dtypes.get(k, ())))} "
+                      f"({human_size(v['bytes'])})" for k, v in s["kinds"].items())  # fmt: skip
     total = sum(t["nbytes"] for t in s["tensors"])
     print(f"  tensors: {len(s['tensors'])}, {human_size(total)}" + (f": {kinds}" if kinds else ""))
     if total:  # what the arenas take on disk for what the tensors hold (staging, alignment, holes)
@@ -336,8 +348,9 @@ output:
   used (every extent rounded up to the alignment), free (arena sizes less used) and leaked
   (files in the members' rank directories that the manifest does not list and a space does
   not make: orphaned arena files, temporary files of an interrupted manifest write, strays),
-  each leaked file listed; tensor count and bytes per state kind (the part of a name after
-  its last "/"); the footprint: the arenas' size against the tensors' bytes, and their
+  each leaked file listed; tensor count, dtype and bytes per state kind (the part of a name
+  after its last "/": an int8 optimizer state is uint8 under its kind and float32 scales
+  under "<kind>.scale"); the footprint: the arenas' size against the tensors' bytes, and their
   ratio (staged copies, alignment, holes). Then one row per tensor: name, dtype, shape, bytes, file (the first
   extent's arena file, "dK/" naming its member when there are several, "+N" for N more
   extents), offset of the first extent, checksum ("-" if none).

@@ -144,6 +144,8 @@ BAD = [
     ({"prefetch": {"keep": 1}}, "prefetch.keep: expected true or false"),
     ({"optimizer": {"type": "lamb"}}, "optimizer.type: 'lamb' is not one of adamw, adam, sgd, adagrad"),
     ({"optimizer": {"type": 1}}, "optimizer.type"),
+    ({"optimizer": {"state_dtype": "fp8"}}, "optimizer.state_dtype: 'fp8' is not one of fp32, bf16, int8"),
+    ({"optimizer": {"state_dtype": 8}}, "optimizer.state_dtype: expected a string"),
     ({"optimizer": {"momentum": -0.5}}, "optimizer.momentum"),
     ({"optimizer": {"momentum": "0.9"}}, "optimizer.momentum"),
     ({"optimizer": {"nesterov": "yes"}}, "optimizer.nesterov: expected true or false"),
@@ -227,7 +229,7 @@ def test_constructors_check_too():
     "data, message",
     [({"optimizer": {"learning_rate": 1e-3}},
       "unknown key 'optimizer.learning_rate' (known: type, lr, betas, eps, weight_decay, momentum, nesterov, "
-      "max_grad_norm, sub_group_size, gradient_accumulation_steps, overlap, overlap_disk)"),
+      "max_grad_norm, sub_group_size, gradient_accumulation_steps, overlap, overlap_disk, state_dtype)"),
      ({"offload": {}}, "unknown section 'offload' (known: tiers, nvme, aio, memory, prefetch, precision"),
      ([1, 2], "a tier config is a table of sections, got list")],
 )  # fmt: skip
