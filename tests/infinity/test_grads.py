@@ -109,3 +109,44 @@ def test_no_gradient_is_held_where_the_optimizer_runs_under_backward(tmp_path):
         assert engine.optimizer.overlap is not None and engine.grads.hold_limit == 0
     finally:
         engine.close()
+
+
+def _hf_llama(path, dtype: str, hold: float | None):
+    """A transformers Llama called as Trainer calls it (``model(input_ids, labels).loss``, a
+    plain ``loss.backward()``), two micro-batches a step; ``hold``: the hold limit as a share of
+    the gradients' bytes (None: the engine's plan)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    engine = infinity.initialize(model, config(path, NVME, precision={"param_dtype": dtype},
+                                               optimizer={"overlap": False, "gradient_accumulation_steps": MICRO}))  # fmt: skip
+    try:
+        if hold is not None:
+            engine.grads.hold_limit = int(hold * 4 * sum(u.shard_numel for u in engine.units))
+        losses = []
+        for step in range(3):
+            for micro in range(MICRO):
+                g = torch.Generator().manual_seed(step * MICRO + micro)
+                ids = torch.randint(0, 512, (2, 16), generator=g)
+                loss = engine.module(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses.append(loss.item())
+            engine.step()
+        return losses, engine.gathered_weights(), engine.stats()["step"]["nvme"]["by_kind"].get("grad")
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_transformers_model_trains_the_same_with_gradients_held(tmp_path, dtype):
+    written = _hf_llama(tmp_path / "written", dtype, hold=0)
+    part = _hf_llama(tmp_path / "part", dtype, hold=0.5)
+    planned = _hf_llama(tmp_path / "planned", dtype, hold=None)
+    for run in (part, planned):
+        assert run[0] == written[0]
+        for k in written[1]:
+            assert torch.equal(run[1][k], written[1][k]), k
+    assert 0 < part[2]["write_bytes"] < written[2]["write_bytes"], (part[2], written[2])
+    assert planned[2] is None  # the default budget holds every gradient of this model
