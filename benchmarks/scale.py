@@ -4,14 +4,15 @@ tier on nvme, a few steps. Not run by CI (about 20 GB of swap and minutes a step
 Reports, per phase (build, initialize, each step), the peak RSS growth over the RSS before the
 model existed (VmHWM, reset before each phase); per step the forward, backward and optimizer
 seconds, the bytes read and written, and those bytes per parameter, split by kind of state
-(param, grad, master, exp_avg, exp_avg_sq: engine.stats()["step"]["nvme"]["by_kind"]); the fp32 training state (16 bytes a parameter) over
+(param, grad, master, exp_avg, exp_avg_sq, and with --state-dtype int8 exp_avg.scale and
+exp_avg_sq.scale: engine.stats()["step"]["nvme"]["by_kind"]); the fp32 training state (16 bytes a parameter) over
 the largest peak RSS growth, and that growth against the bound 1.25 x host_budget + 128MiB;
 and per swap directory the disk footprint of engine.stats()["disk"] (the state, the peak
 initialize checked, the arena's cap and the size it reached, over the state).
 
     python benchmarks/scale.py [--dir bench-data/] [--steps 3] [--host-budget 4GiB] [--json]
                                [--hidden 2048 --layers 16 --intermediate 5632]  (2.7B: 2560 32 6912)
-                               [--no-overlap] [--no-keep]
+                               [--no-overlap] [--no-keep] [--state-dtype fp32|bf16|int8]
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--tile-size", default="32MiB", help='memory.tile_size ("none": no tiles)')
     p.add_argument("--no-overlap", action="store_true", help="optimizer.overlap = false")
     p.add_argument("--no-keep", action="store_true", help="prefetch.keep = false (backward reads every unit again)")
+    p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
+                   help="optimizer.state_dtype: how Adam's moments are stored (the master weights stay fp32)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     import transformers
@@ -96,7 +99,8 @@ def main(argv=None) -> int:
         tiers = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [work]},
                  "memory": {"host_budget": args.host_budget,
                             "tile_size": None if args.tile_size == "none" else args.tile_size},
-                 "optimizer": {"lr": 1e-4, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap},
+                 "optimizer": {"lr": 1e-4, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap,
+                               "state_dtype": args.state_dtype},
                  "prefetch": {"keep": not args.no_keep}}  # fmt: skip
         torch.manual_seed(0)
         base = rss()
