@@ -208,10 +208,11 @@ class Codec:
         bslices = block_slices(slices)
         out = []
         for k, x in enumerate(values):
-            codes = torch.empty(x.numel(), dtype=self.dtype, device=x.device)
+            # zeros: where the sub-group's layout leaves gaps between units, they hold no bytes of chance
+            codes = torch.zeros(x.numel(), dtype=self.dtype, device=x.device)
             stored = (codes,)
             if self.state_dtype == "int8":
-                stored += (torch.empty(sum(blocks(s.stop - s.start) for s in slices.values()), device=x.device),)
+                stored += (torch.zeros(sum(blocks(s.stop - s.start) for s in slices.values()), device=x.device),)
             for i, s in slices.items():
                 self.encode(k, x[s], stored, s, bslices[i])
             out += stored

@@ -195,11 +195,8 @@ def print_summary(s: dict) -> None:
           f"free {human_size(s['free'])}, leaked {human_size(s['leaked_bytes'])}")  # fmt: skip
     for x in s["leaked"]:
         print(f"  leaked: {shown(x['path'])}  {human_size(x['size'])}  ({x['why']})")
-    dtypes: dict[str, set] = {}  # a compact optimizer state's kinds are uint8 or bfloat16, its scales float32
-    for t in s["tensors"]:
-        dtypes.setdefault(t["kind"], set()).add(t["dtype"])
-    kinds = ", ".join(f"{shown(k) if k else '(no kind)'} {v['tensors']} {'/'.join(sorted(dtypes.get(k, ())))} "
-                      f"({human_size(v['bytes'])})" for k, v in s["kinds"].items())  # fmt: skip
+    kinds = ", ".join(f"{shown(k) if k else '(no kind)'} {v['tensors']} ({human_size(v['bytes'])})"
+                      for k, v in s["kinds"].items())  # fmt: skip
     total = sum(t["nbytes"] for t in s["tensors"])
     print(f"  tensors: {len(s['tensors'])}, {human_size(total)}" + (f": {kinds}" if kinds else ""))
     if total:  # what the arenas take on disk for what the tensors hold (staging, alignment, holes)
@@ -348,9 +345,9 @@ output:
   used (every extent rounded up to the alignment), free (arena sizes less used) and leaked
   (files in the members' rank directories that the manifest does not list and a space does
   not make: orphaned arena files, temporary files of an interrupted manifest write, strays),
-  each leaked file listed; tensor count, dtype and bytes per state kind (the part of a name
-  after its last "/": an int8 optimizer state is uint8 under its kind and float32 scales
-  under "<kind>.scale"); the footprint: the arenas' size against the tensors' bytes, and their
+  each leaked file listed; tensor count and bytes per state kind (the part of a name after
+  its last "/": an int8 optimizer state's codes are under its kind, its scales under
+  "<kind>.scale"); the footprint: the arenas' size against the tensors' bytes, and their
   ratio (staged copies, alignment, holes). Then one row per tensor: name, dtype, shape, bytes, file (the first
   extent's arena file, "dK/" naming its member when there are several, "+N" for N more
   extents), offset of the first extent, checksum ("-" if none).
