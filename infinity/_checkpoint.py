@@ -52,7 +52,7 @@ from infinity.swap import (
     SpaceReader, SwapSpace, WriteBehind, fsync_dir, parse_json, read_json, round_up, write_bytes_atomic, write_json_atomic,
 )  # fmt: skip
 
-from . import _recut, _rng
+from . import _compact, _recut, _rng
 from ._substates import state_key
 from .checkpoint import (
     FORMAT, LATEST_NAME, LOCK_NAME, META_NAME, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, check_tag,
@@ -283,9 +283,10 @@ def _write_compact(opt, group, out: _Writer) -> None:
         for kind in opt.kinds[1:]:
             leases.append(opt.states[kind].get(group.record.name_for()).result())
         tensors = [lease.tensor for lease in leases]
+        blocks = _compact.block_slices(group.slices)
         for k, kind in enumerate(opt.algorithm.states):
             for u in group.units:
-                value = opt.algorithm.codec.decode_unit(tensors, k, group.slices, u.index)
+                value = opt.algorithm.codec.decode_unit(tensors, k, group.slices, u.index, blocks)
                 out.put(opt.record(u).key(kind.name), value)
     finally:
         for lease in leases:

@@ -218,12 +218,14 @@ class Codec:
             out += stored
         return out
 
-    def decode_unit(self, tensors, k: int, slices: dict[int, slice], unit: int) -> torch.Tensor:
-        """Moment ``k`` of unit ``unit`` (fp32, a new tensor) from a sub-group's stored ``tensors``."""
+    def decode_unit(self, tensors, k: int, slices: dict[int, slice], unit: int,
+                    bslices: dict[int, slice] | None = None) -> torch.Tensor:  # fmt: skip
+        """Moment ``k`` of unit ``unit`` (fp32, a new tensor) from a sub-group's stored ``tensors``
+        (``bslices``: `block_slices(slices)`, when the caller has it)."""
         stored = self._per_moment(tensors)[k]
         s = slices[unit]
         out = torch.empty(s.stop - s.start, dtype=torch.float32, device=stored[0].device)
-        self.decode(k, stored, s, block_slices(slices)[unit], out)
+        self.decode(k, stored, s, (bslices or block_slices(slices))[unit], out)
         return out
 
     @contextlib.contextmanager
