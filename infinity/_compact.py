@@ -51,7 +51,7 @@ import functools
 
 import torch
 
-from .config import STATE_DTYPES  # noqa: F401 - the choices of [optimizer] state_dtype, these codecs'
+from .config import STATE_DTYPES  # the choices of [optimizer] state_dtype: "fp32" and this module's
 
 BLOCK = 256  # elements per int8 block (bitsandbytes' and torchao's 8-bit Adam default)
 SCALE = ".scale"  # an int8 moment's scales are the kind "<moment>.scale"
@@ -160,8 +160,9 @@ class Codec:
     ``moments``: (name, signed) of each of its own kinds, in its order."""
 
     def __init__(self, state_dtype: str, moments: tuple[tuple[str, bool], ...]):
-        if state_dtype not in ("bf16", "int8"):
-            raise ValueError(f"optimizer.state_dtype={state_dtype!r} has no codec; compact ones are bf16, int8")
+        if state_dtype == "fp32" or state_dtype not in STATE_DTYPES:
+            raise ValueError(f"optimizer.state_dtype={state_dtype!r} has no codec; the compact ones are "
+                             f"{', '.join(d for d in STATE_DTYPES if d != 'fp32')}")  # fmt: skip
         self.state_dtype = state_dtype
         self.moments = moments
 
