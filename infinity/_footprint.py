@@ -86,14 +86,16 @@ def state_tensors(engine) -> list[int]:
         sizes += [(u.padded_numel if engine.grads_full else u.shard_numel) * 4
                   for u in engine.units if any(u.requires_grad)]  # fmt: skip
     if opt.states["master"].tier == "nvme":
-        sizes += [g.record.nbytes(k) for g in opt.groups for k in opt.kinds]
+        kinds = opt.kinds[1:] if opt.one_copy else opt.kinds  # one copy: the master weights are the params
+        sizes += [g.record.nbytes(k) for g in opt.groups for k in kinds]
     return sizes
 
 
 def staged_tensors(opt, sg) -> list[int]:
     """Bytes of each tensor an early update of sub-group ``sg`` of optimizer ``opt`` stages
     (see [Note: exact overlap]): its states, and its units' new parameters."""
-    return [sg.record.nbytes(k) for k in opt.kinds] + [opt.record(u).nbytes("param") for u in sg.units]
+    kinds = opt.kinds[1:] if opt.one_copy else opt.kinds  # one copy: the staged params are the master weights
+    return [sg.record.nbytes(k) for k in kinds] + [opt.record(u).nbytes("param") for u in sg.units]
 
 
 @dataclasses.dataclass

@@ -32,7 +32,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def __init__(self, algorithm: Algorithm, param_groups: list[dict], defaults: dict, *, units, groups,
                  states: dict[str, Store], param_store: Store, grads: GradAccumulator, max_grad_norm,
-                 param_dtype: torch.dtype, dist=None, params_sharded: bool = True, foreign=None):  # fmt: skip
+                 param_dtype: torch.dtype, dist=None, params_sharded: bool = True, foreign=None,
+                 one_copy: bool = False):  # fmt: skip
         self._ready = False
         if foreign is not None and dist is not None and dist.active:
             raise ValueError(f"optimizer {type(foreign).__name__}: the engine runs a torch optimizer it does not "
@@ -41,7 +42,7 @@ class Optimizer(torch.optim.Optimizer):
         self.algorithm = algorithm
         self.substates = SubGroupStates(algorithm, self.param_groups, units=units, groups=groups, stores=states,
                                         param_store=param_store, param_dtype=param_dtype, dist=dist,
-                                        params_sharded=params_sharded, foreign=foreign)  # fmt: skip
+                                        params_sharded=params_sharded, foreign=foreign, one_copy=one_copy)  # fmt: skip
         self.updater = StreamedUpdate(self.substates, self.param_groups, grads, max_grad_norm)
         # What the rest of the engine reads of them, fixed at initialize (the objects are shared).
         sub = self.substates
@@ -50,6 +51,7 @@ class Optimizer(torch.optim.Optimizer):
         self.states = sub.stores  # kind -> Store, all in the optimizer tier: algorithm.kind_names
         self.param_store, self.param_dtype, self.device = sub.param_store, sub.param_dtype, sub.device
         self.gather_params, self.steps, self.foreign = sub.gather_params, sub.steps, sub.foreign
+        self.one_copy = one_copy  # the parameters are the master weights: [Note: one copy of the fp32 weights]
         self.grads = grads
         self._engine_step = None  # set by the engine: what step() runs
         self._engine_zero_grad = None

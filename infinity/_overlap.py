@@ -55,7 +55,7 @@ MAX_IN_HAND = 4  # sub-groups being read or written at once, whatever their size
 def group_bytes(optimizer, sg) -> int:
     """Pool bytes an early update of ``sg`` holds: its states and gradients read, the copies
     of its new parameters written."""
-    params = sum(optimizer.record(u).nbytes("param") for u in sg.units)
+    params = 0 if optimizer.one_copy else sum(optimizer.record(u).nbytes("param") for u in sg.units)
     return sg.record.state_bytes(optimizer.kinds) + 4 * sg.numel + params  # the gradients are fp32
 
 
@@ -254,7 +254,7 @@ class Overlap:
                 opt.apply(early.index, tensors[0], tensors[1:], grads, early.divide, early.steps, early.first)
             for k, t in zip(opt.kinds, tensors):
                 futures.append(opt.states[k].put(sg.record.name_for(staged=True), t))
-            for u in early.units:
+            for u in early.units if not opt.one_copy else ():  # one copy: the staged master weights are them
                 s = sg.slices[u.index]
                 futures.append(opt.param_store.put(opt.record(u).name_for(staged=True), tensors[0][s], copy=True,
                                                    dtype=opt.param_dtype, timeout=0))  # fmt: skip
@@ -338,8 +338,9 @@ class Overlap:
                 for kind in opt.kinds:
                     opt.states[kind].rename(sg.record.name_for(staged=True), sg.record.name_for())
                 for u in early.units:
-                    rec = opt.record(u)
-                    opt.param_store.rename(rec.name_for(staged=True), rec.name_for())
+                    if not opt.one_copy:  # one copy: renamed with the master weights above
+                        rec = opt.record(u)
+                        opt.param_store.rename(rec.name_for(staged=True), rec.name_for())
                     opt.steps[u.index].copy_(early.steps[u.index])
                 opt.substates.mark_stepped(early.steps)
                 del self._early[index]

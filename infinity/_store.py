@@ -180,6 +180,14 @@ class Store:
         span = self._stats.io("nvme", False, record.nbytes, self.kind)
         return Pending(future, span, wrap=lambda buffer: Lease(buffer.view(dtype, shape), buffer))
 
+    def stream_member(self, name: str):
+        """What `stream_together` reads and writes back for ``name`` (nvme): its key."""
+        return self._key(name)
+
+    def streamed_bytes(self, name: str, tensor: torch.Tensor) -> int:
+        """The bytes a stream of ``name`` moves each way, ``tensor`` being what it read."""
+        return tensor.numel() * tensor.element_size()
+
     def rename(self, src: str, dst: str) -> None:
         """nvme: ``src``'s tensor becomes ``dst``'s, replacing it, without a copy."""
         if self._resident is not None:
@@ -238,19 +246,21 @@ def stream_together(stores: Sequence[Store], names: Sequence[str], *, ahead: int
     ahead and each is written back behind the caller (`infinity.swap.stream`) unless its
     ``write_back`` was set False; resident tiers lend their own tensors."""
     first = stores[0]
-    if first._resident is not None:
+    if not first.uses_pool:  # resident
         for name in names:
             yield _Streamed(tuple(s._resident[name] for s in stores))
         return
-    keys = [tuple(s._key(name) for s in stores) for name in names]
+    keys = [tuple(s.stream_member(name) for s in stores) for name in names]
     start = time.perf_counter()
     read = [0] * len(stores)  # bytes per store: every item is read, and written back unless told not to
     written = [0] * len(stores)
     items = stream(first._space, keys, ahead=ahead, ahead_bytes=ahead_bytes)
     try:
-        for item in items:
+        # Iterate the stream itself, not a zip (which would not resume it after its last item,
+        # and so skip that item's write-back).
+        for i, item in enumerate(items):
             out = _Streamed(item.tensors, item)
-            sizes = [t.numel() * t.element_size() for t in item.tensors]
+            sizes = [s.streamed_bytes(names[i], t) for s, t in zip(stores, item.tensors)]
             read = [a + b for a, b in zip(read, sizes)]
             yield out
             item.write_back = out.write_back

@@ -81,26 +81,33 @@ class StateRecord:
 class SubGroup:
     """Consecutive units whose optimizer state is stored and updated as one flat tensor per kind."""
 
-    def __init__(self, index: int, units: list[ParamUnit], itemsizes: dict[str, int], numels: dict[str, int]):
+    def __init__(self, index: int, units: list[ParamUnit], itemsizes: dict[str, int], numels: dict[str, int],
+                 align: int = 1):  # fmt: skip
         self.index = index
         self.name = f"optimizer.{index}"
         self.units = units
-        self.slices: dict[int, slice] = {}  # unit index -> its part of every flat state
+        # unit index -> its part of every flat state; a unit of 8 ``align`` or more starts at a
+        # multiple of ``align`` elements ([Note: one copy of the fp32 weights] in `_onecopy`);
+        # the gaps are unused.
+        self.slices: dict[int, slice] = {}
         pos = 0
         for u in units:
             n = u.shard_numel
+            if n >= 8 * align:  # a small unit is not worth a gap: its few bytes bounce instead
+                pos = -(-pos // align) * align
             self.slices[u.index] = slice(pos, pos + n)
             pos += n
         self.numel = pos
         self.record = StateRecord(self.name, self.numel, itemsizes, numels)
 
 
-def make_groups(units: list[ParamUnit], sub_group_bytes: int, algorithm: Algorithm) -> list[SubGroup]:
-    """Consecutive units whose state (every kind of ``algorithm``) fits ``sub_group_bytes``."""
+def make_groups(units: list[ParamUnit], sub_group_bytes: int, algorithm: Algorithm, align: int = 1) -> list[SubGroup]:
+    """Consecutive units whose state (every kind of ``algorithm``) fits ``sub_group_bytes``;
+    each unit's slice starts at a multiple of ``align`` elements (unless it is small)."""
     itemsizes = algorithm.itemsizes()
 
     def group(members):
-        return SubGroup(len(groups), members, itemsizes, algorithm.numels([u.shard_numel for u in members]))
+        return SubGroup(len(groups), members, itemsizes, algorithm.numels([u.shard_numel for u in members]), align)
 
     groups, current, size = [], [], 0
     for u in units:
@@ -122,7 +129,7 @@ class SubGroupStates:
 
     def __init__(self, algorithm: Algorithm, param_groups: list[dict], *, units, groups, stores: dict[str, Store],
                  param_store: Store, param_dtype: torch.dtype, dist=None, params_sharded: bool = True,
-                 foreign=None):  # fmt: skip
+                 foreign=None, one_copy: bool = False):  # fmt: skip
         self.algorithm = algorithm
         self.param_groups = param_groups
         self.units = units
@@ -136,6 +143,9 @@ class SubGroupStates:
         self.dist = dist
         # ZeRO stages 1 and 2 keep whole parameters on every rank: new shards are gathered.
         self.gather_params = not params_sharded and dist is not None and dist.active
+        # The parameters are the master weights ([Note: one copy of the fp32 weights] in
+        # `_onecopy`): ``stores["master"]`` reads and writes them; nothing writes them twice.
+        self.one_copy = one_copy
         unit_sizes = {**algorithm.itemsizes(), "param": param_dtype.itemsize}
         self.records = {u.index: StateRecord(u.name, u.shard_numel, unit_sizes, algorithm.numels([u.shard_numel]))
                         for u in units}  # fmt: skip
@@ -217,16 +227,15 @@ class SubGroupStates:
             kept = whole[u.shard] if not self.gather_params else whole
             self.param_store.put(u.name, kept.to(self.param_dtype)).result()
         for sg, per_group in zip(self.groups, self.slices):
-            flats = []
+            master = torch.zeros(sg.numel, dtype=torch.float32)
             for u in sg.units:
                 whole = values(u)
                 flat = whole[u.shard]
                 kept = flat if not self.gather_params else whole  # see [Note: unit partition]
                 self.param_store.put(u.name, kept.to(self.param_dtype, copy=True)).result()
-                flats.append(flat)
-            master = torch.cat(flats)
-            del flats
-            self.stores["master"].put(sg.record.name_for(), master).result()
+                master[sg.slices[u.index]] = flat
+            if not self.one_copy:  # else the parameters just written are the master weights
+                self.stores["master"].put(sg.record.name_for(), master).result()
             for kind, value in self.algorithm.initial_states(master, per_group, self.param_groups, sg.slices):
                 self.stores[kind].put(sg.record.name_for(), value).result()
         if self.foreign is not None:
@@ -305,6 +314,8 @@ class SubGroupStates:
         work beside the stream slows this machine's drive, a copy loop on one core to 0.4-0.45
         of its idle throughput, benchmarks/io_under_compute.py). Otherwise each write goes from
         its own pool copy (or cast): ``master`` may be reused before the write is done."""
+        if self.one_copy:
+            return True  # the master weights' own write is the parameters' ([Note: one copy of the fp32 weights])
         direct = after is not None and self.params_direct()
         for u in have:
             s = group.slices[u.index]

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _build, _checkpoint, _ddp, _footprint, _resources, _wrap
+from . import _build, _checkpoint, _ddp, _footprint, _onecopy, _resources, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -120,14 +120,21 @@ class Engine:
         algorithm, param_groups, defaults, foreign = resolve(optimizer_spec, params,
                                                              cfg.optimizer, all_device=all_device)  # fmt: skip
         states = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in algorithm.kind_names}
+        trainable = [u for u in units if any(u.requires_grad)]  # frozen units get no optimizer state
+        # See [Note: one copy of the fp32 weights] in `_onecopy`.
+        one_copy = _onecopy.applies(tiers.params, tiers.optimizer, self.dtype,
+                                    not self.params_sharded and self.dist.active, algorithm)  # fmt: skip
+        groups = make_groups(trainable, cfg.optimizer.sub_group_size, algorithm, align=_onecopy.ALIGN if one_copy else 1)
+        if one_copy:
+            states["master"] = _onecopy.MasterView(self.param_store, groups, stats)
         self.units = units
         self.transport = Transport(dev, self.dtype, self.pool, self.dist, stats)
         self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full)
-        trainable = [u for u in units if any(u.requires_grad)]  # frozen units get no optimizer state
         self.optimizer = Optimizer(
-            algorithm, param_groups, defaults, units=units, groups=make_groups(trainable, cfg.optimizer.sub_group_size, algorithm),
-            states=states, param_store=self.param_store, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
+            algorithm, param_groups, defaults, units=units, groups=groups, states=states,
+            param_store=self.param_store, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
             param_dtype=self.dtype, dist=self.dist, params_sharded=self.params_sharded, foreign=foreign,
+            one_copy=one_copy,
         )  # fmt: skip
         self.optimizer._engine_step, self.optimizer._engine_zero_grad = self._step, self.zero_grad
         # Everything that can refuse the user's arguments, before the module's weights move.

@@ -36,6 +36,7 @@ _LAZY = {
     "write_bytes_atomic": "._manifest",
     "write_json_atomic": "._manifest",
     "Item": "._pipeline",
+    "Joined": "._pipeline",
     "stream": "._pipeline",
     "HostBuffer": "._pool",
     "HostBufferPool": "._pool",

@@ -19,15 +19,70 @@ never a `PoolExhausted` for what other reads ahead of it hold.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ._manifest import DTYPES
+from ._common import ALIGNMENT, round_up
 from ._pool import HostBuffer, PoolExhausted
 from ._space import SwapFuture, SwapSpace
 from ._writes import WriteBehind
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """Several tensors of one dtype read into one buffer and written back from it: ``names[i]``
+    lies at element ``starts[i]`` of a flat tensor of ``numel`` elements (the gaps are left as
+    they are). An entry of `stream` may hold one in place of a name: its item's tensor is that
+    flat tensor. Starts that are multiples of ``ALIGNMENT`` bytes keep the transfers direct."""
+
+    names: tuple[str, ...]
+    starts: tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class _JoinedRead:
+    """The reads of a `Joined` into one pool buffer: ``result()`` is the buffer once all are done."""
+
+    def __init__(self, space: SwapSpace, joined: Joined, timeout):
+        self.buffer = space.pool.acquire(max(round_up(joined.nbytes()), ALIGNMENT), timeout=timeout)
+        self.futures = []
+        flat = self.buffer.tensor[: joined.nbytes()].view(joined.dtype)
+        try:
+            for name, start in zip(joined.names, joined.starts):
+                shape = space.info(name).shape
+                n = math.prod(shape)
+                self.futures.append(space.get(name, out=flat[start : start + n].view(shape)))
+        except BaseException:
+            for fut in self.futures:
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001 - nothing reads it
+                    pass
+            self.buffer.release()
+            raise
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def result(self) -> HostBuffer:
+        error = None
+        for fut in self.futures:
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001 - every read finishes before the buffer goes back
+                error = error or e
+        if error is not None:
+            self.buffer.release()
+            raise error
+        return self.buffer
 
 
 @dataclass(slots=True)
@@ -66,8 +121,9 @@ def stream(
         raise ValueError(f"{ahead=} must be >= 0")
     names = list(names)
     for entry in names:
-        for name in _members(entry):
-            space.info(name)  # unknown names fail before any I/O
+        for member in _members(entry):
+            for name in member.names if isinstance(member, Joined) else (member,):
+                space.info(name)  # unknown names fail before any I/O
     reads = _Reads(space, names, ahead_bytes)
     writes = WriteBehind(1)  # item i-1 may still be on its way out while the caller has item i
     item = None
@@ -116,7 +172,7 @@ class _Reads:
         self.queue: collections.deque[tuple[str | tuple, list[SwapFuture]]] = collections.deque()
         self.issued = 0
         self.limit_bytes = limit_bytes
-        self.sizes = [sum(space.info(n).nbytes for n in _members(e)) for e in names] if limit_bytes else None
+        self.sizes = [sum(_nbytes(space, m) for m in _members(e)) for e in names] if limit_bytes else None
 
     def more(self, limit: int) -> None:
         """Issue reads until ``limit`` are in flight (or every name is read), and (with
@@ -137,7 +193,9 @@ class _Reads:
         futures = []
         try:
             for n in _members(entry):
-                futures.append(self.space.get(n, timeout=None if wait else 0))
+                timeout = None if wait else 0
+                futures.append(_JoinedRead(self.space, n, timeout) if isinstance(n, Joined)
+                               else self.space.get(n, timeout=timeout))  # fmt: skip
         except PoolExhausted:
             _settle_and_release(futures)
             if wait:
@@ -164,8 +222,7 @@ class _Reads:
             _release(buffers)
             _settle_and_release(futures[len(buffers) + 1 :])  # the first error is propagating
             raise
-        records = [self.space.info(n) for n in _members(entry)]
-        views = tuple(b.view(DTYPES[r.dtype], r.shape) for b, r in zip(buffers, records))
+        views = tuple(_view(self.space, b, m) for b, m in zip(buffers, _members(entry)))
         return Item(entry, views, tuple(buffers))
 
     def drop(self) -> None:
@@ -187,8 +244,13 @@ def _write_back(space: SwapSpace, item: Item, writes: WriteBehind) -> None:
     to the pool once the writes (and ``item.after``) are done."""
     futures = []
     try:
-        for tensor, name in zip(item.tensors, _members(item.name)):
-            futures.append(space.put(name, tensor))
+        for tensor, member in zip(item.tensors, _members(item.name)):
+            if isinstance(member, Joined):
+                for name, start in zip(member.names, member.starts):
+                    shape = space.info(name).shape
+                    futures.append(space.put(name, tensor[start : start + math.prod(shape)].view(shape)))
+            else:
+                futures.append(space.put(member, tensor))
     finally:
         # Also when a put could not start: what did start, and the caller's writes, still read
         # the buffers (held until then; the buffers of writes that did not start with them).
@@ -210,5 +272,17 @@ def _release(buffers) -> None:
         buffer.release()
 
 
-def _members(entry: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+def _members(entry) -> tuple:
+    return (entry,) if isinstance(entry, (str, Joined)) else tuple(entry)
+
+
+def _nbytes(space: SwapSpace, member) -> int:
+    return member.nbytes() if isinstance(member, Joined) else space.info(member).nbytes
+
+
+def _view(space: SwapSpace, buffer: HostBuffer, member) -> torch.Tensor:
+    """The typed tensor of ``member`` in ``buffer``."""
+    if isinstance(member, Joined):
+        return buffer.tensor[: member.nbytes()].view(member.dtype)
+    record = space.info(member)
+    return buffer.view(DTYPES[record.dtype], record.shape)

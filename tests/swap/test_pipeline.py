@@ -101,6 +101,30 @@ def test_stream_of_name_tuples_reads_and_writes_them_together(open_space):
     assert space.pool.in_use_bytes == 0
 
 
+def test_a_joined_entry_reads_several_tensors_into_one_buffer_and_writes_each_back(open_space):
+    """`swap.Joined`: each name at its start of one flat tensor (one page-aligned, one not,
+    one short of a page), updated in place and written back under its own name."""
+    space = open_space()
+    sizes, starts = (3000, 1500, 700), (0, 3072, 4600)
+    for u, n in enumerate(sizes):
+        space.put(f"u{u}/param", torch.arange(n, dtype=torch.float32) + 10_000 * u).result()
+    space.put("opt.0/exp_avg", torch.zeros(5300)).result()
+    joined = swap.Joined(tuple(f"u{u}/param" for u in range(3)), starts, 5300, torch.float32)
+    for r in range(2):
+        for item in swap.stream(space, [(joined, "opt.0/exp_avg")], ahead=1):
+            flat, m = item.tensors
+            assert flat.shape == (5300,) and m.shape == (5300,)
+            for u, (n, a) in enumerate(zip(sizes, starts)):
+                assert torch.equal(flat[a : a + n], torch.arange(n, dtype=torch.float32) + 10_000 * u + r), u
+                assert torch.equal(m[a : a + n], torch.full((n,), float(r))), u
+                flat[a : a + n].add_(1)
+                m[a : a + n].add_(1)
+    for u, n in enumerate(sizes):
+        got = space.get(f"u{u}/param", torch.empty(n)).result()
+        assert torch.equal(got, torch.arange(n, dtype=torch.float32) + 10_000 * u + 2), u
+    assert space.pool.in_use_bytes == 0
+
+
 def test_reading_ahead_never_waits_for_pool_memory(open_space):
     """ahead=3 of 1 MiB items in a 3.5 MiB pool: the reads ahead that find no room are issued
     later, and the loop runs to the end (it used to wait for memory only its own reads held,
