@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from infinity.swap import ALIGNMENT, Joined
-from infinity.swap._pipeline import _JoinedRead
+from infinity.swap import ALIGNMENT, Joined, JoinedRead
 
 from ._store import Lease, Pending, Store
 from ._substates import STAGED
@@ -109,7 +108,7 @@ class MasterView:
 
     def get(self, name: str, timeout: float | None = None, urgent: bool = False) -> Pending:
         joined = self.joined(name)
-        read = _JoinedRead(self._space, joined, timeout)
+        read = JoinedRead(self._space, joined, timeout)
         span = self._stats.io("nvme", False, self.real_bytes(name), self.kind)
         return Pending(read, span, wrap=lambda buffer: Lease(buffer.tensor[: joined.nbytes()].view(torch.float32), buffer))
 

@@ -37,6 +37,7 @@ _LAZY = {
     "write_json_atomic": "._manifest",
     "Item": "._pipeline",
     "Joined": "._pipeline",
+    "JoinedRead": "._pipeline",
     "stream": "._pipeline",
     "HostBuffer": "._pool",
     "HostBufferPool": "._pool",

@@ -48,7 +48,7 @@ class Joined:
         return self.numel * self.dtype.itemsize
 
 
-class _JoinedRead:
+class JoinedRead:
     """The reads of a `Joined` into one pool buffer: ``result()`` is the buffer once all are done."""
 
     def __init__(self, space: SwapSpace, joined: Joined, timeout):
@@ -194,7 +194,7 @@ class _Reads:
         try:
             for n in _members(entry):
                 timeout = None if wait else 0
-                futures.append(_JoinedRead(self.space, n, timeout) if isinstance(n, Joined)
+                futures.append(JoinedRead(self.space, n, timeout) if isinstance(n, Joined)
                                else self.space.get(n, timeout=timeout))  # fmt: skip
         except PoolExhausted:
             _settle_and_release(futures)
