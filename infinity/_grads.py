@@ -23,9 +23,12 @@ room for beside its own buffers (`spill`), then takes the held ones from memory
 written nor read: 8 bytes a parameter less on nvme in fp32, all of them when the budget holds
 every gradient. Where backward needs pool memory that is not free, every held gradient is
 written and given back (`spill`): backward never waits on them. The values are the ones a
-write and a read would give. Not where the optimizer runs under backward ([Note: exact
-overlap]): an early update that is discarded needs the gradient from the grads tier, so
-there each is written (and kept in memory for its early update, `keep`).
+write and a read would give. Where the optimizer runs under backward ([Note: exact overlap]),
+an early update borrows a held gradient (`borrow_held`: never written or given back while
+borrowed) and returns it once applied; the step gives back those of committed sub-groups
+(`release_held`) and takes the rest, whose early updates were discarded, from memory: a held
+gradient is what such a redo needs, as a written one is. The overlap's room beside backward
+is then shared: its sub-groups in hand first, held gradients in the rest.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from torch.profiler import record_function
 
 from infinity.swap import PoolExhausted, WriteBehind
 
-from ._store import Store
+from ._store import Lease, Store
 from ._units import ParamUnit
 
 
@@ -60,6 +63,7 @@ class GradAccumulator:
         self.hold_limit = 0  # bytes; set by the engine's plan (0: none held)
         self._held: collections.OrderedDict[int, tuple[ParamUnit, torch.Tensor, object]] = collections.OrderedDict()
         self._held_bytes = 0
+        self._borrowed: set[int] = set()  # held ones an early update is reading: see borrow_held
         self._writes = WriteBehind(max_writes)  # keyed by unit index
         self._norm: float | None = None  # global_norm of the gradients as they are now
 
@@ -116,8 +120,7 @@ class GradAccumulator:
             self._note(unit, acc)
             self._held[unit.index] = (unit, acc, hold)  # see [Note: gradients held]
             self._held_bytes += nbytes
-            while self._held_bytes > self.hold_limit:
-                self._write_held(next(iter(self._held)))
+            self._write_held_down_to(self.hold_limit)
             return
         try:
             pending = self.store.put(unit.name, acc)
@@ -181,14 +184,36 @@ class GradAccumulator:
         the buffer. The gradient is the step's from here (`zero` follows the step)."""
         return self._unhold(index)
 
+    def _write_held_down_to(self, keep: int) -> None:
+        """Write held gradients, the one held longest first (not one borrowed), until at most
+        ``keep`` bytes stay held."""
+        while self._held_bytes > keep:
+            victim = next((i for i in self._held if i not in self._borrowed), None)
+            if victim is None:
+                return  # the rest are being read by early updates: they come back soon
+            self._write_held(victim)
+
     def spill(self, keep: int = 0) -> None:
         """Write held gradients, the one held longest first, until at most ``keep`` bytes
         stay held, and wait for the writes: their buffers are free after."""
         if self._held_bytes <= keep:
             return
-        while self._held and self._held_bytes > keep:
-            self._write_held(next(iter(self._held)))
+        self._write_held_down_to(keep)
         self._writes.drain()
+
+    def borrow_held(self, index: int) -> Lease:
+        """Unit ``index``'s held gradient for an early update: it stays held, and is neither
+        written nor given back until the lease is released."""
+        self._borrowed.add(index)
+        return Lease(self._held[index][1], _Return(self._borrowed, index))
+
+    def release_held(self, indices) -> None:
+        """Give back the held gradients of ``indices`` (their sub-groups' early updates were
+        committed: nothing reads them again this step)."""
+        for index in indices:
+            held = self._unhold(index)
+            if held is not None:
+                held[1].release()
 
     @property
     def held_bytes(self) -> int:
@@ -258,8 +283,21 @@ class GradAccumulator:
             self._kept.pop(index)[1].release()
         while self._held:
             self._unhold(next(iter(self._held)))[1].release()
+        self._borrowed.clear()
         self.has_grad.clear()
         self._norm = None
         self.norm_sq.clear()
         self.finite.clear()
         self.version.clear()
+
+
+class _Return:
+    """Releasing a borrowed held gradient's lease returns it (`GradAccumulator.borrow_held`)."""
+
+    __slots__ = ("_borrowed", "_index")
+
+    def __init__(self, borrowed: set, index: int):
+        self._borrowed, self._index = borrowed, index
+
+    def release(self) -> None:
+        self._borrowed.discard(self._index)

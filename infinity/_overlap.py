@@ -216,6 +216,9 @@ class Overlap:
                 early.reads.append(opt.states[kind].get(sg.record.name_for(), timeout=0))
             for u in early.units:
                 early.versions[u.index] = opt.grads.version[u.index]
+                if opt.grads.is_held(u.index):  # never written: see [Note: gradients held] in `_grads`
+                    early.grads[u.index] = InHand(opt.grads.borrow_held(u.index))
+                    continue
                 kept = opt.grads.take_kept(u.index)
                 if kept is not None:  # still in memory: nothing to read
                     early.grads[u.index] = InHand(Lease(*kept))

@@ -29,9 +29,11 @@ rather than released, as long as the pool keeps room for what the rest of the pa
 engine's plan gives `keep_limit`: the budget less its slack and backward's own buffers, a unit
 in use, ``depth`` prefetched, gradients being written); when it does not, the units kept
 longest go first, those backward needs last. Where the optimizer's early updates under
-backward ([Note: exact overlap] in `_overlap`) are planned, they have that room and nothing is
-kept (kept units took it at a 2.7B model's 2GiB budget: forward then waited on the pool, and
-the RSS passed its bound). Backward finds the rest bound
+backward ([Note: exact overlap] in `_overlap`) are planned, units are kept only in what the
+most those hold at once leaves (the room of held gradients, [Note: gradients held] in
+`_grads`: a kept unit turns into a gradient as backward uses it); kept units that took the
+early updates' room too (a 2.7B model at 2GiB) made forward wait on the pool and the RSS pass
+its bound. Backward finds the rest bound
 and reads only what was let go: with a budget that holds every unit, each parameter is read
 once a step. A kept unit whose module's backward has not begun is given back whenever a fetch
 or a gradient buffer finds the pool full; one whose backward has begun is in use and never is.

@@ -47,6 +47,7 @@ class StreamedUpdate:
         self.ahead = READ_AHEAD
         self.ahead_bytes: int | None = None  # read-ahead by bytes too (see fit_read_ahead)
         self.overlap = None  # _overlap.Overlap, set by the engine where it applies
+        self.hold_room: int | None = None  # gradients the stream leaves held (the engine's plan)
 
     def update(self, loss_scale: float = 1.0) -> bool:
         """One update of every parameter with a gradient; False when skipped (non-finite).
@@ -68,6 +69,11 @@ class StreamedUpdate:
             self.clipped_last = coef < 1.0
         committed = self.overlap.commit(divide) if self.overlap is not None else set()
         groups = [g for g in st.groups if g.index not in committed]
+        # Held gradients ([Note: gradients held] in `_grads`): those of committed sub-groups go
+        # back, and what the stream has no room for beside its own buffers is written.
+        self.grads.release_held(u.index for g in st.groups if g.index in committed for u in g.units)
+        if self.hold_room is not None:
+            self.grads.spill(keep=self.hold_room)
         grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=st.device)
         grads_now = grads_next = None
         try:

@@ -38,7 +38,7 @@ from ._algorithms import resolve
 from ._optim import Optimizer
 from ._substates import make_groups
 from ._update import POOL_SLACK, READ_AHEAD
-from ._overlap import Overlap, group_bytes
+from ._overlap import MAX_IN_HAND, Overlap, group_bytes
 from ._owner import Owner, entry
 from ._scaler import LossScaler
 from ._schedule import Scheduler
@@ -166,7 +166,8 @@ class Engine:
         self._managed = {id(p) for u in units for p in u.params}  # see _check_training
         self.grads.hold_limit = self._hold_limit(cfg)
         # What the step leaves held: the pool's room beside the stream's own buffers.
-        self._step_hold_room = max(0, int(cfg.memory.host_budget * (1 - POOL_SLACK)) - self.optimizer.host_bytes_needed())
+        self.optimizer.updater.hold_room = max(
+            0, int(cfg.memory.host_budget * (1 - POOL_SLACK)) - self.optimizer.host_bytes_needed())
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes, keep=cfg.prefetch.keep,
                                    keep_limit=self._keep_limit(cfg), gather=self.params_sharded and self.dist.active, tiled=tiled)  # fmt: skip
@@ -227,18 +228,26 @@ class Engine:
     def _keep_limit(self, cfg: TierConfig) -> int:
         """Pool bytes in use up to which units stay kept from forward for backward ([Note: kept
         for backward] in `_schedule`): what the budget, less its slack, leaves beside the
-        backward's own buffers; none when the optimizer's early updates are planned into it."""
+        backward's own buffers; where the optimizer's early updates are planned into that, only
+        what they leave for held gradients (`_hold_limit`: kept units turn into gradients as
+        backward uses them)."""
         if self._overlap_budget:
-            return 0
+            return self._backward_bytes + self.grads.hold_limit if self.grads.hold_limit else 0
         return int(cfg.memory.host_budget * (1 - POOL_SLACK)) - self._backward_bytes
 
     def _hold_limit(self, cfg: TierConfig) -> int:
         """Bytes of gradients held in the pool, not written, for the step ([Note: gradients
         held] in `_grads`): what the budget, less its slack, leaves beside the larger of the
-        backward's and the step's own buffers (the step starts with them held). None where the
-        optimizer runs under backward, the grads are not on nvme, or compute is not on the host."""
-        if self._overlap_budget or not self.grads.store.uses_pool or self.device.type != "cpu":
+        backward's and the step's own buffers (the step starts with them held); where the
+        optimizer runs under backward, what its room beside the backward leaves beside the
+        most it holds at once (`MAX_IN_HAND` sub-groups). None where the grads are not on nvme
+        or compute is not on the host."""
+        if not self.grads.store.uses_pool or self.device.type != "cpu":
             return 0
+        if self._overlap_budget:
+            opt = self.optimizer
+            in_hand = MAX_IN_HAND * max(group_bytes(opt, g) for g in opt.groups)
+            return max(0, self._overlap_budget - in_hand)
         usable = int(cfg.memory.host_budget * (1 - POOL_SLACK))
         return max(0, usable - max(self._backward_bytes, self.optimizer.host_bytes_needed()))
 
@@ -373,7 +382,6 @@ class Engine:
         scale = self._scaler.scale if self._scaler is not None else 1.0
         self._tell_accumulation()
         try:
-            self.grads.spill(keep=self._step_hold_room)  # see [Note: gradients held] in `_grads`
             stepped = self.optimizer.update(scale)
         except BaseException as e:
             self.dist.report_failure(e)

@@ -25,18 +25,19 @@ def _layers(n: int = 8) -> nn.Module:
                          nn.Linear(256, 4))  # fmt: skip
 
 
-def _run(path, budget: str, hold_limit: int | None = None, steps: int = 3, layers: int = 8):
+def _run(path, budget: str, hold_limit: int | None = None, steps: int = 3, layers: int = 8, **optimizer):
     """Train ``steps`` steps of `MICRO` micro-batches; ``hold_limit`` replaces the engine's
     plan (0: every gradient written, as before gradients were held). Returns the losses, the
     weights, the grads' nvme traffic of the last step, the fp32 bytes of the gradients, and
     the most bytes held at a step's start."""
     cfg = config(path, NVME, memory={"host_budget": budget},
-                 optimizer={"overlap": False, "sub_group_size": "256KiB", "gradient_accumulation_steps": MICRO})  # fmt: skip
+                 optimizer={"overlap": False, "sub_group_size": "256KiB", "gradient_accumulation_steps": MICRO,
+                            **optimizer})  # fmt: skip
     engine = infinity.initialize(_layers(layers), cfg)
     try:
         if hold_limit is not None:
             engine.grads.hold_limit = hold_limit
-        losses, held = [], 0
+        losses, held, committed = [], 0, []
         for step in range(steps):
             for micro in range(MICRO):
                 g = torch.Generator().manual_seed(step * MICRO + micro)
@@ -47,9 +48,11 @@ def _run(path, budget: str, hold_limit: int | None = None, steps: int = 3, layer
             held = max(held, engine.grads.held_bytes)
             engine.step()
             assert engine.grads.held_bytes == 0
+            if engine.optimizer.overlap is not None:
+                committed.append(engine.optimizer.overlap.committed)
         traffic = engine.stats()["step"]["nvme"]["by_kind"].get("grad", {"read_bytes": 0, "write_bytes": 0})
         fp32 = 4 * sum(u.shard_numel for u in engine.units)
-        return losses, engine.gathered_weights(), traffic, fp32, held
+        return losses, engine.gathered_weights(), traffic, fp32, held, committed
     finally:
         engine.close()
 
@@ -101,14 +104,22 @@ def test_zero_grad_gives_held_gradients_back(tmp_path):
         engine.close()
 
 
-def test_no_gradient_is_held_where_the_optimizer_runs_under_backward(tmp_path):
-    """An early update that is discarded needs its gradient from the grads tier."""
-    cfg = config(tmp_path, NVME, optimizer={"overlap": True, "overlap_disk": 1.0})
-    engine = infinity.initialize(_layers(), cfg)
-    try:
-        assert engine.optimizer.overlap is not None and engine.grads.hold_limit == 0
-    finally:
-        engine.close()
+@pytest.mark.parametrize("clip", [None, 1e-3], ids=["committed", "redone"])
+def test_held_gradients_under_the_overlap_change_nothing(tmp_path, clip):
+    """The optimizer under backward borrows held gradients for its early updates; committed,
+    they go back; discarded (a step that clips), the step redoes the update from them."""
+    opt = {"overlap": True, "overlap_disk": 1.0, "max_grad_norm": clip}
+    written = _run(tmp_path / "written", "64MiB", hold_limit=0, **opt)
+    held = _run(tmp_path / "held", "64MiB", **opt)
+    assert held[0] == written[0]
+    for k in written[1]:
+        assert torch.equal(held[1][k], written[1][k]), k
+    assert held[5] == written[5]
+    assert held[2] == {"read_bytes": 0, "write_bytes": 0} and held[4] == held[3], (held[2], held[4])
+    if clip is None:
+        assert all(n > 0 for n in held[5]), held[5]
+    else:  # the first step clips (its early updates are discarded); after it none is tried
+        assert held[5][0] == 0
 
 
 def _hf_llama(path, dtype: str, hold: float | None):
