@@ -240,7 +240,7 @@ class Engine:
         held] in `_grads`): what the budget, less its slack, leaves beside the larger of the
         backward's and the step's own buffers (the step starts with them held); where the
         optimizer runs under backward, what its room beside the backward leaves beside the
-        most it holds at once (`MAX_IN_HAND` sub-groups). None where the grads are not on nvme
+        most it holds at once (`MAX_IN_HAND` sub-groups). Nothing where the grads are not on nvme
         or compute is not on the host."""
         if not self.grads.store.uses_pool or self.device.type != "cpu":
             return 0
