@@ -132,7 +132,7 @@ class GradAccumulator:
             self.has_grad.discard(unit.index)
             raise
         self._note(unit, acc)
-        if hold is not None and self.keep is not None and self.keep(unit, acc.numel() * acc.element_size()):
+        if hold is not None and self.keep is not None and self.keep(unit, nbytes):
             self._kept[unit.index] = (acc, hold)
             hold = None
         self._writes.add(pending, hold, key=unit.index)

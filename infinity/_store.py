@@ -222,21 +222,13 @@ def release_unused(pendings) -> None:
 
 
 class _Streamed:
-    """One item of `stream_together`: the stores' tensors of one name, updated in place.
-    ``after``: on nvme, a list to which the caller adds the `Pending` of writes it starts from
-    these tensors (the stream holds their buffers until those are done); None on resident
-    tiers."""
+    """One item of `stream_together`: the stores' tensors of one name, updated in place."""
 
-    __slots__ = ("tensors", "write_back", "_item")
+    __slots__ = ("tensors", "write_back")
 
-    def __init__(self, tensors, item=None):
+    def __init__(self, tensors):
         self.tensors = tensors
         self.write_back = True  # False: the item was not changed, nothing to write back
-        self._item = item
-
-    @property
-    def after(self) -> list | None:
-        return self._item.after if self._item is not None else None
 
 
 def stream_together(stores: Sequence[Store], names: Sequence[str], *, ahead: int,
@@ -259,7 +251,7 @@ def stream_together(stores: Sequence[Store], names: Sequence[str], *, ahead: int
         # Iterate the stream itself, not a zip (which would not resume it after its last item,
         # and so skip that item's write-back).
         for i, item in enumerate(items):
-            out = _Streamed(item.tensors, item)
+            out = _Streamed(item.tensors)
             sizes = [s.streamed_bytes(names[i], t) for s, t in zip(stores, item.tensors)]
             read = [a + b for a, b in zip(read, sizes)]
             yield out

@@ -305,33 +305,22 @@ class SubGroupStates:
             lease.release()
 
     # -- new parameters ---------------------------------------------------------------------
-    def write_params(self, group: SubGroup, have: list, master: torch.Tensor, after: list | None = None) -> bool:
-        """The new low-precision parameters of ``have`` (units of ``group``) from ``master``.
-
-        ``after``: the stream's list of writes that hold ``master``'s buffer (`stream_together`).
-        Given, and the parameters fp32 on nvme, each is written straight from ``master``, the
-        buffer held until the write is done: no copy (3.8 GB a step on the 953M model; CPU
-        work beside the stream slows this machine's drive, a copy loop on one core to 0.4-0.45
-        of its idle throughput, benchmarks/io_under_compute.py). Otherwise each write goes from
-        its own pool copy (or cast): ``master`` may be reused before the write is done."""
+    def write_params(self, group: SubGroup, have: list, master: torch.Tensor) -> bool:
+        """The new low-precision parameters of ``have`` (units of ``group``) from ``master``,
+        each from its own pool copy (or cast): ``master`` may be reused before the write is
+        done. Nothing with one copy of the fp32 weights: the master weights' own write is the
+        parameters' ([Note: one copy of the fp32 weights] in `_onecopy`; no copy either, 3.8 GB
+        a step on the 953M model: CPU work beside the stream slows this machine's drive, a copy
+        loop on one core to 0.4-0.45 of its idle throughput, benchmarks/io_under_compute.py)."""
         if self.one_copy:
-            return True  # the master weights' own write is the parameters' ([Note: one copy of the fp32 weights])
-        direct = after is not None and self.params_direct()
+            return True
         for u in have:
             s = group.slices[u.index]
             if self.gather_params:
                 self._gather_new_params(u, master[s])
-            elif direct:
-                after.append(self.param_store.put(u.name, master[s]))
             else:
                 self.param_writes.add(self.param_store.put(u.name, master[s], copy=True))
         return True
-
-    def params_direct(self) -> bool:
-        """Whether the update writes new parameters straight from the streamed master weights
-        (`write_params`): fp32 parameters, both on nvme, each rank writing its own."""
-        return (self.param_dtype == torch.float32 and self.param_store.uses_pool
-                and self.stores["master"].uses_pool and not self.gather_params)  # fmt: skip
 
     def _gather_new_params(self, unit: ParamUnit, master: torch.Tensor) -> None:
         """Stages 1 and 2: every rank updated its slice; all gather the whole parameters."""

@@ -92,7 +92,7 @@ class StreamedUpdate:
                 grads_next = None  # held as grads_now now: released once on failure, not twice
                 grads_next = self._read_grads(groups[i + 1], wait=False) if i + 1 < len(groups) else None
                 with record_function("infinity::optimizer.subgroup"):
-                    item.write_back = self._update(groups[i].index, item.tensors, grad_scale, grads_now, item.after)
+                    item.write_back = self._update(groups[i].index, item.tensors, grad_scale, grads_now)
         except BaseException:
             # Every buffer goes back; the first error is the one raised.
             release_unused((*(grads_now or {}).values(), *(grads_next or {}).values()))
@@ -120,9 +120,8 @@ class StreamedUpdate:
                 pending[u.index] = InHand(Lease(*self.grads.take_held(u.index)))
         return pending
 
-    def _update(self, index: int, tensors, grad_scale, pending: dict, after: list | None = None) -> bool:
-        """Update sub-group ``index``'s parameters that have a gradient; False when none has.
-        ``after``: see `SubGroupStates.write_params`."""
+    def _update(self, index: int, tensors, grad_scale, pending: dict) -> bool:
+        """Update sub-group ``index``'s parameters that have a gradient; False when none has."""
         st = self.substates
         group = st.groups[index]
         have = [u for u in group.units if u.index in pending]
@@ -141,14 +140,14 @@ class StreamedUpdate:
             stepped = {u.index for u in have}
             if st.foreign is not None:
                 self._step_foreign(index, grads, grad_scale)
-                return st.write_params(group, have, master, after)
+                return st.write_params(group, have, master)
             first = st.mark_stepped(stepped)
             torch._foreach_add_([st.steps[i] for i in stepped], 1.0)
             self._apply_kernels(index, master, states, grads, grad_scale, st.steps, first)
         finally:
             for lease in leases:
                 lease.release()
-        return st.write_params(group, have, master, after)
+        return st.write_params(group, have, master)
 
     def apply(self, index: int, master, states, grads: dict, divide: float, steps: dict, first: set) -> None:
         """Sub-group ``index``'s update in place on ``master`` and ``states`` from ``grads``
@@ -208,8 +207,8 @@ class StreamedUpdate:
         """Pool bytes the update holds at most: the stream's sub-groups (read ahead: ``ahead``
         of the largest, the one given or else this optimizer's, or ``ahead_bytes``; one in hand,
         one written behind), the gradients of one sub-group and the next one's, and three
-        parameter write-behinds (copies; none where they are written from the master weights,
-        `SubGroupStates.params_direct`); each only where its store uses the pool."""
+        parameter write-behinds (copies; none with one copy of the fp32 weights, where the
+        master weights' write is theirs); each only where its store uses the pool."""
         st = self.substates
         if not st.groups:
             return 0
@@ -223,7 +222,7 @@ class StreamedUpdate:
                 need += (2 + (self.ahead if ahead is None else ahead)) * state
         if self.grads.store.uses_pool:  # one buffer per unit
             need += 2 * max(sum(round_up(4 * u.shard_numel) for u in g.units) for g in st.groups)
-        if st.param_store.uses_pool and not st.params_direct():
+        if st.param_store.uses_pool and not st.one_copy:
             need += 3 * max(round_up(st.param_dtype.itemsize * u.shard_numel) for u in st.units)
         return need
 

@@ -23,12 +23,13 @@ def config(swap: str, tiers, **sections) -> dict:
     return cfg
 
 
-def train(engine, steps: int, start: int = 0, dtype=torch.float32) -> list[float]:
-    """``steps`` steps on batches that depend only on the step number (same data order)."""
+def train(engine, steps: int, start: int = 0, dtype=torch.float32, out: int = 4) -> list[float]:
+    """``steps`` steps on batches that depend only on the step number (same data order): 16
+    features in, ``out`` out."""
     losses = []
     for step in range(start, start + steps):
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 16, generator=g).to(dtype), torch.randn(8, 4, generator=g).to(dtype)
+        x, y = torch.randn(8, 16, generator=g).to(dtype), torch.randn(8, out, generator=g).to(dtype)
         loss = ((engine(x) - y) ** 2).float().mean()
         engine.backward(loss)
         engine.step()

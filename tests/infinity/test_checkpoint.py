@@ -347,18 +347,6 @@ def _tiled_engine(tmp_path, tiers, name):
     return infinity.initialize(_WithHead(), cfg)
 
 
-def _train_head(engine, steps: int, start: int = 0) -> list[float]:
-    losses = []
-    for step in range(start, start + steps):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 300, generator=g)
-        loss = ((engine(x) - y) ** 2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("saved, loaded", [(("nvme",) * 3, ("device",) * 3), (("device",) * 3, ("cpu",) * 3)])
 def test_tiles_and_whole_modules_of_one_tile_size_load_into_each_other(tmp_path, saved, loaded):
     """Saved and loaded with the same memory.tile_size, but one engine has every tier on the
@@ -367,14 +355,14 @@ def test_tiles_and_whole_modules_of_one_tile_size_load_into_each_other(tmp_path,
     and the whole head sum in another order)."""
     with _tiled_engine(tmp_path, saved, "a") as engine:
         assert any(u.is_tile for u in engine.units) == (saved != ("device",) * 3)
-        _train_head(engine, 3)
+        train(engine, 3, out=300)
         engine.save_checkpoint(tmp_path / "ck")
         at_save = engine.gathered_weights()
-        after, final = _train_head(engine, 3, start=3), engine.gathered_weights()
+        after, final = train(engine, 3, start=3, out=300), engine.gathered_weights()
     with _tiled_engine(tmp_path, loaded, "b") as engine:
         assert any(u.is_tile for u in engine.units) == (loaded != ("device",) * 3)
         engine.load_checkpoint(tmp_path / "ck")
         _assert_equal(engine.gathered_weights(), at_save)
-        assert _train_head(engine, 3, start=3) == pytest.approx(after, abs=1e-6)
+        assert train(engine, 3, start=3, out=300) == pytest.approx(after, abs=1e-6)
         for name, w in engine.gathered_weights().items():
             torch.testing.assert_close(w, final[name], atol=1e-6, rtol=0, msg=name)

@@ -395,6 +395,13 @@ def test_compact_checkpoint_round_trip_is_bit_exact(tmp_path, state_dtype):
         loaded.close()
 
 
+def _decoded(algo, states: dict, g, k: int) -> torch.Tensor:
+    """Moment ``k`` of sub-group ``g``, its units' parts decoded to fp32 end to end, from
+    ``states``: (sub-group, stored kind) -> tensor of an engine with ``algo``'s int8 states."""
+    stored = [states[(g.index, n)] for n in algo.kind_names[1:]]
+    return torch.cat([algo.codec.decode_unit(stored, k, g.slices, u.index) for u in g.units])
+
+
 def test_fp32_checkpoint_loads_into_int8_and_back(tmp_path):
     fp32 = _engine(tmp_path / "a", "fp32")
     try:
@@ -411,8 +418,7 @@ def test_fp32_checkpoint_loads_into_int8_and_back(tmp_path):
         for g in int8.optimizer.groups:
             assert torch.equal(got[(g.index, "master")], exact[(g.index, "master")])
             for k, kind in enumerate(algo.states):
-                decoded = torch.cat([algo.codec.decode_unit([got[(g.index, n)] for n in int8.optimizer.kinds[1:]], k,
-                                                            g.slices, u.index) for u in g.units])  # fmt: skip
+                decoded = _decoded(algo, got, g, k)
                 ref = exact[(g.index, kind.name)]
                 assert not torch.equal(decoded, ref)  # quantised...
                 assert (decoded - ref).abs().max() <= 0.01 * ref.abs().max()  # ...within the map's resolution
@@ -426,11 +432,9 @@ def test_fp32_checkpoint_loads_into_int8_and_back(tmp_path):
         back.load_checkpoint(tmp_path / "int8")  # fp32 states: the int8 ones decoded
         got = _states(back)
         algo = infinity._algorithms.ALGORITHMS["adamw"].with_state_dtype("int8")
-        kinds = algo.kind_names[1:]
         for g in back.optimizer.groups:
             for k, kind in enumerate(algo.states):
-                decoded = torch.cat([algo.codec.decode_unit([compact[(g.index, n)] for n in kinds], k, g.slices,
-                                                            u.index) for u in g.units])  # fmt: skip
+                decoded = _decoded(algo, compact, g, k)
                 assert torch.equal(got[(g.index, kind.name)], decoded)
         train(back, 1, start=4)
     finally:
