@@ -20,4 +20,4 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf build *.egg-info aio/_uring*.so $(DEMO_DIR) bench-data
+	rm -rf build *.egg-info aio/_uring*.so infinity/_compact_native*.so $(DEMO_DIR) bench-data

@@ -1,9 +1,13 @@
-"""Build the io_uring extension `infinity.aio._uring` when liburing is present.
+"""Build the native extensions:
 
-Everything else is declared in pyproject.toml. liburing is found with pkg-config
-(Debian: liburing-dev); nothing is downloaded. Without it the package installs
-without the extension and the `threads` backend serves (see infinity.aio.probe()).
-INFINITY_BUILD_URING=0 skips the extension on purpose.
+- `infinity.aio._uring`, the io_uring engine, when liburing is present. liburing is found
+  with pkg-config (Debian: liburing-dev); nothing is downloaded. Without it the package
+  installs without the extension and the `threads` backend serves (see infinity.aio.probe()).
+  INFINITY_BUILD_URING=0 skips it on purpose.
+- `infinity._compact_native`, the int8 codec of compact optimizer states (plain C++, always
+  built; a failed build is a warning). INFINITY_BUILD_NATIVE=0 skips it; `infinity._compact` then runs its torch reference.
+
+Everything else is declared in pyproject.toml.
 """
 
 import os
@@ -28,6 +32,27 @@ def _pkg_config(*args: str) -> list[str] | None:
 
 
 def _extensions():
+    return _codec() + _uring()
+
+
+def _codec():
+    if os.environ.get("INFINITY_BUILD_NATIVE", "1") == "0":
+        print("infinity: INFINITY_BUILD_NATIVE=0, building without the int8 codec extension", file=sys.stderr)
+        return []
+    from pybind11.setup_helpers import Pybind11Extension
+
+    return [
+        Pybind11Extension(
+            "infinity._compact_native",
+            sources=["infinity/csrc/compact.cpp"],
+            extra_compile_args=["-O3", "-Wall", "-Wextra"],
+            cxx_std=17,
+            optional=True,  # a failed build leaves the torch reference, not a failed install
+        )
+    ]
+
+
+def _uring():
     if os.environ.get("INFINITY_BUILD_URING", "1") == "0":
         print("infinity: INFINITY_BUILD_URING=0, building without the io_uring extension", file=sys.stderr)
         return []

@@ -7,6 +7,12 @@ stochastic rounding, and `unpacked`, which gives the fp32 kernels fp32 temporari
 sub-group's compact moments and writes them back compact. Touches: only the tensors it is
 handed (the stream's pool buffers, which it changes in place).
 
+The int8 codec runs in C++ (``infinity._compact_native``, built from infinity/csrc/compact.cpp
+with the package) where it was built, and as torch ops (`_encode_blocks`, `_decode_blocks`, the
+reference) where not: the same bytes either way (tests/infinity/test_compact.py), the C++ one
+about 8x faster to encode on these 2 cores (1.9 ns an element against 16; bucketize's binary
+search is the torch cost).
+
 The fused kernels (`torch._fused_adamw_`, ...) take fp32 states only, so an update decodes the
 moments of the units that step to fp32, runs the same kernel as with fp32 states, and encodes
 them back; the fp32 master weights are never compact. The temporaries (4 bytes per element per
@@ -54,6 +60,9 @@ import torch
 from .config import STATE_DTYPES  # the choices of [optimizer] state_dtype: "fp32" and this module's
 
 BLOCK = 256  # elements per int8 block (bitsandbytes' and torchao's 8-bit Adam default)
+# Whether the int8 codec runs in C++ where it was built (`_native_codec`); tests turn it off to
+# hold the torch reference and the native code to the same bytes.
+NATIVE = True
 SCALE = ".scale"  # an int8 moment's scales are the kind "<moment>.scale"
 
 
@@ -130,15 +139,53 @@ def _rows(x, codes, stop, width, start=0):
     return x[start:stop].view(-1, width), codes[start:stop].view(-1, width)
 
 
+@functools.cache
+def _native_codec(signed: bool):
+    """The C++ codec (``infinity._compact_native``) for this map, or None where the extension
+    was not built: it computes the same bytes as the torch ops above, about 20x faster."""
+    try:
+        from . import _compact_native
+    except ImportError:
+        return None
+    return _compact_native.Codec(_boundaries(signed).tolist(), code_map(signed).tolist())
+
+
+def _native_for(signed: bool, *tensors: torch.Tensor):
+    """The native codec where it can serve these tensors (host, contiguous), else None."""
+    if not NATIVE or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return None
+    return _native_codec(signed)
+
+
+def _check(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    n = x.numel()
+    if x.dtype != torch.float32 or codes.dtype != torch.uint8 or scales.dtype != torch.float32:
+        raise TypeError(f"int8 codec: values {x.dtype}, codes {codes.dtype}, scales {scales.dtype}; "
+                        "wants float32, uint8, float32")  # fmt: skip
+    if codes.numel() != n or scales.numel() != blocks(n):
+        raise ValueError(f"int8 codec: {n} values want {n} codes and {blocks(n)} scales, "
+                         f"got {codes.numel()} and {scales.numel()}")  # fmt: skip
+
+
 def encode_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> None:
     """One unit's part ``x`` (1-D, fp32) into ``codes`` (uint8, as many) and ``scales``
     (``blocks(x.numel())``, fp32)."""
-    _by_blocks(_encode_blocks, x, codes, scales, signed)
+    _check(x, codes, scales)
+    native = _native_for(signed, x, codes, scales)
+    if native is not None:
+        native.encode(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), x.numel(), BLOCK)
+    else:
+        _by_blocks(_encode_blocks, x, codes, scales, signed)
 
 
 def decode_int8(codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: torch.Tensor) -> None:
     """One unit's part of an int8 moment into ``out`` (1-D, fp32, as many elements)."""
-    _by_blocks(_decode_blocks, out, codes, scales, signed)
+    _check(out, codes, scales)
+    native = _native_for(signed, codes, scales, out)
+    if native is not None:
+        native.decode(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), out.numel(), BLOCK)
+    else:
+        _by_blocks(_decode_blocks, out, codes, scales, signed)
 
 
 def round_bf16(x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None) -> None:

@@ -49,11 +49,13 @@ fi
 
 # The package itself: reinstalled when its build inputs change (stamp is newer otherwise).
 stamp=$VENV/.infinity-installed
-inputs=(pyproject.toml setup.py aio/csrc/*)
+inputs=(pyproject.toml setup.py aio/csrc/* infinity/csrc/*)
 stale=0
 [[ -f $stamp ]] || stale=1
 for f in "${inputs[@]}"; do [[ $f -nt $stamp ]] && stale=1; done
 "$PY" -c 'import infinity.aio' 2>/dev/null || stale=1
+# A C++ compiler and no int8 codec: build it now (without one, _compact runs its torch reference).
+if [[ ${INFINITY_BUILD_NATIVE:-1} != 0 ]] && command -v c++ >/dev/null && ! "$PY" -c 'import infinity._compact_native' 2>/dev/null; then stale=1; fi
 # liburing appeared since the last install: build the extension now.
 if pkg-config --exists liburing 2>/dev/null && ! "$PY" -c 'import infinity.aio._uring' 2>/dev/null; then stale=1; fi
 if ((stale)); then

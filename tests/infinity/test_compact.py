@@ -50,8 +50,53 @@ def _states(engine) -> dict:
 
 
 # -- the codec ------------------------------------------------------------------------------
+NO_NATIVE = "infinity._compact_native was not built (no C++ compiler at install, or INFINITY_BUILD_NATIVE=0)"
+
+
+@pytest.fixture(params=["torch", pytest.param("native", marks=pytest.mark.skipif(
+    _compact._native_codec(True) is None, reason=NO_NATIVE))])  # fmt: skip
+def codec(request, monkeypatch):
+    """Each test of the int8 codec runs on the torch reference and on the C++ codec."""
+    monkeypatch.setattr(_compact, "NATIVE", request.param == "native")
+    return request.param
+
+
+@pytest.mark.skipif(_compact._native_codec(True) is None, reason=NO_NATIVE)
 @pytest.mark.parametrize("signed", [True, False])
-def test_int8_decode_then_encode_is_the_identity(signed):
+@pytest.mark.parametrize("n", [1, 255, 256, 257, (1 << 21) + 77])  # the last: split over threads
+def test_native_int8_codec_gives_the_reference_bytes(monkeypatch, signed, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 10 ** (torch.rand(n, generator=g) * 10 - 9)
+    x = x if signed else x.abs()
+    if n > 40_000:  # what an update can meet: zeros, a negative extreme, -0.0, NaN, infinities
+        x[5:300] = 0
+        x[1000:1256] = -3.0
+        x[4096:4352] = -0.0
+        x[2000], x[9000], x[20000] = float("nan"), float("inf"), float("-inf")
+        x[30000:30256] = float("inf")
+        x[35000] = 1e-42  # subnormal
+    out = {}
+    for native in (False, True):
+        monkeypatch.setattr(_compact, "NATIVE", native)
+        codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(_compact.blocks(n))
+        _compact.encode_int8(x, codes, scales, signed)
+        decoded = torch.empty(n)
+        _compact.decode_int8(codes, scales, signed, decoded)
+        out[native] = (codes, scales.view(torch.int32), decoded.view(torch.int32))  # NaN == NaN, -0 != 0
+    for a, b in zip(out[False], out[True]):
+        assert torch.equal(a, b)
+
+
+def test_int8_codec_refuses_mismatched_tensors():
+    x = torch.zeros(300)
+    with pytest.raises(ValueError, match="300 values want 300 codes and 2 scales, got 300 and 1"):
+        _compact.encode_int8(x, torch.empty(300, dtype=torch.uint8), torch.empty(1), True)
+    with pytest.raises(TypeError, match="codes torch.int8"):
+        _compact.decode_int8(torch.empty(300, dtype=torch.int8), torch.empty(2), True, x)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_int8_decode_then_encode_is_the_identity(codec, signed):
     # 1000 elements: three whole blocks and a short one; magnitudes over eight decades (as
     # exp_avg_sq's are); an all-zero block; a block whose extreme is negative (the signed map
     # holds +1 but not -1: the signed scale is what makes this exact).
@@ -75,7 +120,7 @@ def test_int8_decode_then_encode_is_the_identity(signed):
         assert (decoded[block] - x[block]).abs().max() <= 0.01 * x[block].abs().max()
 
 
-def test_int8_codes_are_the_nearest_map_values():
+def test_int8_codes_are_the_nearest_map_values(codec):
     # torchao's own check of its quantiser: the code is the argmin of the distance to the map.
     g = torch.Generator().manual_seed(1)
     x = torch.rand(32, 256, generator=g) * 2 - 1
