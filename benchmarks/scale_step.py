@@ -31,6 +31,7 @@ medians over the pairs (the first step of each side is a warm-up and not counted
                                     [--tile-size 32MiB] [--sub-group-size 128MiB]
                                     [--aio-block-size 4MiB] [--aio-queue-depth 32] [--json]
                                     [--against plain|sequential] [--no-overlap] [--overlap-disk 0.3]
+                                    [--state-dtype fp32|bf16|int8]
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def _infinity_worker(args) -> None:
     tiers = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [args.swap]},
              "memory": {"host_budget": args.host_budget,
                             "tile_size": None if args.tile_size == "none" else args.tile_size},
-             "optimizer": {"lr": args.lr, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap}}  # fmt: skip
+             "optimizer": {"lr": args.lr, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap,
+                           "state_dtype": args.state_dtype}}  # fmt: skip
     aio = {"block_size": args.aio_block_size, "queue_depth": args.aio_queue_depth}
     tiers["aio"] = {k: v for k, v in aio.items() if v is not None}  # the config's defaults where not given
     if args.overlap_disk is not None:
@@ -186,6 +188,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--aio-block-size", help="aio.block_size of the engine (default: the config's; the floor's "
                    "throughput is always measured with 1MiB blocks at queue depth 32, as nvme-bench does)")
     p.add_argument("--aio-queue-depth", type=int, help="aio.queue_depth of the engine (default: the config's)")
+    p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
+                   help="optimizer.state_dtype of the infinity side (plain stays fp32: the losses then differ by "
+                        "the quantisation, and 'largest |loss difference|' is that, not exactness)")  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.add_argument("--against", choices=("plain", "sequential"), default="plain",
                    help="the other side: plain PyTorch in RAM (default), or the engine with optimizer.overlap = false "

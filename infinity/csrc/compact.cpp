@@ -34,6 +34,7 @@ constexpr int kCodes = 256;
 constexpr int kBounds = kCodes - 1;
 // Below this many elements a call runs on the calling thread: starting threads costs more.
 constexpr int64_t kThreadMin = 1 << 20;
+constexpr int64_t kMaxBlock = 4096;  // the largest block encode takes (_compact's BLOCK is 256)
 
 inline float bits_to_float(uint32_t b) {
   float f;
@@ -99,25 +100,22 @@ class Codec {
   // One block of ``n`` elements: its scale, the first element of largest magnitude (a NaN
   // counts as largest, as torch.argmax has it), and its codes.
   void encode_block(const float* x, uint8_t* codes, float* scale, int64_t n) const {
+    // Magnitudes compare as their bits with the sign cleared (a NaN's are above +inf's), so
+    // the largest is an integer max, which vectorises.
+    uint32_t most = 0;
+    for (int64_t i = 0; i < n; ++i) most = std::max(most, float_to_bits(x[i]) & 0x7FFFFFFFu);
     int64_t at = 0;
-    float best = std::fabs(x[0]);
-    if (!std::isnan(best)) {
-      for (int64_t i = 1; i < n; ++i) {
-        const float a = std::fabs(x[i]);
-        if (std::isnan(a)) {
-          at = i;
-          break;
-        }
-        if (a > best) {
-          best = a;
-          at = i;
-        }
-      }
+    if (most > 0x7F800000u) {  // a NaN: the first one, whatever its payload
+      while (!std::isnan(x[at])) ++at;
+    } else {
+      while ((float_to_bits(x[at]) & 0x7FFFFFFFu) != most) ++at;
     }
     const float s = x[at];
     *scale = s;
     const float d = s == 0.0f ? 1.0f : s;  // an all-zero block: all code 0.0
-    for (int64_t i = 0; i < n; ++i) codes[i] = code(x[i] / d);
+    float normal[kMaxBlock];
+    for (int64_t i = 0; i < n; ++i) normal[i] = x[i] / d;  // division, as torch: the same floats
+    for (int64_t i = 0; i < n; ++i) codes[i] = code(normal[i]);
   }
 
   void decode_block(const uint8_t* codes, float scale, float* out, int64_t n) const {
@@ -146,7 +144,9 @@ class Codec {
   template <typename Fn>
   static void over_blocks(int64_t n, int64_t block, Fn fn) {
     if (n <= 0) return;
-    if (block <= 0) throw std::invalid_argument("block must be positive, got " + std::to_string(block));
+    if (block <= 0 || block > kMaxBlock)
+      throw std::invalid_argument("block must be 1 to " + std::to_string(kMaxBlock) + " elements, got " +
+                                  std::to_string(block));
     const int64_t nblocks = (n + block - 1) / block;
     auto run = [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) fn(b, b * block, std::min(block, n - b * block));
