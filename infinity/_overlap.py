@@ -338,12 +338,8 @@ class Overlap:
                 )
                 if not valid:
                     continue
-                for kind in opt.kinds:
-                    opt.states[kind].rename(sg.record.name_for(staged=True), sg.record.name_for())
+                self._commit_one(index, early)
                 for u in early.units:
-                    if not opt.one_copy:  # one copy: renamed with the master weights above
-                        rec = opt.record(u)
-                        opt.param_store.rename(rec.name_for(staged=True), rec.name_for())
                     opt.steps[u.index].copy_(early.steps[u.index])
                 opt.substates.mark_stepped(early.steps)
                 del self._early[index]
@@ -352,6 +348,16 @@ class Overlap:
             self.discard()
             self.committed = len(done)
         return done
+
+    def _commit_one(self, index: int, early: _Early) -> None:
+        """Sub-group ``index``'s staged states and parameters take the real names."""
+        opt = self.opt
+        sg = opt.groups[index]
+        for kind in opt.kinds:
+            opt.states[kind].rename(sg.record.name_for(staged=True), sg.record.name_for())
+        for u in early.units if not opt.one_copy else ():  # one copy: renamed with the master weights above
+            rec = opt.record(u)
+            opt.param_store.rename(rec.name_for(staged=True), rec.name_for())
 
     def discard(self) -> None:
         """Forget every early update (their staged tensors are deleted) and the gradients kept

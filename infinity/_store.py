@@ -194,6 +194,19 @@ class Store:
             raise ValueError(f"the {self.kind} store is on the {self.tier} tier: only nvme renames")
         self._space.rename(self._key(src), self._key(dst))
 
+    def swap(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Resident: ``tensor`` becomes ``name``'s tensor, without a copy; returns the one it
+        replaces (same shape and dtype). Only for tensors nothing else holds a view of (the
+        optimizer's states: `_overlap_host`'s commit)."""
+        if self._resident is None:
+            raise ValueError(f"the {self.kind} store is on nvme: only resident tiers swap tensors")
+        old = self._resident[name]
+        if old.shape != tensor.shape or old.dtype != tensor.dtype or old.device != tensor.device:
+            raise ValueError(f"{name}/{self.kind}: swapping {old.dtype} {tuple(old.shape)} on {old.device} for "
+                             f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")  # fmt: skip
+        self._resident[name] = tensor
+        return old
+
     def discard(self, name: str) -> None:
         """Forget ``name``'s tensor if there is one (its bytes are freed)."""
         if self._resident is not None:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _build, _checkpoint, _ddp, _footprint, _onecopy, _resources, _wrap
+from . import _build, _checkpoint, _ddp, _footprint, _onecopy, _overlap_host, _resources, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -39,6 +39,7 @@ from ._optim import Optimizer
 from ._substates import make_groups
 from ._update import POOL_SLACK, READ_AHEAD
 from ._overlap import MAX_IN_HAND, Overlap, group_bytes
+from ._overlap_host import HostOverlap
 from ._owner import Owner, entry
 from ._scaler import LossScaler
 from ._schedule import Scheduler
@@ -187,6 +188,9 @@ class Engine:
             self.optimizer.overlap = Overlap(self.optimizer, self._overlap_budget, self._loss_scale,
                                              disk_room=self.footprint.staging_room, space=self.space,
                                              on_disk_full=self._refuse)  # fmt: skip
+        elif self._host_staging:  # the states in host memory: see [Note: staged in host memory]
+            self.optimizer.overlap = HostOverlap(self.optimizer, self._host_staging, self._loss_scale)
+        if self.optimizer.overlap is not None:
             self.scheduler.on_backward_due = self._backward_due
             self.scheduler.on_unit_final = self.optimizer.overlap.unit_final
             self.scheduler.on_pool_pressure = self.optimizer.overlap.relieve
@@ -204,6 +208,8 @@ class Engine:
         self.overlap_from = self._overlap_from(cfg, backward)
         _resources.check_host_budget(cfg, needs, largest * 4, overlap_from=self.overlap_from)
         self._overlap_budget = self._fit_overlap(cfg, backward, needs["optimizer step"])
+        # Host bytes for the early updates' staged copies where the states are in host memory.
+        self._host_staging = _overlap_host.fit(self, cfg, backward) if not self._overlap_budget else 0
         # State the resident tiers keep in host memory: the cpu tier, and the device tier on a
         # machine without a GPU.
         shard = sum(u.shard_numel for u in units)
@@ -242,8 +248,8 @@ class Engine:
         optimizer runs under backward, what its room beside the backward leaves beside the
         most it holds at once (`MAX_IN_HAND` sub-groups). Nothing where the grads are not on nvme
         or compute is not on the host."""
-        if not self.grads.store.uses_pool or self.device.type != "cpu":
-            return 0
+        if not self.grads.store.uses_pool or self.device.type != "cpu" or self._host_staging:
+            return 0  # (staged copies in host memory take the room held gradients would)
         if self._overlap_budget:
             opt = self.optimizer
             in_hand = MAX_IN_HAND * max(group_bytes(opt, g) for g in opt.groups)

@@ -1,0 +1,252 @@
+"""The optimizer under backward with its states in host memory (the cpu tier).
+
+Owns: where the early updates of [Note: exact overlap] (in `_overlap`) run when the optimizer
+states are resident in host memory, ZeRO-Offload's placement: the staged copies they make
+(`_Staging`, bounded in bytes by the host budget), their commit and their discard, and whether
+and with how much memory this applies (`applies`, `fit`). Touches: the optimizer's stores
+(each resident state tensor is replaced by its staged copy at commit), the params store (the
+new parameters are put at commit), the grads (read as `_overlap.Overlap` reads them).
+
+[Note: staged in host memory]
+The semantics are those of [Note: exact overlap]: a sub-group's update runs once every unit
+of it has its last gradient of the step, on the assumptions clip coefficient 1, the loss scale
+of now, the hyperparameters of now and the gradients of now, and is committed at the step
+only if they held, otherwise discarded and redone by the step. What differs is where the
+staged results live. The states are resident, and the kernels update in place, so an early
+update first copies the sub-group's states into staging tensors (one copy each, under
+backward) and updates those. At commit each staged tensor *becomes* the state: the store's
+tensor under that name is swapped for it (`Store.swap`, no copy), and the tensor it replaces
+goes back to the staging tensors for the next step's early updates. The new parameters are
+cast from the staged master weights into staging tensors too and put into the params store
+only at commit (resident: copied into the tensors the modules' parameters view, so a forward
+run again inside backward, or a discarded update, never sees them; nvme: written then, behind
+the step). A discard gives the staging tensors back and nothing else changed.
+
+Staging is host memory beside the resident state, and counts in `memory.host_budget`: `fit`
+gives the early updates what the budget leaves beside the backward's pool buffers (the
+parameters' fetches and, on nvme, the gradients'), less its slack; an early update that finds
+no room is left to the step, as on nvme. The tensors are pinned where CUDA is, as the cpu tier's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.profiler import record_function
+
+from infinity.swap import PoolExhausted
+
+from ._overlap import Overlap, _Early
+from ._store import InHand, Lease
+from ._update import POOL_SLACK
+
+logger = logging.getLogger("infinity")
+
+
+def applies(engine, cfg) -> bool:
+    """Whether the optimizer can run under backward with its states in host memory: a tier
+    resident on the host (the cpu tier, or the device tier where the device is the CPU), an
+    algorithm of ours (a torch optimizer steps all at once), and no all-gather of the new
+    parameters (stages 1 and 2 over several ranks: a collective at a point that differs across
+    ranks, as for nvme)."""
+    opt = engine.optimizer
+    master = opt.states["master"]
+    return bool(cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and not master.uses_pool
+                and master.in_place_on(torch.device("cpu")) and not opt.gather_params)  # fmt: skip
+
+
+def staged_bytes(opt, sg) -> int:
+    """Host bytes an early update of ``sg`` stages: a copy of each of its states, and its
+    units' new parameters."""
+    return sg.record.state_bytes(opt.kinds) + sum(opt.record(u).nbytes("param") for u in sg.units)
+
+
+def fit(engine, cfg, backward_bytes: int) -> int:
+    """Host bytes the staged copies may take (0: the optimizer runs after backward): what
+    ``memory.host_budget``, less its slack, leaves beside the backward's pool buffers and the
+    step's own (the gradients it reads, where they are on nvme); at least one sub-group's."""
+    if not applies(engine, cfg):
+        return 0
+    opt = engine.optimizer
+    room = int(cfg.memory.host_budget * (1 - POOL_SLACK)) - max(backward_bytes, opt.host_bytes_needed())
+    smallest = min(staged_bytes(opt, g) for g in opt.groups)
+    if room < smallest:
+        logger.info("optimizer.overlap: memory.host_budget leaves %d bytes beside the backward, less than one "
+                    "sub-group's staged states (%d); the optimizer runs after backward", max(room, 0), smallest)  # fmt: skip
+        return 0
+    return room
+
+
+class _Staging:
+    """Host tensors for staged copies, at most ``budget`` bytes live or free together. Tensors
+    given back are kept for the next that asks for the same shape and dtype."""
+
+    def __init__(self, budget: int, pin: bool):
+        self.budget = budget
+        self.pin = pin
+        self.bytes = 0  # staged and free together
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor of ``shape`` and ``dtype`` (contents undefined), or None: no room."""
+        key = (tuple(shape), dtype)
+        free = self._free.get(key)
+        if free:
+            return free.pop()
+        nbytes = _nbytes(shape, dtype)
+        while self.bytes + nbytes > self.budget and self._drop_one():
+            pass
+        if self.bytes + nbytes > self.budget:
+            return None
+        self.bytes += nbytes
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+
+    def give(self, t: torch.Tensor) -> None:
+        """``t`` is free again: a staged copy discarded or written, or a state's tensor that
+        its staged copy replaced (same shape and dtype: the count stays right)."""
+        self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+
+    def _drop_one(self) -> bool:
+        for free in self._free.values():
+            if free:
+                t = free.pop()
+                self.bytes -= _nbytes(t.shape, t.dtype)
+                return True
+        return False
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.itemsize
+
+
+class _Back:
+    """A `Lease` buffer that gives a staging tensor back once its write is done."""
+
+    __slots__ = ("_staging", "_tensor")
+
+    def __init__(self, staging: _Staging, tensor: torch.Tensor):
+        self._staging, self._tensor = staging, tensor
+
+    def release(self) -> None:
+        if self._tensor is not None:
+            self._staging.give(self._tensor)
+            self._tensor = None
+
+
+class HostOverlap(Overlap):
+    """Early updates of one step with the optimizer states in host memory (see [Note: staged
+    in host memory]). ``budget``: the host bytes their staged copies may take."""
+
+    def __init__(self, optimizer, budget: int, loss_scale):
+        super().__init__(optimizer, budget, loss_scale)
+        self.staging = _Staging(budget, pin=torch.cuda.is_available())
+        self._staged: dict[int, tuple[list, dict]] = {}  # sub-group -> (state copies, unit -> new params)
+
+    # -- backward: each sub-group is updated as soon as it is ready -------------------------
+    def pump(self, block: bool = False) -> None:
+        """Update the sub-groups that are ready, in order; one whose gradient is still being
+        written waits for a later call, or with ``block`` (the step is due) is left to the step."""
+        while self._ready:
+            if self._update_now(self._ready[0]) or block:
+                self._ready.popleft()
+            else:
+                break
+
+    def _update_now(self, index: int) -> bool:
+        """Sub-group ``index``'s update on staged copies of its states, now; left to the step
+        when staging has no room or the pool none for a gradient's read. False: a gradient is
+        being written (read back once written, not by waiting here)."""
+        opt = self.opt
+        sg = opt.groups[index]
+        early = _Early(index)
+        early.units = [u for u in sg.units if u.index in opt.grads.has_grad]
+        if not early.units:
+            return True
+        if any(opt.grads.writing(u.index) for u in early.units):
+            return False
+        copies, params, leases = [], {}, []
+        try:
+            for kind in opt.kinds:
+                src = opt.states[kind].get(sg.record.name_for()).result().tensor  # resident: lent in place
+                dst = self.staging.take(src.shape, src.dtype)
+                if dst is None:
+                    raise _NoRoom
+                copies.append(dst)
+                dst.copy_(src)
+            for u in early.units:
+                s = sg.slices[u.index]
+                dst = self.staging.take((s.stop - s.start,), opt.param_dtype)
+                if dst is None:
+                    raise _NoRoom
+                params[u.index] = dst
+            grads = {}
+            for u in early.units:
+                early.versions[u.index] = opt.grads.version[u.index]
+                if opt.grads.is_held(u.index):
+                    lease = opt.grads.borrow_held(u.index)
+                else:
+                    kept = opt.grads.take_kept(u.index)
+                    lease = Lease(*kept) if kept is not None else opt.grads.store.get(u.name, timeout=0).result()
+                leases.append(lease)
+                g = lease.tensor
+                grads[u.index] = g if g.device == copies[0].device else g.to(copies[0].device)
+            early.divide = self.loss_scale()
+            early.hyper = opt.hyperparameters()
+            early.first = {u.index for u in early.units} & opt.substates.never_stepped
+            early.steps = {u.index: opt.steps[u.index] + 1 for u in early.units}
+            with record_function("infinity::optimizer.early"):
+                opt.apply(index, copies[0], copies[1:], grads, early.divide, early.steps, early.first)
+                for u in early.units:
+                    params[u.index].copy_(copies[0][sg.slices[u.index]])
+        except (_NoRoom, PoolExhausted):  # the step updates it
+            for t in (*copies, *params.values()):
+                self.staging.give(t)
+            return True
+        except BaseException:
+            for t in (*copies, *params.values()):
+                self.staging.give(t)
+            raise
+        finally:
+            for lease in leases:
+                lease.release()
+        self._early[index] = early
+        self._staged[index] = (copies, params)
+        return True
+
+    # -- the step ---------------------------------------------------------------------------
+    def _commit_one(self, index: int, early: _Early) -> None:
+        opt = self.opt
+        sg = opt.groups[index]
+        copies, params = self._staged.pop(index)
+        for kind, t in zip(opt.kinds, copies):
+            self.staging.give(opt.states[kind].swap(sg.record.name_for(), t))
+        st = opt.substates
+        for u in early.units:
+            new = params[u.index]
+            pending = opt.param_store.put(u.name, new)
+            if opt.param_store.uses_pool:  # nvme: written behind the step, from the staged tensor
+                st.param_writes.add(pending, Lease(new, _Back(self.staging, new)))
+            else:  # resident: copied into the tier's own tensor now
+                pending.result()
+                self.staging.give(new)
+
+    def _delete_staged(self, early: _Early) -> None:
+        copies, params = self._staged.pop(early.index, ([], {}))
+        for t in (*copies, *params.values()):
+            self.staging.give(t)
+
+    def relieve(self) -> None:
+        """The backward needs pool memory: gradients kept for early updates go (on nvme), and
+        nothing more starts under this backward."""
+        self._ready.clear()
+        self._waiting.clear()
+        self.opt.grads.drop_kept()
+
+
+class _NoRoom(Exception):
+    """Staging has no room for a sub-group's copies now."""
+

@@ -1,0 +1,234 @@
+"""The optimizer under backward with its states in host memory (the cpu tier, ZeRO-Offload's
+placement): the same numbers as the step after backward.
+
+As in test_overlap.py (whose model, batches and training loop these tests share), every test
+trains twice on the same data, with overlap and without, and asserts bit-identical losses and
+weights; and how many sub-groups were committed early, so that a test whose early updates
+silently never ran (or always ran) fails. See [Note: staged in host memory] in
+infinity/_overlap_host.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import infinity
+from infinity._overlap_host import HostOverlap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_overlap import _batch, _cfg, _mlp, _same, _train  # noqa: E402
+
+# (params, grads, optimizer): the states in host memory, the parameters and gradients anywhere.
+HOST = [("cpu", "cpu", "cpu"), ("nvme", "cpu", "cpu"), ("device", "device", "cpu"), ("nvme", "nvme", "cpu")]
+ids = ["-".join(t) for t in HOST]
+
+
+@pytest.mark.parametrize("tiers", HOST, ids=ids)
+def test_bit_identical_and_every_sub_group_committed(tmp_path, tiers):
+    off = _train(tmp_path / "off", False, tiers=tiers)
+    on = _train(tmp_path / "on", True, tiers=tiers)
+    _same(off, on)
+    assert off[2] == [0] * 4
+    assert on[2] == [4] * 4  # 4 units, one sub-group each (1KiB), all updated under backward
+
+
+def test_matches_torch_adamw(tmp_path):
+    on = _train(tmp_path / "on", True, tiers=HOST[0])
+    ref = _mlp()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in range(4):
+        x, y = _batch(step)
+        loss = ((ref(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert abs(loss.item() - on[0][step]) < 1e-5
+    for name, p in ref.named_parameters():
+        assert torch.allclose(on[1][name], p.detach(), atol=1e-5), name
+
+
+@pytest.mark.parametrize("clip, committed", [(1e-3, [0, 0, 0, 0]), (1e3, [4, 4, 4, 4])])
+def test_clipping(tmp_path, clip, committed):
+    """A step that clips discards its early updates (and the next does not try); one under the
+    limit commits them."""
+    off = _train(tmp_path / "off", False, tiers=HOST[1], optimizer={"max_grad_norm": clip})
+    on = _train(tmp_path / "on", True, tiers=HOST[1], optimizer={"max_grad_norm": clip})
+    _same(off, on)
+    assert on[2] == committed
+
+
+def test_clip_grad_norm_called_between_backward_and_step(tmp_path):
+    """What Trainer and accelerate loops do: the clip is known only after backward."""
+
+    def clip(engine, step):
+        engine.clip_grad_norm_(1e-3 if step % 2 else 1e3)
+
+    off = _train(tmp_path / "off", False, tiers=HOST[0], between=clip)
+    on = _train(tmp_path / "on", True, tiers=HOST[0], between=clip)
+    _same(off, on)
+    assert on[2][0] == 4 and on[2][1] == 0  # step 0 under the limit; step 1 clipped
+
+
+def test_fp16_overflow(tmp_path):
+    """An overflow is known only at the step: the early updates are discarded, the step skipped."""
+
+    def loss_fn(step, out, y):
+        loss = ((out - y) ** 2).float().mean()
+        return loss * 1e30 if step == 1 else loss  # scaled by the loss scale: inf in fp16
+
+    kw = dict(tiers=HOST[1], dtype=torch.float16, precision={"param_dtype": "fp16", "initial_scale": 1024},
+              loss_fn=loss_fn)  # fmt: skip
+    off = _train(tmp_path / "off", False, **kw)
+    on = _train(tmp_path / "on", True, **kw)
+    _same(off, on)
+    assert on[2][1] == 0 and on[2][0] == 4 and on[2][2] == 4
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_low_precision_parameters(tmp_path, dtype):
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    kw = dict(tiers=HOST[2], dtype=torch_dtype, precision={"param_dtype": dtype})
+    off = _train(tmp_path / "off", False, **kw)
+    on = _train(tmp_path / "on", True, **kw)
+    _same(off, on)
+    assert on[2] == [4] * 4
+
+
+@pytest.mark.parametrize("tiers", [HOST[0], HOST[3]], ids=[ids[0], ids[3]])
+def test_gradient_accumulation(tmp_path, tiers):
+    kw = dict(tiers=tiers, micro=3, optimizer={"gradient_accumulation_steps": 3})
+    off = _train(tmp_path / "off", False, **kw)
+    on = _train(tmp_path / "on", True, **kw)
+    _same(off, on)
+    assert on[2] == [4] * 4  # only the third backward updated early
+
+
+def test_more_micro_batches_than_configured_discards_the_stale_updates(tmp_path):
+    off = _train(tmp_path / "off", False, tiers=HOST[0], micro=2)
+    on = _train(tmp_path / "on", True, tiers=HOST[0], micro=2)
+    _same(off, on)
+    assert on[2] == [0] * 4
+
+
+def test_a_hyperparameter_changed_between_backward_and_step(tmp_path):
+    def change(engine, step):
+        if step == 2:
+            for group in engine.optimizer.param_groups:
+                group["lr"] = 0.5
+
+    off = _train(tmp_path / "off", False, tiers=HOST[0], between=change)
+    on = _train(tmp_path / "on", True, tiers=HOST[0], between=change)
+    _same(off, on)
+    assert on[2] == [4, 4, 0, 4]
+
+
+def test_the_parameters_change_only_at_the_step_and_zero_grad_discards(tmp_path):
+    """Parameters in host memory are what the modules compute with: an early update must not
+    show through before the step (a forward run again inside backward would see it), and
+    zero_grad drops it without a trace."""
+    os.makedirs(tmp_path / "a")
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", True, tiers=HOST[0]))
+    assert isinstance(engine.optimizer.overlap, HostOverlap)
+    before = engine.gathered_weights()
+    states = {k: s._resident.copy() for k, s in engine.optimizer.states.items()}
+    x, y = _batch(0)
+    engine.backward(((engine(x) - y) ** 2).mean())
+    assert engine.optimizer.overlap.pending == 4
+    assert all(torch.equal(before[k], v) for k, v in engine.gathered_weights().items())
+    engine.zero_grad()
+    assert engine.optimizer.overlap.pending == 0
+    assert all(torch.equal(before[k], v) for k, v in engine.gathered_weights().items())
+    for k, store in engine.optimizer.states.items():  # the same tensors, unchanged
+        assert all(store._resident[n] is t for n, t in states[k].items())
+    assert all(float(s) == 0 for s in engine.optimizer.steps.values())
+    engine.close()
+
+
+def test_staging_stays_within_its_budget_and_the_rest_is_left_to_the_step(tmp_path):
+    """A budget that stages only some sub-groups: those are committed, the others updated by
+    the step, the numbers the same; the staging tensors never exceed the bytes planned."""
+    from infinity import _overlap_host
+
+    small = {"sub_group_size": "4KiB"}
+    off = _train(tmp_path / "off", False, tiers=HOST[0], optimizer=small)
+    os.makedirs(tmp_path / "on")
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "on", True, HOST[0], optimizer=small))
+    opt = engine.optimizer
+    sizes = sorted(_overlap_host.staged_bytes(opt, g) for g in opt.groups)
+    assert len(sizes) >= 2
+    opt.overlap.staging.budget = opt.overlap.budget = sizes[-1]  # room for one sub-group at a time
+    losses, committed = [], []
+    for step in range(4):
+        x, y = _batch(step)
+        loss = ((engine(x) - y) ** 2).float().mean()
+        engine.backward(loss)
+        assert opt.overlap.staging.bytes <= sizes[-1]
+        engine.step()
+        losses.append(loss.item())
+        committed.append(opt.overlap.committed)
+    on = losses, engine.gathered_weights(), committed
+    engine.close()
+    _same(off, on)
+    assert all(0 < c < len(sizes) for c in committed), committed
+
+
+@pytest.mark.parametrize("opt", [{"type": "sgd", "momentum": 0.9, "lr": 0.05}, {"type": "adagrad"}],
+                         ids=["sgd", "adagrad"])  # fmt: skip
+def test_other_algorithms(tmp_path, opt):
+    off = _train(tmp_path / "off", False, tiers=HOST[1], optimizer=opt)
+    on = _train(tmp_path / "on", True, tiers=HOST[1], optimizer=opt)
+    _same(off, on)
+    assert on[2] == [4] * 4
+
+
+def test_does_not_apply_to_a_torch_optimizer_or_without_overlap(tmp_path):
+    os.makedirs(tmp_path / "a")
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", False, tiers=HOST[0]))
+    assert engine.optimizer.overlap is None
+    engine.close()
+    model = _mlp()  # an optimizer the engine has no kernel for (every tier on the device) steps as it is
+    engine = infinity.initialize(model, _cfg(tmp_path / "a", True, tiers=("device",) * 3),
+                                 optimizer=torch.optim.RMSprop(model.parameters(), lr=0.01))  # fmt: skip
+    assert engine.optimizer.kind == "torch" and engine.optimizer.overlap is None
+    engine.close()
+
+
+def _hf_llama(path, dtype: str, overlap: bool, tiers):
+    """A transformers Llama called as Trainer calls it (``model(input_ids, labels).loss``, a
+    plain ``loss.backward()``, ``clip_grad_norm_`` between backward and step), two
+    micro-batches a step: losses, weights, and sub-groups committed early per step."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    engine = infinity.initialize(model, _cfg(path, overlap, tiers, precision={"param_dtype": dtype},
+                                             optimizer={"gradient_accumulation_steps": 2, "sub_group_size": "64KiB"}))  # fmt: skip
+    try:
+        losses, committed = [], []
+        for step in range(3):
+            for micro in range(2):
+                g = torch.Generator().manual_seed(step * 2 + micro)
+                ids = torch.randint(0, 512, (2, 16), generator=g)
+                loss = engine.module(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses.append(loss.item())
+            engine.clip_grad_norm_(1e-2 if step == 1 else 1e3)  # the second step clips
+            engine.step()
+            committed.append(engine.optimizer.overlap.committed if overlap else 0)
+        return losses, engine.gathered_weights(), committed
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("tiers", [HOST[1], HOST[2]], ids=[ids[1], ids[2]])
+def test_a_transformers_model_as_trainer_calls_it(tmp_path, dtype, tiers):
+    off = _hf_llama(tmp_path / "off", dtype, False, tiers)
+    on = _hf_llama(tmp_path / "on", dtype, True, tiers)
+    _same(off, on)
+    assert on[2][0] > 0 and on[2][1] == 0, on[2]  # the clipped step discards; the first commits
