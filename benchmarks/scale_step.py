@@ -31,7 +31,12 @@ medians over the pairs (the first step of each side is a warm-up and not counted
                                     [--tile-size 32MiB] [--sub-group-size 128MiB]
                                     [--aio-block-size 4MiB] [--aio-queue-depth 32] [--json]
                                     [--against plain|sequential] [--no-overlap] [--overlap-disk 0.3]
-                                    [--state-dtype fp32|bf16|int8]
+                                    [--state-dtype fp32|bf16|int8] [--tiers nvme,cpu,cpu]
+
+``--tiers`` places the infinity side's params, grads and optimizer states (every one on nvme by
+default). With grads and states in host memory each engine holds 16 bytes a parameter of RAM,
+so against the sequential engine (two such processes) pick a model that fits twice, e.g.
+``--hidden 1024 --layers 16 --intermediate 2816`` (0.27B parameters).
 """
 
 from __future__ import annotations
@@ -98,7 +103,8 @@ def _infinity_worker(args) -> None:
     import infinity
 
     transformers.logging.set_verbosity_error()
-    tiers = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [args.swap]},
+    params, grads, optimizer = args.tiers.split(",")
+    tiers = {"tiers": {"params": params, "grads": grads, "optimizer": optimizer}, "nvme": {"paths": [args.swap]},
              "memory": {"host_budget": args.host_budget,
                             "tile_size": None if args.tile_size == "none" else args.tile_size},
              "optimizer": {"lr": args.lr, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap,
@@ -188,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--aio-block-size", help="aio.block_size of the engine (default: the config's; the floor's "
                    "throughput is always measured with 1MiB blocks at queue depth 32, as nvme-bench does)")
     p.add_argument("--aio-queue-depth", type=int, help="aio.queue_depth of the engine (default: the config's)")
+    p.add_argument("--tiers", default="nvme,nvme,nvme",
+                   help="params,grads,optimizer tiers of the infinity side(s), e.g. nvme,cpu,cpu: grads and "
+                        "optimizer states in host memory (then 16 bytes a parameter of RAM each side)")  # fmt: skip
     p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
                    help="optimizer.state_dtype of the infinity side (plain stays fp32: the losses then differ by "
                         "the quantisation, and 'largest |loss difference|' is that, not exactness)")  # fmt: skip

@@ -33,6 +33,8 @@ parameters: a collective cannot run at a point that differs across ranks), and w
 budget has room beside the backward for what the step plans (`Engine._fit_overlap`). The
 staged copies take disk beside the state: only as many sub-groups are staged at once as the
 disk room allows, the rest are updated by the step ([Note: disk footprint] in `_footprint`).
+With the optimizer states in host memory instead, `_overlap_host.HostOverlap` runs the same
+early updates on staged copies in host memory ([Note: staged in host memory]).
 """
 
 from __future__ import annotations
