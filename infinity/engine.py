@@ -239,7 +239,8 @@ class Engine:
         backward uses them)."""
         if self._overlap_budget:
             return self._backward_bytes + self.grads.hold_limit if self.grads.hold_limit else 0
-        return int(cfg.memory.host_budget * (1 - POOL_SLACK)) - self._backward_bytes
+        # Staged copies in host memory (`_overlap_host`) are beside the pool, in the same budget.
+        return max(0, int(cfg.memory.host_budget * (1 - POOL_SLACK)) - self._backward_bytes - self._host_staging)
 
     def _hold_limit(self, cfg: TierConfig) -> int:
         """Bytes of gradients held in the pool, not written, for the step ([Note: gradients

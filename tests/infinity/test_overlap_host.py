@@ -185,6 +185,15 @@ def test_other_algorithms(tmp_path, opt):
     assert on[2] == [4] * 4
 
 
+@pytest.mark.parametrize("state_dtype", ["int8", "bf16"])
+def test_compact_states(tmp_path, state_dtype):
+    kw = dict(tiers=HOST[0], optimizer={"state_dtype": state_dtype})
+    off = _train(tmp_path / "off", False, **kw)
+    on = _train(tmp_path / "on", True, **kw)
+    _same(off, on)
+    assert on[2] == [4] * 4
+
+
 def test_does_not_apply_to_a_torch_optimizer_or_without_overlap(tmp_path):
     os.makedirs(tmp_path / "a")
     engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", False, tiers=HOST[0]))
