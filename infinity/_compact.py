@@ -10,8 +10,8 @@ handed (the stream's pool buffers, which it changes in place).
 The int8 codec runs in C++ (``infinity._compact_native``, built from infinity/csrc/compact.cpp
 with the package) where it was built, and as torch ops (`_encode_blocks`, `_decode_blocks`, the
 reference) where not: the same bytes either way (tests/infinity/test_compact.py), the C++ one
-about 16x faster to encode on these 2 cores (1.0 ns an element against 16; bucketize's binary
-search is the torch cost) and 10x to decode (0.36 against 3.7).
+15-20x faster to encode on these 2 cores (1.05 ns an element against 16-21; bucketize's binary
+search is the torch cost) and 6-7x to decode (0.3 against 2.0; benchmarks/codec.py).
 
 The fused kernels (`torch._fused_adamw_`, ...) take fp32 states only, so an update decodes the
 moments of the units that step to fp32, runs the same kernel as with fp32 states, and encodes

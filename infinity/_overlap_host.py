@@ -239,13 +239,6 @@ class HostOverlap(Overlap):
         for t in (*copies, *params.values()):
             self.staging.give(t)
 
-    def relieve(self) -> None:
-        """The backward needs pool memory: gradients kept for early updates go (on nvme), and
-        nothing more starts under this backward."""
-        self._ready.clear()
-        self._waiting.clear()
-        self.opt.grads.drop_kept()
-
 
 class _NoRoom(Exception):
     """Staging has no room for a sub-group's copies now."""

@@ -1,9 +1,9 @@
 // infinity._compact_native: the int8 codec of infinity._compact in C++, for the host.
 //
 // The Python module keeps the reference (torch ops: argmax, division, bucketize); this file
-// computes the same bytes, bit for bit, about 20 times faster on a core: bucketize's binary
-// search over the 255 boundaries of the code map costs ~25 ns an element, and an update
-// encodes two moments of every element it steps ([Note: compact state format] in _compact.py
+// computes the same bytes, bit for bit, 15-20 times faster to encode and 6-7 to decode
+// (benchmarks/codec.py): bucketize's binary search over the 255 boundaries of the code map
+// costs 16-21 ns an element, and an update encodes two moments of every element it steps ([Note: compact state format] in _compact.py
 // says what the codes and scales are). tests/infinity/test_compact.py holds the two equal.
 //
 // How an element's code is found: the code is the count of boundaries below x / scale (what

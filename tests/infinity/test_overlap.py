@@ -81,8 +81,10 @@ def test_overlap_is_bit_identical_and_commits_every_sub_group(tmp_path):
     assert on[2] == [4] * 4  # 4 units, one sub-group each (1KiB), all updated under backward
 
 
-def test_overlap_matches_torch_adamw(tmp_path):
-    on = _train(tmp_path / "on", True)
+@pytest.mark.parametrize("tiers", [NVME, ("cpu", "cpu", "cpu")], ids=["nvme", "host"])  # host: _overlap_host
+def test_overlap_matches_torch_adamw(tmp_path, tiers):
+    on = _train(tmp_path / "on", True, tiers=tiers)
+    assert on[2] == [4] * 4
     ref = _mlp()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     for step in range(4):

@@ -1,7 +1,8 @@
 """The optimizer under backward with its states in host memory (the cpu tier, ZeRO-Offload's
 placement): the same numbers as the step after backward.
 
-As in test_overlap.py (whose model, batches and training loop these tests share), every test
+As in test_overlap.py (whose model, batches and training loop these tests share, and whose
+test_overlap_matches_torch_adamw[host] compares this overlap with torch.optim.AdamW), every test
 trains twice on the same data, with overlap and without, and asserts bit-identical losses and
 weights; and how many sub-groups were committed early, so that a test whose early updates
 silently never ran (or always ran) fails. See [Note: staged in host memory] in
@@ -34,21 +35,6 @@ def test_bit_identical_and_every_sub_group_committed(tmp_path, tiers):
     _same(off, on)
     assert off[2] == [0] * 4
     assert on[2] == [4] * 4  # 4 units, one sub-group each (1KiB), all updated under backward
-
-
-def test_matches_torch_adamw(tmp_path):
-    on = _train(tmp_path / "on", True, tiers=HOST[0])
-    ref = _mlp()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    for step in range(4):
-        x, y = _batch(step)
-        loss = ((ref(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        assert abs(loss.item() - on[0][step]) < 1e-5
-    for name, p in ref.named_parameters():
-        assert torch.allclose(on[1][name], p.detach(), atol=1e-5), name
 
 
 @pytest.mark.parametrize("clip, committed", [(1e-3, [0, 0, 0, 0]), (1e3, [4, 4, 4, 4])])
