@@ -29,6 +29,20 @@ borrowed) and returns it once applied; the step gives back those of committed su
 (`release_held`) and takes the rest, whose early updates were discarded, from memory: a held
 gradient is what such a redo needs, as a written one is. The overlap's room beside backward
 is then shared: its sub-groups in hand first, held gradients in the rest.
+
+[Note: gradients copied back]
+On a GPU, with the grads tier in host memory or on nvme, a unit's gradient leaves the device
+on a side stream (`_transport.CopyBack`), not by a blocking ``copy_``: backward goes on while
+the copy runs. The first micro-batch's copy lands in the cpu tier's own (pinned) tensor, or in
+a pool buffer on nvme; a later micro-batch's lands in a pool buffer (or a pinned temporary
+without a pool) and is added to the sum on the host once there. Until it lands the gradient
+is "landing": every reader here waits for it (`flush`, `take_held`, `take_kept`,
+`borrow_held`, `get`), `writing` reports it busy so the overlap comes back later rather than
+wait, and `zero` waits before giving its buffer back. The end of backward waits for the last
+ones (`land`: the step needs the last-made gradients first anyway), so a failed copy fails
+the backward whose gradient it carried, which `zero_grad` and a new backward redo. The squared norm of a first micro-batch
+is taken on the device when the copy starts, of a sum on the host when it lands: where the
+blocking copy took them, so the values are the same.
 """
 
 from __future__ import annotations
@@ -65,6 +79,9 @@ class GradAccumulator:
         self._held_bytes = 0
         self._borrowed: set[int] = set()  # held ones an early update is reading: see borrow_held
         self._writes = WriteBehind(max_writes)  # keyed by unit index
+        # Copies from the device in flight: see [Note: gradients copied back]. Oldest first.
+        self.copier = None  # `_transport.CopyBack`, set by the engine on a GPU
+        self._landing: collections.OrderedDict[int, _Landing] = collections.OrderedDict()
         self._norm: float | None = None  # global_norm of the gradients as they are now
 
     def add(self, unit: ParamUnit, grad: torch.Tensor, lease=None) -> None:
@@ -75,6 +92,16 @@ class GradAccumulator:
         # ``grad`` is now what this rank keeps: its slice (stages 2, 3) or all of it (stage 1)
         with record_function("infinity::grad_write"):
             try:
+                self._land(unit.index)  # its previous micro-batch's, before adding to it
+                self._land_finished()
+            except BaseException:
+                if lease is not None:
+                    lease.release()
+                raise
+            if self.copier is not None and lease is None and not self.store.in_place_on(grad.device):
+                self._copy_back(unit, grad)
+                return
+            try:
                 self._writes.settle(unit.index)  # its previous write, before reading it back
                 self._drop_kept(unit.index)
                 acc, hold = self._accumulate(unit, grad, lease)
@@ -83,6 +110,76 @@ class GradAccumulator:
                     lease.release()
                 raise
             self._store(unit, acc, hold)
+
+    # -- copies from the device: see [Note: gradients copied back] ----------------------------
+    def _copy_back(self, unit: ParamUnit, grad: torch.Tensor) -> None:
+        """Start copying ``grad`` (on the device) to the host; the rest of `add` runs when it lands."""
+        first = unit.index not in self.has_grad
+        if first:
+            dst, buffer = self.store.landing(unit.name, grad.shape, grad.dtype)
+        else:
+            pool = self.transport.pool if self.transport is not None else None
+            if pool is not None:
+                buffer = pool.acquire(grad.numel() * grad.element_size())
+                dst = buffer.view(grad.dtype, tuple(grad.shape))
+            else:  # no pool (no tier on nvme): a pinned temporary, dropped once added
+                buffer, dst = None, torch.empty(grad.shape, dtype=grad.dtype, pin_memory=torch.cuda.is_available())
+        try:
+            copy = self.copier.start(grad, dst)
+        except BaseException:
+            if buffer is not None:
+                buffer.release()
+            raise
+        if first:
+            self._note(unit, grad)  # on the device, as a blocking copy's caller took it
+        self._landing[unit.index] = _Landing(unit, copy, dst, buffer, first)
+
+    def _land(self, index: int) -> None:
+        """Wait for unit ``index``'s copy from the device, if one is in flight, and store it."""
+        landing = self._landing.pop(index, None)
+        if landing is None:
+            return
+        try:
+            landing.copy.wait()
+        except BaseException:
+            if landing.buffer is not None:
+                landing.buffer.release()
+            self.has_grad.discard(index)
+            raise
+        unit, dst, buffer = landing.unit, landing.dst, landing.buffer
+        if landing.first:
+            if buffer is None:
+                return  # in the tier's own tensor: stored
+            self._keep_or_write(unit, dst, buffer)
+            return
+        try:
+            self._writes.settle(index)
+            acc, hold = self._accumulate(unit, dst, buffer)
+        except BaseException:
+            if buffer is not None:
+                buffer.release()
+            self.has_grad.discard(index)
+            raise
+        self._store(unit, acc, hold)
+
+    def _land_finished(self) -> None:
+        """Store the gradients whose copies have finished, oldest first (never waits)."""
+        while self._landing:
+            index, landing = next(iter(self._landing.items()))
+            if not landing.copy.done():
+                return
+            self._land(index)
+
+    def land(self) -> None:
+        """Wait for every copy from the device and store what it brought (the end of a backward:
+        a failed copy fails the backward that made the gradient)."""
+        while self._landing:
+            self._land(next(iter(self._landing)))
+
+    def get(self, unit: ParamUnit, timeout: float | None = None):
+        """The store's `Pending` of ``unit``'s accumulated gradient (landed first)."""
+        self._land(unit.index)
+        return self.store.get(unit.name, timeout=timeout)
 
     def _accumulate(self, unit: ParamUnit, grad: torch.Tensor, lease):
         """(the accumulated gradient, the buffer it lives in) for this micro-batch."""
@@ -118,9 +215,7 @@ class GradAccumulator:
         nbytes = acc.numel() * acc.element_size()
         if hold is not None and self.store.uses_pool and nbytes <= self.hold_limit:
             self._note(unit, acc)
-            self._held[unit.index] = (unit, acc, hold)  # see [Note: gradients held]
-            self._held_bytes += nbytes
-            self._write_held_down_to(self.hold_limit)
+            self._hold(unit, acc, hold)
             return
         try:
             pending = self.store.put(unit.name, acc)
@@ -132,6 +227,29 @@ class GradAccumulator:
             self.has_grad.discard(unit.index)
             raise
         self._note(unit, acc)
+        self._behind(unit, acc, hold, pending)
+
+    def _keep_or_write(self, unit: ParamUnit, acc: torch.Tensor, hold) -> None:
+        """`_store` of a gradient already noted (its norm taken): held, or written from ``hold``."""
+        if acc.numel() * acc.element_size() <= self.hold_limit:
+            self._hold(unit, acc, hold)
+            return
+        try:
+            pending = self.store.put(unit.name, acc)
+        except BaseException:
+            hold.release()
+            self.has_grad.discard(unit.index)
+            raise
+        self._behind(unit, acc, hold, pending)
+
+    def _hold(self, unit: ParamUnit, acc: torch.Tensor, hold) -> None:
+        self._held[unit.index] = (unit, acc, hold)  # see [Note: gradients held]
+        self._held_bytes += acc.numel() * acc.element_size()
+        self._write_held_down_to(self.hold_limit)
+
+    def _behind(self, unit: ParamUnit, acc: torch.Tensor, hold, pending) -> None:
+        """``acc``'s write ``pending`` is in flight from ``hold`` (or from its own copy)."""
+        nbytes = acc.numel() * acc.element_size()
         if hold is not None and self.keep is not None and self.keep(unit, nbytes):
             self._kept[unit.index] = (acc, hold)
             hold = None
@@ -177,11 +295,13 @@ class GradAccumulator:
         self._writes.add(pending, hold, key=index)
 
     def is_held(self, index: int) -> bool:
+        self._land(index)
         return index in self._held
 
     def take_held(self, index: int):
         """(gradient, buffer) of unit ``index`` held in memory, or None; the caller releases
         the buffer. The gradient is the step's from here (`zero` follows the step)."""
+        self._land(index)
         return self._unhold(index)
 
     def _write_held_down_to(self, keep: int) -> None:
@@ -204,6 +324,7 @@ class GradAccumulator:
     def borrow_held(self, index: int) -> Lease:
         """Unit ``index``'s held gradient for an early update: it stays held, and is neither
         written nor given back until the lease is released."""
+        self._land(index)
         self._borrowed.add(index)
         return Lease(self._held[index][1], _Return(self._borrowed, index))
 
@@ -222,6 +343,7 @@ class GradAccumulator:
     def take_kept(self, index: int):
         """(gradient, buffer) of unit ``index`` kept in memory, its write finished, or None.
         The caller releases the buffer."""
+        self._land(index)
         if index not in self._kept:
             return None
         self._writes.settle(index)  # written before anyone may change it (or give it back)
@@ -238,12 +360,15 @@ class GradAccumulator:
             kept[1].release()
 
     def writing(self, index: int) -> bool:
-        """True while unit ``index``'s gradient write is in flight (finished writes are reaped)."""
+        """True while unit ``index``'s gradient is being copied from the device or written
+        (finished ones are stored and reaped): a reader comes back later rather than wait."""
+        self._land_finished()
         self._writes.poll()
-        return index in self._writes
+        return index in self._landing or index in self._writes
 
     def flush(self) -> None:
-        """Wait for every write-behind (raising its error)."""
+        """Wait for every copy from the device and every write-behind (raising its error)."""
+        self.land()
         self._writes.drain()
 
     def drop_kept(self) -> None:
@@ -277,7 +402,16 @@ class GradAccumulator:
 
     def zero(self) -> None:
         """Forget this step's gradients (the next backward writes afresh; nothing is read).
-        Write-behinds are finished first; one that failed does not matter: it is forgotten."""
+        Copies and write-behinds are finished first; one that failed does not matter: it is forgotten."""
+        while self._landing:  # their buffers go back only once the copy no longer writes them
+            index, landing = next(iter(self._landing.items()))
+            try:
+                landing.copy.wait()
+            except Exception:  # noqa: BLE001 - a failed copy is forgotten with its gradient
+                pass
+            del self._landing[index]  # (an interrupt above leaves it: the next zero waits again)
+            if landing.buffer is not None:
+                landing.buffer.release()
         self._writes.discard_errors()
         for index in list(self._kept):
             self._kept.pop(index)[1].release()
@@ -289,6 +423,19 @@ class GradAccumulator:
         self.norm_sq.clear()
         self.finite.clear()
         self.version.clear()
+
+
+class _Landing:
+    """A gradient on its way from the device: see [Note: gradients copied back]."""
+
+    __slots__ = ("unit", "copy", "dst", "buffer", "first")
+
+    def __init__(self, unit: ParamUnit, copy, dst: torch.Tensor, buffer, first: bool):
+        self.unit = unit
+        self.copy = copy  # `_transport.Copy`
+        self.dst = dst  # host tensor it lands in
+        self.buffer = buffer  # pool buffer behind ``dst``, or None (the tier's own tensor, a temporary)
+        self.first = first  # the step's first gradient of the unit (else added to the sum on landing)
 
 
 class _Return:

@@ -225,7 +225,7 @@ class Overlap:
                 if kept is not None:  # still in memory: nothing to read
                     early.grads[u.index] = InHand(Lease(*kept))
                 else:
-                    early.grads[u.index] = opt.grads.store.get(u.name, timeout=0)
+                    early.grads[u.index] = opt.grads.get(u, timeout=0)
         except PoolExhausted:
             _give_back(early)
             return False

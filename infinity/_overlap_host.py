@@ -190,7 +190,7 @@ class HostOverlap(Overlap):
                     lease = opt.grads.borrow_held(u.index)
                 else:
                     kept = opt.grads.take_kept(u.index)
-                    lease = Lease(*kept) if kept is not None else opt.grads.store.get(u.name, timeout=0).result()
+                    lease = Lease(*kept) if kept is not None else opt.grads.get(u, timeout=0).result()
                 leases.append(lease)
                 g = lease.tensor
                 grads[u.index] = g if g.device == copies[0].device else g.to(copies[0].device)

@@ -165,6 +165,9 @@ class Scheduler:
         self.prefetch_bytes = prefetch_bytes
         self._itemsize = transport.dtype.itemsize
         self.pool = transport.pool  # host buffers for gradients gathered on a CPU device
+        # Gradients gathered straight into pool buffers (a CPU device with a pool); else on the
+        # device, whence `_grads` copies them back ([Note: gradients copied back]).
+        self.grads_in_pool = self.device.type == "cpu" and self.pool is not None
         # Stage 3 across ranks: the tier holds this rank's shard; materialising gathers the rest.
         self.gather = gather
         # Units always materialised: the tier lends its own tensors on the compute device.
@@ -435,7 +438,7 @@ class Scheduler:
         if unit.grad is None:
             # Not zeroed: each parameter's first gradient is copied in, later ones added,
             # and what none arrived for is zeroed when the unit is handed on.
-            if self.device.type == "cpu" and self.pool is not None:
+            if self.grads_in_pool:
                 # From the pool: budgeted, and aligned so its write-behind is direct.
                 lease = self._acquire(unit.padded_numel * 4)
                 with held_interrupts:  # see [Note: interrupt windows]
@@ -493,6 +496,7 @@ class Scheduler:
             for unit in self.units:
                 if unit.grad is not None or unit.uses:
                     self.finish_unit_backward(unit)
+            self.grads.land()  # see [Note: gradients copied back] in `_grads`
         finally:
             self.drop_grads()
             for unit in self.units:

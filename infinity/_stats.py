@@ -74,6 +74,8 @@ class Counters:
     skipped_steps: int = 0  # fp16 overflows
     h2d_bytes: int = 0  # parameters copied host -> GPU (side stream)
     h2d_seconds: float = 0.0  # ... the GPU time of those copies (CUDA events)
+    d2h_bytes: int = 0  # gradients copied GPU -> host (side stream)
+    d2h_seconds: float = 0.0  # ... the GPU time of those copies (CUDA events)
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -88,6 +90,9 @@ class Counters:
             "h2d_bytes": self.h2d_bytes,
             "h2d_seconds": self.h2d_seconds,
             "h2d_gbps": self.h2d_bytes / self.h2d_seconds / 1e9 if self.h2d_seconds else 0.0,
+            "d2h_bytes": self.d2h_bytes,
+            "d2h_seconds": self.d2h_seconds,
+            "d2h_gbps": self.d2h_bytes / self.d2h_seconds / 1e9 if self.d2h_seconds else 0.0,
             "seconds": self.seconds,
         }
 

@@ -167,6 +167,19 @@ class Store:
             raise
         return Pending(future, span, staged=staged)
 
+    def landing(self, name: str, shape, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+        """Where a copy from the device of ``name``'s new value lands: the tier's own tensor
+        (resident; pinned where CUDA is) and None, or a pool buffer's view and the buffer, to
+        `put` from once the copy is done (nvme). See [Note: gradients copied back] in `_grads`."""
+        if self._resident is not None:
+            dst = self._resident.get(name)
+            if dst is None or dst.shape != shape or dst.dtype != dtype:
+                dst = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self._pin)
+                self._resident[name] = dst
+            return dst, None
+        buffer = self._space.pool.acquire(max(shape.numel() * dtype.itemsize, 1))
+        return buffer.view(dtype, tuple(shape)), buffer
+
     def get(self, name: str, timeout: float | None = None, urgent: bool = False) -> Pending:
         """A `Lease` of ``name``'s tensor. nvme: a read into a pool buffer, waiting at most
         ``timeout`` seconds for pool memory (`infinity.swap.PoolExhausted` after that);

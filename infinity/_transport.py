@@ -1,6 +1,7 @@
 """Moving a unit's data between host and device, and between ranks.
 
-Owns: the CUDA copy stream and the events that say when a host buffer may be reused; the
+Owns: the CUDA copy streams (parameters in, gradients out) and the events that say when a
+host buffer may be reused or read; the
 parameter all-gather (stage 3: each rank read only its own slice from its own drives) and the
 gradient reduction (reduce-scatter to this rank's slice, or all-reduce at stage 1). Touches:
 the units' shapes, the host pool (buffers for what it gathers or reduces on a CPU device),
@@ -61,6 +62,60 @@ class CopyStream:
                     c.h2d_seconds += seconds
 
 
+class CopyBack:
+    """Device-to-host copies (gradients) on their own side stream: the host waits for a copy
+    only where it reads the result (`Copy.wait`), never for the backward that made it.
+
+    The source's device memory is kept from reuse until its copy ran (``record_stream``);
+    the destination must be pinned for the copy to be asynchronous (pool buffers and the cpu
+    tier are)."""
+
+    def __init__(self, device: torch.device, stats=None):
+        self.device = device
+        self.stats = stats
+        self._stream = None  # made on first use
+
+    def start(self, src: torch.Tensor, dst: torch.Tensor) -> "Copy":
+        """Copy ``src`` (on the device, written by work queued on the current stream) into
+        ``dst`` (host, same shape); returns the copy, to `Copy.wait` on before ``dst`` is read."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the backward that made src
+        with torch.cuda.stream(stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+        src.record_stream(stream)  # its memory is not handed out again before the copy read it
+        return Copy(end, start, src.numel() * src.element_size(), self.stats)
+
+
+class Copy:
+    """One device-to-host copy in flight: `done` polls, `wait` blocks until ``dst`` holds the
+    values (and counts the copy in the stats, once)."""
+
+    __slots__ = ("_end", "_start", "_nbytes", "_stats")
+
+    def __init__(self, end, start=None, nbytes: int = 0, stats=None):
+        self._end, self._start, self._nbytes, self._stats = end, start, nbytes, stats
+
+    def done(self) -> bool:
+        return self._end is None or self._end.query()
+
+    def wait(self) -> None:
+        if self._end is None:
+            return
+        self._end.synchronize()
+        if self._stats is not None and self._start is not None:
+            seconds = self._start.elapsed_time(self._end) / 1e3
+            for c in self._stats.both():
+                c.d2h_bytes += self._nbytes
+                c.d2h_seconds += seconds
+        self._end = None
+
+
 class Transport:
     """The collectives and copies of one engine (``dist``: `_dist.Dist`, or None at one rank)."""
 
@@ -70,6 +125,7 @@ class Transport:
         self.pool = pool
         self.dist = dist
         self.copies = CopyStream(device, stats) if device.type == "cuda" else None
+        self.copy_back = CopyBack(device, stats) if device.type == "cuda" else None
 
     def to_device(self, lease) -> torch.Tensor:
         with record_function("infinity::h2d"):

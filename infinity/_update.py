@@ -109,7 +109,7 @@ class StreamedUpdate:
         try:
             for u in units:
                 if not self.grads.is_held(u.index):
-                    pending[u.index] = self.grads.store.get(u.name, timeout=None if wait else 0)
+                    pending[u.index] = self.grads.get(u, timeout=None if wait else 0)
         except BaseException as e:
             release_unused(pending.values())  # the held ones stay held: a later read finds them
             if wait or not isinstance(e, PoolExhausted):

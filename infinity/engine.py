@@ -131,6 +131,7 @@ class Engine:
         self.units = units
         self.transport = Transport(dev, self.dtype, self.pool, self.dist, stats)
         self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full)
+        self.grads.copier = self.transport.copy_back  # on a GPU: [Note: gradients copied back]
         self.optimizer = Optimizer(
             algorithm, param_groups, defaults, units=units, groups=groups, states=states,
             param_store=self.param_store, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,

@@ -43,6 +43,11 @@ def test_gpu_training_matches_plain_pytorch(tmp_path, tiers):
     else:  # every step copies each parameter in at least once (forward; backward again unless kept)
         assert total["h2d_bytes"] >= 5 * sum(p.numel() * 4 for p in ref.parameters())
         assert total["h2d_gbps"] > 0
+    if tiers[1] == "device":
+        assert total["d2h_bytes"] == 0  # gradients stay on the GPU
+    else:  # every gradient comes back on the side stream, once a step ([Note: gradients copied back])
+        assert total["d2h_bytes"] == 5 * 4 * sum(u.padded_numel for u in engine.units)
+        assert total["d2h_gbps"] > 0
     engine.close()
 
 
@@ -110,4 +115,33 @@ def test_transformers_bf16_on_gpu_match_mixed_precision_on_gpu(tmp_path, family,
         ref_loss = ref.step(_on_gpu(zoo._cast(batch(step), torch.bfloat16)))
         got, want = loss.float().item(), ref_loss.float().item()
         assert abs(got - want) <= 2 * 2**-7 * abs(want), (family, step, got, want)
+    engine.close()
+
+
+@pytest.mark.parametrize("grads", ["cpu", "nvme"])
+def test_gradients_copied_back_asynchronously_match_plain_pytorch_with_accumulation(tmp_path, grads):
+    """Gradients leave the GPU on a side stream into pinned buffers; the second micro-batch's
+    are added on the host once landed, under the optimizer's overlap: against plain PyTorch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(6)], nn.Linear(256, 8))
+    ref = copy.deepcopy(model).cuda()
+    cfg = {"tiers": {"params": "nvme", "grads": grads, "optimizer": grads}, "nvme": {"paths": [str(tmp_path)]},
+           "optimizer": {"lr": 1e-3, "gradient_accumulation_steps": 2, "sub_group_size": "256KiB"}}  # fmt: skip
+    engine = infinity.initialize(model, cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    for _ in range(4):
+        opt.zero_grad()
+        for _ in range(2):
+            x = torch.randn(64, 256, device="cuda")
+            loss = engine(x).pow(2).mean() / 2
+            engine.backward(loss)
+            ref_loss = ref(x).pow(2).mean() / 2
+            ref_loss.backward()
+            assert abs(loss.item() - ref_loss.item()) < 1e-4
+        engine.step()
+        opt.step()
+    got = engine.gathered_weights()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach().cpu(), atol=1e-3, rtol=0, msg=name)
+    assert engine.stats()["total"]["d2h_bytes"] == 4 * 2 * 4 * sum(u.padded_numel for u in engine.units)
     engine.close()
