@@ -115,10 +115,12 @@ class GradAccumulator:
     def _copy_back(self, unit: ParamUnit, grad: torch.Tensor) -> None:
         """Start copying ``grad`` (on the device) to the host; the rest of `add` runs when it lands."""
         first = unit.index not in self.has_grad
+        pool = self.transport.pool if self.transport is not None else None
+        if self.store.uses_pool or (not first and pool is not None):
+            self._make_room()
         if first:
             dst, buffer = self.store.landing(unit.name, grad.shape, grad.dtype)
         else:
-            pool = self.transport.pool if self.transport is not None else None
             if pool is not None:
                 buffer = pool.acquire(grad.numel() * grad.element_size())
                 dst = buffer.view(grad.dtype, tuple(grad.shape))
@@ -133,6 +135,17 @@ class GradAccumulator:
         if first:
             self._note(unit, grad)  # on the device, as a blocking copy's caller took it
         self._landing[unit.index] = _Landing(unit, copy, dst, buffer, first)
+
+    def _make_room(self) -> None:
+        """Before a copy into a pool buffer: at most ``max_writes`` gradients in pool buffers
+        on their way (landing, or being written) beside it, what the engine's plan gives
+        backward (as a blocking copy into a staged write had it)."""
+        self._writes.poll()
+        while True:
+            pooled = [i for i, landing in self._landing.items() if landing.buffer is not None]
+            if not pooled or len(pooled) + len(self._writes) <= self.max_writes:
+                return
+            self._land(pooled[0])
 
     def _land(self, index: int) -> None:
         """Wait for unit ``index``'s copy from the device, if one is in flight, and store it."""

@@ -147,3 +147,28 @@ def test_a_copy_that_fails_fails_its_backward(tmp_path):
         engine.step()  # the step starts over cleanly
     finally:
         engine.close()
+
+
+def test_copies_into_pool_buffers_stay_within_the_backward_plan(tmp_path):
+    """However late the copies land, at most ``max_writes`` gradients are in pool buffers on
+    their way (landing or being written) when another copy starts: what the engine's plan gives
+    backward beside its fetches."""
+    cfg = config(tmp_path, ("nvme", "nvme", "nvme"), optimizer={"overlap": False})
+    engine = infinity.initialize(_model(), cfg)
+    grads, seen = engine.grads, []
+
+    class _Watched(_LateCopies):
+        def start(self, src, dst):
+            seen.append(sum(1 for x in grads._landing.values() if x.buffer is not None) + len(grads._writes))
+            return super().start(src, dst)
+
+    try:
+        engine.scheduler.grads_in_pool = False
+        grads.copier = _Watched(polls=1000)
+        for _ in range(2):
+            engine.backward(engine(torch.randn(8, 16)).pow(2).mean())
+            engine.step()
+        assert len(seen) == 16 and max(seen) <= grads.max_writes, seen
+        assert max(seen) == grads.max_writes  # the bound is reached: copies do wait for room
+    finally:
+        engine.close()
