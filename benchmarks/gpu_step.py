@@ -1,5 +1,7 @@
-"""The billion-parameter step on a GPU, in bf16, against a resident PyTorch run. Needs a CUDA
-device (scripts/gpu_check.sh runs it); not run by CI.
+"""Offloaded against resident training on a GPU, over batch sizes and placements, in bf16.
+Needs a CUDA device (scripts/gpu_check.sh runs it); not run by CI. ``--device cpu`` runs the
+same code on the host, for a check of the script itself with a small model (its figures mean
+nothing).
 
 One process trains the same Llama-shaped model (``benchmarks/scale.py``'s; 953M parameters by
 default) twice on the same batches:
@@ -8,21 +10,30 @@ default) twice on the same batches:
   ``torch.optim.AdamW(fused=True)`` (the usual mixed precision: bf16 compute, fp32 weights
   and states), which fits in the GPU's memory;
 - infinity: ``infinity.from_pretrained`` of the resident side's initial weights, precision
-  bf16, params, grads and optimizer states on nvme (``--tiers`` changes that): parameters
-  are read from the drive into pinned pool buffers and copied to the GPU on a side stream
-  just ahead of the layer that needs them.
+  bf16, with each placement of ``--placements`` in turn (params,grads,optimizer; one engine at
+  a time): the tiers the engine does not keep on the device are streamed in on a side stream
+  just ahead of the layer that needs them (parameters) or copied back on another (gradients).
 
-Steps are interleaved (resident, infinity, resident, infinity ...); the first of each side is
-a warm-up. Reported, as medians over the pairs: infinity step / resident step and the phase
-split of both; the H2D throughput of the engine's parameter copies (bytes over the GPU time
-of the copies, CUDA events: ``engine.stats()["step"]["h2d_gbps"]``) against the pinned-copy
-peak, which is measured between the pairs (one 256 MiB pinned host buffer copied to the GPU;
-a pageable one for comparison); the bytes read from and written to nvme a step, the stall,
-and the largest loss difference (autocast and bf16 parameters round differently: this is a
-sanity check, not a parity test; tests/infinity/test_gpu.py is that).
+For each placement and each batch of ``--batches`` (BATCHxTOKENS), steps are interleaved
+(resident, infinity, resident, infinity ...); the first pair is a warm-up. Reported, as medians
+over the pairs: the tokens a second of both sides and their ratio, the model TFLOP/s of both
+(6 N + 12 L h s FLOPs a token, N the parameters, L layers, h hidden, s sequence: PaLM's
+accounting, no recomputation counted), the phase split, the H2D and D2H throughput of the
+engine's copies (``engine.stats()["step"]["h2d_gbps"]``, ``["d2h_gbps"]``: bytes over the GPU
+time of the copies, CUDA events) against the pinned-copy peak measured between the pairs (one
+256 MiB pinned host buffer to the GPU; a pageable one for comparison), the bytes read from and
+written to nvme a step, the drive's throughput between the pairs, the step's I/O floor, the
+stall, and the largest loss difference (autocast and bf16 parameters round differently: a
+sanity check, not a parity test; tests/infinity/test_gpu.py is that). A side that runs out of
+device memory at a batch is reported so, and the placement's larger batches are skipped.
+At the end, per placement: the smallest batch at which it reaches 0.8x the resident tokens a
+second, and its ratio at the first batch where the resident step takes a second or more.
+Each placement starts both sides again from the same initial weights.
 
-    python benchmarks/gpu_step.py [--pairs 3] [--dir bench-data/] [--batch 1] [--tokens 64]
-                                  [--host-budget 4GiB] [--tiers nvme,nvme,nvme] [--json]
+    python benchmarks/gpu_step.py [--pairs 3] [--dir bench-data/] [--batches 1x64,4x512,16x2048]
+        [--placements "device,device,cpu;device,device,nvme;nvme,cpu,cpu;nvme,nvme,nvme"]
+        [--host-budget 4GiB] [--checkpointing] [--json] [--device cuda|cpu]
+        [--hidden 2048 --layers 16 --intermediate 5632 --vocab 32000]
 """
 
 from __future__ import annotations
@@ -41,9 +52,12 @@ import torch
 
 from scale import add_model_args, llama_config  # this directory: the same model
 
+TARGET = 0.8  # of the resident tokens a second: the issue's bar for "compute hides the traffic"
 
-def _sync_time() -> float:
-    torch.cuda.synchronize()
+
+def _sync_time(device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter()
 
 
@@ -66,29 +80,61 @@ def _copy_peak(nbytes: int = 256 << 20, repeats: int = 5) -> dict:
     return out
 
 
-def _batch(args, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, args.vocab, (args.batch, args.tokens), generator=g).cuda()
+def _parse_batches(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        try:
+            b, t = item.lower().split("x")
+            out.append((int(b), int(t)))
+        except ValueError:
+            raise SystemExit(f"gpu_step: --batches item {item!r} is not BATCHxTOKENS (e.g. 4x512)") from None
+    return out
+
+
+def _parse_placements(text: str) -> list[str]:
+    out = []
+    for item in text.split(";"):
+        tiers = item.strip().split(",")
+        if len(tiers) != 3 or any(t not in ("device", "cpu", "nvme") for t in tiers):
+            raise SystemExit(f"gpu_step: --placements item {item!r} is not params,grads,optimizer "
+                             "each device, cpu or nvme (e.g. nvme,cpu,cpu)")  # fmt: skip
+        out.append(",".join(tiers))
+    return out
+
+
+def model_flops_per_token(cfg, n_params: int, tokens: int) -> float:
+    """6 N + 12 L h s: the matmuls of forward and backward over the parameters, and attention's
+    scores and weighted sum (PaLM, appendix B)."""
+    return 6 * n_params + 12 * cfg.num_hidden_layers * cfg.hidden_size * tokens
+
+
+def _oom_types():
+    return (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (torch.cuda.OutOfMemoryError,)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batches", default="1x64", help="BATCHxTOKENS,... (the default is the first H100 figure's)")
+    p.add_argument("--placements", default="nvme,nvme,nvme", help="params,grads,optimizer;... of the infinity side")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--host-budget", default="4GiB")
-    p.add_argument("--tiers", default="nvme,nvme,nvme", help="params,grads,optimizer of the infinity side")
+    p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on both sides")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_step: torch sees no CUDA device here", file=sys.stderr)
+    batches, placements = _parse_batches(args.batches), _parse_placements(args.placements)
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("gpu_step: torch sees no CUDA device here (--device cpu checks the script itself)", file=sys.stderr)
         return 2
     import transformers
 
     import infinity
 
     transformers.logging.set_verbosity_error()
+    args.tokens = max(t for _, t in batches)  # the model's positions
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="gpu-step-", dir=args.dir)
     engine = None
@@ -96,108 +142,196 @@ def main(argv=None) -> int:
     try:
         torch.manual_seed(0)
         t = time.perf_counter()
-        model = transformers.LlamaForCausalLM(llama_config(args))
+        config = llama_config(args)
+        model = transformers.LlamaForCausalLM(config)
         model.save_pretrained(os.path.join(work, "weights"))
         n_params = sum(p.numel() for p in model.parameters())
-        model.cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
-        print(f"gpu_step: {n_params / 1e6:.0f}M parameters on {torch.cuda.get_device_name(0)}, "
-              f"built and saved in {time.perf_counter() - t:.1f}s", file=sys.stderr, flush=True)  # fmt: skip
+        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}  # each placement starts here
+        model.to(dev)
+        if args.checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = None
+        where = torch.cuda.get_device_name(0) if dev == "cuda" else "the host"
+        print(f"gpu_step: {n_params / 1e6:.0f}M parameters on {where}, built and saved in "
+              f"{time.perf_counter() - t:.1f}s", file=sys.stderr, flush=True)  # fmt: skip
 
-        params, grads, optimizer = args.tiers.split(",")
-        cfg = {"tiers": {"params": params, "grads": grads, "optimizer": optimizer},
-               "nvme": {"paths": [os.path.join(work, "swap")]}, "memory": {"host_budget": args.host_budget},
-               "precision": {"param_dtype": "bf16"}, "optimizer": {"lr": args.lr}}  # fmt: skip
-        os.makedirs(cfg["nvme"]["paths"][0])
-        t = time.perf_counter()
-        engine = infinity.from_pretrained(transformers.LlamaForCausalLM, os.path.join(work, "weights"), cfg)
-        print(f"gpu_step: from_pretrained into {args.tiers} in {time.perf_counter() - t:.1f}s", file=sys.stderr,
-              flush=True)  # fmt: skip
+        def batch_of(shape, step):
+            g = torch.Generator().manual_seed(1000 + step)
+            return torch.randint(0, args.vocab, shape, generator=g).to(dev)
 
-        def resident_step(step):
-            ids = _batch(args, step)
-            t0 = _sync_time()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+        def resident_step(shape, step):
+            ids = batch_of(shape, step)
+            t0 = _sync_time(dev)
+            with torch.autocast(dev, dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids).loss
-            t1 = _sync_time()
+            t1 = _sync_time(dev)
             loss.backward()
-            t2 = _sync_time()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            t3 = _sync_time()
+            t2 = _sync_time(dev)
+            opt[0].step()
+            opt[0].zero_grad(set_to_none=True)
+            t3 = _sync_time(dev)
             return {"loss": loss.item(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0}
 
-        def infinity_step(step):
-            ids = _batch(args, step)
-            t0 = _sync_time()
+        def infinity_step(shape, step):
+            ids = batch_of(shape, step)
+            t0 = _sync_time(dev)
             loss = engine(input_ids=ids, labels=ids).loss
-            t1 = _sync_time()
+            t1 = _sync_time(dev)
             engine.backward(loss)
-            t2 = _sync_time()
+            t2 = _sync_time(dev)
             engine.step()
-            t3 = _sync_time()
+            t3 = _sync_time(dev)
             st = engine.stats()["step"]
             return {"loss": loss.item(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0,
-                    "h2d_bytes": st["h2d_bytes"], "h2d_gbps": st["h2d_gbps"], "stall": st["stall_seconds"],
+                    "h2d_bytes": st["h2d_bytes"], "h2d_gbps": st["h2d_gbps"], "d2h_bytes": st["d2h_bytes"],
+                    "d2h_gbps": st["d2h_gbps"], "stall": st["stall_seconds"],
                     "read_bytes": st["nvme"]["read_bytes"], "write_bytes": st["nvme"]["write_bytes"]}  # fmt: skip
 
-        from infinity.aio import probe
-        from infinity.tools.nvme_bench import create_test_file, fill_test_file, open_runner
+        run_drive = None
+        if any("nvme" in pl for pl in placements):
+            from infinity.aio import probe
+            from infinity.tools.nvme_bench import create_test_file, fill_test_file, open_runner
 
-        # The drive, between the pairs, as scale_step.py measures it (1 GiB file, 1 MiB blocks, qd 32).
-        backend = "uring" if probe()["uring"].available else "threads"
-        bench_file = create_test_file(cfg["nvme"]["paths"][0])
-        fill_test_file(bench_file, 1 << 30)
-        run_drive = closing.enter_context(open_runner(backend, bench_file, 1 << 30, 1 << 20, 32))
-        pairs = []
-        for step in range(args.pairs + 1):
-            r = resident_step(step)
-            i = infinity_step(step)
-            peak = _copy_peak()
-            read_gbps, write_gbps = run_drive("read"), run_drive("write")
-            io = i["read_bytes"] / (read_gbps * 1e9) + i["write_bytes"] / (write_gbps * 1e9)
-            floor = max(io, r["forward"] + r["backward"])
-            pair = {"step": step, "resident": r, "infinity": i, "copy_peak": peak, "read_gbps": read_gbps,
-                    "write_gbps": write_gbps, "floor": floor}  # fmt: skip
-            print(json.dumps(pair) if args.json else
-                  f"step {step}{' (warm-up)' if step == 0 else ''}: resident {r['step']:.3f}s "
-                  f"({r['forward']:.3f}/{r['backward']:.3f}/{r['optimizer']:.3f}), infinity {i['step']:.2f}s "
-                  f"({i['forward']:.2f}/{i['backward']:.2f}/{i['optimizer']:.2f}), loss {r['loss']:.4f} / "
-                  f"{i['loss']:.4f}; H2D {i['h2d_bytes'] / 1e9:.2f} GB at {i['h2d_gbps']:.1f} GB/s, pinned peak "
-                  f"{peak['pinned']:.1f} GB/s (pageable {peak['pageable']:.1f}); nvme read {i['read_bytes'] / 1e9:.1f} "
-                  f"GB, written {i['write_bytes'] / 1e9:.1f} GB, stall {i['stall']:.2f}s; drive "
-                  f"{read_gbps:.2f}/{write_gbps:.2f} GB/s ({backend}), floor {floor:.2f}s", flush=True)  # fmt: skip
-            if step:
-                pairs.append(pair)
+            # The drive, between the pairs, as scale_step.py measures it (1 GiB file, 1 MiB blocks, qd 32).
+            backend = "uring" if probe()["uring"].available else "threads"
+            bench_file = create_test_file(work)
+            fill_test_file(bench_file, 1 << 30)
+            run_drive = closing.enter_context(open_runner(backend, bench_file, 1 << 30, 1 << 20, 32))
+
+        rows = []
+        for placement in placements:
+            params, grads, optimizer = placement.split(",")
+            swap = os.path.join(work, "swap")
+            os.makedirs(swap)
+            cfg = {"tiers": {"params": params, "grads": grads, "optimizer": optimizer}, "nvme": {"paths": [swap]},
+                   "memory": {"host_budget": args.host_budget}, "precision": {"param_dtype": "bf16"},
+                   "optimizer": {"lr": args.lr}}  # fmt: skip
+            model.load_state_dict(initial)  # both sides from the same weights, on the same batches
+            opt = [torch.optim.AdamW(model.parameters(), lr=args.lr, fused=dev == "cuda")]
+            t = time.perf_counter()
+            engine = infinity.from_pretrained(transformers.LlamaForCausalLM, os.path.join(work, "weights"), cfg)
+            if args.checkpointing:
+                engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            print(f"gpu_step: from_pretrained into {placement} in {time.perf_counter() - t:.1f}s", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            for b, s in batches:
+                row = _measure(args, dev, (b, s), placement, resident_step, infinity_step, run_drive, engine, opt,
+                               model_flops_per_token(config, n_params, s))  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row) if args.json else _line(row), flush=True)
+                if "oom" in row:
+                    break  # larger batches need more memory still
+            engine.close()
+            engine = None
+            shutil.rmtree(swap)
         closing.close()
-        os.unlink(bench_file)
 
-        def med(f):
-            return statistics.median(f(q) for q in pairs)
-
-        summary = {
-            "params": n_params, "device": torch.cuda.get_device_name(0), "batch": [args.batch, args.tokens],
-            "tiers": args.tiers, "pairs": len(pairs),
-            "infinity_over_resident": med(lambda q: q["infinity"]["step"] / q["resident"]["step"]),
-            "infinity_over_floor": med(lambda q: q["infinity"]["step"] / q["floor"]),
-            "drive_read_gbps": med(lambda q: q["read_gbps"]), "drive_write_gbps": med(lambda q: q["write_gbps"]),
-            "resident_step": med(lambda q: q["resident"]["step"]), "infinity_step": med(lambda q: q["infinity"]["step"]),
-            "infinity_phases": {k: med(lambda q, k=k: q["infinity"][k]) for k in ("forward", "backward", "optimizer")},
-            "resident_phases": {k: med(lambda q, k=k: q["resident"][k]) for k in ("forward", "backward", "optimizer")},
-            "h2d_gbps": med(lambda q: q["infinity"]["h2d_gbps"]),
-            "pinned_peak_gbps": med(lambda q: q["copy_peak"]["pinned"]),
-            "pageable_gbps": med(lambda q: q["copy_peak"]["pageable"]),
-            "h2d_over_peak": med(lambda q: q["infinity"]["h2d_gbps"] / q["copy_peak"]["pinned"]),
-            "max_loss_diff": max(abs(q["infinity"]["loss"] - q["resident"]["loss"]) for q in pairs),
-            "peak_device_bytes_both_sides": torch.cuda.max_memory_allocated(),
-        }  # fmt: skip
-        print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()), flush=True)
+        summary = {"params": n_params, "device": where, "batches": args.batches, "pairs": args.pairs,
+                   "checkpointing": args.checkpointing, "smallest_batch_at_target": {}}  # fmt: skip
+        for placement in placements:
+            hit = next((r["batch"] for r in rows if r["placement"] == placement and "oom" not in r
+                        and r["tokens_per_s_ratio"] >= TARGET), None)  # fmt: skip
+            summary["smallest_batch_at_target"][placement] = hit
+            # The issue's bar: at the first batch where the resident step takes a second or more.
+            long = next((r for r in rows if r["placement"] == placement and "oom" not in r
+                         and r["resident_step"] >= 1.0), None)  # fmt: skip
+            summary.setdefault("ratio_where_resident_takes_1s", {})[placement] = (
+                None if long is None else {"batch": long["batch"], "ratio": long["tokens_per_s_ratio"]})
+        if not args.json:
+            print(f"smallest batch at {TARGET}x the resident tokens/s: " + "; ".join(
+                f"{pl}: {'x'.join(map(str, hit)) if hit else 'none of those run'}"
+                for pl, hit in summary["smallest_batch_at_target"].items()), flush=True)  # fmt: skip
+        print(json.dumps(summary), flush=True)
         return 0
     finally:
         closing.close()
         if engine is not None:
             engine.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(args, dev, shape, placement, resident_step, infinity_step, run_drive, engine, opt, flops_token) -> dict:
+    """``args.pairs`` pairs (after a warm-up) of one batch shape; the medians."""
+    b, s = shape
+    tokens = b * s
+    row = {"placement": placement, "batch": [b, s]}
+    pairs = []
+    for step in range(args.pairs + 1):
+        try:
+            r = resident_step(shape, step)
+        except _oom_types():
+            opt[0].zero_grad(set_to_none=True)
+            _free(dev)
+            row["oom"] = "resident"
+            return row
+        try:
+            i = infinity_step(shape, step)
+        except _oom_types():
+            engine.zero_grad()
+            _free(dev)
+            row["oom"] = "infinity"
+            return row
+        pair = {"resident": r, "infinity": i}
+        if dev == "cuda":
+            pair["copy_peak"] = _copy_peak()
+        if run_drive is not None and "nvme" in placement:
+            pair["read_gbps"], pair["write_gbps"] = run_drive("read"), run_drive("write")
+            io = i["read_bytes"] / (pair["read_gbps"] * 1e9) + i["write_bytes"] / (pair["write_gbps"] * 1e9)
+            pair["floor"] = max(io, r["forward"] + r["backward"])
+        if step:
+            pairs.append(pair)
+
+    def med(f):
+        return statistics.median(f(q) for q in pairs)
+
+    row.update({
+        "resident_step": med(lambda q: q["resident"]["step"]), "infinity_step": med(lambda q: q["infinity"]["step"]),
+        "resident_tokens_per_s": med(lambda q: tokens / q["resident"]["step"]),
+        "infinity_tokens_per_s": med(lambda q: tokens / q["infinity"]["step"]),
+        "tokens_per_s_ratio": med(lambda q: q["resident"]["step"] / q["infinity"]["step"]),
+        "resident_tflops": med(lambda q: flops_token * tokens / q["resident"]["step"] / 1e12),
+        "infinity_tflops": med(lambda q: flops_token * tokens / q["infinity"]["step"] / 1e12),
+        "infinity_phases": {k: med(lambda q, k=k: q["infinity"][k]) for k in ("forward", "backward", "optimizer")},
+        "resident_phases": {k: med(lambda q, k=k: q["resident"][k]) for k in ("forward", "backward", "optimizer")},
+        "h2d_gbps": med(lambda q: q["infinity"]["h2d_gbps"]), "d2h_gbps": med(lambda q: q["infinity"]["d2h_gbps"]),
+        "stall": med(lambda q: q["infinity"]["stall"]),
+        "read_bytes": med(lambda q: q["infinity"]["read_bytes"]), "write_bytes": med(lambda q: q["infinity"]["write_bytes"]),
+        "max_loss_diff": max(abs(q["infinity"]["loss"] - q["resident"]["loss"]) for q in pairs),
+    })  # fmt: skip
+    if dev == "cuda":
+        row["pinned_peak_gbps"] = med(lambda q: q["copy_peak"]["pinned"])
+        row["pageable_gbps"] = med(lambda q: q["copy_peak"]["pageable"])
+        row["h2d_over_peak"] = med(lambda q: q["infinity"]["h2d_gbps"] / q["copy_peak"]["pinned"])
+        row["peak_device_bytes_both_sides"] = torch.cuda.max_memory_allocated()
+    if "floor" in pairs[0]:
+        row["drive_read_gbps"] = med(lambda q: q["read_gbps"])
+        row["drive_write_gbps"] = med(lambda q: q["write_gbps"])
+        row["infinity_over_floor"] = med(lambda q: q["infinity"]["step"] / q["floor"])
+    return row
+
+
+def _free(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _line(row: dict) -> str:
+    head = f"{row['placement']} {row['batch'][0]}x{row['batch'][1]}"
+    if "oom" in row:
+        return f"{head}: the {row['oom']} side ran out of device memory; larger batches skipped"
+    out = (f"{head}: resident {row['resident_step']:.3f}s ({row['resident_tokens_per_s']:.0f} tok/s, "
+           f"{row['resident_tflops']:.1f} TFLOP/s), infinity {row['infinity_step']:.3f}s "
+           f"({row['infinity_tokens_per_s']:.0f} tok/s, {row['infinity_tflops']:.1f} TFLOP/s): "
+           f"{row['tokens_per_s_ratio']:.2f}x resident; phases {row['infinity_phases']['forward']:.2f}/"
+           f"{row['infinity_phases']['backward']:.2f}/{row['infinity_phases']['optimizer']:.2f}s, stall "
+           f"{row['stall']:.2f}s; H2D {row['h2d_gbps']:.1f} GB/s, D2H {row['d2h_gbps']:.1f} GB/s")  # fmt: skip
+    if "pinned_peak_gbps" in row:
+        out += f" (pinned peak {row['pinned_peak_gbps']:.1f}, H2D {row['h2d_over_peak']:.2f}x of it)"
+    if "infinity_over_floor" in row:
+        out += (f"; nvme {row['read_bytes'] / 1e9:.2f} GB read, {row['write_bytes'] / 1e9:.2f} GB written, drive "
+                f"{row['drive_read_gbps']:.2f}/{row['drive_write_gbps']:.2f} GB/s, {row['infinity_over_floor']:.2f}x "
+                "the floor")  # fmt: skip
+    return out + f"; loss diff {row['max_loss_diff']:.4f}"
 
 
 if __name__ == "__main__":
