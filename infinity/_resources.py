@@ -46,14 +46,7 @@ def open_io(cfg: TierConfig, rank: int, local_rank: int):
     try:
         pool = HostBufferPool(cfg.memory.host_budget, engine=engine)
         if "nvme" in (cfg.tiers.params, cfg.tiers.grads, cfg.tiers.optimizer):
-            cfg.nvme.check_paths()  # again: a drive may have gone since the config was made
-            paths = list(cfg.nvme.resolve_paths(rank, local_rank))
-            for template, path in zip(cfg.nvme.paths, paths):
-                # "{rank}" templates name a directory per rank below the part the config
-                # checked: make it. A plain path's last component, when missing, is made by
-                # the swap space (its parent must exist: a mistyped mount point is not made).
-                if template.format(rank=0, local_rank=0) != template.format(rank=1, local_rank=1):
-                    os.makedirs(path, mode=0o700, exist_ok=True)
+            paths = _swap_paths(cfg, rank, local_rank)
             # A run's swap is scratch: what a previous run left there is stale (a checkpoint, not
             # the swap, is how a run resumes). At close the arenas shrink to what they hold, or
             # go with nvme.keep = false (a key of the config once it has one).
@@ -68,6 +61,28 @@ def open_io(cfg: TierConfig, rank: int, local_rank: int):
         engine.close()
         raise
     return engine, pool, space
+
+
+def _swap_paths(cfg: TierConfig, rank: int, local_rank: int) -> list[str]:
+    cfg.nvme.check_paths()  # again: a drive may have gone since the config was made
+    paths = list(cfg.nvme.resolve_paths(rank, local_rank))
+    for template, path in zip(cfg.nvme.paths, paths):
+        # "{rank}" templates name a directory per rank below the part the config
+        # checked: make it. A plain path's last component, when missing, is made by
+        # the swap space (its parent must exist: a mistyped mount point is not made).
+        if template.format(rank=0, local_rank=0) != template.format(rank=1, local_rank=1):
+            os.makedirs(path, mode=0o700, exist_ok=True)
+    return paths
+
+
+def open_activation_space(cfg: TierConfig, rank: int, local_rank: int, engine, pool) -> SwapSpace:
+    """The swap space of ``[activations] tier = "nvme"``: an "activations" directory under each
+    of nvme.paths, an arena of its own (the state's disk bound stays the state's), scratch."""
+    paths = [os.path.join(p, "activations") for p in _swap_paths(cfg, rank, local_rank)]
+    return SwapSpace(
+        paths, rank=rank, engine=engine, pool=pool, verify=cfg.nvme.verify, fresh=True, keep=False,
+        stripe_size=cfg.nvme.stripe_size, stripe_threshold=cfg.nvme.stripe_threshold, grow_step=cfg.nvme.grow_step,
+    )  # fmt: skip
 
 
 def close_io(space, pool, engine) -> None:

@@ -60,6 +60,7 @@ from torch.profiler import record_function
 from infinity.swap import PoolExhausted
 
 from . import _gather, _tiled
+from ._activations import SavedTensors
 from ._compile import eager
 from ._grads import GradAccumulator
 from ._interrupts import held_interrupts
@@ -186,6 +187,9 @@ class Scheduler:
         self._depth = 0  # nested calls of the root module
         self._began = False  # the outermost root call set up the pass
         self._saved_hooks = None  # the saved-tensor hooks of the pass, while the root runs
+        self.saved = SavedTensors()  # what they hand saved tensors to: parameter views first
+        self.saved.add(self._pack_view, self._unpack_view)
+        self.activations = None  # `_activations.ActivationTier`, told when passes begin and end
         self._end_queued = False  # the end of this backward is queued with autograd
         self.owner = None  # the engine's `_owner.Owner`: a root call is an entry point
         self._before_forward = None  # the engine's checks, before each pass
@@ -459,11 +463,15 @@ class Scheduler:
 
     # -- passes -----------------------------------------------------------------------------
     def begin_forward(self) -> None:
+        if self.activations is not None:
+            self.activations.begin_forward()
         self._trace = []
         self.forward_order.pos, self.forward_order.valid = 0, True
         self._prefetch(self.forward_order, 0)
 
     def end_forward(self) -> None:
+        if self.activations is not None:
+            self.activations.end_forward()
         if self._trace != self.forward_order.modules:
             self.forward_order = _Order(list(self._trace))  # the next pass predicts this one
         if torch.is_grad_enabled():
@@ -498,6 +506,8 @@ class Scheduler:
                     self.finish_unit_backward(unit)
             self.grads.land()  # see [Note: gradients copied back] in `_grads`
         finally:
+            if self.activations is not None:
+                self.activations.end_backward()
             self.drop_grads()
             for unit in self.units:
                 unit.active = 0
@@ -520,22 +530,28 @@ class Scheduler:
 
     # -- saved tensors: see [Note: saved parameter views] -------------------------------------
     def pack(self, t: torch.Tensor):
+        """The pass's saved-tensor pack hook: parameter views here, then the other handlers
+        (the activation tier: `_activations.SavedTensors`)."""
+        return self.saved.pack(t)
+
+    def unpack(self, saved):
+        return self.saved.unpack(saved)
+
+    def _pack_view(self, t: torch.Tensor):
         _gather.refuse_placeholder(t)  # see [Note: reads outside a module]
         if self.always_ready or not self._by_storage:
-            return t
+            return None
         try:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
-            return t
+            return None
         unit = self._by_storage.get(ptr)
         # An entry a Ctrl-C left behind may name memory given back since: only a bound unit's counts.
         if unit is None or unit.full is None or unit.full.untyped_storage().data_ptr() != ptr:
-            return t
+            return None
         return _UnitView(unit, t.storage_offset() - unit.full.storage_offset(), t.size(), t.stride())
 
-    def unpack(self, saved):
-        if not isinstance(saved, _UnitView):
-            return saved
+    def _unpack_view(self, saved: _UnitView):
         self.materialize(saved.unit)
         full = saved.unit.full
         return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)

@@ -76,6 +76,8 @@ class Counters:
     h2d_seconds: float = 0.0  # ... the GPU time of those copies (CUDA events)
     d2h_bytes: int = 0  # gradients copied GPU -> host (side stream)
     d2h_seconds: float = 0.0  # ... the GPU time of those copies (CUDA events)
+    activation_out_bytes: int = 0  # saved activations moved to the activation tier
+    activation_in_bytes: int = 0  # ... and brought back for backward
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -93,6 +95,8 @@ class Counters:
             "d2h_bytes": self.d2h_bytes,
             "d2h_seconds": self.d2h_seconds,
             "d2h_gbps": self.d2h_bytes / self.d2h_seconds / 1e9 if self.d2h_seconds else 0.0,
+            "activation_out_bytes": self.activation_out_bytes,
+            "activation_in_bytes": self.activation_in_bytes,
             "seconds": self.seconds,
         }
 

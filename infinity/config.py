@@ -328,6 +328,29 @@ class PrefetchConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationsConfig:
+    """Where the tensors autograd saves for backward wait (with activation checkpointing: each
+    block's inputs), [Note: activations offloaded] in infinity/_activations.py."""
+
+    _section: ClassVar[str] = "activations"
+
+    tier: str = "device"
+    """"device": where the compute made them (PyTorch's own behaviour). "cpu": copied to host
+    memory (pool buffers, in memory.host_budget) on a GPU; on a CPU device they are in host
+    memory already and stay. "nvme": written to a swap space of their own under each of
+    nvme.paths (an "activations" directory), read back ahead of backward."""
+    min_bytes: Size = "1MiB"
+    """Saved tensors smaller than this stay where they are (moving them costs more than it saves)."""
+    depth: int = 2
+    """Saved tensors read ahead in backward, beyond the one needed now."""
+
+    def __post_init__(self) -> None:
+        _choice(self, "tier", TIERS)
+        _size(self, "min_bytes", lo=0)
+        _int(self, "depth", 0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PrecisionConfig:
     """The dtype the model computes in, and fp16's dynamic loss scaling (as torch's GradScaler)."""
 
@@ -488,6 +511,8 @@ class TierConfig:
     """[memory]: the host memory budget."""
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     """[prefetch]: how far ahead parameters are fetched."""
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
+    """[activations]: where saved activations wait for backward."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """[precision]: the compute dtype and fp16 loss scaling."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -502,9 +527,10 @@ class TierConfig:
                 raise ValueError(f"{f.name}: expected a {_SECTIONS[f.name].__name__}, got {type(value).__name__}")
         # Paths are checked only when something will be swapped to them: a config that names
         # drives but keeps every tier on device or cpu runs on a host without those drives.
-        if self.tiers.on_nvme:
+        if self.tiers.on_nvme or self.activations.tier == "nvme":
             if not self.nvme.paths:
-                raise ValueError(f"nvme.paths: empty, but tiers.{self.tiers.on_nvme[0]} is 'nvme'")
+                what = f"tiers.{self.tiers.on_nvme[0]}" if self.tiers.on_nvme else "activations.tier"
+                raise ValueError(f"nvme.paths: empty, but {what} is 'nvme'")
             self.nvme.check_paths()
 
     @classmethod
@@ -577,7 +603,7 @@ class TierConfig:
 
 _SECTIONS: dict[str, type] = {
     "tiers": TiersConfig, "nvme": NvmeConfig, "aio": AioConfig, "memory": MemoryConfig,
-    "prefetch": PrefetchConfig, "precision": PrecisionConfig, "optimizer": OptimizerConfig,
+    "prefetch": PrefetchConfig, "activations": ActivationsConfig, "precision": PrecisionConfig, "optimizer": OptimizerConfig,
     "partition": PartitionConfig,
 }  # fmt: skip
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _build, _checkpoint, _ddp, _footprint, _onecopy, _overlap_host, _resources, _wrap
+from . import _activations, _build, _checkpoint, _ddp, _footprint, _onecopy, _overlap_host, _resources, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -85,11 +85,14 @@ class Engine:
         self._scaled_backward = False  # inside engine.backward (fp16: the loss is scaled)
         self._grads_incomplete: str | None = None  # why the step's gradients are not whole
         self.aio = self.pool = self.space = None
+        self.activations = None
         try:
             self.aio, self.pool, self.space = _resources.open_io(cfg, rank, local_rank)
             self._setup(module, cfg, optimizer, lr_scheduler)
         except BaseException as e:
             try:
+                if self.activations is not None:
+                    self.activations.close()
                 _resources.close_io(self.space, self.pool, self.aio)
             except Exception as cleanup:  # noqa: BLE001 - the first error is the one to see
                 e.add_note(f"(closing the swap space after that also failed: {cleanup})")
@@ -182,6 +185,10 @@ class Engine:
                     mod._buffers[key] = buf.to(dev)
         self.scheduler.install(module, before_forward=self._check_training, after_backward=self._end_backward,
                                owner=self._owner)  # fmt: skip
+        # [activations] tier: see [Note: activations offloaded] in `_activations`
+        self.activations = _activations.attach(self.scheduler, cfg, rank=self.rank, local_rank=self.dist.local_rank,
+                                               aio=self.aio, pool=self.pool, transport=self.transport, stats=stats,
+                                               params=module.parameters)  # fmt: skip
         self._state_hooks = StateDictHooks(self, module)
         self._backwards = 0  # backward passes since the last step
         self._told_accumulation = False
@@ -675,6 +682,8 @@ class Engine:
             self.grads.flush()
         finally:
             try:
+                if self.activations is not None:
+                    self.activations.close()
                 self.scheduler.remove()
                 self._state_hooks.remove()
             finally:
