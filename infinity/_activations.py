@@ -71,12 +71,14 @@ class SavedTensors:
             packed = pack(t)
             if packed is not None:
                 return _Packed(unpack, packed)
-        return t
+        return _Kept(t)
 
     @staticmethod
     def unpack(saved):
         if isinstance(saved, _Packed):
             return saved.unpack(saved.value)
+        if isinstance(saved, _Kept):
+            return saved.check()
         return saved
 
 
@@ -85,6 +87,27 @@ class _Packed:
 
     def __init__(self, unpack, value):
         self.unpack, self.value = unpack, value
+
+
+class _Kept:
+    """A saved tensor kept as it is. Autograd does not check a tensor that went through
+    saved-tensor hooks for changes in place, so this does: backward on a tensor changed since
+    it was saved raises, as it does without hooks, rather than compute with the new values."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.version = t, t._version
+
+    def check(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"a saved {tuple(t.shape)} {t.dtype} tensor is at version {t._version}; expected version "
+                f"{self.version} instead (the same error autograd raises without the engine's saved-tensor hooks)"
+            )  # fmt: skip
+        return t
 
 
 def dense_span(t: torch.Tensor) -> bool:
