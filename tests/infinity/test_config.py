@@ -150,6 +150,12 @@ BAD = [
     ({"optimizer": {"momentum": "0.9"}}, "optimizer.momentum"),
     ({"optimizer": {"nesterov": "yes"}}, "optimizer.nesterov: expected true or false"),
     ({"optimizer": {"nesterov": True}}, "optimizer.nesterov: needs optimizer.momentum > 0"),
+    ({"activations": {"tier": "disk"}}, "activations.tier: 'disk' is not one of device, cpu, nvme"),
+    ({"activations": {"tier": 1}}, "activations.tier: expected a string"),
+    ({"activations": {"min_bytes": -1}}, "activations.min_bytes: -1 bytes must be at least 0"),
+    ({"activations": {"min_bytes": [1]}}, "activations.min_bytes: expected a size"),
+    ({"activations": {"depth": -1}}, "activations.depth: -1 must be at least 0"),
+    ({"activations": {"depth": "2"}}, "activations.depth: expected an int"),
     ({"partition": {"stage": 0}}, "partition.stage: 0 must be in [1, 3]"),
     ({"partition": {"stage": 4}}, "partition.stage"),
     ({"partition": {"stage": "3"}}, "partition.stage"),
@@ -230,7 +236,7 @@ def test_constructors_check_too():
     [({"optimizer": {"learning_rate": 1e-3}},
       "unknown key 'optimizer.learning_rate' (known: type, lr, betas, eps, weight_decay, momentum, nesterov, "
       "max_grad_norm, sub_group_size, gradient_accumulation_steps, overlap, overlap_disk, state_dtype)"),
-     ({"offload": {}}, "unknown section 'offload' (known: tiers, nvme, aio, memory, prefetch, precision"),
+     ({"offload": {}}, "unknown section 'offload' (known: tiers, nvme, aio, memory, prefetch, activations, precision"),
      ([1, 2], "a tier config is a table of sections, got list")],
 )  # fmt: skip
 def test_unknown_names_are_errors(data, message):
