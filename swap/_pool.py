@@ -11,6 +11,12 @@ buffer, and carved into aligned buffers by an `ExtentAllocator` per slab. Slabs 
 their buffers are released, so steady-state acquire/release costs no mmap, no page faults and
 no re-registration; empty slabs are dropped only to make room for a size that no slab holds
 (or on `trim`/`close`).
+
+Each buffer is counted under a traffic class, a name its taker gives (``acquire(...,
+traffic=)``, or `HostBufferPool.traffic` around the code that acquires; "other" otherwise):
+`stats` gives each class's bytes held and their peak, so what holds the budget is known by
+purpose, not only in total. The pool counts; which class may take how much is its users'
+policy (the engine's: infinity/_admission.py).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from ._allocator import ExtentAllocator
 from ._common import human_size, round_up
 
 __all__ = ["HostBuffer", "HostBufferPool", "PoolExhausted"]
+
+OTHER = "other"  # the traffic class of a buffer whose taker named none
 
 logger = logging.getLogger("infinity.swap")
 
@@ -79,20 +87,21 @@ class HostBuffer:
     memory are garbage (with a ResourceWarning): a safety net, not the API.
     """
 
-    __slots__ = ("_pool", "_slab", "_offset", "_size", "_tensor", "_finalizer", "nbytes", "__weakref__")
+    __slots__ = ("_pool", "_slab", "_offset", "_size", "_tensor", "_finalizer", "nbytes", "traffic", "__weakref__")
 
-    def __init__(self, pool: "HostBufferPool", slab: _Slab, offset: int, size: int, nbytes: int):
+    def __init__(self, pool: "HostBufferPool", slab: _Slab, offset: int, size: int, nbytes: int, traffic: str = OTHER):
         self._pool = pool
         self._slab = slab
         self._offset = offset
         self._size = size  # bytes taken from the slab: nbytes rounded up to the alignment
         self.nbytes = nbytes
+        self.traffic = traffic  # the class it is counted under
         # The tensor gets its own storage over a numpy view of the slab, so the finaliser on
         # that view runs only once no tensor (ours, the caller's views) reaches the memory:
         # a forgotten buffer can never be handed out again while something still uses it.
         view = slab.array[offset : offset + nbytes]
         self._tensor = torch.from_numpy(view)  # 1-D uint8, cpu
-        self._finalizer = weakref.finalize(view, pool._give_back, slab, offset, size, True)
+        self._finalizer = weakref.finalize(view, pool._give_back, slab, offset, size, True, traffic)
         self._finalizer.atexit = False
 
     @property
@@ -119,7 +128,7 @@ class HostBuffer:
             return
         self._finalizer.detach()
         self._tensor = None
-        self._pool._give_back(self._slab, self._offset, self._size, False)
+        self._pool._give_back(self._slab, self._offset, self._size, False, self.traffic)
 
     def __enter__(self) -> "HostBuffer":
         return self
@@ -177,16 +186,35 @@ class HostBufferPool:
         # That thread must not block on its own lock nor change the allocators mid-operation,
         # so it queues the extent in _pending, which the owner drains before it lets go.
         self._owner: int | None = None
-        self._pending: deque[tuple[_Slab, int, int]] = deque()
+        self._pending: deque[tuple[_Slab, int, int, str]] = deque()
         # [Note: buffers under I/O] A buffer released while the engine still runs a request on
         # its memory (one whose caller was interrupted before it held the future, or one it
         # gave up waiting for) is held here, still counted as in use, until those requests
         # end: handed out before, the request would overwrite the next owner's bytes.
         self._busy: list[tuple[_Slab, int, int, list]] = []  # (slab, offset, size, requests)
+        self._label = threading.local()  # the traffic class `traffic` names for this thread
+        self._by_traffic: dict[str, list[int]] = {}  # class -> [bytes held, peak]
+
+    @contextmanager
+    def traffic(self, name: str):
+        """Count the buffers this thread acquires inside the block under traffic class ``name``
+        (unless an `acquire` names its own)."""
+        before = getattr(self._label, "name", OTHER)
+        self._label.name = name
+        try:
+            yield
+        finally:
+            self._label.name = before
+
+    def in_use_by(self, traffic: str) -> int:
+        """Bytes held now by buffers counted under ``traffic``."""
+        counts = self._by_traffic.get(traffic)
+        return counts[0] if counts else 0
 
     # -- acquire / release --------------------------------------------------------------------
-    def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer:
-        """A `HostBuffer` of ``nbytes`` (> 0), waiting up to ``timeout`` (default: the pool's)."""
+    def acquire(self, nbytes: int, timeout: float | None = None, *, traffic: str | None = None) -> HostBuffer:
+        """A `HostBuffer` of ``nbytes`` (> 0), waiting up to ``timeout`` (default: the pool's),
+        counted under ``traffic`` (default: the class `traffic` set for this thread, or "other")."""
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise ValueError(f"{nbytes=} must be a positive int")
         self._check_open()
@@ -208,7 +236,11 @@ class HostBufferPool:
                     self._in_use += size
                     self._buffers += 1
                     self._peak = max(self._peak, self._in_use)
-                    return HostBuffer(self, slab, offset, size, nbytes)
+                    name = traffic or getattr(self._label, "name", OTHER)
+                    counts = self._by_traffic.setdefault(name, [0, 0])
+                    counts[0] += size
+                    counts[1] = max(counts[1], counts[0])
+                    return HostBuffer(self, slab, offset, size, nbytes, name)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise self._exhausted(nbytes, size, timeout)
@@ -274,7 +306,7 @@ class HostBufferPool:
         # for one dropped by close() while a buffer is still held.
         slab.tensor = slab.array = None
 
-    def _give_back(self, slab: _Slab, offset: int, size: int, forgotten: bool) -> None:
+    def _give_back(self, slab: _Slab, offset: int, size: int, forgotten: bool, traffic: str = OTHER) -> None:
         if forgotten:
             warnings.warn(
                 f"a host buffer of {human_size(size)} was never released; it returned to the pool when garbage collected",
@@ -282,14 +314,17 @@ class HostBufferPool:
                 stacklevel=2,
             )
         if self._owner == threading.get_ident():  # see [Note: pool re-entrance]
-            self._pending.append((slab, offset, size))
+            self._pending.append((slab, offset, size, traffic))
             return
         with self._locked():
-            self._free(slab, offset, size)
+            self._free(slab, offset, size, traffic)
 
-    def _free(self, slab: _Slab, offset: int, size: int) -> None:
+    def _free(self, slab: _Slab, offset: int, size: int, traffic: str = OTHER) -> None:
         if not slab.alive:  # dropped by close(): nothing to return to
             return
+        counts = self._by_traffic.get(traffic)
+        if counts is not None:  # its taker let go (a buffer still under I/O stays in in_use_bytes)
+            counts[0] -= size
         if self.engine is not None:
             running = self.engine.inflight(slab.address + offset, size)
             if running:  # see [Note: buffers under I/O]
@@ -384,6 +419,7 @@ class HostBufferPool:
                 "registered_slabs": sum(s.registered for s in self._slabs),
                 "largest_free": max((s.allocator.largest_free for s in self._slabs), default=0),
                 "busy_buffers": len(self._busy),  # released, waiting for I/O on them to end
+                "by_traffic": {k: {"in_use_bytes": v[0], "peak_bytes": v[1]} for k, v in sorted(self._by_traffic.items())},
             }
 
     def trim(self) -> int:
@@ -410,6 +446,8 @@ class HostBufferPool:
             # requests (each keeps its buffer alive until it is reaped).
             self._busy.clear()
             self._in_use = self._buffers = 0
+            for counts in self._by_traffic.values():
+                counts[0] = 0
             self._cond.notify_all()  # waiting acquires wake and raise
 
     @property

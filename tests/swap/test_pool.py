@@ -137,6 +137,39 @@ def test_peak_is_the_most_held_at_once(pools):
     assert pool.stats()["peak_bytes"] == 20 * KiB
 
 
+def test_buffers_are_counted_by_traffic_class(pools):
+    """Each buffer counts under the class its taker named, or the one `traffic` set for this
+    thread, or "other"; its bytes leave the class at release (a forgotten one when collected)."""
+    pool = pools(4 * MiB)
+    a = pool.acquire(10000, traffic="fetch")  # 12 KiB
+    with pool.traffic("prefetch"):
+        b = pool.acquire(4096)
+        c = pool.acquire(1, traffic="fetch")  # the argument wins
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(pool.acquire(4096)))  # another thread: "other"
+        other.start()
+        other.join()
+    d = pool.acquire(4096)  # outside the block: "other" again
+    assert pool.in_use_by("fetch") == 16 * KiB and pool.in_use_by("prefetch") == 4 * KiB
+    assert pool.in_use_by("other") == 8 * KiB and pool.in_use_by("nothing") == 0
+    a.release()
+    b.release()
+    view = c.view(torch.uint8, 1)
+    del c
+    gc.collect()
+    assert pool.in_use_by("fetch") == 4 * KiB  # the view still holds c's memory
+    with pytest.warns(ResourceWarning):
+        del view
+        gc.collect()
+    by = pool.stats()["by_traffic"]
+    assert by["fetch"] == {"in_use_bytes": 0, "peak_bytes": 16 * KiB}
+    assert by["prefetch"] == {"in_use_bytes": 0, "peak_bytes": 4 * KiB}
+    assert by["other"] == {"in_use_bytes": 8 * KiB, "peak_bytes": 8 * KiB}
+    for buf in (d, *seen):
+        buf.release()
+    assert sum(v["in_use_bytes"] for v in pool.stats()["by_traffic"].values()) == pool.in_use_bytes == 0
+
+
 def test_a_forgotten_buffer_returns_once_nothing_uses_its_memory(pools):
     pool = pools(1 * MiB)
     buf = pool.acquire(8 * KiB)
