@@ -4,9 +4,10 @@ Owns: the saved-tensor hooks of the engine's forward (`SavedTensors`, one pair t
 saved tensor to the first handler that takes it: the parameter views of `_schedule`, then this
 tier), and for tier cpu or nvme the saved tensors it took: their copies in host memory or on
 nvme, the order they were saved in, the reads ahead in backward, the bytes moved. Touches: the
-host pool (buffers of reads and copies), a swap space of its own (nvme: its own arena, so the
-state's disk bound stays the state's: [Note: disk footprint] in `_footprint`), `_transport`
-(the copies between device and host on a GPU), `_stats`.
+host pool through `_admission` (the "activation" traffic class and its share), a swap space of
+its own (nvme: its own arena, so the state's disk bound stays the state's: [Note: disk
+footprint] in `_footprint`), `_transport` (the copies between device and host on a GPU),
+`_stats`.
 
 [Note: activations offloaded]
 With activation checkpointing, what autograd keeps from forward to backward is, per block, the
@@ -18,26 +19,34 @@ Each one of ``min_bytes`` or more that lives on the compute device, is dense, an
 parameter's memory (those are the parameter views' handler's or stay put) is packed as an
 `_Saved`:
 
-- nvme: written behind to the tier's swap space straight from its memory on a CPU device (a
-  GPU copies it back into a pool buffer on the copy-back side stream first, and writes from
-  that); cpu (a GPU only): copied back into a pool buffer, kept there. On a CPU device the cpu
-  tier keeps tensors where they are: in host memory already.
-- At most ``MAX_IN_FLIGHT`` are on their way (copied or written); once its bytes are stored the
-  `_Saved` lets go of the tensor, whose memory goes as soon as nothing else holds it.
+- nvme: moved in chunks of at most the plan's ``activation_chunk`` bytes, each through a pool
+  buffer of the "activation" traffic class ([Note: traffic classes] in `_admission`) and
+  written behind under a name of its own. On a CPU device the chunk is copied into its buffer
+  at once, so the tensor is let go as soon as it is packed; a GPU copies it back on the
+  copy-back side stream and holds the tensor until every chunk has landed. The chunks in the
+  pool stay within the tier's share (`Plan.activations`): a chunk that finds it full first
+  finishes the tier's own oldest transfer, so a tensor of any size moves through a budget of
+  any size, and forward runs at most a share ahead of the drive.
+- cpu (a GPU only): copied back into a pinned host tensor of its own (not the pool: held from
+  forward to backward, as the cpu tier's state is), on the copy-back side stream. On a CPU
+  device the cpu tier keeps tensors where they are: in host memory already.
 - Autograd does not check a tensor that saved-tensor hooks packed for changes in place: the
-  tier does, since it reads the bytes after the pack. The tensor's version is noted at the
-  pack and compared once its bytes are stored (and at an unpack that finds it still held); a
-  change means the bytes may not be the ones saved, and the unpack raises what autograd
-  raises for such a change. A change after the tier let go of it cannot alter what it stored:
-  the backward computes with the values saved, as it would have without the change.
+  tier does. A CPU device copies the bytes at the pack, so no later change can alter them. On a
+  GPU the tensor's version is noted at the pack and compared once its copies have landed (and
+  at an unpack that finds it still held); a change means the bytes may not be the ones saved,
+  and the unpack raises what autograd raises for such a change.
 
 Backward unpacks them in about the reverse of the order they were saved in. Each unpack reads
-the tensor back (a pool buffer, copied into a fresh tensor of the same size, strides and
-dtype: the same bytes, so the backward computes exactly what it would have), keeps it for the
-other nodes that saved the same tensor, and issues the reads of the ``depth`` tensors saved
-before it, if the pool has room now (a read taken now waits for room; a read ahead never
-does). A tensor saved twice (the same memory, size and strides) is packed once. Names on disk
-are freed once read, or when the `_Saved` goes (a forward without backward) at the next pass.
+the tensor back (the same bytes into a fresh tensor of the same size, strides and dtype, so the
+backward computes exactly what it would have), keeps it for the other nodes that saved the same
+tensor, and issues the reads of the ``depth`` tensors saved before it whose writes are done. On
+a CPU device a read lands in the new tensor's own page-aligned memory (no pool buffer, no copy:
+that memory is the compute's, as on the device tier); on a GPU each chunk is read into a pool
+buffer and copied to the device on the side stream, and a read ahead takes only room that its
+share has free now. Reads ahead give way, right after prefetches, when a transfer needed now
+finds the pool full. A tensor saved twice (the same memory, size and strides) is packed once.
+Names on disk are freed once read, or when the `_Saved` goes (a forward without backward) at
+the next pass.
 """
 
 from __future__ import annotations
@@ -50,9 +59,12 @@ import weakref
 import torch
 from torch.profiler import record_function
 
-from infinity.swap import PoolExhausted, WriteBehind
+from infinity.aio import empty_aligned
+from infinity.swap import PoolExhausted
 
-MAX_IN_FLIGHT = 2  # activations on their way to the tier (each holds its tensor's memory until stored)
+from ._admission import ACTIVATION
+
+MAX_IN_FLIGHT = 2  # tensors whose copies back to the host may be on their way at once (a GPU)
 
 
 class SavedTensors:
@@ -89,6 +101,13 @@ class _Packed:
         self.unpack, self.value = unpack, value
 
 
+def _changed_error(shape, dtype, now, then, where: str) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"a saved {tuple(shape)} {dtype} tensor is at version {now}; expected version {then} instead ({where})"
+    )
+
+
 class _Kept:
     """A saved tensor kept as it is. Autograd does not check a tensor that went through
     saved-tensor hooks for changes in place, so this does: backward on a tensor changed since
@@ -102,11 +121,8 @@ class _Kept:
     def check(self) -> torch.Tensor:
         t = self.tensor
         if t._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"a saved {tuple(t.shape)} {t.dtype} tensor is at version {t._version}; expected version "
-                f"{self.version} instead (the same error autograd raises without the engine's saved-tensor hooks)"
-            )  # fmt: skip
+            raise _changed_error(t.shape, t.dtype, t._version, self.version,
+                                 "the same error autograd raises without the engine's saved-tensor hooks")  # fmt: skip
         return t
 
 
@@ -126,58 +142,92 @@ def dense_span(t: torch.Tensor) -> bool:
 class _Saved:
     """One saved tensor in the activation tier (see [Note: activations offloaded])."""
 
-    __slots__ = ("tensor", "version", "name", "size", "stride", "dtype", "numel", "host", "read", "loaded",
-                 "changed", "__weakref__")  # fmt: skip
+    __slots__ = ("tensor", "source", "version", "names", "size", "stride", "dtype", "numel", "host", "read", "loaded",
+                 "copying", "writing", "changed", "error", "__weakref__")  # fmt: skip
 
     def __init__(self, t: torch.Tensor):
-        self.tensor = t  # the original, until its bytes are stored
+        self.tensor = t  # the original, until its bytes are in host memory
+        self.source = weakref.ref(t)  # the original while anything holds it (what another save of it finds)
         self.version = t._version
-        self.name: str | None = None  # nvme: its name in the swap space, until read back
+        self.names: list[str] = []  # nvme: its chunks' names in the swap space, until read back
         self.size, self.stride, self.dtype, self.numel = t.size(), t.stride(), t.dtype, t.numel()
-        self.host = None  # cpu tier on a GPU: the pool buffer holding it
-        self.read = None  # a read ahead in flight (a SwapFuture of a pool buffer)
+        self.host = None  # cpu tier on a GPU: its pinned host copy
+        self.read: _Read | None = None  # a read ahead in flight
         self.loaded: torch.Tensor | None = None  # read back, for every node that saved it
-        self.changed = False  # changed in place before its bytes were stored
+        self.copying = 0  # chunks (or the whole, cpu tier) being copied back from the GPU
+        self.writing = 0  # chunks on their way to nvme
+        self.changed = False  # changed in place before its bytes were in host memory
+        self.error: BaseException | None = None  # a transfer of it failed
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    def stored(self) -> None:
-        """Its bytes are in the tier: let go of the tensor, noting a change in place."""
+    def landed(self) -> None:
+        """Its bytes are in host memory: let go of the tensor, noting a change in place."""
         t, self.tensor = self.tensor, None
         if t is not None and t._version != self.version:
             self.changed = True
 
 
 class _InFlight:
-    """A `_Saved` on its way: ``done``/``wait`` on what carries it (a copy or a write)."""
+    """A chunk (or a whole tensor) of a `_Saved` on its way: a copy back from the GPU into
+    ``buffer`` (``is_copy``: a `_transport.Copy`; then written under ``name`` on nvme), or a
+    write of ``buffer`` (a `SwapFuture`)."""
 
-    __slots__ = ("saved", "carrier", "buffer")
+    __slots__ = ("saved", "carrier", "buffer", "name", "is_copy")
 
-    def __init__(self, saved: _Saved, carrier, buffer=None):
-        self.saved, self.carrier, self.buffer = saved, carrier, buffer
+    def __init__(self, saved: _Saved, carrier, buffer=None, name: str | None = None, *, is_copy: bool = False):
+        self.saved, self.carrier, self.buffer, self.name, self.is_copy = saved, carrier, buffer, name, is_copy
 
     def done(self) -> bool:
         return self.carrier.done()
 
 
+class _Read:
+    """The reads of a `_Saved`'s chunks: on a CPU device into ``out`` (page-aligned memory that
+    becomes the tensor), on a GPU into pool buffers (``futures`` in chunk order; None for a
+    chunk not issued yet: a read ahead that found its share full)."""
+
+    __slots__ = ("out", "futures")
+
+    def __init__(self, out, futures):
+        self.out, self.futures = out, futures
+
+    def drop(self) -> None:
+        """Wait for what was issued and give its memory back (a read ahead nothing used)."""
+        for future in self.futures:
+            if future is None:
+                continue
+            try:
+                result = future.result()
+            except Exception:  # noqa: BLE001 - the read was for later; a later read says why
+                continue
+            if self.out is None:
+                result.release()
+        self.futures, self.out = [], None
+
+
 class ActivationTier:
     """Saved tensors of ``min_bytes`` or more moved to ``tier`` ("cpu" or "nvme") and back."""
 
-    def __init__(self, tier: str, device: torch.device, *, pool, space, stats, copy_back=None, to_device=None,
-                 min_bytes: int = 1 << 20, depth: int = 2, params=(), relieve=None):  # fmt: skip
+    def __init__(self, tier: str, device: torch.device, *, pool, space, stats, admission, chunk: int = 0,
+                 copy_back=None, to_device=None, drain_copies=None, min_bytes: int = 1 << 20, depth: int = 2,
+                 params=()):  # fmt: skip
         self.tier = tier
         self.device = device
         self.pool = pool
         self.space = space  # nvme: a swap space of the tier's own
         self.stats = stats
+        self.admission = admission  # `_admission.Admission`: what gives way when the pool is full
+        self.share = admission.plan.activations if admission.plan is not None else 0
+        self.chunk = chunk  # bytes of a chunk through the pool (nvme)
         self.copy_back = copy_back  # `_transport.CopyBack` on a GPU
         self.to_device = to_device  # `_transport.Transport.to_device` on a GPU
+        self.drain_copies = drain_copies or (lambda: None)  # wait for those copies, their buffers back
         self.min_bytes = min_bytes
         self.depth = depth
         self._params = params  # callable: the module's parameters (their memory is never saved here)
-        self._relieve = relieve  # callable: the engine gives back pool memory that waits for later
         self._param_ptrs: set[int] = set()
         self._order: list[weakref.ref] = []  # this pass's `_Saved`, in the order saved
         self._index: dict[int, int] = {}  # id(_Saved) -> position in ``_order``
@@ -187,13 +237,16 @@ class ActivationTier:
         self._dead: collections.deque[str] = collections.deque()  # names whose `_Saved` went unread
         self._lock = threading.RLock()  # unpack may run on autograd's device threads
         self.active = tier == "nvme" or (tier == "cpu" and device.type != "cpu")
+        if tier == "nvme" and chunk <= 0:
+            raise ValueError("the activation tier on nvme needs a chunk size (the plan's activation_chunk)")
 
     # -- the pass ---------------------------------------------------------------------------
     def begin_forward(self) -> None:
         """A forward begins: names left by tensors never read back go; the parameters' memory
         is noted (it moves as units are fetched, so at each pass)."""
         with self._lock:
-            self._drop_reads()
+            self.drop_reads()
+            self._settle()  # a forward without backward before: its writes done, their names known
             self._forget_dead()
             self._param_ptrs = {p.untyped_storage().data_ptr() for p in self._params()}
             self._order, self._index, self._dedup = [], {}, {}
@@ -202,15 +255,16 @@ class ActivationTier:
         """Forward is done: start reading the last saved (backward needs them first)."""
         with self._lock:
             self._dedup = {}
+            self._settle(done_only=True)
             self._read_ahead(len(self._order))
 
     def end_backward(self) -> None:
         """Backward is done: every transfer finished, reads ahead nothing used given back."""
         with self._lock:
             try:
-                self._settle(0)
+                self._settle()
             finally:
-                self._drop_reads()
+                self.drop_reads()
                 self._forget_dead()
 
     def close(self) -> None:
@@ -220,12 +274,12 @@ class ActivationTier:
                 while self._flight:
                     item = self._flight.popleft()
                     try:
-                        item.carrier.result() if hasattr(item.carrier, "result") else item.carrier.wait()
+                        item.carrier.wait() if item.is_copy else item.carrier.result()
                     except Exception:  # noqa: BLE001 - closing: what it carried is dropped
                         pass
-                    if item.buffer is not None:
+                    if item.buffer is not None and hasattr(item.buffer, "release"):
                         item.buffer.release()
-                self._drop_reads()
+                self.drop_reads()
             finally:
                 self._order, self._index, self._dedup = [], {}, {}
                 if self.space is not None:
@@ -247,59 +301,101 @@ class ActivationTier:
         with self._lock:
             known = self._dedup.get(key)
             saved = known() if known is not None else None
-            if saved is not None and saved.tensor is not None and saved.version == t._version:
-                return saved  # the same tensor, saved again by another node
+            if saved is not None and saved.source() is t and saved.version == t._version:
+                return saved  # the same tensor, saved again by another node (its memory is not another's yet)
             saved = _Saved(t)
             with record_function("infinity::activation_out"):
-                self._settle(MAX_IN_FLIGHT - 1)
-                self._send(saved, _span(t))
+                self._settle(done_only=True)
+                if self.tier == "cpu":
+                    self._send_host(saved, _span(t))
+                else:
+                    self._send_chunks(saved, _span(t))
             self._index[id(saved)] = len(self._order)
             self._order.append(weakref.ref(saved))
             self._dedup[key] = weakref.ref(saved)
-            if saved.name is not None:
-                weakref.finalize(saved, self._dead.append, saved.name)  # freed at the next pass
+            if saved.names:
+                weakref.finalize(saved, self._dead.extend, list(saved.names))  # freed at the next pass
             for c in self.stats.both():
                 c.activation_out_bytes += saved.nbytes
             return saved
 
-    def _send(self, saved: _Saved, flat: torch.Tensor) -> None:
-        if self.device.type == "cpu":  # nvme, from the tensor's own memory
-            saved.name = f"act/{next(self._names)}"
-            self._flight.append(_InFlight(saved, self.space.put(saved.name, flat)))
-            return
-        buffer = self.pool.acquire(saved.nbytes)  # a GPU: back to a pool buffer on the side stream
-        try:
-            copy = self.copy_back.start(flat, buffer.view(flat.dtype, (flat.numel(),)))
-        except BaseException:
-            buffer.release()
-            raise
-        self._flight.append(_InFlight(saved, copy, buffer))
+    def _send_host(self, saved: _Saved, flat: torch.Tensor) -> None:
+        """cpu tier on a GPU: back into a pinned tensor of its own, on the side stream."""
+        while sum(1 for item in self._flight if item.is_copy) >= MAX_IN_FLIGHT:
+            self._finish(self._flight.popleft())
+        host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+        self._flight.append(_InFlight(saved, self.copy_back.start(flat, host), host, is_copy=True))
+        saved.copying = 1
 
-    def _settle(self, keep: int) -> None:
-        """Finish, oldest first, the transfers that are done, and wait for the oldest until at
-        most ``keep`` are on their way."""
-        while self._flight and (len(self._flight) > keep or self._flight[0].done()):
+    def _send_chunks(self, saved: _Saved, flat: torch.Tensor) -> None:
+        """nvme: each chunk through a pool buffer, written behind under a name of its own."""
+        per = self.chunk // flat.element_size()
+        for lo in range(0, flat.numel(), per):
+            piece = flat[lo : lo + per]
+            buffer = self._take(piece.numel() * piece.element_size())
+            name = f"act/{next(self._names)}"
+            saved.names.append(name)
+            try:
+                view = buffer.view(piece.dtype, (piece.numel(),))
+                if self.device.type == "cpu":
+                    view.copy_(piece)
+                    carrier, name_after = self.space.put(name, view), None
+                else:
+                    carrier, name_after = self.copy_back.start(piece, view), name
+            except BaseException:
+                buffer.release()
+                raise
+            self._flight.append(_InFlight(saved, carrier, buffer, name_after, is_copy=name_after is not None))
+            if name_after is None:
+                saved.writing += 1
+            else:
+                saved.copying += 1
+        if self.device.type == "cpu":
+            saved.landed()  # every byte copied: nothing done to the tensor from now alters them
+
+    def _take(self, nbytes: int):
+        """A pool buffer for a chunk on its way out: within the tier's share, finishing its own
+        oldest transfer while the share or the pool is full; with none of its own left, what
+        waits in the pool for later gives way ([Note: traffic classes] in `_admission`)."""
+        while True:
+            if self.pool.in_use_by(ACTIVATION) + nbytes <= self.share:
+                try:
+                    return self.pool.acquire(nbytes, timeout=0, traffic=ACTIVATION)
+                except PoolExhausted:
+                    pass
+            if self._flight:
+                self._finish(self._flight.popleft())
+                continue
+            return self.admission.take_now(lambda t: self.pool.acquire(nbytes, timeout=t, traffic=ACTIVATION))
+
+    def _settle(self, done_only: bool = False) -> None:
+        """Finish, oldest first, the transfers that are done (``done_only``), or all of them."""
+        while self._flight and (not done_only or self._flight[0].done()):
             self._finish(self._flight.popleft())
 
     def _finish(self, item: _InFlight) -> None:
         saved, buffer = item.saved, item.buffer
         try:
-            if buffer is None:  # a write from the tensor's memory
+            if not item.is_copy:  # a chunk's write
+                saved.writing -= 1
                 item.carrier.result()
-                saved.stored()
                 return
+            saved.copying -= 1
             item.carrier.wait()  # a copy back from the GPU into ``buffer``
-            saved.stored()
+            if saved.copying == 0:
+                saved.landed()
             if self.tier == "cpu":
                 saved.host, buffer = buffer, None
                 return
-            saved.name = f"act/{next(self._names)}"
-            future = self.space.put(saved.name, buffer.view(saved.dtype, (saved.numel,)))
-            weakref.finalize(saved, self._dead.append, saved.name)
+            future = self.space.put(item.name, buffer.view(saved.dtype, (buffer.nbytes // saved.dtype.itemsize,)))
+            saved.writing += 1
             self._flight.append(_InFlight(saved, future, buffer))  # the buffer goes once written
             buffer = None
+        except BaseException as e:
+            saved.error = e
+            raise
         finally:
-            if buffer is not None:
+            if buffer is not None and hasattr(buffer, "release"):
                 buffer.release()
 
     # -- unpack -----------------------------------------------------------------------------
@@ -308,14 +404,11 @@ class ActivationTier:
             if saved.loaded is None:
                 t = saved.tensor
                 if t is not None and t._version == saved.version:
-                    return t  # not stored yet: the original is still here, unchanged
+                    return t  # not in host memory yet: the original is still here, unchanged
                 if t is not None or saved.changed:
-                    raise RuntimeError(
-                        "one of the variables needed for gradient computation has been modified by an inplace "
-                        f"operation: a saved {tuple(saved.size)} {saved.dtype} tensor changed (version "
-                        f"{saved.version} when saved) before the activation tier ([activations] tier = "
-                        f"{self.tier!r}) stored it; autograd raises this without the tier too"
-                    )  # fmt: skip
+                    raise _changed_error(saved.size, saved.dtype, "a later one", saved.version,
+                                         f"changed before the activation tier ([activations] tier = {self.tier!r}) "
+                                         "stored it; autograd raises this without the tier too")  # fmt: skip
                 with record_function("infinity::activation_in"):
                     saved.loaded = self._load(saved)
                 for c in self.stats.both():
@@ -326,47 +419,93 @@ class ActivationTier:
             return saved.loaded
 
     def _load(self, saved: _Saved) -> torch.Tensor:
-        if saved.host is not None:  # cpu tier on a GPU
-            buffer, saved.host = saved.host, None
-            return self.to_device(_Lease(buffer, saved)).as_strided(saved.size, saved.stride, 0)
-        while saved.name is None:  # still on its way (a GPU copies, then writes)
+        while saved.copying or saved.writing:  # still on its way: finish up to its transfers
             if not self._flight:
-                raise RuntimeError(f"a saved {tuple(saved.size)} {saved.dtype} activation is in no tier (an earlier "
-                                   "transfer of it failed): run the step's micro-batches again after zero_grad()")  # fmt: skip
+                break
             self._finish(self._flight.popleft())
-        if saved.read is None:
-            saved.read = self._read(saved.name)
-        future, saved.read = saved.read, None
-        name, saved.name = saved.name, None
+        if saved.error is not None or (saved.host is None and not saved.names):
+            raise RuntimeError(f"a saved {tuple(saved.size)} {saved.dtype} activation is in no tier (a transfer of "
+                               f"it failed: {saved.error!r}): run the step's micro-batches again after zero_grad()")  # fmt: skip
+        if saved.host is not None:  # cpu tier on a GPU
+            host, saved.host = saved.host, None
+            return self.to_device(_Pinned(host)).as_strided(saved.size, saved.stride)
+        read, saved.read = saved.read, None
+        names = saved.names
         try:
-            buffer = future.result()
+            if read is None:
+                read = self._start_read(saved, ahead=False)
+            flat = self._finish_read(saved, read, names)
         finally:
-            self.space.delete(name)  # read (or failed): the tier has no use for it any more
-        try:
-            if self.device.type == "cpu":
-                flat = torch.empty(saved.numel, dtype=saved.dtype)
-                flat.copy_(buffer.view(saved.dtype, (saved.numel,)))
-                buffer.release()
-            else:
-                flat = self.to_device(_Lease(buffer, saved))
-        except BaseException:
-            buffer.release()
-            raise
-        return flat.as_strided(saved.size, saved.stride, 0)
+            saved.names = []
+            for name in names:  # read (or failed): the tier has no use for them any more
+                if name in self.space:
+                    self.space.delete(name)
+        return flat.as_strided(saved.size, saved.stride, flat.storage_offset())  # (aligned memory starts inside its mapping)
 
-    def _read(self, name: str):
-        """A read needed now: reads ahead and what waits in the pool for later give way first."""
+    def _start_read(self, saved: _Saved, *, ahead: bool) -> _Read:
+        """Issue the reads of ``saved``'s chunks. A CPU device reads all of them into the
+        tensor's own new memory. A GPU reads into pool buffers: ahead, what the tier's share has
+        room for now, in order; needed now, none yet (`_finish_read` reads them one by one)."""
+        if self.device.type == "cpu":
+            out = empty_aligned(saved.nbytes, pin=False).view(saved.dtype)
+            per = self.chunk // saved.dtype.itemsize
+            futures = [self.space.get(name, out=out[i * per : (i + 1) * per]) for i, name in enumerate(saved.names)]
+            return _Read(out, futures)
+        futures = [None] * len(saved.names)
+        if ahead:
+            for i, name in enumerate(saved.names):
+                futures[i] = self._read_if_room(name)
+                if futures[i] is None:
+                    break
+        return _Read(None, futures)
+
+    def _read_if_room(self, name: str):
+        """A chunk's read into a pool buffer if the tier's share and the pool have room now (a
+        GPU), else None."""
+        if self.pool.in_use_by(ACTIVATION) + self.space.info(name).nbytes > self.share:
+            return None
         try:
-            return self.space.get(name, timeout=0, urgent=True)
+            with self.pool.traffic(ACTIVATION):
+                return self.space.get(name, timeout=0)
         except PoolExhausted:
-            self._drop_reads()
-            if self._relieve is not None:
-                self._relieve()
-            return self.space.get(name, urgent=True)
+            return None
+
+    def _read_now(self, name: str):
+        """A chunk's read needed now (a GPU): the copies to the device done give their buffers
+        back first, then what waits in the pool for later gives way."""
+        if self.pool.in_use_by(ACTIVATION) + self.space.info(name).nbytes > self.share:
+            self.drain_copies()
+        with self.pool.traffic(ACTIVATION):
+            return self.admission.take_now(lambda t: self.space.get(name, timeout=t, urgent=True))
+
+    def _finish_read(self, saved: _Saved, read: _Read, names: list[str]) -> torch.Tensor:
+        futures, read.futures = read.futures, []
+        if read.out is not None:  # a CPU device: the reads land in the tensor itself
+            for future in futures:
+                future.result()
+            return read.out[: saved.numel]
+        flat = torch.empty(saved.numel, dtype=saved.dtype, device=self.device)
+        per = self.chunk // saved.dtype.itemsize
+        try:
+            for i, name in enumerate(names):  # each chunk to the device on the side stream
+                future, futures[i] = futures[i], None
+                if future is None:
+                    future = self._read_now(name)
+                if i + 1 < len(names) and futures[i + 1] is None:  # the next on its way meanwhile
+                    futures[i + 1] = self._read_if_room(names[i + 1])
+                buffer = future.result()
+                try:
+                    self.to_device(_Lease(buffer, saved.dtype), out=flat[i * per : (i + 1) * per])
+                except BaseException:
+                    buffer.release()
+                    raise
+        finally:
+            _Read(None, futures).drop()  # the chunks an error left unread: their buffers back
+        return flat
 
     def _read_ahead(self, position: int) -> None:
         """Issue the reads of up to ``depth`` tensors saved before ``position`` (the next ones
-        backward needs) while the pool has room now."""
+        backward needs) whose writes are done."""
         if self.space is None:
             return
         issued = 0
@@ -374,25 +513,25 @@ class ActivationTier:
             if issued >= self.depth:
                 return
             saved = self._order[i]()
-            if saved is None or saved.loaded is not None or saved.name is None or saved.tensor is not None:
+            if saved is None or saved.loaded is not None or not saved.names or saved.tensor is not None:
                 continue
+            if saved.writing or saved.copying:
+                return  # still on its way: read when needed (the drive is busy with it anyway)
             if saved.read is None:
-                try:
-                    saved.read = self.space.get(saved.name, timeout=0)
-                except PoolExhausted:
-                    return
+                saved.read = self._start_read(saved, ahead=True)
+                if self.device.type != "cpu" and saved.read.futures and saved.read.futures[-1] is None:
+                    return  # the share is full: the rest when needed
             issued += 1
 
-    def _drop_reads(self) -> None:
-        """Give back the buffers of reads ahead that nothing used (a backward that stopped)."""
-        for ref in self._order:
-            saved = ref()
-            if saved is not None and saved.read is not None:
-                future, saved.read = saved.read, None
-                try:
-                    future.result().release()
-                except Exception:  # noqa: BLE001 - the read was for later; a later read says why
-                    pass
+    def drop_reads(self) -> None:
+        """Give back what reads ahead hold that nothing used yet (a backward that stopped, or a
+        transfer needed now that finds the pool full)."""
+        with self._lock:
+            for ref in self._order:
+                saved = ref()
+                if saved is not None and saved.read is not None:
+                    read, saved.read = saved.read, None
+                    read.drop()
 
     def _forget_dead(self) -> None:
         while self._dead:
@@ -407,19 +546,38 @@ def _span(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Lease:
-    """A pool buffer as `_transport.CopyStream.to_device` takes it (``tensor``, ``release``)."""
+    """A pool buffer's bytes as ``dtype``, as `_transport.CopyStream.to_device` takes it
+    (``tensor``, ``release``): released once copied."""
 
     __slots__ = ("tensor", "_buffer")
 
-    def __init__(self, buffer, saved: _Saved):
+    def __init__(self, buffer, dtype: torch.dtype):
         self._buffer = buffer
-        self.tensor = buffer.view(saved.dtype, (saved.numel,))
+        self.tensor = buffer.view(dtype, (buffer.nbytes // dtype.itemsize,))
 
     def release(self) -> None:
         self._buffer.release()
 
 
-def attach(scheduler, cfg, *, rank: int, local_rank: int, aio, pool, transport, stats, params):
+class _Pinned:
+    """A pinned host tensor as `_transport.CopyStream.to_device` takes it: let go once copied."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def release(self) -> None:
+        self.tensor = None
+
+
+def in_pool(cfg) -> bool:
+    """Whether ``cfg``'s activation tier moves tensors through the host pool (its share is in
+    the plan: [Note: traffic classes] in `_admission`): on nvme, whatever the device."""
+    return cfg.activations.tier == "nvme"
+
+
+def attach(scheduler, cfg, *, rank: int, local_rank: int, aio, pool, transport, stats, params, admission, chunk):
     """The activation tier of ``cfg`` plugged into ``scheduler``'s saved-tensor hooks and
     passes; None where activations stay on the device (or a CPU device's host memory)."""
     from ._resources import open_activation_space
@@ -428,9 +586,10 @@ def attach(scheduler, cfg, *, rank: int, local_rank: int, aio, pool, transport, 
     if tier == "device" or (tier == "cpu" and device.type == "cpu"):
         return None
     space = open_activation_space(cfg, rank, local_rank, aio, pool) if tier == "nvme" else None
-    act = ActivationTier(tier, device, pool=pool, space=space, stats=stats, copy_back=transport.copy_back,
-                         to_device=transport.to_device, min_bytes=cfg.activations.min_bytes,
-                         depth=cfg.activations.depth, params=params, relieve=scheduler._relieve_pool)  # fmt: skip
+    act = ActivationTier(tier, device, pool=pool, space=space, stats=stats, admission=admission, chunk=chunk,
+                         copy_back=transport.copy_back, to_device=transport.to_device,
+                         drain_copies=(lambda: transport.copies.drain(block=True)) if transport.copies else None,
+                         min_bytes=cfg.activations.min_bytes, depth=cfg.activations.depth, params=params)  # fmt: skip
     scheduler.saved.add(act.pack, act.unpack)
     scheduler.activations = act
     return act

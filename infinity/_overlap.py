@@ -30,7 +30,7 @@ Overlap applies when the optimizer states and the parameters are both on nvme (s
 needs the swap space, and parameters on a resident tier would be visible to a forward run
 again inside backward), with one rank or at stage 3 (stages 1 and 2 all-gather the new
 parameters: a collective cannot run at a point that differs across ranks), and when the host
-budget has room beside the backward for what the step plans (`Engine._fit_overlap`). The
+budget has room beside the backward for what the step plans (`_admission._fit_overlap`). The
 staged copies take disk beside the state: only as many sub-groups are staged at once as the
 disk room allows, the rest are updated by the step ([Note: disk footprint] in `_footprint`).
 With the optimizer states in host memory instead, `_overlap_host.HostOverlap` runs the same

@@ -48,6 +48,7 @@ units are fetched on demand: a departure costs speed, never correctness.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -61,6 +62,7 @@ from infinity.swap import PoolExhausted
 
 from . import _gather, _tiled
 from ._activations import SavedTensors
+from ._admission import FETCH, GRAD, OVERLAP, PREFETCH, Admission
 from ._compile import eager
 from ._grads import GradAccumulator
 from ._interrupts import held_interrupts
@@ -118,6 +120,11 @@ def _weak_grad_hook(scheduler, unit, i: int):
     return hook
 
 
+def _traffic(pool, name: str):
+    """Count the pool buffers taken inside under traffic class ``name`` ([Note: traffic classes])."""
+    return pool.traffic(name) if pool is not None else contextlib.nullcontext()
+
+
 def _map_tensors(obj, fn):
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -151,6 +158,7 @@ class Scheduler:
         tiled: dict[nn.Module, list[ParamUnit]] | None = None,
         keep: bool = True,
         keep_limit: int = 0,
+        admission: Admission | None = None,
     ):
         self.units = units
         self.module_units = module_units
@@ -166,6 +174,8 @@ class Scheduler:
         self.prefetch_bytes = prefetch_bytes
         self._itemsize = transport.dtype.itemsize
         self.pool = transport.pool  # host buffers for gradients gathered on a CPU device
+        # What gives way when a fetch finds the pool full: see [Note: traffic classes] in `_admission`.
+        self.admission = admission if admission is not None else Admission(self.pool)
         # Gradients gathered straight into pool buffers (a CPU device with a pool); else on the
         # device, whence `_grads` copies them back ([Note: gradients copied back]).
         self.grads_in_pool = self.device.type == "cpu" and self.pool is not None
@@ -198,7 +208,6 @@ class Scheduler:
         # expecting gradients, and when a unit's gradient is stored.
         self.on_backward_due = None
         self.on_unit_final = None
-        self.on_pool_pressure = None  # the pool has no room for what backward needs now
         # Units kept bound after forward for backward, in the order forward left them, while
         # the pool holds at most ``keep_limit`` bytes: see [Note: kept for backward]. Only with
         # the compute on the host, where the pool buffer is the parameters (on a GPU it would
@@ -413,7 +422,7 @@ class Scheduler:
         del self._kept[unit.index]
         self.release(unit, after_forward=True)
 
-    def _give_back_kept(self) -> None:
+    def give_back_kept(self) -> None:
         """The pool is full: release every unit kept for a backward that has not reached it."""
         for unit in list(self._kept.values()):
             self._let_go(unit)
@@ -491,10 +500,12 @@ class Scheduler:
             grad[unit.numel :].zero_()
         unit.uses = 0
         if grad is not None:
-            self.grads.add(unit, grad, lease)  # owns the lease from here, failing or not
+            with _traffic(self.pool, GRAD):
+                self.grads.add(unit, grad, lease)  # owns the lease from here, failing or not
         self.release(unit)
         if grad is not None and self.on_unit_final is not None:
-            self.on_unit_final(unit)
+            with _traffic(self.pool, OVERLAP):  # the optimizer's early updates: see `_overlap`
+                self.on_unit_final(unit)
 
     def end_backward(self) -> None:
         """Gradients not yet handed on (a unit whose uses never reached zero: activation
@@ -582,40 +593,30 @@ class Scheduler:
     def _start_fetch(self, unit: ParamUnit, wait: bool = True) -> bool:
         """Issue the read of ``unit``. A prefetch (``wait=False``) takes pool memory only if it
         is free now; a fetch that is needed now first gives back what prefetches hold."""
-        try:
-            # Urgent: forward and backward wait on these, not on the optimizer's reads ahead
-            # (the early updates under backward queue theirs on the same drive).
-            pending = self.store.get(unit.name, timeout=None if wait else 0, urgent=True)
-        except PoolExhausted:
-            if not wait:
+        # Urgent: forward and backward wait on these, not on the optimizer's reads ahead (the
+        # early updates under backward queue theirs on the same drive).
+        if wait:
+            with _traffic(self.pool, FETCH):
+                pending = self.admission.take_now(lambda t: self.store.get(unit.name, timeout=t, urgent=True))
+        else:
+            try:
+                with _traffic(self.pool, PREFETCH):
+                    pending = self.store.get(unit.name, timeout=0, urgent=True)
+            except PoolExhausted:
                 return False
-            self._cancel_prefetches()
-            self._relieve_pool()
-            pending = self.store.get(unit.name, urgent=True)
         with held_interrupts:  # see [Note: interrupt windows]
             unit.pending = pending
             unit.state = UnitState.FETCHING
         return True
 
     def _acquire(self, nbytes: int):
-        """A pool buffer for backward's own use: the optimizer's work under backward gives its
-        memory back first if the pool has no room (it never makes backward wait)."""
-        try:
-            return self.pool.acquire(nbytes, timeout=0)
-        except PoolExhausted:
-            self._relieve_pool()
-            return self.pool.acquire(nbytes)
+        """A pool buffer for backward's own use: what waits in the pool for later gives way
+        first if the pool has no room (the optimizer's work under backward never makes backward
+        wait), but the prefetches, which backward needs next."""
+        return self.admission.take_now(lambda t: self.pool.acquire(nbytes, timeout=t, traffic=GRAD),
+                                       skip=(PREFETCH,))  # fmt: skip
 
-    def _relieve_pool(self) -> None:
-        """Backward or forward needs pool memory that is not free: give back what waits in
-        the pool for later (units kept for backward, the optimizer's work under backward, then
-        gradients held from the step: [Note: gradients held] in `_grads`)."""
-        self._give_back_kept()
-        if self.on_pool_pressure is not None:
-            self.on_pool_pressure()
-        self.grads.spill()
-
-    def _cancel_prefetches(self) -> None:
+    def cancel_prefetches(self) -> None:
         for other in self.units:
             self._drop_fetch(other)
 

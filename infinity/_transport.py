@@ -29,8 +29,9 @@ class CopyStream:
         self._stream = None  # made on first use
         self._copies: list = []  # (start event, end event, bytes, lease) of copies that may still run
 
-    def to_device(self, lease) -> torch.Tensor:
-        """``lease.tensor`` (host) copied to the device; ``lease`` is released once the copy is done."""
+    def to_device(self, lease, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``lease.tensor`` (host) copied to the device (into ``out``, a device tensor of its
+        shape and dtype, when given); ``lease`` is released once the copy is done."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         stream = self._stream
@@ -40,7 +41,11 @@ class CopyStream:
             # Timed on the GPU: stats() gives the copies' own throughput (pinned or not shows).
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            full = lease.tensor.to(self.device, non_blocking=True)
+            if out is None:
+                full = lease.tensor.to(self.device, non_blocking=True)
+            else:  # made on the current stream, whose work so far the side stream waited for
+                full = out
+                full.copy_(lease.tensor, non_blocking=True)
             event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
         current.wait_event(event)
@@ -127,9 +132,9 @@ class Transport:
         self.copies = CopyStream(device, stats) if device.type == "cuda" else None
         self.copy_back = CopyBack(device, stats) if device.type == "cuda" else None
 
-    def to_device(self, lease) -> torch.Tensor:
+    def to_device(self, lease, out: torch.Tensor | None = None) -> torch.Tensor:
         with record_function("infinity::h2d"):
-            return self.copies.to_device(lease)
+            return self.copies.to_device(lease, out)
 
     def gather(self, unit: ParamUnit, shard) -> tuple[torch.Tensor, object]:
         """All-gather ``unit`` from every rank's shard (``shard``: a lease of this rank's slice,

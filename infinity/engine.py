@@ -2,6 +2,7 @@
 user's unmodified module. It owns no policy of its own; each piece lives in its module:
 
     _resources.py  what a run opens (I/O engine, host pool, swap space) and the memory checks
+    _admission.py  the host budget's shares by class of traffic, and what gives way to a fetch
     _footprint.py  the disk the swap space takes, checked against free space and nvme.disk_budget
     _units.py      parameters flattened per module (what moves between tiers)
     _store.py      a tier: leases out of it, writes into it
@@ -23,22 +24,20 @@ user's unmodified module. It owns no policy of its own; each piece lives in its 
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _build, _checkpoint, _ddp, _footprint, _onecopy, _overlap_host, _resources, _wrap
+from . import _activations, _admission, _build, _checkpoint, _ddp, _footprint, _onecopy, _resources, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
 from ._algorithms import resolve
 from ._optim import Optimizer
 from ._substates import make_groups
-from ._update import POOL_SLACK, READ_AHEAD
-from ._overlap import MAX_IN_HAND, Overlap, group_bytes
+from ._overlap import Overlap
 from ._overlap_host import HostOverlap
 from ._owner import Owner, entry
 from ._scaler import LossScaler
@@ -169,13 +168,15 @@ class Engine:
                 p._infinity_managed = True  # see _refuse_foreign_step
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
         self._managed = {id(p) for u in units for p in u.params}  # see _check_training
-        self.grads.hold_limit = self._hold_limit(cfg)
-        # What the step leaves held: the pool's room beside the stream's own buffers.
-        self.optimizer.updater.hold_room = max(
-            0, int(cfg.memory.host_budget * (1 - POOL_SLACK)) - self.optimizer.host_bytes_needed())
+        plan = self.plan
+        _admission.finish(plan, self)
+        self.grads.hold_limit = plan.held
+        self.optimizer.updater.hold_room = plan.step_holds  # what the step leaves held
+        self.admission = _admission.Admission(self.pool, plan)
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes, keep=cfg.prefetch.keep,
-                                   keep_limit=self._keep_limit(cfg), gather=self.params_sharded and self.dist.active, tiled=tiled)  # fmt: skip
+                                   keep_limit=plan.kept, gather=self.params_sharded and self.dist.active, tiled=tiled,
+                                   admission=self.admission)  # fmt: skip
         if self.scheduler.always_ready:
             for unit in units:
                 self.scheduler.materialize(unit)
@@ -188,36 +189,36 @@ class Engine:
         # [activations] tier: see [Note: activations offloaded] in `_activations`
         self.activations = _activations.attach(self.scheduler, cfg, rank=self.rank, local_rank=self.dist.local_rank,
                                                aio=self.aio, pool=self.pool, transport=self.transport, stats=stats,
-                                               params=module.parameters)  # fmt: skip
+                                               params=module.parameters, admission=self.admission,
+                                               chunk=plan.activation_chunk)  # fmt: skip
         self._state_hooks = StateDictHooks(self, module)
         self._backwards = 0  # backward passes since the last step
         self._told_accumulation = False
-        if self._overlap_budget:
-            self.optimizer.overlap = Overlap(self.optimizer, self._overlap_budget, self._loss_scale,
+        if plan.overlap:
+            self.optimizer.overlap = Overlap(self.optimizer, plan.overlap, self._loss_scale,
                                              disk_room=self.footprint.staging_room, space=self.space,
                                              on_disk_full=self._refuse)  # fmt: skip
-        elif self._host_staging:  # the states in host memory: see [Note: staged in host memory]
-            self.optimizer.overlap = HostOverlap(self.optimizer, self._host_staging, self._loss_scale)
+        elif plan.staging:  # the states in host memory: see [Note: staged in host memory]
+            self.optimizer.overlap = HostOverlap(self.optimizer, plan.staging, self._loss_scale)
         if self.optimizer.overlap is not None:
             self.scheduler.on_backward_due = self._backward_due
             self.scheduler.on_unit_final = self.optimizer.overlap.unit_final
-            self.scheduler.on_pool_pressure = self.optimizer.overlap.relieve
+        # What waits in the pool for later gives way to a transfer needed now, in this order
+        # ([Note: traffic classes] in `_admission`).
+        self.admission.give_way(_admission.PREFETCH, self.scheduler.cancel_prefetches)
+        if self.activations is not None:
+            self.admission.give_way(_admission.ACTIVATION, self.activations.drop_reads)
+        self.admission.give_way("kept", self.scheduler.give_back_kept)
+        if self.optimizer.overlap is not None:
+            self.admission.give_way(_admission.OVERLAP, self.optimizer.overlap.relieve)
+        self.admission.give_way(_admission.GRAD, self.grads.spill)
 
     def _check_memory(self, cfg: TierConfig, units) -> None:
         """Refuse at initialize a host budget the pipelines cannot run in, or a placement the
-        machine's memory cannot hold (see `_resources`)."""
-        largest = max(u.padded_numel for u in units)
-        needs = {"optimizer step": self.optimizer.fit_read_ahead(cfg.memory.host_budget)}
-        if self.param_store.uses_pool:  # a unit in use, `depth` prefetched, gradients gathered
-            itemsize = self.dtype.itemsize
-            needs["forward/backward"] = ((cfg.prefetch.depth + 1) * itemsize + (self.grads.max_writes + 1) * 4) * largest
-        backward = needs.get("forward/backward", 0)
-        self._backward_bytes = backward
-        self.overlap_from = self._overlap_from(cfg, backward)
-        _resources.check_host_budget(cfg, needs, largest * 4, overlap_from=self.overlap_from)
-        self._overlap_budget = self._fit_overlap(cfg, backward, needs["optimizer step"])
-        # Host bytes for the early updates' staged copies where the states are in host memory.
-        self._host_staging = _overlap_host.fit(self, cfg, backward) if not self._overlap_budget else 0
+        machine's memory cannot hold (see `_resources`); plan the budget's shares
+        ([Note: traffic classes] in `_admission`)."""
+        self.plan = _admission.make_plan(self, cfg, units, activations_in_pool=_activations.in_pool(cfg))
+        self.overlap_from = self.plan.overlap_from
         # State the resident tiers keep in host memory: the cpu tier, and the device tier on a
         # machine without a GPU.
         shard = sum(u.shard_numel for u in units)
@@ -230,90 +231,14 @@ class Engine:
         }
         host = torch.device("cpu")
         resident = {k: n for k, (store, n) in kinds.items() if store.in_place_on(host)}
-        _resources.check_host_memory(resident, max(needs.values()))
+        _resources.check_host_memory(resident, max(self.plan.needs.values()))
         self.footprint = None  # the disk the swap space takes ([Note: disk footprint])
         if self.space is not None:
-            self.footprint = _footprint.fit(self, cfg, bool(self._overlap_budget))
-            if self.footprint.staging_room == 0 and self._overlap_budget:
+            self.footprint = _footprint.fit(self, cfg, bool(self.plan.overlap))
+            if self.footprint.staging_room == 0 and self.plan.overlap:
                 logger.info("optimizer.overlap: the disk has no room for a sub-group's staged copies beside the "
                             "state; the optimizer runs after backward")  # fmt: skip
-                self._overlap_budget = 0
-
-    def _keep_limit(self, cfg: TierConfig) -> int:
-        """Pool bytes in use up to which units stay kept from forward for backward ([Note: kept
-        for backward] in `_schedule`): what the budget, less its slack, leaves beside the
-        backward's own buffers; where the optimizer's early updates are planned into that, only
-        what they leave for held gradients (`_hold_limit`: kept units turn into gradients as
-        backward uses them)."""
-        if self._overlap_budget:
-            return self._backward_bytes + self.grads.hold_limit if self.grads.hold_limit else 0
-        # Staged copies in host memory (`_overlap_host`) are beside the pool, in the same budget.
-        return max(0, int(cfg.memory.host_budget * (1 - POOL_SLACK)) - self._backward_bytes - self._host_staging)
-
-    def _hold_limit(self, cfg: TierConfig) -> int:
-        """Bytes of gradients held in the pool, not written, for the step ([Note: gradients
-        held] in `_grads`): what the budget, less its slack, leaves beside the larger of the
-        backward's and the step's own buffers (the step starts with them held); where the
-        optimizer runs under backward, what its room beside the backward leaves beside the
-        most it holds at once (`MAX_IN_HAND` sub-groups). Nothing where the grads are not on nvme
-        or compute is not on the host."""
-        if not self.grads.store.uses_pool or self.device.type != "cpu" or self._host_staging:
-            return 0  # (staged copies in host memory take the room held gradients would)
-        if self._overlap_budget:
-            opt = self.optimizer
-            in_hand = MAX_IN_HAND * max(group_bytes(opt, g) for g in opt.groups)
-            return max(0, self._overlap_budget - in_hand)
-        usable = int(cfg.memory.host_budget * (1 - POOL_SLACK))
-        return max(0, usable - max(self._backward_bytes, self.optimizer.host_bytes_needed()))
-
-    def _overlap_applies(self, cfg: TierConfig) -> bool:
-        """Whether the optimizer can run under backward at all, whatever the budget (see
-        [Note: exact overlap] in `_overlap`)."""
-        opt = self.optimizer
-        return bool(cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and opt.states["master"].uses_pool
-                    and self.param_store.uses_pool and not opt.gather_params)  # fmt: skip
-
-    def _room_beside_backward(self, budget: int, backward_bytes: int) -> int:
-        """Pool bytes ``budget`` leaves beside the backward: its own buffers (planned, as the
-        step's read-ahead, POOL_SLACK short of the budget) and one sub-group's gradients kept
-        in memory."""
-        largest = max(g.numel for g in self.optimizer.groups)
-        return int(budget * (1 - POOL_SLACK)) - backward_bytes - 4 * largest
-
-    def _overlap_from(self, cfg: TierConfig, backward_bytes: int) -> int | None:
-        """The smallest host budget `_fit_overlap` runs the optimizer under backward with, for
-        this model and config; None where overlap cannot apply. With that much the step reads
-        its full `READ_AHEAD`, so that is what the room must hold."""
-        if not self._overlap_applies(cfg):
-            return None
-        opt = self.optimizer
-        step = max(opt.host_bytes_needed(ahead=READ_AHEAD), min(group_bytes(opt, g) for g in opt.groups))
-        largest = max(g.numel for g in opt.groups)
-        budget = math.ceil((step + backward_bytes + 4 * largest) / (1 - POOL_SLACK))
-        while self._room_beside_backward(budget, backward_bytes) < step:  # float rounding: a byte or two
-            budget += 1
-        return budget
-
-    def _fit_overlap(self, cfg: TierConfig, backward_bytes: int, step_bytes: int) -> int:
-        """Pool bytes the optimizer may hold under backward (0: no overlap): where it applies
-        (see [Note: exact overlap] in `_overlap`), what the host budget leaves beside the
-        backward's own buffers and one sub-group's gradients kept in memory."""
-        if not self._overlap_applies(cfg):
-            return 0
-        opt = self.optimizer
-        # Only with room to spare: what the budget leaves beside the backward must hold at least
-        # what the step itself plans for. The pool places buffers first-fit in slabs; early
-        # updates cut them into their own sizes, and under a tight budget the backward or the
-        # step then found no contiguous room (the 25M demo at 46MiB, whose step plans 39MiB:
-        # waits of seconds, and once the pool's 60 s timeout).
-        budget = self._room_beside_backward(cfg.memory.host_budget, backward_bytes)
-        if budget < step_bytes or budget < min(group_bytes(opt, g) for g in opt.groups):
-            have, plan, want = _resources.distinct_sizes(max(budget, 0), step_bytes, self.overlap_from)
-            logger.info("optimizer.overlap: memory.host_budget leaves %s beside the backward, less than the %s the "
-                        "optimizer step plans for; the optimizer runs after backward (a host_budget of %s or more "
-                        "would run it under backward)", have, plan, want)  # fmt: skip
-            return 0
-        return budget
+                _admission.drop_overlap(self.plan)
 
     def _loss_scale(self) -> float:
         return self._scaler.scale if self._scaler is not None else 1.0
@@ -397,7 +322,8 @@ class Engine:
         scale = self._scaler.scale if self._scaler is not None else 1.0
         self._tell_accumulation()
         try:
-            stepped = self.optimizer.update(scale)
+            with self.pool.traffic(_admission.STEP):
+                stepped = self.optimizer.update(scale)
         except BaseException as e:
             self.dist.report_failure(e)
             # Part of the sub-groups may be updated and part not: training on would be silently
@@ -486,7 +412,8 @@ class Engine:
     def stats(self) -> dict:
         """Per step (the last one) and cumulative: bytes and busy seconds per tier, stall
         seconds, fetches (prefetched or on demand), skipped steps, peak host-pool bytes and the process's peak RSS; "disk":
-        per swap directory, the state's bytes, the peak, the arena's cap and size now."""
+        per swap directory, the state's bytes, the peak, the arena's cap and size now; "pool": the
+        host pool's bytes by traffic class (held now, peak) and the budget's shares."""
         out = {
             "steps": self._stats.steps,
             "step": getattr(self, "_last_step", None),
@@ -497,6 +424,8 @@ class Engine:
             "loss_scale": self._scaler.scale if self._scaler else None,
             "resident_bytes": self._resident_bytes(),
             "disk": self.footprint.as_dict(self.space) if self.footprint is not None else {},
+            # each traffic class's bytes held and peak, beside the plan's shares ([Note: traffic classes])
+            "pool": self.admission.stats() if self.pool is not None else {},
         }
         if self.device.type == "cuda":
             out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
