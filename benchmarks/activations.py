@@ -1,0 +1,227 @@
+"""Activations on nvme against activations on the device: the step time at a sequence both
+train, and the longest sequence each trains under one memory limit. Not run by CI (minutes).
+
+The model is a transformers Llama (``benchmarks/scale.py``'s shape, small by default: hidden
+256, 32 layers, intermediate 688, vocab 1024) trained with Hugging Face's gradient
+checkpointing (``gradient_checkpointing_enable``, non-reentrant), one sequence a batch, fp32,
+params, grads and optimizer on ``--tiers`` (the device by default: on this CPU-only machine
+that is host memory, so what differs between the two sides is only where the checkpointed
+block inputs wait for backward).
+
+Step time (``--seq``): two engines in one process, built from the same initial weights,
+train on the same batches, their steps interleaved (device, nvme, device, nvme ...); the first
+pair is a warm-up. Reported: the median over the pairs of nvme step / device step, both
+medians, the activation bytes a step moved, and the largest loss difference (the tier is
+exact, so 0).
+
+Longest sequence (``--limit``): for each tier, a fresh process per sequence length (``--from``
+tokens, growing by ``--grow`` until a length does not fit) trains two steps and reports its
+peak RSS (VmHWM, the whole process: model, states, pool, activations); a length fits when that
+peak is at most ``--limit``. Reported per tier: each length's peak, and the longest that fit.
+
+    python benchmarks/activations.py [--seq 4096] [--pairs 4] [--limit 2GiB] [--from 4096]
+        [--grow 1.5] [--max-seq 131072] [--tiers device,device,device] [--dir bench-data/]
+        [--hidden 256 --layers 32 --intermediate 688 --vocab 1024] [--skip-step] [--skip-longest] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from scale import llama_config  # this directory: the same model family
+
+HERE = Path(__file__).resolve().parent
+
+
+def _peak_rss() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _model(args, seq: int, seed: int = 0):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    args.tokens = seq
+    config = llama_config(args)
+    config.num_attention_heads = config.num_key_value_heads = args.heads
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _config(args, swap: str, tier: str) -> dict:
+    params, grads, optimizer = args.tiers.split(",")
+    return {"tiers": {"params": params, "grads": grads, "optimizer": optimizer}, "nvme": {"paths": [swap]},
+            "memory": {"host_budget": args.host_budget}, "optimizer": {"lr": 1e-4},
+            "activations": {"tier": tier}}  # fmt: skip
+
+
+def _batch(args, seq: int, step: int):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, args.vocab, (1, seq), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _step(engine, batch) -> tuple[float, float]:
+    start = time.perf_counter()
+    loss = engine(**batch).loss
+    engine.backward(loss)
+    engine.step()
+    return time.perf_counter() - start, loss.item()
+
+
+def step_time(args, root: str) -> dict:
+    import infinity
+
+    model = _model(args, args.seq)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    engines = {}
+    for tier in ("device", "nvme"):
+        m = _model(args, args.seq)
+        m.load_state_dict(state)
+        engines[tier] = infinity.initialize(m, _config(args, os.path.join(root, tier), tier))
+    del model, state
+    times = {"device": [], "nvme": []}
+    diffs, moved = [], 0
+    try:
+        for pair in range(args.pairs + 1):
+            batch = _batch(args, args.seq, pair)
+            losses = {}
+            for tier, engine in engines.items():
+                seconds, losses[tier] = _step(engine, batch)
+                if pair:  # the first pair warms up
+                    times[tier].append(seconds)
+            diffs.append(abs(losses["device"] - losses["nvme"]))
+            moved = engines["nvme"].stats()["step"]["activation_out_bytes"]
+            print(f"  pair {pair}: device {times['device'][-1] if pair else float('nan'):.2f} s, nvme "
+                  f"{times['nvme'][-1] if pair else float('nan'):.2f} s, loss {losses['device']:.6f}", file=sys.stderr)  # fmt: skip
+    finally:
+        for engine in engines.values():
+            engine.close()
+    ratios = [n / d for n, d in zip(times["nvme"], times["device"])]
+    return {"seq": args.seq, "pairs": args.pairs, "nvme_over_device": statistics.median(ratios), "ratios": ratios,
+            "device_s": statistics.median(times["device"]), "nvme_s": statistics.median(times["nvme"]),
+            "activation_bytes_a_step": moved, "largest_loss_difference": max(diffs)}  # fmt: skip
+
+
+def child(args) -> None:
+    """One tier at one length in this fresh process: two steps, then the peak RSS as JSON."""
+    import infinity
+
+    model = _model(args, args.seq)
+    with infinity.initialize(model, _config(args, args.swap, args.tier)) as engine:
+        for step in range(2):
+            _step(engine, _batch(args, args.seq, step))
+        st = engine.stats()
+    print(json.dumps({"peak_rss": _peak_rss(), "activation_out_bytes": st["step"]["activation_out_bytes"]}))
+
+
+def longest(args, root: str) -> dict:
+    from infinity.config import parse_size
+
+    limit = parse_size(args.limit)
+    out = {}
+    for tier in ("device", "nvme"):
+        seq, rows, best = args.start, [], None
+        while seq <= args.max_seq:
+            swap = os.path.join(root, f"{tier}-{seq}")
+            cmd = [sys.executable, __file__, "--child", "--tier", tier, "--seq", str(seq), "--swap", swap,
+                   *_model_argv(args)]  # fmt: skip
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            shutil.rmtree(swap, ignore_errors=True)
+            if run.returncode != 0:
+                rows.append({"seq": seq, "error": run.stderr.strip().splitlines()[-1:]})
+                break
+            row = {"seq": seq, **json.loads(run.stdout.strip().splitlines()[-1])}
+            row["fits"] = row["peak_rss"] <= limit
+            rows.append(row)
+            print(f"  {tier} {seq} tokens: peak RSS {row['peak_rss'] / 2**30:.2f} GiB "
+                  f"({'fits' if row['fits'] else 'over'} {args.limit})", file=sys.stderr)  # fmt: skip
+            if not row["fits"]:
+                break
+            best = seq
+            seq = int(seq * args.grow) // 256 * 256
+        out[tier] = {"longest": best, "rows": rows}
+    out["limit"] = args.limit
+    return out
+
+
+def _model_argv(args) -> list[str]:
+    return ["--hidden", str(args.hidden), "--layers", str(args.layers), "--intermediate", str(args.intermediate),
+            "--vocab", str(args.vocab), "--heads", str(args.heads), "--tiers", args.tiers,
+            "--host-budget", args.host_budget]  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default=str(HERE.parent / "bench-data"))
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--intermediate", type=int, default=688)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--tiers", default="device,device,device", help="params,grads,optimizer")
+    p.add_argument("--host-budget", default="256MiB")
+    p.add_argument("--seq", type=int, default=4096, help="the sequence of the step-time comparison")
+    p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--limit", default="2GiB", help="the peak RSS a length must stay within to fit")
+    p.add_argument("--from", dest="start", type=int, default=4096)
+    p.add_argument("--grow", type=float, default=1.5)
+    p.add_argument("--max-seq", type=int, default=131072)
+    p.add_argument("--skip-step", action="store_true")
+    p.add_argument("--skip-longest", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--tier", help=argparse.SUPPRESS)
+    p.add_argument("--swap", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    if args.child:
+        child(args)
+        return 0
+    os.makedirs(args.dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="activations-", dir=args.dir)
+    result = {"model": {"hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate,
+                        "vocab": args.vocab, "tiers": args.tiers, "host_budget": args.host_budget}}  # fmt: skip
+    try:
+        if not args.skip_step:
+            result["step"] = step_time(args, root)
+        if not args.skip_longest:
+            result["longest"] = longest(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    if "step" in result:
+        s = result["step"]
+        print(f"step at {s['seq']} tokens ({s['pairs']} pairs): nvme / device {s['nvme_over_device']:.3f} "
+              f"(pairs {' / '.join(f'{r:.3f}' for r in s['ratios'])}); device {s['device_s']:.2f} s, nvme "
+              f"{s['nvme_s']:.2f} s; {s['activation_bytes_a_step'] / 2**20:.0f} MiB of activations each way a step; "
+              f"largest |loss difference| {s['largest_loss_difference']:g}")  # fmt: skip
+    if "longest" in result:
+        lg = result["longest"]
+        for tier in ("device", "nvme"):
+            print(f"longest sequence within a peak RSS of {lg['limit']}, activations on {tier}: {lg[tier]['longest']} "
+                  "tokens (" + ", ".join(f"{r['seq']}: {r['peak_rss'] / 2**30:.2f} GiB" if "peak_rss" in r
+                                        else f"{r['seq']}: failed" for r in lg[tier]["rows"]) + ")")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
