@@ -4,6 +4,7 @@ train, and the longest sequence each trains under one memory limit. Not run by C
 The model is a transformers Llama (``benchmarks/scale.py``'s shape, small by default: hidden
 256, 32 layers, intermediate 688, vocab 1024) trained with Hugging Face's gradient
 checkpointing (``gradient_checkpointing_enable``, non-reentrant), one sequence a batch, fp32,
+torch's flash attention kernel (``sdpa_kernel``) at every length,
 params, grads and optimizer on ``--tiers`` (the device by default: on this CPU-only machine
 that is host memory, so what differs between the two sides is only where the checkpointed
 block inputs wait for backward).
@@ -15,12 +16,17 @@ medians, the activation bytes a step moved, and the largest loss difference (the
 exact, so 0).
 
 Longest sequence (``--limit``): for each tier, a fresh process per sequence length (``--from``
-tokens, growing by ``--grow`` until a length does not fit) trains two steps and reports its
-peak RSS (VmHWM, the whole process: model, states, pool, activations); a length fits when that
-peak is at most ``--limit``. Reported per tier: each length's peak, and the longest that fit.
+tokens, growing by ``--grow``, or by ``--step`` tokens, until a length does not fit) trains ``--warmup`` steps and one
+more, and reports the peak RSS growth of that last one over the RSS just before it (VmHWM
+after resetting it: what a step adds to a process whose model, states and pool are already
+there; the steps before grew the pool and torch's allocator to what every step uses); a
+length fits when that growth is at most ``--limit``. Reported per tier: each length's growth
+and the process's peak RSS, the longest that fit, and the growth's slope in MiB per 1024
+tokens (least squares over the lengths tried: what each more token costs). On these 2 cores the attention's compute grows with the square of the
+sequence, which is what keeps the limit small here (128MiB: lengths of a few thousand tokens).
 
-    python benchmarks/activations.py [--seq 4096] [--pairs 4] [--limit 2GiB] [--from 4096]
-        [--grow 1.5] [--max-seq 131072] [--tiers device,device,device] [--dir bench-data/]
+    python benchmarks/activations.py [--seq 1536] [--pairs 4] [--limit 128MiB] [--from 1024]
+        [--grow 1.5 | --step 1024] [--warmup 2] [--max-seq 131072] [--tiers device,device,device] [--dir bench-data/]
         [--hidden 256 --layers 32 --intermediate 688 --vocab 1024] [--skip-step] [--skip-longest] [--json]
 """
 
@@ -39,16 +45,10 @@ from pathlib import Path
 
 import torch
 
-from scale import llama_config  # this directory: the same model family
+from rss_bound import peak as _peak_rss, reset_peak, rss as _rss  # this directory
+from scale import llama_config  # ... and the same model family
 
 HERE = Path(__file__).resolve().parent
-
-
-def _peak_rss() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _model(args, seq: int, seed: int = 0):
@@ -78,9 +78,14 @@ def _batch(args, seq: int, step: int):
 
 
 def _step(engine, batch) -> tuple[float, float]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     start = time.perf_counter()
-    loss = engine(**batch).loss
-    engine.backward(loss)
+    # One attention kernel at every length: torch's choice otherwise varies with it, and its
+    # math kernel holds heads x seq^2 scores (150 MB at 3072 tokens), which swamps the rest.
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        loss = engine(**batch).loss
+        engine.backward(loss)
     engine.step()
     return time.perf_counter() - start, loss.item()
 
@@ -125,10 +130,13 @@ def child(args) -> None:
 
     model = _model(args, args.seq)
     with infinity.initialize(model, _config(args, args.swap, args.tier)) as engine:
-        for step in range(2):
+        for step in range(args.warmup + 1):
+            if step == args.warmup:
+                reset_peak()  # the peak (VmHWM) back to the RSS now
+                base = _rss()
             _step(engine, _batch(args, args.seq, step))
-        st = engine.stats()
-    print(json.dumps({"peak_rss": _peak_rss(), "activation_out_bytes": st["step"]["activation_out_bytes"]}))
+        growth, st = _peak_rss() - base, engine.stats()
+    print(json.dumps({"growth": growth, "peak_rss": _peak_rss(), "activation_out_bytes": st["step"]["activation_out_bytes"]}))
 
 
 def longest(args, root: str) -> dict:
@@ -148,23 +156,34 @@ def longest(args, root: str) -> dict:
                 rows.append({"seq": seq, "error": run.stderr.strip().splitlines()[-1:]})
                 break
             row = {"seq": seq, **json.loads(run.stdout.strip().splitlines()[-1])}
-            row["fits"] = row["peak_rss"] <= limit
+            row["fits"] = row["growth"] <= limit
             rows.append(row)
-            print(f"  {tier} {seq} tokens: peak RSS {row['peak_rss'] / 2**30:.2f} GiB "
-                  f"({'fits' if row['fits'] else 'over'} {args.limit})", file=sys.stderr)  # fmt: skip
+            print(f"  {tier} {seq} tokens: step's RSS growth {row['growth'] / 2**20:.0f} MiB "
+                  f"({'fits' if row['fits'] else 'over'} {args.limit}), peak RSS {row['peak_rss'] / 2**30:.2f} GiB",
+                  file=sys.stderr)  # fmt: skip
             if not row["fits"]:
                 break
             best = seq
-            seq = int(seq * args.grow) // 256 * 256
-        out[tier] = {"longest": best, "rows": rows}
+            seq = seq + args.step if args.step else int(seq * args.grow) // 256 * 256
+        points = [(r["seq"], r["growth"]) for r in rows if "growth" in r]
+        out[tier] = {"longest": best, "rows": rows, "mib_per_1k_tokens": _slope(points) * 1024 / 2**20}
     out["limit"] = args.limit
     return out
+
+
+def _slope(points) -> float:
+    """Least-squares slope of y over x (bytes a token); nan with fewer than two points."""
+    if len(points) < 2:
+        return float("nan")
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
 
 
 def _model_argv(args) -> list[str]:
     return ["--hidden", str(args.hidden), "--layers", str(args.layers), "--intermediate", str(args.intermediate),
             "--vocab", str(args.vocab), "--heads", str(args.heads), "--tiers", args.tiers,
-            "--host-budget", args.host_budget]  # fmt: skip
+            "--host-budget", args.host_budget, "--warmup", str(args.warmup)]  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -177,11 +196,13 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--tiers", default="device,device,device", help="params,grads,optimizer")
     p.add_argument("--host-budget", default="256MiB")
-    p.add_argument("--seq", type=int, default=4096, help="the sequence of the step-time comparison")
+    p.add_argument("--seq", type=int, default=1536, help="the sequence of the step-time comparison")
     p.add_argument("--pairs", type=int, default=4)
-    p.add_argument("--limit", default="2GiB", help="the peak RSS a length must stay within to fit")
-    p.add_argument("--from", dest="start", type=int, default=4096)
+    p.add_argument("--limit", default="128MiB", help="the step's peak RSS growth a length must stay within to fit")
+    p.add_argument("--from", dest="start", type=int, default=1024)
     p.add_argument("--grow", type=float, default=1.5)
+    p.add_argument("--step", type=int, default=0, help="lengths grow by this many tokens instead (0: by --grow)")
+    p.add_argument("--warmup", type=int, default=2, help="steps before the one measured")
     p.add_argument("--max-seq", type=int, default=131072)
     p.add_argument("--skip-step", action="store_true")
     p.add_argument("--skip-longest", action="store_true")
@@ -217,9 +238,10 @@ def main(argv=None) -> int:
     if "longest" in result:
         lg = result["longest"]
         for tier in ("device", "nvme"):
-            print(f"longest sequence within a peak RSS of {lg['limit']}, activations on {tier}: {lg[tier]['longest']} "
-                  "tokens (" + ", ".join(f"{r['seq']}: {r['peak_rss'] / 2**30:.2f} GiB" if "peak_rss" in r
-                                        else f"{r['seq']}: failed" for r in lg[tier]["rows"]) + ")")  # fmt: skip
+            print(f"longest sequence within a step's RSS growth of {lg['limit']}, activations on {tier}: "
+                  f"{lg[tier]['longest']} tokens (" + ", ".join(f"{r['seq']}: {r['growth'] / 2**20:.0f} MiB"
+                  if "growth" in r else f"{r['seq']}: failed" for r in lg[tier]["rows"]) +
+                  f"); {lg[tier]['mib_per_1k_tokens']:.1f} MiB more per 1024 tokens")  # fmt: skip
     return 0
 
 

@@ -63,6 +63,7 @@ from infinity.aio import empty_aligned
 from infinity.swap import PoolExhausted
 
 from ._admission import ACTIVATION
+from ._resources import open_activation_space, remove_made_dirs
 
 MAX_IN_FLIGHT = 2  # tensors whose copies back to the host may be on their way at once (a GPU)
 
@@ -237,6 +238,7 @@ class ActivationTier:
         self._dead: collections.deque[str] = collections.deque()  # names whose `_Saved` went unread
         self._lock = threading.RLock()  # unpack may run on autograd's device threads
         self.active = tier == "nvme" or (tier == "cpu" and device.type != "cpu")
+        self.made_dirs: list[str] = []  # nvme.paths made for the tier's space, removed at close
         if tier == "nvme" and chunk <= 0:
             raise ValueError("the activation tier on nvme needs a chunk size (the plan's activation_chunk)")
 
@@ -284,6 +286,7 @@ class ActivationTier:
                 self._order, self._index, self._dedup = [], {}, {}
                 if self.space is not None:
                     self.space.close()
+                    remove_made_dirs(self.made_dirs)
 
     # -- pack -------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
@@ -580,16 +583,15 @@ def in_pool(cfg) -> bool:
 def attach(scheduler, cfg, *, rank: int, local_rank: int, aio, pool, transport, stats, params, admission, chunk):
     """The activation tier of ``cfg`` plugged into ``scheduler``'s saved-tensor hooks and
     passes; None where activations stay on the device (or a CPU device's host memory)."""
-    from ._resources import open_activation_space
-
     tier, device = cfg.activations.tier, transport.device
     if tier == "device" or (tier == "cpu" and device.type == "cpu"):
         return None
-    space = open_activation_space(cfg, rank, local_rank, aio, pool) if tier == "nvme" else None
+    space, made = open_activation_space(cfg, rank, local_rank, aio, pool) if tier == "nvme" else (None, [])
     act = ActivationTier(tier, device, pool=pool, space=space, stats=stats, admission=admission, chunk=chunk,
                          copy_back=transport.copy_back, to_device=transport.to_device,
                          drain_copies=(lambda: transport.copies.drain(block=True)) if transport.copies else None,
                          min_bytes=cfg.activations.min_bytes, depth=cfg.activations.depth, params=params)  # fmt: skip
+    act.made_dirs = made
     scheduler.saved.add(act.pack, act.unpack)
     scheduler.activations = act
     return act

@@ -38,7 +38,7 @@ from torch.profiler import record_function
 from infinity.swap import PoolExhausted
 
 from ._overlap import Overlap, _Early
-from ._store import InHand, Lease
+from ._store import Lease
 from ._update import POOL_SLACK
 
 logger = logging.getLogger("infinity")

@@ -75,14 +75,38 @@ def _swap_paths(cfg: TierConfig, rank: int, local_rank: int) -> list[str]:
     return paths
 
 
-def open_activation_space(cfg: TierConfig, rank: int, local_rank: int, engine, pool) -> SwapSpace:
+def open_activation_space(cfg: TierConfig, rank: int, local_rank: int, engine, pool) -> tuple[SwapSpace, list]:
     """The swap space of ``[activations] tier = "nvme"``: an "activations" directory under each
-    of nvme.paths, an arena of its own (the state's disk bound stays the state's), scratch."""
-    paths = [os.path.join(p, "activations") for p in _swap_paths(cfg, rank, local_rank)]
-    return SwapSpace(
-        paths, rank=rank, engine=engine, pool=pool, verify=cfg.nvme.verify, fresh=True, keep=False,
-        stripe_size=cfg.nvme.stripe_size, stripe_threshold=cfg.nvme.stripe_threshold, grow_step=cfg.nvme.grow_step,
-    )  # fmt: skip
+    of nvme.paths, an arena of its own (the state's disk bound stays the state's), scratch; and
+    the nvme.paths it made (missing where no state is on nvme: the state's space would have made
+    them), for `remove_made_dirs` at close."""
+    made = []
+    paths = _swap_paths(cfg, rank, local_rank)
+    for path in paths:  # its parent exists: nvme.check_paths said so
+        try:
+            os.mkdir(path, mode=0o700)
+            made.append(path)
+        except FileExistsError:
+            pass
+    try:
+        space = SwapSpace(
+            [os.path.join(p, "activations") for p in paths], rank=rank, engine=engine, pool=pool,
+            verify=cfg.nvme.verify, fresh=True, keep=False, stripe_size=cfg.nvme.stripe_size,
+            stripe_threshold=cfg.nvme.stripe_threshold, grow_step=cfg.nvme.grow_step,
+        )  # fmt: skip
+    except BaseException:
+        remove_made_dirs(made)
+        raise
+    return space, made
+
+
+def remove_made_dirs(made) -> None:
+    """Remove the directories `open_activation_space` made, where they are empty again."""
+    for path in reversed(made):
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass  # not empty: something else is there now
 
 
 def close_io(space, pool, engine) -> None:

@@ -10,20 +10,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import infinity
+from _common import peak_rss, rss  # this directory (the script's own, first on sys.path)
 
 path, tier, layers, tokens, hidden = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(2)
-
-
-def rss() -> int:
-    return int(open("/proc/self/statm").read().split()[1]) * 4096
-
-
-def peak_rss() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 class Block(nn.Module):

@@ -6,6 +6,19 @@ import torch
 from torch import nn
 
 
+def rss() -> int:
+    """The process's resident set now, in bytes."""
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """Its peak (VmHWM; a write of "5" to /proc/self/clear_refs resets it to the RSS now)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def make_model(seed: int = 0, width: int = 32) -> nn.Module:
     torch.manual_seed(seed)
     # Dropout draws from the RNG: a resume is only exact if the RNG state comes back too.

@@ -9,18 +9,7 @@ import torch
 from torch import nn
 
 import infinity
-
-
-def rss() -> int:
-    return int(open("/proc/self/statm").read().split()[1]) * 4096
-
-
-def peak_rss() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
+from _common import peak_rss, rss  # this directory (the script's own, first on sys.path)
 
 path, width, layers, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 # Optional: a vocabulary (an embedding in front, an output layer behind), the tile size and

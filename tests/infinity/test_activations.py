@@ -192,3 +192,17 @@ def test_peak_rss_of_a_long_sequence_does_not_grow_with_depth_on_nvme(tmp_path):
     for n in (8, 32):  # every block's input went out; all but those still being written came back
         assert nvme[n]["out"] == n * ACT, nvme[n]
         assert (n - 2) * ACT <= nvme[n]["in"] <= n * ACT, nvme[n]
+
+
+def test_activations_alone_on_nvme_make_the_swap_directory_and_remove_it(tmp_path):
+    """Every tier of the state in memory, the activations on nvme: nvme.paths' last component
+    is made (as the state's space would make it) and removed again at close."""
+    torch.manual_seed(0)
+    swap = tmp_path / "swap"
+    cfg = config(swap, ("device", "device", "device"), activations={"tier": "nvme", "min_bytes": 0})
+    with infinity.initialize(nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)), cfg) as engine:
+        engine.backward(engine(torch.randn(32, 64)).sum())
+        engine.step()
+        assert engine.stats()["step"]["activation_in_bytes"] > 0
+        assert swap.is_dir()
+    assert not swap.exists()
