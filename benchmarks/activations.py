@@ -10,10 +10,13 @@ that is host memory, so what differs between the two sides is only where the che
 block inputs wait for backward).
 
 Step time (``--seq``): two engines in one process, built from the same initial weights,
-train on the same batches, their steps interleaved (device, nvme, device, nvme ...); the first
-pair is a warm-up. Reported: the median over the pairs of nvme step / device step, both
-medians, the activation bytes a step moved, and the largest loss difference (the tier is
-exact, so 0).
+train on the same batches, their steps interleaved (device, ``--tier``, device, ``--tier`` ...;
+nvme by default, cpu on a GPU); the first pair is a warm-up. Reported: the median over the
+pairs of the tier's step / the device's, both medians, the activation bytes a step moved, the
+largest loss difference (the tier is exact, so 0), and on a GPU the engine's D2H and H2D copy
+throughput (``engine.stats()``), to set beside the pinned-copy peak ``benchmarks/gpu_step.py``
+measures. On a GPU the longest-sequence sweep still measures host RSS, which is not the memory
+that limits the sequence there: use the step comparison.
 
 Longest sequence (``--limit``): for each tier, a fresh process per sequence length (``--from``
 tokens, growing by ``--grow``, or by ``--step`` tokens, until a length does not fit) trains ``--warmup`` steps and one
@@ -26,7 +29,7 @@ tokens (least squares over the lengths tried: what each more token costs). On th
 sequence, which is what keeps the limit small here (128MiB: lengths of a few thousand tokens).
 
     python benchmarks/activations.py [--seq 1536] [--pairs 4] [--limit 128MiB] [--from 1024]
-        [--grow 1.5 | --step 1024] [--warmup 2] [--max-seq 131072] [--tiers device,device,device] [--dir bench-data/]
+        [--grow 1.5 | --step 1024] [--warmup 2] [--tier nvme|cpu] [--max-seq 131072] [--tiers device,device,device] [--dir bench-data/]
         [--hidden 256 --layers 32 --intermediate 688 --vocab 1024] [--skip-step] [--skip-longest] [--json]
 """
 
@@ -83,8 +86,9 @@ def _step(engine, batch) -> tuple[float, float]:
     start = time.perf_counter()
     # One attention kernel at every length: torch's choice otherwise varies with it, and its
     # math kernel holds heads x seq^2 scores (150 MB at 3072 tokens), which swamps the rest.
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        loss = engine(**batch).loss
+    # (A loss of 0 difference between the sides needs the same kernel on both: it is.)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):  # (CUDA's flash: 16-bit only)
+        loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss
         engine.backward(loss)
     engine.step()
     return time.perf_counter() - start, loss.item()
@@ -93,15 +97,16 @@ def _step(engine, batch) -> tuple[float, float]:
 def step_time(args, root: str) -> dict:
     import infinity
 
+    other = args.tier
     model = _model(args, args.seq)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     engines = {}
-    for tier in ("device", "nvme"):
+    for tier in ("device", other):
         m = _model(args, args.seq)
         m.load_state_dict(state)
         engines[tier] = infinity.initialize(m, _config(args, os.path.join(root, tier), tier))
     del model, state
-    times = {"device": [], "nvme": []}
+    times = {tier: [] for tier in engines}
     diffs, moved = [], 0
     try:
         for pair in range(args.pairs + 1):
@@ -111,25 +116,29 @@ def step_time(args, root: str) -> dict:
                 seconds, losses[tier] = _step(engine, batch)
                 if pair:  # the first pair warms up
                     times[tier].append(seconds)
-            diffs.append(abs(losses["device"] - losses["nvme"]))
-            moved = engines["nvme"].stats()["step"]["activation_out_bytes"]
-            print(f"  pair {pair}: device {times['device'][-1] if pair else float('nan'):.2f} s, nvme "
-                  f"{times['nvme'][-1] if pair else float('nan'):.2f} s, loss {losses['device']:.6f}", file=sys.stderr)  # fmt: skip
+            diffs.append(abs(losses["device"] - losses[other]))
+            moved = engines[other].stats()["step"]["activation_out_bytes"]
+            shown = {t: f"{v[-1]:.2f} s" if pair else "warm-up" for t, v in times.items()}
+            print(f"  pair {pair}: device {shown['device']}, {other} {shown[other]}, loss {losses['device']:.6f}",
+                  file=sys.stderr)  # fmt: skip
+        copies = engines[other].stats()["total"]
     finally:
         for engine in engines.values():
             engine.close()
-    ratios = [n / d for n, d in zip(times["nvme"], times["device"])]
-    return {"seq": args.seq, "pairs": args.pairs, "nvme_over_device": statistics.median(ratios), "ratios": ratios,
-            "device_s": statistics.median(times["device"]), "nvme_s": statistics.median(times["nvme"]),
-            "activation_bytes_a_step": moved, "largest_loss_difference": max(diffs)}  # fmt: skip
+    ratios = [n / d for n, d in zip(times[other], times["device"])]
+    return {"seq": args.seq, "pairs": args.pairs, "tier": other, "ratio": statistics.median(ratios), "ratios": ratios,
+            "device_s": statistics.median(times["device"]), "tier_s": statistics.median(times[other]),
+            "activation_bytes_a_step": moved, "largest_loss_difference": max(diffs),
+            "d2h_gbps": copies.get("d2h_gbps", 0.0), "h2d_gbps": copies.get("h2d_gbps", 0.0)}  # fmt: skip
 
 
 def child(args) -> None:
-    """One tier at one length in this fresh process: two steps, then the peak RSS as JSON."""
+    """One tier at one length in this fresh process: ``--warmup`` steps and one more, then that
+    step's RSS growth and the process's peak RSS as JSON."""
     import infinity
 
     model = _model(args, args.seq)
-    with infinity.initialize(model, _config(args, args.swap, args.tier)) as engine:
+    with infinity.initialize(model, _config(args, args.swap, args.child_tier)) as engine:
         for step in range(args.warmup + 1):
             if step == args.warmup:
                 reset_peak()  # the peak (VmHWM) back to the RSS now
@@ -144,11 +153,11 @@ def longest(args, root: str) -> dict:
 
     limit = parse_size(args.limit)
     out = {}
-    for tier in ("device", "nvme"):
+    for tier in ("device", args.tier):
         seq, rows, best = args.start, [], None
         while seq <= args.max_seq:
             swap = os.path.join(root, f"{tier}-{seq}")
-            cmd = [sys.executable, __file__, "--child", "--tier", tier, "--seq", str(seq), "--swap", swap,
+            cmd = [sys.executable, __file__, "--child", "--child-tier", tier, "--seq", str(seq), "--swap", swap,
                    *_model_argv(args)]  # fmt: skip
             run = subprocess.run(cmd, capture_output=True, text=True)
             shutil.rmtree(swap, ignore_errors=True)
@@ -195,6 +204,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--tiers", default="device,device,device", help="params,grads,optimizer")
+    p.add_argument("--tier", default="nvme", choices=("nvme", "cpu"),
+                   help="[activations] tier of the side compared with the device (cpu: a GPU only)")
     p.add_argument("--host-budget", default="256MiB")
     p.add_argument("--seq", type=int, default=1536, help="the sequence of the step-time comparison")
     p.add_argument("--pairs", type=int, default=4)
@@ -208,7 +219,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-longest", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--tier", help=argparse.SUPPRESS)
+    p.add_argument("--child-tier", help=argparse.SUPPRESS)
     p.add_argument("--swap", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -231,13 +242,14 @@ def main(argv=None) -> int:
         return 0
     if "step" in result:
         s = result["step"]
-        print(f"step at {s['seq']} tokens ({s['pairs']} pairs): nvme / device {s['nvme_over_device']:.3f} "
-              f"(pairs {' / '.join(f'{r:.3f}' for r in s['ratios'])}); device {s['device_s']:.2f} s, nvme "
-              f"{s['nvme_s']:.2f} s; {s['activation_bytes_a_step'] / 2**20:.0f} MiB of activations each way a step; "
-              f"largest |loss difference| {s['largest_loss_difference']:g}")  # fmt: skip
+        print(f"step at {s['seq']} tokens ({s['pairs']} pairs): {s['tier']} / device {s['ratio']:.3f} "
+              f"(pairs {' / '.join(f'{r:.3f}' for r in s['ratios'])}); device {s['device_s']:.2f} s, {s['tier']} "
+              f"{s['tier_s']:.2f} s; {s['activation_bytes_a_step'] / 2**20:.0f} MiB of activations each way a step; "
+              f"largest |loss difference| {s['largest_loss_difference']:g}"
+              + (f"; copies D2H {s['d2h_gbps']:.1f} GB/s, H2D {s['h2d_gbps']:.1f} GB/s" if s["d2h_gbps"] else ""))  # fmt: skip
     if "longest" in result:
         lg = result["longest"]
-        for tier in ("device", "nvme"):
+        for tier in ("device", args.tier):
             print(f"longest sequence within a step's RSS growth of {lg['limit']}, activations on {tier}: "
                   f"{lg[tier]['longest']} tokens (" + ", ".join(f"{r['seq']}: {r['growth'] / 2**20:.0f} MiB"
                   if "growth" in r else f"{r['seq']}: failed" for r in lg[tier]["rows"]) +
