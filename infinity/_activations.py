@@ -452,7 +452,8 @@ class ActivationTier:
         if self.device.type == "cpu":
             out = empty_aligned(saved.nbytes, pin=False).view(saved.dtype)
             per = self.chunk // saved.dtype.itemsize
-            futures = [self.space.get(name, out=out[i * per : (i + 1) * per]) for i, name in enumerate(saved.names)]
+            futures = [self.space.get(name, out=out[i * per : (i + 1) * per], urgent=not ahead)  # needed now: first
+                       for i, name in enumerate(saved.names)]  # fmt: skip
             return _Read(out, futures)
         futures = [None] * len(saved.names)
         if ahead:

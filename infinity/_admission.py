@@ -61,6 +61,7 @@ from ._update import POOL_SLACK, READ_AHEAD
 logger = logging.getLogger("infinity")
 
 FETCH, PREFETCH, STEP, OVERLAP, GRAD, ACTIVATION = "fetch", "prefetch", "step", "overlap", "grad", "activation"
+KEPT = "kept"  # units kept for backward (fetch and prefetch buffers): what gives way, not a pool class
 
 # The activation tier moves a tensor in chunks of at most this many bytes (fewer on a small
 # budget: `Plan.activation_chunk`), at most ACTIVATION_CHUNKS of them in the pool at once.

@@ -208,7 +208,7 @@ class Engine:
         self.admission.give_way(_admission.PREFETCH, self.scheduler.cancel_prefetches)
         if self.activations is not None:
             self.admission.give_way(_admission.ACTIVATION, self.activations.drop_reads)
-        self.admission.give_way("kept", self.scheduler.give_back_kept)
+        self.admission.give_way(_admission.KEPT, self.scheduler.give_back_kept)
         if self.optimizer.overlap is not None:
             self.admission.give_way(_admission.OVERLAP, self.optimizer.overlap.relieve)
         self.admission.give_way(_admission.GRAD, self.grads.spill)

@@ -24,7 +24,9 @@ transformers = pytest.importorskip("transformers")
 import test_model_zoo as zoo  # noqa: E402
 
 
-def _zoo_run(tmp_path, family, dtype, tier, checkpointing, tiles=False, overlap=False, steps=3):
+def _zoo_run(tmp_path, family, dtype, tier, checkpointing, tiles=False, overlap=False, steps=3, move=None):
+    """``steps`` steps of a zoo family with ``[activations] tier``: losses, weights, total stats.
+    ``move``: what each batch goes through first (tests/infinity/test_gpu.py: to the GPU)."""
     make, batch = zoo.FAMILIES[family]
     torch.manual_seed(0)
     model = make()
@@ -37,14 +39,14 @@ def _zoo_run(tmp_path, family, dtype, tier, checkpointing, tiles=False, overlap=
     try:
         losses = []
         for step in range(steps):
-            b = batch(step)
+            b = batch(step) if move is None else move(batch(step))
             if dtype == "bf16":
                 b = zoo._cast(b, torch.bfloat16)
             loss = engine(**b).loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.float().item())
-            if engine.activations is not None:
+            if engine.activations is not None and engine.activations.space is not None:
                 assert len(engine.activations.space) == 0  # every name read back and freed
         return losses, engine.gathered_weights(), engine.stats()["total"]
     finally:

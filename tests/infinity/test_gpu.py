@@ -153,33 +153,18 @@ def test_activations_off_the_gpu_train_bit_identically(tmp_path, tier, dtype):
     """HF checkpointing on the GPU: the block inputs copied back on the side stream to pinned
     host tensors (cpu) or through pool buffers to nvme, and copied in again for backward: the
     run with them on the GPU."""
-    zoo = _zoo()
-    make, batch = zoo.FAMILIES["llama"]
+    _zoo()  # transformers, and this directory on sys.path
+    import test_activations
 
     def run(where):
-        torch.manual_seed(0)
-        model = make()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        cfg = zoo._nvme(tmp_path / where, dtype, False)
-        cfg["activations"] = {"tier": where, "min_bytes": 0}
-        with infinity.initialize(model, cfg) as engine:
-            losses = []
-            for step in range(zoo.STEPS):
-                b = _on_gpu(batch(step))
-                if dtype == "bf16":
-                    b = zoo._cast(b, torch.bfloat16)
-                loss = engine(**b).loss
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.float().item())
-            return losses, engine.gathered_weights(), engine.stats()
+        return test_activations._zoo_run(tmp_path, "llama", dtype, where, "non-reentrant", move=_on_gpu)
 
     want, got = run("device"), run(tier)
     assert got[0] == want[0]
     for k in want[1]:
         assert torch.equal(got[1][k], want[1][k]), k
-    assert got[2]["total"]["activation_out_bytes"] > 0 and got[2]["total"]["activation_in_bytes"] > 0
-    assert got[2]["total"]["d2h_bytes"] > want[2]["total"]["d2h_bytes"]  # the activations' copies back
+    assert got[2]["activation_out_bytes"] > 0 and got[2]["activation_in_bytes"] > 0
+    assert got[2]["d2h_bytes"] > want[2]["d2h_bytes"]  # the activations' copies back
 
 
 def test_activations_larger_than_the_budget_go_through_the_gpu_in_chunks(tmp_path):
