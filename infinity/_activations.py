@@ -333,6 +333,11 @@ class ActivationTier:
     def _send_chunks(self, saved: _Saved, flat: torch.Tensor) -> None:
         """nvme: each chunk through a pool buffer, written behind under a name of its own."""
         per = self.chunk // flat.element_size()
+        if self.device.type != "cpu":
+            # Every chunk counts from the start: the tensor is let go (and checked for changes in
+            # place) only once the last one has landed, not when the first ones have while the
+            # rest are still to be copied (`_take` finishes earlier transfers, these among them).
+            saved.copying = -(-flat.numel() // per)
         for lo in range(0, flat.numel(), per):
             piece = flat[lo : lo + per]
             buffer = self._take(piece.numel() * piece.element_size())
@@ -351,8 +356,6 @@ class ActivationTier:
             self._flight.append(_InFlight(saved, carrier, buffer, name_after, is_copy=name_after is not None))
             if name_after is None:
                 saved.writing += 1
-            else:
-                saved.copying += 1
         if self.device.type == "cpu":
             saved.landed()  # every byte copied: nothing done to the tensor from now alters them
 
@@ -426,7 +429,7 @@ class ActivationTier:
             if not self._flight:
                 break
             self._finish(self._flight.popleft())
-        if saved.error is not None or (saved.host is None and not saved.names):
+        if saved.error is not None or saved.copying or saved.writing or (saved.host is None and not saved.names):
             raise RuntimeError(f"a saved {tuple(saved.size)} {saved.dtype} activation is in no tier (a transfer of "
                                f"it failed: {saved.error!r}): run the step's micro-batches again after zero_grad()")  # fmt: skip
         if saved.host is not None:  # cpu tier on a GPU
