@@ -98,14 +98,10 @@ def step_time(args, root: str) -> dict:
     import infinity
 
     other = args.tier
-    model = _model(args, args.seq)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    engines = {}
-    for tier in ("device", other):
-        m = _model(args, args.seq)
-        m.load_state_dict(state)
-        engines[tier] = infinity.initialize(m, _config(args, os.path.join(root, tier), tier))
-    del model, state
+    models = {"device": _model(args, args.seq), other: _model(args, args.seq)}
+    models[other].load_state_dict(models["device"].state_dict())  # (the same seed: already equal)
+    engines = {t: infinity.initialize(m, _config(args, os.path.join(root, t), t)) for t, m in models.items()}
+    del models
     times = {tier: [] for tier in engines}
     diffs, moved = [], 0
     try:

@@ -212,7 +212,7 @@ class _Read:
 class ActivationTier:
     """Saved tensors of ``min_bytes`` or more moved to ``tier`` ("cpu" or "nvme") and back."""
 
-    def __init__(self, tier: str, device: torch.device, *, pool, space, stats, admission, chunk: int = 0,
+    def __init__(self, tier: str, device: torch.device, *, pool, space, stats, admission,
                  copy_back=None, to_device=None, drain_copies=None, min_bytes: int = 1 << 20, depth: int = 2,
                  params=()):  # fmt: skip
         self.tier = tier
@@ -221,8 +221,8 @@ class ActivationTier:
         self.space = space  # nvme: a swap space of the tier's own
         self.stats = stats
         self.admission = admission  # `_admission.Admission`: what gives way when the pool is full
-        self.share = admission.plan.activations if admission.plan is not None else 0
-        self.chunk = chunk  # bytes of a chunk through the pool (nvme)
+        self.share = admission.plan.activations  # its chunks in the pool at most (nvme)
+        self.chunk = admission.plan.activation_chunk  # bytes of a chunk through the pool (nvme)
         self.copy_back = copy_back  # `_transport.CopyBack` on a GPU
         self.to_device = to_device  # `_transport.Transport.to_device` on a GPU
         self.drain_copies = drain_copies or (lambda: None)  # wait for those copies, their buffers back
@@ -239,7 +239,7 @@ class ActivationTier:
         self._lock = threading.RLock()  # unpack may run on autograd's device threads
         self.active = tier == "nvme" or (tier == "cpu" and device.type != "cpu")
         self.made_dirs: list[str] = []  # nvme.paths made for the tier's space, removed at close
-        if tier == "nvme" and chunk <= 0:
+        if tier == "nvme" and self.chunk <= 0:
             raise ValueError("the activation tier on nvme needs a chunk size (the plan's activation_chunk)")
 
     # -- the pass ---------------------------------------------------------------------------
@@ -584,14 +584,14 @@ def in_pool(cfg) -> bool:
     return cfg.activations.tier == "nvme"
 
 
-def attach(scheduler, cfg, *, rank: int, local_rank: int, aio, pool, transport, stats, params, admission, chunk):
+def attach(scheduler, cfg, *, rank: int, local_rank: int, aio, pool, transport, stats, params, admission):
     """The activation tier of ``cfg`` plugged into ``scheduler``'s saved-tensor hooks and
     passes; None where activations stay on the device (or a CPU device's host memory)."""
     tier, device = cfg.activations.tier, transport.device
     if tier == "device" or (tier == "cpu" and device.type == "cpu"):
         return None
     space, made = open_activation_space(cfg, rank, local_rank, aio, pool) if tier == "nvme" else (None, [])
-    act = ActivationTier(tier, device, pool=pool, space=space, stats=stats, admission=admission, chunk=chunk,
+    act = ActivationTier(tier, device, pool=pool, space=space, stats=stats, admission=admission,
                          copy_back=transport.copy_back, to_device=transport.to_device,
                          drain_copies=(lambda: transport.copies.drain(block=True)) if transport.copies else None,
                          min_bytes=cfg.activations.min_bytes, depth=cfg.activations.depth, params=params)  # fmt: skip

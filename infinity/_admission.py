@@ -111,7 +111,7 @@ def activation_chunk(usable: int) -> int:
 def make_plan(engine, cfg, units, *, activations_in_pool: bool) -> Plan:
     """The plan for ``engine``'s model and config, checked: a budget smaller than forward and
     backward's or the step's need is a `_resources.HostBudgetError`. The disk may still turn
-    the overlap off (`drop_overlap`), after which `finish` sets the limits that depend on it."""
+    the overlap off (``plan.overlap = 0``), after which `finish` sets the limits that depend on it."""
     budget = cfg.memory.host_budget
     plan = Plan(budget=budget, usable=int(budget * (1 - POOL_SLACK)))
     largest = max(u.padded_numel for u in units)
@@ -130,14 +130,11 @@ def make_plan(engine, cfg, units, *, activations_in_pool: bool) -> Plan:
     plan.overlap_from = _overlap_from(engine, cfg, backward)
     _resources.check_host_budget(cfg, needs, largest * 4, overlap_from=plan.overlap_from)
     plan.overlap = _fit_overlap(engine, cfg, plan)
-    # Host bytes for the early updates' staged copies where the states are in host memory.
-    plan.staging = _overlap_host.fit(engine, cfg, backward) if not plan.overlap else 0
+    # Host bytes for the early updates' staged copies where the states are in host memory:
+    # what the usable budget leaves beside the backward's buffers and the step's own.
+    room = plan.usable - max(backward, opt.host_bytes_needed())
+    plan.staging = _overlap_host.fit(engine, cfg, room) if not plan.overlap else 0
     return plan
-
-
-def drop_overlap(plan: Plan) -> None:
-    """The disk has no room for the overlap's staged copies: the optimizer runs after backward."""
-    plan.overlap = 0
 
 
 def finish(plan: Plan, engine) -> None:
@@ -222,7 +219,7 @@ def _fit_overlap(engine, cfg, plan: Plan) -> int:
 class Admission:
     """The run-time half: what gives way, in which order, to a transfer needed now."""
 
-    def __init__(self, pool, plan: Plan | None = None):
+    def __init__(self, pool, plan: Plan):
         self.pool = pool
         self.plan = plan
         self._give_way: list[tuple[str, Callable[[], None]]] = []  # (what, give back), in order
@@ -231,12 +228,6 @@ class Admission:
         """Register ``fn``, which gives back the pool memory of ``what`` (memory held for later),
         after those registered before it."""
         self._give_way.append((what, fn))
-
-    def relieve(self, skip: tuple[str, ...] = ()) -> None:
-        """Everything registered gives way (but ``skip``)."""
-        for what, fn in self._give_way:
-            if what not in skip:
-                fn()
 
     def take_now(self, take: Callable[[float | None], T], *, skip: tuple[str, ...] = ()) -> T:
         """``take(timeout)`` (a pool acquire, or a read into a pool buffer) for a transfer needed
@@ -259,5 +250,5 @@ class Admission:
     def stats(self) -> dict:
         """Each class's bytes held now and at most, and the plan's shares ("pool" in `engine.stats()`)."""
         pool = self.pool.stats()
-        return {"by_traffic": pool["by_traffic"], "shares": self.plan.shares() if self.plan else {},
+        return {"by_traffic": pool["by_traffic"], "shares": self.plan.shares(),
                 "in_use_bytes": pool["in_use_bytes"], "peak_bytes": pool["peak_bytes"]}  # fmt: skip

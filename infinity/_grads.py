@@ -54,7 +54,7 @@ from torch.profiler import record_function
 
 from infinity.swap import PoolExhausted, WriteBehind
 
-from ._store import Lease, Store
+from ._store import InHand, Lease, Store
 from ._units import ParamUnit
 
 
@@ -163,7 +163,7 @@ class GradAccumulator:
         if landing.first:
             if buffer is None:
                 return  # in the tier's own tensor: stored
-            self._keep_or_write(unit, dst, buffer)
+            self._store(unit, dst, buffer, noted=True)  # (a pool buffer: the tier is nvme)
             return
         try:
             self._writes.settle(index)
@@ -193,6 +193,17 @@ class GradAccumulator:
         """The store's `Pending` of ``unit``'s accumulated gradient (landed first)."""
         self._land(unit.index)
         return self.store.get(unit.name, timeout=timeout)
+
+    def lend(self, unit: ParamUnit, timeout: float | None = None):
+        """A `Pending` of ``unit``'s gradient for the optimizer's early update: a held one
+        borrowed (`borrow_held`), a kept one taken from memory (`take_kept`), else a read
+        (`get`, waiting at most ``timeout`` for pool memory)."""
+        if self.is_held(unit.index):  # never written: see [Note: gradients held]
+            return InHand(self.borrow_held(unit.index))
+        kept = self.take_kept(unit.index)
+        if kept is not None:  # still in memory: nothing to read
+            return InHand(Lease(*kept))
+        return self.get(unit, timeout=timeout)
 
     def _accumulate(self, unit: ParamUnit, grad: torch.Tensor, lease):
         """(the accumulated gradient, the buffer it lives in) for this micro-batch."""
@@ -224,10 +235,13 @@ class GradAccumulator:
             lease.release()
         return held.tensor, held
 
-    def _store(self, unit: ParamUnit, acc: torch.Tensor, hold) -> None:
+    def _store(self, unit: ParamUnit, acc: torch.Tensor, hold, noted: bool = False) -> None:
+        """``acc`` is the unit's gradient now: held in ``hold`` (its pool buffer), or written
+        from it; ``noted``: its norm was taken already (a first micro-batch's, on the device)."""
         nbytes = acc.numel() * acc.element_size()
         if hold is not None and self.store.uses_pool and nbytes <= self.hold_limit:
-            self._note(unit, acc)
+            if not noted:
+                self._note(unit, acc)
             self._hold(unit, acc, hold)
             return
         try:
@@ -239,20 +253,8 @@ class GradAccumulator:
                 hold.release()
             self.has_grad.discard(unit.index)
             raise
-        self._note(unit, acc)
-        self._behind(unit, acc, hold, pending)
-
-    def _keep_or_write(self, unit: ParamUnit, acc: torch.Tensor, hold) -> None:
-        """`_store` of a gradient already noted (its norm taken): held, or written from ``hold``."""
-        if acc.numel() * acc.element_size() <= self.hold_limit:
-            self._hold(unit, acc, hold)
-            return
-        try:
-            pending = self.store.put(unit.name, acc)
-        except BaseException:
-            hold.release()
-            self.has_grad.discard(unit.index)
-            raise
+        if not noted:
+            self._note(unit, acc)
         self._behind(unit, acc, hold, pending)
 
     def _hold(self, unit: ParamUnit, acc: torch.Tensor, hold) -> None:

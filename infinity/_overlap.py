@@ -49,7 +49,7 @@ from infinity.swap import OutOfSpace, PoolExhausted, WriteBehind
 
 from . import _footprint
 
-from ._store import InHand, Lease, release_unused
+from ._store import release_unused
 
 MAX_IN_HAND = 4  # sub-groups being read or written at once, whatever their size
 
@@ -218,14 +218,7 @@ class Overlap:
                 early.reads.append(opt.states[kind].get(sg.record.name_for(), timeout=0))
             for u in early.units:
                 early.versions[u.index] = opt.grads.version[u.index]
-                if opt.grads.is_held(u.index):  # never written: see [Note: gradients held] in `_grads`
-                    early.grads[u.index] = InHand(opt.grads.borrow_held(u.index))
-                    continue
-                kept = opt.grads.take_kept(u.index)
-                if kept is not None:  # still in memory: nothing to read
-                    early.grads[u.index] = InHand(Lease(*kept))
-                else:
-                    early.grads[u.index] = opt.grads.get(u, timeout=0)
+                early.grads[u.index] = opt.grads.lend(u, timeout=0)
         except PoolExhausted:
             _give_back(early)
             return False

@@ -31,6 +31,7 @@ no room is left to the step, as on nvme. The tensors are pinned where CUDA is, a
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch.profiler import record_function
@@ -39,7 +40,6 @@ from infinity.swap import PoolExhausted
 
 from ._overlap import Overlap, _Early
 from ._store import Lease
-from ._update import POOL_SLACK
 
 logger = logging.getLogger("infinity")
 
@@ -62,14 +62,13 @@ def staged_bytes(opt, sg) -> int:
     return sg.record.state_bytes(opt.kinds) + sum(opt.record(u).nbytes("param") for u in sg.units)
 
 
-def fit(engine, cfg, backward_bytes: int) -> int:
-    """Host bytes the staged copies may take (0: the optimizer runs after backward): what
-    ``memory.host_budget``, less its slack, leaves beside the backward's pool buffers and the
-    step's own (the gradients it reads, where they are on nvme); at least one sub-group's."""
+def fit(engine, cfg, room: int) -> int:
+    """Host bytes the staged copies may take (0: the optimizer runs after backward): ``room``,
+    what the plan leaves beside the backward's pool buffers and the step's own (the gradients it
+    reads, where they are on nvme; `_admission.make_plan`), if it holds one sub-group's."""
     if not applies(engine, cfg):
         return 0
     opt = engine.optimizer
-    room = int(cfg.memory.host_budget * (1 - POOL_SLACK)) - max(backward_bytes, opt.host_bytes_needed())
     smallest = min(staged_bytes(opt, g) for g in opt.groups)
     if room < smallest:
         logger.info("optimizer.overlap: memory.host_budget leaves %d bytes beside the backward, less than one "
@@ -117,10 +116,7 @@ class _Staging:
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 class _Back:
@@ -186,11 +182,7 @@ class HostOverlap(Overlap):
             grads = {}
             for u in early.units:
                 early.versions[u.index] = opt.grads.version[u.index]
-                if opt.grads.is_held(u.index):
-                    lease = opt.grads.borrow_held(u.index)
-                else:
-                    kept = opt.grads.take_kept(u.index)
-                    lease = Lease(*kept) if kept is not None else opt.grads.get(u, timeout=0).result()
+                lease = opt.grads.lend(u, timeout=0).result()
                 leases.append(lease)
                 g = lease.tensor
                 grads[u.index] = g if g.device == copies[0].device else g.to(copies[0].device)

@@ -158,7 +158,7 @@ class Scheduler:
         tiled: dict[nn.Module, list[ParamUnit]] | None = None,
         keep: bool = True,
         keep_limit: int = 0,
-        admission: Admission | None = None,
+        admission: Admission,
     ):
         self.units = units
         self.module_units = module_units
@@ -175,7 +175,7 @@ class Scheduler:
         self._itemsize = transport.dtype.itemsize
         self.pool = transport.pool  # host buffers for gradients gathered on a CPU device
         # What gives way when a fetch finds the pool full: see [Note: traffic classes] in `_admission`.
-        self.admission = admission if admission is not None else Admission(self.pool)
+        self.admission = admission
         # Gradients gathered straight into pool buffers (a CPU device with a pool); else on the
         # device, whence `_grads` copies them back ([Note: gradients copied back]).
         self.grads_in_pool = self.device.type == "cpu" and self.pool is not None

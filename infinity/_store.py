@@ -141,10 +141,7 @@ class Store:
         or unless it is not a contiguous CPU tensor: then from a pool copy (waiting at most
         ``timeout`` seconds for its pool memory)."""
         if self._resident is not None:
-            dst = self._resident.get(name)
-            if dst is None or dst.shape != tensor.shape:
-                dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device, pin_memory=self._pin)
-                self._resident[name] = dst
+            dst = self._resident_for(name, tensor.shape, tensor.dtype, cast=True)
             if dst.data_ptr() != tensor.data_ptr():
                 dst.copy_(tensor.detach())
             return Pending(None)
@@ -167,16 +164,22 @@ class Store:
             raise
         return Pending(future, span, staged=staged)
 
+    def _resident_for(self, name: str, shape, dtype: torch.dtype, *, cast: bool) -> torch.Tensor:
+        """The resident tier's tensor of ``name``, made (pinned where CUDA is) where there is
+        none of this shape yet, or, unless ``cast`` (a value is cast to the dtype stored), none
+        of this dtype."""
+        dst = self._resident.get(name)
+        if dst is None or dst.shape != shape or (not cast and dst.dtype != dtype):
+            dst = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self._pin)
+            self._resident[name] = dst
+        return dst
+
     def landing(self, name: str, shape, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
         """Where a copy from the device of ``name``'s new value lands: the tier's own tensor
         (resident; pinned where CUDA is) and None, or a pool buffer's view and the buffer, to
         `put` from once the copy is done (nvme). See [Note: gradients copied back] in `_grads`."""
         if self._resident is not None:
-            dst = self._resident.get(name)
-            if dst is None or dst.shape != shape or dst.dtype != dtype:
-                dst = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self._pin)
-                self._resident[name] = dst
-            return dst, None
+            return self._resident_for(name, shape, dtype, cast=False), None
         buffer = self._space.pool.acquire(max(shape.numel() * dtype.itemsize, 1))
         return buffer.view(dtype, tuple(shape)), buffer
 

@@ -335,10 +335,11 @@ class ActivationsConfig:
     _section: ClassVar[str] = "activations"
 
     tier: str = "device"
-    """"device": where the compute made them (PyTorch's own behaviour). "cpu": copied to host
-    memory (pool buffers, in memory.host_budget) on a GPU; on a CPU device they are in host
-    memory already and stay. "nvme": written to a swap space of their own under each of
-    nvme.paths (an "activations" directory), read back ahead of backward."""
+    """"device": where the compute made them (PyTorch's own behaviour). "cpu": copied to pinned
+    host tensors of their own on a GPU (beside the budget, as the cpu tier's state); on a CPU
+    device they are in host memory already and stay. "nvme": written, in chunks through the
+    host pool, to a swap space of their own under each of nvme.paths (an "activations"
+    directory), read back ahead of backward."""
     min_bytes: Size = "1MiB"
     """Saved tensors smaller than this stay where they are (moving them costs more than it saves)."""
     depth: int = 2

@@ -189,8 +189,7 @@ class Engine:
         # [activations] tier: see [Note: activations offloaded] in `_activations`
         self.activations = _activations.attach(self.scheduler, cfg, rank=self.rank, local_rank=self.dist.local_rank,
                                                aio=self.aio, pool=self.pool, transport=self.transport, stats=stats,
-                                               params=module.parameters, admission=self.admission,
-                                               chunk=plan.activation_chunk)  # fmt: skip
+                                               params=module.parameters, admission=self.admission)  # fmt: skip
         self._state_hooks = StateDictHooks(self, module)
         self._backwards = 0  # backward passes since the last step
         self._told_accumulation = False
@@ -238,7 +237,7 @@ class Engine:
             if self.footprint.staging_room == 0 and self.plan.overlap:
                 logger.info("optimizer.overlap: the disk has no room for a sub-group's staged copies beside the "
                             "state; the optimizer runs after backward")  # fmt: skip
-                _admission.drop_overlap(self.plan)
+                self.plan.overlap = 0
 
     def _loss_scale(self) -> float:
         return self._scaler.scale if self._scaler is not None else 1.0

@@ -5,18 +5,18 @@ import os
 import torch
 from torch import nn
 
+from infinity._resources import proc_bytes
+from infinity._stats import peak_rss_bytes
+
 
 def rss() -> int:
     """The process's resident set now, in bytes."""
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return proc_bytes("/proc/self/status", "VmRSS")
 
 
 def peak_rss() -> int:
     """Its peak (VmHWM; a write of "5" to /proc/self/clear_refs resets it to the RSS now)."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return peak_rss_bytes()
 
 
 def make_model(seed: int = 0, width: int = 32) -> nn.Module:
