@@ -81,7 +81,25 @@ def apply(model: nn.Module, fn) -> tuple[nn.Module, dict[str, str]]:
         old = before[id(m)][0]
         for key in (*m._parameters, *m._buffers):
             names[f"{path}.{key}" if path else key] = f"{old}.{key}" if old else key
+    _refuse_lost_base(wrapped, names, built)
     return wrapped, names
+
+
+def _refuse_lost_base(wrapped: nn.Module, names: dict[str, str], built: dict) -> None:
+    """Every parameter of the base must be in ``wrapped``, in a module the base had (so that
+    the checkpoint's key for it is known): otherwise the checkpoint would load into nothing,
+    or the parameter would train from no values at all, with nothing said."""
+    named = {id(p) for key, p in wrapped.named_parameters(remove_duplicate=False) if key in names}
+    lost = [name for i, (name, _) in built.items() if i not in named]
+    if not lost:
+        return
+    shown = ", ".join(repr(n) for n in lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+    raise ValueError(
+        f"wrap(model) returned a {type(wrapped).__module__}.{type(wrapped).__qualname__} that does not hold "
+        f"{len(lost)} of the base's {len(built)} parameters in the modules the base had them in ({shown}): the "
+        "checkpoint would not load into them. wrap must return the base itself, or a wrapper around it that "
+        "keeps its modules (as peft.get_peft_model does)"
+    )
 
 
 def _swap(p: nn.Parameter, value: torch.Tensor) -> None:

@@ -202,7 +202,39 @@ def test_an_engine_from_pretrained_refuses_a_foreign_optimizer_and_a_second_init
     engine.close()
 
 
-# -- issue 22, item 5: what from_pretrained reads ---------------------------------------------
+def _replace_mlp(model):
+    """A wrapper that swaps a block's MLP for a fresh one: the base's weights there are gone."""
+    model.model.layers[1].mlp = transformers.models.llama.modeling_llama.LlamaMLP(model.config)
+    return model
+
+
+@pytest.mark.parametrize("wrap, returned, lost", [
+    (lambda m: torch.nn.Linear(4, 4), "torch.nn.modules.linear.Linear", "21 of the base's 21"),
+    (lambda m: transformers.LlamaForCausalLM(m.config), "LlamaForCausalLM", "21 of the base's 21"),
+    (_replace_mlp, "LlamaForCausalLM", "3 of the base's 21"),
+], ids=["unrelated", "another-model", "a-module-replaced"])  # fmt: skip
+def test_a_wrapper_that_does_not_keep_the_base_is_refused_naming_what_it_returned(tmp_path, wrap, returned, lost):
+    """Accepted before with a logged warning, the checkpoint loaded into nothing (or a module the
+    wrapper made trained from no values): the wrapped model must hold the base's parameters."""
+    _llama().save_pretrained(tmp_path / "in")
+    with pytest.raises(ValueError, match=rf"wrap\(model\) returned a \S*{returned} that does not hold {lost} "
+                                         r"parameters.*'model\.\S+'"):
+        infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "in", _nvme(tmp_path), wrap=wrap)
+    assert not any((tmp_path / "swap").iterdir())  # nothing was made
+
+
+def test_a_wrapper_that_returns_the_base_itself_loads_it(tmp_path):
+    plain = _llama()
+    plain.save_pretrained(tmp_path / "in")
+    with infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "in", _nvme(tmp_path),
+                                  wrap=lambda m: m) as engine:  # fmt: skip
+        got = engine.gathered_weights()
+        for key, value in plain.state_dict().items():
+            if key in got:
+                assert torch.equal(got[key], value), key
+
+
+# -- what from_pretrained reads: files, index, dtypes, damage -------------------------------
 _KEY = "model.layers.0.mlp.up_proj.weight"  # [64, 32] in _llama
 _INDEX = "model.safetensors.index.json"
 
@@ -318,7 +350,7 @@ def test_a_damaged_weights_file_is_an_error_naming_it(tmp_path, damage):
         infinity.from_pretrained(transformers.LlamaForCausalLM, directory, _resident())
 
 
-# -- issue 22, items 6 and 12: what save_pretrained leaves ------------------------------------
+# -- what save_pretrained leaves: atomic saves, modes, concurrent saves ------------------------
 _CHANGES = ("replace", "rename", "unlink", "remove")
 
 
