@@ -175,7 +175,7 @@ class Engine:
     # A Ctrl-C (KeyboardInterrupt) can land between any two bytecodes of the caller. Were a
     # request handed to the kernel or the thread pool before anything held it, an interrupt in
     # between would leave it running with no future: the caller's cleanup would give its
-    # buffer back to the pool and the next owner's bytes would be overwritten (issue 22). So
+    # buffer back to the pool and the next owner's bytes would be overwritten. So
     # `_start` makes the request, gives it to ``fut`` (``fut._handle``) and to the engine
     # (``self._own(fut)``) before handing it over; the uring binding does all three in one
     # call that runs no bytecode, the threads backend see `ThreadEngine._start`. Buffer owners

@@ -1,6 +1,7 @@
 """What owning every request costs: per-request submit+wait time and per-release pool time.
 
-Not run by CI. Issue 22 made the aio engine own each request before its backend has it and
+Not run by CI. The aio engine owns each request before its backend has it (so that a Ctrl-C
+between the two cannot leave a request running on a buffer given back), and
 the host buffer pool ask the engine, on every release, whether a request still runs on the
 buffer. This measures both paths where they cost most, requests too small for the disk to
 hide anything:

@@ -177,9 +177,20 @@ def test_any_thread_may_use_an_engine_no_other_is_inside(tmp_path):
     and the main thread (as the atexit handler does) closes it after."""
     (tmp_path / "a").mkdir()
     engine = infinity.initialize(make_model(), config(tmp_path / "a", NVME))
-    worker = threading.Thread(target=lambda: train(engine, 2), name="worker")
+    failed = []
+
+    def work():
+        try:
+            train(engine, 2)
+        except BaseException as e:  # noqa: BLE001 - carried to the main thread, which fails the test
+            failed.append(e)
+
+    worker = threading.Thread(target=work, name="worker")
     worker.start()
     worker.join(60)
+    assert not worker.is_alive(), "the worker's two steps did not finish in 60 s"
+    if failed:
+        raise failed[0]
     train(engine, 1, start=2)
     engine.close()
     again = infinity.initialize(make_model(), config(tmp_path / "a", NVME))

@@ -33,7 +33,9 @@ def test_peak_rss_is_bounded_by_the_budget_not_the_model(tmp_path):
     r = _measure(tmp_path, "1024", "64", "64MiB", "0", "2MiB", "8MiB")
     bound = 64 * MiB + 8 * MiB + 8 * r["largest_unit_bytes"] + 16 * MiB
     assert r["growth"] < bound, r
-    assert r["pool_peak"] <= 64 * MiB, r
+    # The bound counts on the budget holding what is read and written: a buffer taken outside
+    # the pool would leave it idle (the pool's own peak cannot pass the budget: it refuses).
+    assert r["pool_peak"] >= 2 * r["largest_unit_bytes"], r
     ratio = r["state_bytes"] / r["growth"]
     print(f"fp32 state {r['state_bytes'] / MiB:.0f} MiB, peak RSS growth {r['growth'] / MiB:.0f} MiB: {ratio:.1f}x")
     assert ratio >= 10, r
@@ -52,7 +54,7 @@ def test_a_vocabulary_sized_module_in_tiles_does_not_set_the_memory_floor(tmp_pa
     assert r["largest_unit_bytes"] <= 256 * 1024 and r["largest_module_bytes"] > 8 * MiB, r
     bound = 12 * MiB + 8 * MiB + r["largest_module_bytes"] + 8 * r["largest_unit_bytes"] + 16 * MiB
     assert r["growth"] < bound, r
-    assert r["pool_peak"] <= 12 * MiB, r
+    assert r["pool_peak"] >= 2 * r["largest_unit_bytes"], r  # the tiles went through the pool
     print(f"fp32 state {r['state_bytes'] / MiB:.0f} MiB, peak RSS growth {r['growth'] / MiB:.1f} MiB, "
           f"bound {bound / MiB:.1f} MiB")
 
@@ -61,7 +63,7 @@ def test_peak_rss_stays_within_the_budget_with_unit_sized_gradients(tmp_path):
     """24 x Linear(2048, 2048) fp32 (16 MiB per layer: its weight gradient from autograd is as
     large as a unit), built with `infinity.build` in a process that ran no engine before (a
     user's script), every tier on nvme, host_budget 256 MiB, 32 MiB sub-groups, batch 8,
-    trained two steps (issue 23, item 2). The promise `memory.host_budget` makes, with a
+    trained two steps. The promise `memory.host_budget` makes, with a
     batch whose activations are small (8 x 2048 floats per layer: 64 KiB): the process's peak
     RSS growth from before the model is built stays within 1.25 x the budget + 128 MiB for
     what is not the pool (autograd's gradients before the hooks take them, the builder's and
@@ -69,7 +71,7 @@ def test_peak_rss_stays_within_the_budget_with_unit_sized_gradients(tmp_path):
     reports the process's peak RSS beside the pool's: the figure the kernel gives (VmHWM)."""
     r = _measure(tmp_path, "2048", "24", "256MiB", "0", "64MiB", "32MiB", "cold")
     budget = 256 * MiB
-    assert r["pool_peak"] <= budget, r
+    assert r["pool_peak"] >= 2 * r["largest_unit_bytes"], r  # the units went through the pool
     assert r["growth"] <= 1.25 * budget + 128 * MiB, r
     # The steps hold what initialize left (the pool's slab, torch) and a few of autograd's
     # unit-sized gradients at a time, which the hooks take as they come: not one per layer.
