@@ -52,7 +52,7 @@ from infinity.swap import (
     SpaceReader, SwapSpace, WriteBehind, fsync_dir, parse_json, read_json, round_up, write_bytes_atomic, write_json_atomic,
 )  # fmt: skip
 
-from . import _compact, _recut, _rng
+from . import _algorithms, _compact, _recut, _rng
 from ._substates import state_key
 from .checkpoint import (
     FORMAT, LATEST_NAME, LOCK_NAME, META_NAME, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, check_tag,
@@ -557,6 +557,9 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
     error = None
     meta = None
     start = time.perf_counter()
+    # What an interrupted backward left (a gradient in a parameter or a unit) would be added
+    # to the loaded state's first one: see [Note: gradient hand-over] in `_schedule`.
+    engine.scheduler.drop_grads()
     engine.scheduler.release_all()
     where, writing = None, False
     with record_function("infinity::checkpoint.load"):
@@ -566,6 +569,7 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
             cut = _recut.plan(engine.units, meta, where)
             src = _Sources(where, meta["world_size"], engine)
             try:
+                _refuse_other_optimizer(engine.optimizer, meta, where)
                 steps = _unit_steps(engine, src, meta, cut)  # refused here, before any state is replaced
                 writing = True  # from here on, the engine's state is being replaced
                 _load_rank(engine, src, meta, cut, steps)
@@ -636,6 +640,32 @@ def _load_compact(opt, src: _Sources, cut: _recut.Plan, group, writes: WriteBehi
     values = [read(kind.name) for kind in opt.algorithm.states]
     for kind, tensor in opt.algorithm.encoded(values, group.slices):
         _load_into(opt.states[kind], group.record.name_for(), writes, lambda flat, t=tensor: flat.copy_(t))
+
+
+def _refuse_other_optimizer(opt, meta: dict, where: str) -> None:
+    """A checkpoint of an optimizer whose states are not this engine's (AdamW's moments into
+    SGD's momentum) cannot load: said as that, before a missing tensor is, which reads as a
+    damaged checkpoint. Algorithms with the same states (Adam and AdamW) load into each other."""
+    saved = (meta.get("optimizer") or {}).get("type")
+    if saved is None or saved == opt.kind:
+        return
+    try:
+        theirs = _algorithms.algorithm(saved).saved_kinds
+    except ValueError:
+        theirs = None
+    ours = opt.algorithm.saved_kinds
+    if theirs is not None and [k.name for k in theirs] == [k.name for k in ours]:
+        return
+
+    def kinds(ks):
+        return ", ".join(k.name for k in ks) if ks is not None else "unknown"
+
+    raise CheckpointError(
+        f"{where}: saved by optimizer {saved!r} (state per parameter: {kinds(theirs)}), and this engine runs "
+        f"{opt.kind!r} ({kinds(ours)}): the optimizer states do not carry over. Make the engine with the "
+        f"checkpoint's optimizer ([optimizer] type = {saved!r}, or optimizer= its torch class), or load the "
+        "weights alone (engine.module.load_state_dict of an export) and start the optimizer afresh"
+    )
 
 
 def _unit_steps(engine, src: _Sources, meta: dict, cut: _recut.Plan) -> torch.Tensor:

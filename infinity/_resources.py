@@ -109,12 +109,13 @@ def remove_made_dirs(made) -> None:
             pass  # not empty: something else is there now
 
 
-def close_io(space, pool, engine) -> None:
+def close_io(space, pool, engine, discard: bool = False) -> None:
     """Close the swap space, the pool and the aio engine: all three, whatever fails first
-    (the first error is raised after the others are closed)."""
+    (the first error is raised after the others are closed). ``discard``: remove the swap
+    space's files too (an initialize that failed: its fresh space holds nothing to keep)."""
     try:
         if space is not None:
-            space.close()
+            space.discard() if discard else space.close()
     finally:
         try:
             if pool is not None:

@@ -92,7 +92,7 @@ class Engine:
             try:
                 if self.activations is not None:
                     self.activations.close()
-                _resources.close_io(self.space, self.pool, self.aio)
+                _resources.close_io(self.space, self.pool, self.aio, discard=True)  # a refused run leaves nothing
             except Exception as cleanup:  # noqa: BLE001 - the first error is the one to see
                 e.add_note(f"(closing the swap space after that also failed: {cleanup})")
             raise

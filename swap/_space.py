@@ -684,6 +684,12 @@ class SwapSpace:
         if error is not None:
             raise error
 
+    def discard(self) -> None:
+        """Close and remove the space's files, as ``keep=False`` does: for a space whose run
+        never started (an initialize that failed), whose files hold nothing to keep."""
+        self.keep = False
+        self.close()
+
     def _shrink_manifest(self) -> list[tuple[int, int]]:
         """Set each arena's size in the manifest to the end of its last extent (aligned); the
         (file index, size) of those that shrink."""

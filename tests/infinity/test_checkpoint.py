@@ -294,6 +294,41 @@ def test_incomplete_foreign_and_tampered_checkpoints_are_refused(tmp_path):
     engine.close()
 
 
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_both_and_changes_nothing(tmp_path):
+    """AdamW's moments cannot become SGD's momentum: said as that (it read as a damaged
+    checkpoint: "tensor '0/momentum_buffer' is missing"), before any state is replaced."""
+    saved = _engine(tmp_path)
+    train(saved, 2)
+    saved.save_checkpoint(tmp_path / "ck")
+    saved.close()
+    sgd = {"type": "sgd", "momentum": 0.9, "weight_decay": 0.0}
+    engine, fresh = _engine(tmp_path, optimizer=sgd), _engine(tmp_path, optimizer=sgd)
+    with pytest.raises(CheckpointError, match=r"saved by optimizer 'adamw' \(state per parameter: master, exp_avg, "
+                                              r"exp_avg_sq\), and this engine runs 'sgd' \(master, "
+                                              r"momentum_buffer\).*\[optimizer\] type = 'adamw'"):
+        engine.load_checkpoint(tmp_path / "ck")
+    torch.manual_seed(1)  # the model's dropout
+    losses = train(engine, 2)
+    torch.manual_seed(1)
+    assert losses == train(fresh, 2)  # nothing of the checkpoint came in
+    _assert_equal(engine.gathered_weights(), fresh.gathered_weights())
+    engine.close()
+    fresh.close()
+
+
+def test_adam_and_adamw_checkpoints_load_into_each_other(tmp_path):
+    """The same states (master, exp_avg, exp_avg_sq): the weights and moments carry over."""
+    saved = _engine(tmp_path, optimizer={"type": "adam"})
+    train(saved, 2)
+    saved.save_checkpoint(tmp_path / "ck")
+    weights = saved.gathered_weights()
+    saved.close()
+    engine = _engine(tmp_path)
+    engine.load_checkpoint(tmp_path / "ck")
+    _assert_equal(engine.gathered_weights(), weights)
+    engine.close()
+
+
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
     engine = _engine(tmp_path, ("device",) * 3)
     with pytest.raises(TypeError, match="JSON-serialisable"):

@@ -64,13 +64,18 @@ def test_initialize_refuses_a_state_larger_than_the_free_space(tmp_path, monkeyp
         infinity.initialize(_mlp(), _cfg(tmp_path, False))
     message = str(info.value)
     assert str(tmp_path) in message and "64KiB free" in message and "fewer tiers on nvme" in message
-    arena = tmp_path / "rank0" / "arena-0.bin"  # nothing was written before the refusal
-    assert not arena.exists() or arena.stat().st_size == 0
+    assert list(tmp_path.iterdir()) == []  # nothing left behind: no arena, lock or manifest
 
 
-def test_initialize_refuses_a_state_larger_than_the_disk_budget(tmp_path):
+@pytest.mark.parametrize("made", [False, True], ids=["path-existed", "path-made"])
+def test_initialize_refuses_a_state_larger_than_the_disk_budget_and_leaves_nothing(tmp_path, made):
+    swap = tmp_path / "swap" if made else tmp_path  # a missing last component is made by the space
     with pytest.raises(ValueError, match=r"nvme.disk_budget=8KiB"):
-        infinity.initialize(_mlp(), _cfg(tmp_path, False, disk_budget="8KiB"))
+        infinity.initialize(_mlp(), _cfg(swap, False, disk_budget="8KiB"))
+    assert list(tmp_path.iterdir()) == []  # the refused run's arena, .lock and manifest are gone
+    engine = infinity.initialize(_mlp(), _cfg(swap, False))  # and the directory takes the next run
+    _step(engine, 0)
+    engine.close()
 
 
 def test_footprint_counts_the_state_as_written(tmp_path):
