@@ -58,20 +58,25 @@ class Future:
         fut._outcome = (nbytes, 0)
         return fut
 
-    def _reap(self) -> None:
-        self._outcome = self._handle.outcome()
+    # Two threads may wait on one future (the swap layer checks a read's bytes on a thread of
+    # its own while the caller's thread reaps what finished): each takes the handle once, and
+    # the outcome is set before the handle goes, so one that finds no handle finds the outcome.
+    def _reap(self, handle) -> None:
+        self._outcome = handle.outcome()
         self._handle = None
         self._keepalive = None
 
     def done(self) -> bool:
-        if self._outcome is None and self._handle.done():
-            self._reap()
+        handle = self._handle
+        if self._outcome is None and handle is not None and handle.done():
+            self._reap(handle)
         return self._outcome is not None
 
     def wait(self, timeout: float | None = None) -> bool:
-        if self._outcome is None:
-            if self._handle.wait(-1.0 if timeout is None else max(timeout, 0.0)):
-                self._reap()
+        handle = self._handle
+        if self._outcome is None and handle is not None:
+            if handle.wait(-1.0 if timeout is None else max(timeout, 0.0)):
+                self._reap(handle)
         return self._outcome is not None
 
     def result(self, timeout: float | None = None) -> int:
