@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from . import _resources
+from . import _resources, _sizes
 from ._interrupts import held_interrupts
 
 # Reading these is reading metadata, or registering hooks: allowed on a placeholder.
@@ -60,6 +60,8 @@ class _Released:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _sizes.COUNTS:  # the full count: see [Note: sizes of placeholders]
+            return _sizes.count(args[0])
         if not _allowed(func):
             for t in tree_leaves((args, kwargs)):
                 if type(t) in _RELEASED_CLASSES:

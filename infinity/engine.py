@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _build, _checkpoint, _ddp, _footprint, _onecopy, _resources, _wrap
+from . import _activations, _admission, _build, _checkpoint, _ddp, _footprint, _onecopy, _resources, _sizes, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -162,6 +162,7 @@ class Engine:
             self.optimizer.init_state(
                 prepare=lambda u: _build.materialize(module, u, modules) if u.index in built else None, done=done
             )
+        _sizes.mark(units, self)  # what counts and clipping read: [Note: sizes of placeholders]
         for unit in units:
             unit.placeholder_dtype, unit.placeholder_device = self.dtype, dev
             for p in unit.params:

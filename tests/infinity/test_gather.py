@@ -124,7 +124,7 @@ def test_metadata_of_a_placeholder_stays_readable(tmp_path):
     try:
         w = engine.module.head.weight
         assert isinstance(w, nn.Parameter) and w.dtype == torch.float32 and w.device.type == "cpu"
-        assert w.requires_grad and w.numel() == 0 and w.grad is None
+        assert w.requires_grad and w.shape == (0,) and w.grad is None
         with torch.no_grad():
             engine.module.to("cpu")  # what Trainer and accelerate do
     finally:
@@ -149,7 +149,7 @@ def test_a_tiled_parameter_is_gathered_whole_and_its_gradient_reaches_every_tile
         assert sum(u.path == "head" for u in engine.units) == 4
         _train_and_compare(engine, 3, want, want_params)
         w = engine.module.head.weight
-        assert w.numel() == 0  # a placeholder again after the context
+        assert w.shape == (0,)  # a placeholder again after the context
     finally:
         engine.close()
 
@@ -163,11 +163,11 @@ def test_gathered_parameters_read_the_values_in_the_tiers_and_release_them_after
         with infinity.GatheredParameters(head.parameters()):
             torch.testing.assert_close(head.weight.detach(), want, rtol=0, atol=0)
             torch.testing.assert_close(head(torch.eye(16)).detach(), want.T + head.bias.detach(), rtol=0, atol=0)
-        assert head.weight.numel() == 0
+        assert head.weight.shape == (0,)
         with infinity.GatheredParameters([torch.ones(2), None], enabled=True):
             pass  # tensors no engine holds are left alone
         with infinity.GatheredParameters(head.parameters(), enabled=False):
-            assert head.weight.numel() == 0
+            assert head.weight.shape == (0,)
     finally:
         engine.close()
 
@@ -232,7 +232,7 @@ def test_a_gradient_into_a_parameter_released_again_reaches_the_engine(tmp_path)
         assert got == pytest.approx(want, abs=1e-5)
         head = engine.gathered_weights()["head.weight"]
         torch.testing.assert_close(head, plain.head.weight.detach(), atol=1e-5, rtol=0)
-        assert engine.module.head.weight.numel() == 0  # the stand-in went: a placeholder again
+        assert engine.module.head.weight.shape == (0,)  # the stand-in went: a placeholder again
     finally:
         engine.close()
 
