@@ -81,6 +81,20 @@ class Dist:
         self._run(lambda: dist.all_gather_into_tensor(out, src), what)
         self._back(full, out)
 
+    def gather_to_rank0(self, full: torch.Tensor | None, shard: torch.Tensor, what: str) -> None:
+        """Every rank's ``shard`` (all of one size) into ``full`` on rank 0, in rank order; the
+        other ranks pass ``full=None`` and receive nothing (a save's gather: only the writer
+        holds the whole of what it writes)."""
+        if (full is None) != (self.rank != 0):
+            raise ValueError(f"gather_to_rank0 on rank {self.rank}: full is given on rank 0 only ({what})")
+        src = self._on_device(shard)
+        if full is None:
+            self._run(lambda: dist.gather(src, None, dst=0), what)
+            return
+        out = self._on_device(full)
+        self._run(lambda: dist.gather(src, list(out.view(self.world_size, -1)), dst=0), what)
+        self._back(full, out)
+
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
         """``shard`` = this rank's slice of the mean over ranks of ``full``."""
         out, src = self._on_device(shard), self._on_device(full)

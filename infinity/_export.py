@@ -14,8 +14,9 @@ Every key's shape and dtype are known before any weight is read (the units keep 
 parameters' shapes), so the header is written first and each unit's weights are written at
 their offsets (``os.pwrite``) as `Engine.unit_weights` yields them: one unit is in memory at a
 time, whatever the model's size. Only rank 0 writes; every rank iterates the units to the end
-(they are gathered collectively), and the ranks agree on the outcome before returning, so a
-failed write raises on every rank instead of leaving the others in a gather.
+(each unit is gathered to rank 0 from every rank's shard, and the other ranks hold none of it),
+and the ranks agree on the outcome before returning, so a failed write raises on every rank
+instead of leaving the others in a gather.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def write_files(engine, files: list[tuple[str, _Layout]], what: str, *, done: st
             except Exception as e:  # noqa: BLE001 - raised below, once the ranks agree
                 error = e
         if error is None or engine.dist.active:
-            with contextlib.closing(engine.unit_weights()) as weights:
+            # Gathered to rank 0 only: the other ranks send their shard of each unit and hold none.
+            with contextlib.closing(engine.unit_weights(rank0_only=True)) as weights:
                 for unit, full in weights:
                     if outs and error is None:
                         try:

@@ -25,6 +25,7 @@ A flock on the directory keeps two saves into it from collecting each other's te
 
 from __future__ import annotations
 
+import copy
 import errno
 import fcntl
 import json
@@ -97,6 +98,8 @@ def save_pretrained(engine, directory, max_shard_size="2GB") -> str:
             for attr, name in (("config", "config.json"), ("generation_config", "generation_config.json")):
                 cfg = getattr(module, attr, None)
                 if cfg is not None and hasattr(cfg, "to_json_string"):
+                    if attr == "config":
+                        cfg = _described(cfg, module, entries)
                     _write_small(os.path.join(directory, name), cfg.to_json_string().encode())
 
         def commit():
@@ -118,6 +121,19 @@ def save_pretrained(engine, directory, max_shard_size="2GB") -> str:
         if lock is not None:
             os.close(lock)
     return directory
+
+
+def _described(cfg, module, entries):
+    """A copy of the model's config that says what transformers' own save_pretrained writes into
+    it: the class (``architectures``, which pipelines and the Hub read) and the dtype the model
+    was made in (``dtype``: the placeholders' own dtype says nothing). The user's is unchanged."""
+    cfg = copy.deepcopy(cfg)
+    if hasattr(cfg, "architectures"):
+        cfg.architectures = [type(module).__name__]
+    dtype = next((e.dtype for e in entries if e.is_param and e.dtype.is_floating_point), None)
+    if dtype is not None and hasattr(cfg, "dtype"):
+        cfg.dtype = str(dtype).removeprefix("torch.")
+    return cfg
 
 
 def _names(count: int) -> list[str]:

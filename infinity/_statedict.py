@@ -7,6 +7,17 @@ are left as they are, as torch leaves an optimizer's); the rest loads as usual, 
 unexpected or mis-shaped key is reported as torch reports it. ``state_dict()`` gives every
 managed parameter's weights (the fp32 masters in the parameter's own dtype) instead of its
 empty placeholder. Touches: the units, `Engine.unit_weights`, `engine.optimizer.load_master`.
+
+[Note: state_dict at several ranks]
+The weights are sharded over the ranks at every stage (the fp32 masters are the optimizer's
+state, partitioned from stage 1 on), so ``state_dict()`` at several ranks is a collective, as
+torch's ``get_model_state_dict`` with ``full_state_dict=True, cpu_offload=True`` (FSDP's
+FULL_STATE_DICT with ``rank0_only``) is: every rank must call it, one unit at a time is gathered
+to rank 0, and rank 0 gets the full dict (on the CPU) while every other rank gets an empty one
+(its entries of the module removed), so no rank but the writer holds the model. A call on one
+rank alone waits for the others and fails after ``partition.timeout``. ``keep_vars=True`` gives
+the placeholders, gathers nothing, and is not a collective. To write the weights without
+holding them, `Engine.save_pretrained` and `Engine.export` stream them to rank 0's files.
 """
 
 from __future__ import annotations
@@ -72,24 +83,42 @@ class StateDictHooks:
             if not keys or isinstance(state_dict[keys[0][0]], nn.Parameter):  # keep_vars=True: the parameters
                 return
             engine = self.engine
-            if engine.world_size > 1:
-                raise RuntimeError(
-                    "state_dict() of a module whose parameters are sharded over several ranks would gather "
-                    "every weight on each rank; use engine.gathered_weights() or engine.export(path), "
-                    "called on every rank"
-                )
-            wanted = {unit.index for _, pieces in keys for unit, _ in pieces}
-            weights = {unit.index: full for unit, full in engine.unit_weights() if unit.index in wanted}
-            for key, pieces in keys:
-                state_dict[key] = assemble(pieces, weights)
+            if engine.world_size > 1 and engine.rank != 0:
+                # [Note: state_dict at several ranks]: this rank only sends its shards.
+                for key in [k for k in state_dict if k.startswith(prefix)]:
+                    del state_dict[key]
+            for key, whole in _gathered(engine, keys):
+                state_dict[key] = whole
 
         return hook
 
 
-def assemble(pieces, weights: dict) -> torch.Tensor:
-    """One parameter, whole, in the dtype the model was made in, from its ``pieces`` ((unit,
-    index) as `holders` gives them) and ``weights`` (unit index -> the unit's flat fp32 weights)."""
-    unit, i = pieces[0]
-    parts = [u.view(weights[u.index], j) for u, j in pieces]
-    whole = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return whole.to(unit.dtypes[i])
+def _gathered(engine, keys):
+    """Yield ``(key, tensor)`` for each of ``keys`` ((key, pieces) as `holders` gives them), whole
+    and in the dtype the model was made in, as soon as the last unit it lies in has been gathered:
+    the weights are read one unit at a time (every rank iterates, rank 0 alone receives), so what
+    is in memory beside the result is one unit. Keys of one parameter (tied) share one tensor,
+    as they do in torch's state_dict."""
+    waiting: dict[int, list] = {}  # unit index -> the pieces lists with a piece in that unit
+    parts: dict[int, list] = {}  # id(pieces) -> its parts so far (None until read), in row order
+    names: dict[int, list[str]] = {}  # id(pieces) -> its keys
+    for key, pieces in keys:
+        if id(pieces) not in parts:
+            parts[id(pieces)] = [None] * len(pieces)
+            for unit, _ in pieces:
+                waiting.setdefault(unit.index, []).append(pieces)
+        names.setdefault(id(pieces), []).append(key)
+    for unit, full in engine.unit_weights(rank0_only=True):
+        if full is None:  # a rank other than 0 (see [Note: state_dict at several ranks])
+            continue
+        for pieces in waiting.get(unit.index, ()):
+            got = parts[id(pieces)]
+            for n, (u, j) in enumerate(pieces):
+                if u is unit:
+                    # A copy in the parameter's dtype: ``full`` is let go after this unit.
+                    got[n] = u.view(full, j).to(u.dtypes[j], copy=True)
+            if all(part is not None for part in got):
+                whole = got[0] if len(got) == 1 else torch.cat(got)
+                for key in names[id(pieces)]:
+                    yield key, whole
+        del full  # one unit's weights alive at a time

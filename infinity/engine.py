@@ -359,7 +359,7 @@ class Engine:
         """Forget the gradients accumulated since the last step (also after a failed backward:
         the step can then be redone from its first micro-batch)."""
         self._check_open()
-        self.scheduler.drop_grads()
+        self.scheduler.forget_backward()
         if self.optimizer.overlap is not None:
             self.optimizer.overlap.discard()
         self.grads.zero()
@@ -466,8 +466,10 @@ class Engine:
 
     @entry("state_dict")
     def state_dict(self) -> dict:
-        """``engine.module.state_dict()``: every weight gathered into memory (one rank only);
-        for a large model, `export` streams them to a file instead."""
+        """``engine.module.state_dict()``: every weight gathered into memory; at several ranks
+        every rank calls it and rank 0 alone gets them, the others an empty dict ([Note:
+        state_dict at several ranks]). For a large model, `save_pretrained` and `export` stream
+        them to a file instead."""
         return self.module.state_dict()
 
     def parameter_keys(self) -> dict:
@@ -498,17 +500,18 @@ class Engine:
         self.scheduler.release_all()
         self.optimizer.load_master(values)
 
-    def unit_weights(self):
+    def unit_weights(self, rank0_only: bool = False):
         """Yield ``(unit, full)`` per parameter unit in order: ``full`` is the unit's fp32 master
         weights, whole (gathered from every rank's shard: every rank must iterate to the end),
-        1-D of ``unit.padded_numel`` on the CPU. One sub-group's state is in memory at a time."""
+        1-D of ``unit.padded_numel`` on the CPU. One sub-group's state is in memory at a time.
+        ``rank0_only``: gathered to rank 0 only; the other ranks send their shard and get None."""
         opt = self.optimizer
         for group in opt.groups:
             lease = opt.states["master"].get(group.name).result()
             master = lease.tensor.detach()
             try:
                 for unit in group.units:
-                    full = self._whole(unit, master[group.slices[unit.index]])
+                    full = self._whole(unit, master[group.slices[unit.index]], rank0_only)
                     yield unit, full
                     del full  # one unit's weights alive at a time
             finally:
@@ -519,14 +522,20 @@ class Engine:
                 value = lease.tensor.reshape(-1)
                 if value.numel() == unit.padded_numel:  # stages 1, 2 keep all of it
                     value = value[unit.shard]
-                full = self._whole(unit, value.to("cpu", torch.float32))
+                full = self._whole(unit, value.to("cpu", torch.float32), rank0_only)
             finally:
                 lease.release()
             yield unit, full
             del full
 
-    def _whole(self, unit, shard: torch.Tensor) -> torch.Tensor:
-        """``unit``'s weights from every rank's ``shard`` (fp32), 1-D on the CPU, a copy."""
+    def _whole(self, unit, shard: torch.Tensor, rank0_only: bool = False) -> torch.Tensor | None:
+        """``unit``'s weights from every rank's ``shard`` (fp32), 1-D on the CPU, a copy (None
+        on ranks other than 0 when ``rank0_only``)."""
+        if self.dist.active and rank0_only:
+            full = torch.empty(unit.padded_numel, dtype=torch.float32) if self.rank == 0 else None
+            what = f"weight gather of {unit.name} to rank 0 (every rank calls state_dict, save_pretrained, export)"
+            self.dist.gather_to_rank0(full, shard.to("cpu", torch.float32), what)
+            return full
         if self.dist.active:
             full = torch.empty(unit.padded_numel, dtype=torch.float32)
             self.dist.all_gather(full, shard.to("cpu", torch.float32), f"weight gather of {unit.name}")

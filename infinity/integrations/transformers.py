@@ -23,8 +23,10 @@ changes, when training starts:
 - the model is not wrapped in DistributedDataParallel under ``torchrun``: the engine reduces
   the gradients across ranks itself (accelerate still applies its autocast).
 
-The model's weights are saved as the Trainer saves them (``save_pretrained``, through the
-module's ``state_dict``, which gathers them from the tiers into memory).
+The model's weights (``save_model``, and each checkpoint's) are written by
+``engine.save_pretrained``, on every rank: each unit is gathered to rank 0, which writes it, so
+no rank holds the whole model, whatever the world size. A PEFT model is saved as the Trainer
+saves it, through the module's ``state_dict()``, which every rank calls and rank 0 gets whole.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 
 import torch
 import transformers
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import get_last_checkpoint
 
 import infinity
@@ -112,6 +115,27 @@ class InfinityTrainer(transformers.Trainer):
         if grad_norm is None:  # max_grad_norm = 0: no clipping
             grad_norm = torch.tensor(self.engine.grad_norm())
         return grad_norm
+
+    # -- the model's weights: gathered to rank 0 one unit at a time ---------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # Trainer calls this on every rank and returns at once on all but the writer, which
+        # then reads model.state_dict() alone: at several ranks that is a gather the others
+        # never join ([Note: state_dict at several ranks] in infinity/_statedict.py).
+        if self.engine is None or state_dict is not None:
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not isinstance(self.model, transformers.PreTrainedModel):  # a PeftModel: it picks its keys
+            return super()._save(output_dir, self.model.state_dict())  # every rank; rank 0's is whole
+        # Streamed to rank 0's files one unit at a time (every rank calls it), never whole in
+        # memory; then what Trainer._save writes beside the weights.
+        self.engine.save_pretrained(output_dir)
+        if not self.args.should_save:
+            return
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     # -- checkpoints: the engine's state beside the Trainer's files -------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
