@@ -155,7 +155,11 @@ def _hook(scheduler, p: nn.Parameter, pieces) -> None:
     stood_in = []
 
     def before(grad):
-        if p.shape != grad.shape:
+        # None: a Function that took ``p`` gave it no gradient, and autograd runs a leaf's
+        # hooks for that too. These hooks stay for every later backward: one that took None
+        # for a gradient would fail them all (a tiled module's Function used to be such a one:
+        # [Note: no autograd edge to a tiled parameter] in `_tiled`).
+        if grad is not None and p.shape != grad.shape:
             with held_interrupts:
                 p.data = grad.new_empty(()).expand(grad.shape)
                 stood_in.append(True)
@@ -244,11 +248,7 @@ class GatheredParameters:
                     unit.active += 1
                     stack.callback(_let_go, scheduler, unit)
             else:
-                full = _assemble(scheduler, pieces)
-                with held_interrupts:
-                    p.data = full
-                    bind_param(p)
-                    stack.callback(_replace, p, unit, i)
+                full = _hold_assembled(stack, scheduler, p, pieces)
                 assembled[full.untyped_storage().data_ptr()] = (scheduler, pieces)
             if unit.requires_grad[i] and id(p) not in _hooked.setdefault(scheduler, set()):
                 _hooked[scheduler].add(id(p))
@@ -266,6 +266,43 @@ def _let_go(scheduler, unit) -> None:
     with held_interrupts:
         unit.active = max(unit.active - 1, 0)  # a no-grad root pass's end zeroes it (release_all)
         scheduler.release(unit, after_forward=True)
+
+
+# id(tiled parameter) -> (the parameter, weakly; the GatheredParameters contexts open on it),
+# while any is: see `_hold_assembled`.
+_assembled_open: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _open_on(p: nn.Parameter) -> int:
+    ref, n = _assembled_open.get(id(p), (None, 0))
+    return n if ref is not None and ref() is p else 0
+
+
+def _hold_assembled(stack: contextlib.ExitStack, scheduler, p: nn.Parameter, pieces) -> torch.Tensor:
+    """``p`` (tiled) whole until ``stack`` closes; its whole tensor. Nested contexts share one
+    assembled tensor: the outermost assembles it and the last to exit puts the placeholder
+    back, so an inner context's exit leaves ``p`` whole in the ones still open (replacing it
+    there would leave them an empty tensor, which ``p.detach()`` reads without a refusal)."""
+    unit, i = pieces[0]
+    n = _open_on(p)
+    full = _assemble(scheduler, pieces) if n == 0 else None
+    with held_interrupts:
+        if full is not None:
+            p.data = full
+            bind_param(p)
+        _assembled_open[id(p)] = (weakref.ref(p), n + 1)
+        stack.callback(_let_go_assembled, p, unit, i)
+    return p.data
+
+
+def _let_go_assembled(p: nn.Parameter, unit, i: int) -> None:
+    with held_interrupts:
+        n = _open_on(p) - 1
+        if n > 0:
+            _assembled_open[id(p)] = (weakref.ref(p), n)
+        else:
+            _assembled_open.pop(id(p), None)
+            _replace(p, unit, i)
 
 
 def _replace(p: nn.Parameter, unit, i: int) -> None:

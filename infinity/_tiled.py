@@ -63,9 +63,25 @@ class _Tiles:
                 scheduler.release(unit, after_forward=True)
 
 
+def _anchor(*params) -> torch.Tensor:
+    """What a tiled module's Function takes as its input in its parameters' place: an empty
+    leaf that needs a gradient where one of ``params`` does, so that the output needs one
+    (an embedding's ids need none), and that backward gives none (the tiles get theirs from
+    the Function itself).
+
+    [Note: no autograd edge to a tiled parameter]
+    The parameters themselves are never the Function's inputs. Autograd makes a leaf's
+    gradient edge once per graph, in the leaf's shape then: the placeholder's ``(0,)``, so a
+    gathered read of the whole weight in the same forward (`_gather`) would have its gradient
+    refused by autograd's shape check; and the edge runs the leaf's gradient hooks (the ones
+    a gather left on it) for the gradient of None the Function gives."""
+    needs = torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in params)
+    return torch.empty(0, device=params[0].device, requires_grad=needs)
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, tiles: _Tiles):
+    def forward(ctx, x, anchor, tiles: _Tiles, need_w: bool, need_b: bool, has_bias: bool):
         scheduler = tiles.live()
         out = None
         # Backward reads the tiles again for the input's gradient, last tile first: the tiles
@@ -74,13 +90,13 @@ class _LinearFn(torch.autograd.Function):
         for k in range(len(tiles.tiles)):
             with tiles.use(scheduler, k, keep=keep) as unit:
                 lo, hi = unit.rows
-                b = unit.piece(1) if bias is not None else None
+                b = unit.piece(1) if has_bias else None
                 y = F.linear(x, unit.piece(0), b)  # under autocast too: the caller's autocast state holds here
                 if out is None:
                     out = torch.empty(*x.shape[:-1], tiles.rows, dtype=y.dtype, device=y.device)
                 out[..., lo:hi] = y
                 del y
-        ctx.tiles = tiles
+        ctx.tiles, ctx.need_w, ctx.need_b = tiles, need_w, need_b
         ctx.compute_dtype = out.dtype
         ctx.save_for_backward(x)
         return out
@@ -90,7 +106,7 @@ class _LinearFn(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         tiles: _Tiles = ctx.tiles
         scheduler = tiles.live()
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.need_w, ctx.need_b
         cdt = ctx.compute_dtype
         g = grad_out.to(cdt)
         xc = x.to(cdt).reshape(-1, x.shape[-1])
@@ -112,18 +128,18 @@ class _LinearFn(torch.autograd.Function):
                     scheduler.tile_grad(unit, 0, g2.t() @ xc)
                 if need_b:  # a bias trained under a frozen weight too
                     scheduler.tile_grad(unit, 1, g2.sum(0))
-        return (gx.to(x.dtype) if need_x else None), None, None, None
+        return (gx.to(x.dtype) if need_x else None), None, None, None, None, None
 
 
 class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight, tiles: _Tiles, padding_idx):
+    def forward(ctx, ids, anchor, tiles: _Tiles, padding_idx, dtype: torch.dtype, device: torch.device):
         scheduler = tiles.live()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= tiles.rows):
             raise IndexError(f"index out of range in self: ids span [{int(ids.min())}, {int(ids.max())}], "
                              f"the embedding has {tiles.rows} rows")  # fmt: skip
         cols = tiles.tiles[0].full_shapes[0][1]
-        out = torch.empty(*ids.shape, cols, dtype=weight.dtype, device=weight.device)
+        out = torch.empty(*ids.shape, cols, dtype=dtype, device=device)
         for k in range(len(tiles.tiles)):
             with tiles.use(scheduler, k) as unit:
                 lo, hi = unit.rows
@@ -146,15 +162,17 @@ class _EmbeddingFn(torch.autograd.Function):
             gw = torch.zeros(hi - lo, grad_out.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
             gw.index_add_(0, ids[sel] - lo, grad_out[sel])
             scheduler.tile_grad(unit, 0, gw)
-        return None, None, None, None
+        return None, None, None, None, None, None
 
 
 def _linear_forward(module: nn.Linear, tiles: _Tiles, x):
-    return _LinearFn.apply(x, module.weight, module.bias, tiles)
+    w, b = module.weight, module.bias  # see [Note: no autograd edge to a tiled parameter]
+    return _LinearFn.apply(x, _anchor(w, b), tiles, w.requires_grad, b is not None and b.requires_grad, b is not None)
 
 
 def _embedding_forward(module: nn.Embedding, tiles: _Tiles, ids):
-    return _EmbeddingFn.apply(ids, module.weight, tiles, module.padding_idx)
+    w = module.weight  # see [Note: no autograd edge to a tiled parameter]
+    return _EmbeddingFn.apply(ids, _anchor(w), tiles, module.padding_idx, w.dtype, w.device)
 
 
 def ahead(module: nn.Module, tiles, backward: bool) -> list:

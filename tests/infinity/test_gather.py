@@ -60,8 +60,8 @@ def _loss(model, step):
     return F.cross_entropy(model(ids).reshape(-1, 200), labels.reshape(-1))
 
 
-def _plain(steps, tied=False):
-    model = _model(tied=tied)
+def _plain(steps, tied=False, model=None):
+    model = _model(tied=tied) if model is None else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     losses = []
     for step in range(steps):
@@ -74,7 +74,7 @@ def _plain(steps, tied=False):
 
 
 def _nvme(tmp_path, **sections):
-    (tmp_path / "swap").mkdir(exist_ok=True)
+    (tmp_path / "swap").mkdir(parents=True, exist_ok=True)
     return config(tmp_path / "swap", ("nvme", "nvme", "nvme"), **sections)
 
 
@@ -248,3 +248,97 @@ def _train_and_compare(engine, steps, want, want_params) -> None:
     assert got == pytest.approx(want, abs=1e-5)
     for name, value in engine.gathered_weights().items():
         torch.testing.assert_close(value, want_params[name], atol=1e-5, rtol=0)
+
+
+# 200 x 17 fp32 is 13600 bytes: tiles of 4 KiB (60 rows) cut the head into 4 units (and the
+# embedding into 4).
+_TILES = {"tile_size": 4096}
+
+
+class _Calls(_FusedHead):
+    """Runs ``head`` as a module (tiled: its own Function, given the placeholder weight as an
+    input); with ``gather``, also reads ``head.weight`` itself, gathered, in the same forward."""
+
+    def forward(self, ids):
+        h = torch.tanh(self.body(self.embed(ids)))
+        out = self.head(h)
+        if self.gather is None:
+            return out
+        with self.gather([self.head.weight]):
+            return out + 0.5 * F.linear(h, self.head.weight)
+
+
+def _calls(gather=None, dtype=torch.float32):
+    torch.manual_seed(0)
+    return _Calls(gather=gather).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_read_only_gather_of_a_tiled_trainable_weight_leaves_training_exact(tmp_path, dtype):
+    """A tiled module's Function gives its placeholder weight no gradient, and autograd runs
+    the weight's hooks for that too: the hooks a gather left on it must let it pass. Training
+    with a gather before every step is bit-identical to training without one."""
+    precision = {"param_dtype": "bf16"} if dtype is torch.bfloat16 else {}
+    runs = {}
+    for name in ("gathered", "never"):
+        engine = infinity.initialize(_calls(dtype=dtype), _nvme(tmp_path / name, memory=_TILES, precision=precision))
+        try:
+            assert sum(u.path == "head" for u in engine.units) == 4
+            head, losses = engine.module.head, []
+            for step in range(3):
+                if name == "gathered":
+                    before = engine.gathered_weights()["head.weight"].to(dtype)
+                    with infinity.GatheredParameters(head.parameters()):
+                        seen = head.weight.detach().clone()
+                    assert torch.equal(seen, before)
+                loss = _loss(engine, step)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            runs[name] = losses, engine.gathered_weights()
+        finally:
+            engine.close()
+    assert runs["gathered"][0] == runs["never"][0]
+    for key, value in runs["never"][1].items():
+        assert torch.equal(runs["gathered"][1][key], value), key
+    if dtype is torch.float32:
+        want, want_params = _plain(3, model=_calls())
+        assert runs["gathered"][0] == pytest.approx(want, abs=1e-5)
+        for key, value in runs["gathered"][1].items():
+            torch.testing.assert_close(value, want_params[key], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("memory", [_TILES, {}], ids=["tiled", "whole"])
+def test_nested_gathers_keep_the_weight_whole_until_the_outermost_exits(tmp_path, memory):
+    model = _model()
+    want = model.head.weight.detach().clone()
+    engine = infinity.initialize(model, _nvme(tmp_path, memory=memory))
+    try:
+        assert any(u.is_tile for u in engine.units) == bool(memory)
+        head = engine.module.head
+        with infinity.GatheredParameters([head.weight]):
+            with infinity.GatheredParameters(head.parameters()):
+                assert torch.equal(head.weight.detach(), want)
+            # The inner exit leaves the outer context its whole weight, not an empty tensor.
+            assert torch.equal(head.weight.detach().clone(), want)
+            with infinity.GatheredParameters([head.weight]):
+                pass
+            assert torch.equal(head.weight.detach().clone(), want)
+        assert head.weight.untyped_storage().nbytes() == 0  # a placeholder again
+        with pytest.raises(RuntimeError, match=r"'head\.weight'"):
+            head.weight.sum()
+    finally:
+        engine.close()
+
+
+def test_a_tiled_weight_gathered_in_forward_while_its_module_runs_trains_as_plain_pytorch(tmp_path):
+    """Two gradients reach the weight: the tiled module's, handed to its tiles by its Function,
+    and the gathered read's, cut into the tiles' rows; each tile waits for both."""
+    want, want_params = _plain(3, model=_calls(gather=lambda params: contextlib.nullcontext()))
+    engine = infinity.initialize(_calls(gather=_gathered), _nvme(tmp_path, memory=_TILES))
+    try:
+        assert sum(u.path == "head" for u in engine.units) == 4
+        _train_and_compare(engine, 3, want, want_params)
+        assert engine.module.head.weight.untyped_storage().nbytes() == 0
+    finally:
+        engine.close()
