@@ -46,7 +46,10 @@ buffer and copied to the device on the side stream, and a read ahead takes only 
 share has free now. Reads ahead give way, right after prefetches, when a transfer needed now
 finds the pool full. A tensor saved twice (the same memory, size and strides) is packed once.
 Names on disk are freed once read, or when the `_Saved` goes (a forward without backward) at
-the next pass.
+the next pass. Under ``nvme.verify = "always"`` (the default) every chunk read back is checked
+against the checksum its write recorded before its bytes become the tensor or go to the device
+([Note: reads checked off the caller's thread] in `infinity.swap._checksum`): a byte the drive
+changed raises `SwapCorruption` naming the file, the chunk, its offset and the saved tensor.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ import torch
 from torch.profiler import record_function
 
 from infinity.aio import empty_aligned
-from infinity.swap import PoolExhausted
+from infinity.swap import PoolExhausted, SwapCorruption
 
 from ._admission import ACTIVATION
 from ._resources import open_activation_space, remove_made_dirs
@@ -441,6 +444,9 @@ class ActivationTier:
             if read is None:
                 read = self._start_read(saved, ahead=False)
             flat = self._finish_read(saved, read, names)
+        except SwapCorruption as e:  # its chunk's name alone would not tell the user what it held
+            raise SwapCorruption(e.tensor, e.filename, e.offset, e.expected, e.actual,
+                                 context=f"a chunk of a saved {tuple(saved.size)} {saved.dtype} activation") from e
         finally:
             saved.names = []
             for name in names:  # read (or failed): the tier has no use for them any more

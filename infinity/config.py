@@ -191,9 +191,12 @@ class NvmeConfig:
     grow_step: Size = "256MiB"
     """The most the arena file on each drive grows (preallocated) by at a time (a multiple of
     4096); a small space grows from 1MiB, doubling, so it takes no more than it holds."""
-    verify: str = "off"
+    verify: str = "always"
     """Every swap write records an xxh3-64 checksum; this says which reads check it: "always"
-    every read, "off" and "checkpoint" (the same) only checkpoint loads, which always do."""
+    every read (parameters, gradients, optimizer states, staged copies, activations), hashed as
+    it lands on threads beside the caller's, raising `infinity.swap.SwapCorruption` naming
+    the file, tensor and offset before a byte is used; "off" and "checkpoint" (the same) only
+    checkpoint loads, which always do: a byte the drive changed then trains on silently."""
     keep: bool = True
     """At close, keep the swap files (their arenas shrunk to the data they hold: swap-inspect
     can read them) or, false, remove them: the swap is scratch, a new engine starts it over."""

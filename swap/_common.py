@@ -8,8 +8,8 @@ from __future__ import annotations
 from infinity.aio import ALIGNMENT
 
 # When a SwapSpace's reads check the xxh3-64 checksum that every write records (see [Note:
-# checksums] in _manifest.py): "off" and "checkpoint", not on `get` ("checkpoint" is for the
-# layers above: checkpoint loads check); "always", every `get`.
+# checksums] in _manifest.py): "always" (the default), every `get`; "off" and "checkpoint", not
+# on `get` ("checkpoint" is for the layers above: checkpoint loads check).
 VERIFY_MODES = ("off", "checkpoint", "always")
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")

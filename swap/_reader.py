@@ -96,9 +96,10 @@ class SpaceReader:
             self._files[index] = aio.open_file(self.file_path(index), "r", regular=True)
         return self._files[index]
 
-    def read(self, name: str, *, verify: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor ``name``, read through the aio engine (checksum checked with ``verify``)
-        into a new tensor, or into ``out`` (contiguous, CPU, the tensor's dtype and numel)."""
+    def read(self, name: str, *, verify: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor ``name``, read through the aio engine into a new tensor, or into ``out``
+        (contiguous, CPU, the tensor's dtype and numel); its checksum checked unless
+        ``verify=False`` (SwapCorruption naming the tensor, its file and offset)."""
         record = self.info(name)
         dtype = DTYPES[record.dtype]
         if out is None:
@@ -115,12 +116,13 @@ class SpaceReader:
             self.check(record, data)
         return out
 
-    def read_chunks(self, name: str, *, verify: bool = False, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
+    def read_chunks(self, name: str, *, verify: bool = True, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
         """The tensor ``name``, flat, as consecutive pieces of at most ``chunk_bytes`` bytes,
         so that a tensor larger than memory can be checked or summarised. Every piece is read
         into the same buffer, which the next one overwrites: use or copy it before asking for
-        the next. With ``verify`` the checksum covers the whole tensor, so its SwapCorruption
-        comes after the last piece: nothing drawn from the pieces is good before the end."""
+        the next. With ``verify`` (the default) the checksum covers the whole tensor, so its
+        SwapCorruption comes after the last piece: nothing drawn from the pieces is good before
+        the end."""
         record = self.info(name)
         dtype = DTYPES[record.dtype]
         if chunk_bytes <= 0 or chunk_bytes % ALIGNMENT:

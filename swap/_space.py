@@ -18,7 +18,7 @@ from infinity.aio._files import file_kind, open_regular
 from infinity import aio
 
 from ._allocator import ExtentAllocator, OutOfSpace
-from ._checksum import SwapCorruption
+from ._checksum import Checker, SwapCorruption
 from ._checksum import checksum as compute_checksum
 from ._common import ALIGNMENT, VERIFY_MODES, round_up
 from ._io import Transfer, as_uint8
@@ -112,8 +112,10 @@ class SwapSpace:
     (and the directories it created, once empty) instead: for scratch nothing reads later.
 
     Every put records an xxh3-64 checksum of the tensor ([Note: checksums]). ``verify`` says
-    when reads check it: "off" and "checkpoint", never on `get` ("checkpoint" is for the layers
-    above: checkpoint loads check); "always", every `get`.
+    when reads check it: "always" (the default), every `get`, before its result is handed out,
+    on threads of the space's own ([Note: reads checked off the caller's thread] in
+    `_checksum`); "off" and "checkpoint", never on `get` ("checkpoint" is for the layers above:
+    checkpoint loads check): a byte changed on the drive is then read back silently.
     Opening a directory that holds a manifest resumes that space; ``fresh=True`` first removes
     the files the old manifest lists (or, when it cannot be read, the files whose names only a
     swap space makes), nothing else. Files in a rank directory that a space does not make are an
@@ -128,7 +130,7 @@ class SwapSpace:
         rank: int = 0,
         engine: aio.Engine | None = None,
         pool: HostBufferPool | None = None,
-        verify: str = "off",
+        verify: str = "always",
         fresh: bool = False,
         allow_foreign: bool = False,
         keep: bool = True,
@@ -148,6 +150,7 @@ class SwapSpace:
             if value <= 0 or value % ALIGNMENT:
                 raise ValueError(f"{key}={value} must be a positive multiple of {ALIGNMENT}")
         self.verify = verify
+        self._checker = Checker(threads=min(8, max(2, len(dirs))))  # hashes reads as they land
         self.rank = rank
         self.keep = keep
         self.stripe_size = stripe_size
@@ -523,7 +526,8 @@ class SwapSpace:
         ``out=None``, into a buffer from the pool (the result is a `HostBuffer`: use
         ``.view(dtype, shape)``, then ``release()`` it), waiting at most ``timeout`` seconds
         for pool memory (PoolExhausted after). ``verify``: check the checksum (SwapCorruption
-        on a mismatch); None follows the space's ``verify`` (checks only under "always").
+        naming the tensor, its file and offset on a mismatch, raised by ``result()`` before it
+        hands out a byte); None follows the space's ``verify`` (checks under "always").
         ``urgent``: needed now, read before the reads waiting that are not (`aio.Engine.pread`)."""
         self._check_open()
         if name in self._writes:  # the engine does not order requests: read after the write
@@ -548,17 +552,18 @@ class SwapSpace:
             if lease is not None:
                 lease.release()
             raise
+        if check and transfer is not None:
+            # Waited for and hashed on the checker's threads: the SwapFuture's wait is the check's.
+            transfer = self._checker.check(transfer, data, record.checksum,
+                                           lambda actual: self._corruption(record, actual))  # fmt: skip
 
         def finish(error):
             # An interrupt (not an Exception) keeps the lease: the next result() finishes.
             try:
                 if error is not None:
                     raise error
-                if check:
-                    actual = compute_checksum(data.numpy())
-                    if actual != record.checksum:
-                        first = record.extents[0] if record.extents else Extent(0, 0, 0)
-                        raise SwapCorruption(name, self._files[first.file].path, first.offset, record.checksum, actual)
+                if check and transfer is None and record.checksum != compute_checksum(data.numpy()):
+                    raise self._corruption(record, compute_checksum(data.numpy()))  # an empty tensor's
             except Exception:
                 if lease is not None:
                     lease.release()
@@ -570,6 +575,10 @@ class SwapSpace:
         fut = SwapFuture(transfer, finish)
         self._pending.setdefault(name, []).append(fut)
         return fut
+
+    def _corruption(self, record: TensorRecord, actual: str) -> SwapCorruption:
+        first = record.extents[0] if record.extents else Extent(0, 0, 0)
+        return SwapCorruption(record.name, self._files[first.file].path, first.offset, record.checksum, actual)
 
     def delete(self, name: str) -> None:
         self._check_open()
@@ -789,7 +798,7 @@ class SwapSpace:
         """Close what is open: files, the pool and engine if owned, the locks; every step runs
         (this is the cleanup of a failed open too, so it must not leak what a later step holds);
         the first error is raised after."""
-        steps = [f.close for f in self._files]
+        steps = [self._checker.close, *(f.close for f in self._files)]
         if self._own_pool and self.pool is not None:
             steps.append(self.pool.close)
         if self._own_engine and self.engine is not None:
