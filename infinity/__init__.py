@@ -30,6 +30,7 @@ _LAZY = {
     "from_pretrained": "._pretrained",
     "HostBudgetError": "._resources",
     "GatheredParameters": "._gather",
+    "deepspeed_lr_scheduler": "._deepspeed",
 }
 
 __all__ = sorted(_LAZY)

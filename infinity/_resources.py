@@ -27,9 +27,14 @@ logger = logging.getLogger("infinity")
 
 def as_config(config) -> TierConfig:
     """A TierConfig from what `initialize` and `build` accept: a TierConfig, a dict, a path to
-    a TOML or JSON file, or None (everything on the device)."""
+    a TOML or JSON file, a DeepSpeed config (its dict or ds_config.json: `_deepspeed`), or
+    None (everything on the device)."""
     if isinstance(config, TierConfig):
         return config
+    from . import _deepspeed
+
+    if _deepspeed.is_deepspeed(config):  # a ds_config.json or its dict
+        return _deepspeed.to_tier_config(config)
     if isinstance(config, dict):
         return TierConfig.from_dict(config)
     if isinstance(config, (str, os.PathLike)):

@@ -592,6 +592,19 @@ class TierConfig:
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
 
+    @classmethod
+    def from_deepspeed(cls, source, *, training_args=None, base=None) -> TierConfig:
+        """The tier config a DeepSpeed config means: ``source`` is its dict or the path to its
+        JSON file (``ds_config.json``). Each key is mapped, ignored or refused as the table in
+        docs/config.md says (an unknown key is refused, naming it). ``training_args``
+        (transformers' TrainingArguments) fills the ``"auto"`` values as transformers does;
+        without it an ``"auto"`` keeps this config's default. ``base``: the tier config (or its
+        dict) for what DeepSpeed has no key for, such as ``memory.host_budget``. Its
+        ``scheduler`` is `infinity.deepspeed_lr_scheduler`'s."""
+        from ._deepspeed import to_tier_config
+
+        return to_tier_config(source, training_args=training_args, base=base)
+
     def replace(self, **sections: Any) -> TierConfig:
         """A copy with sections replaced: by instances, or by dicts of the keys to change
         (`config.replace(optimizer={"lr": 3e-4})` keeps the other optimizer keys)."""

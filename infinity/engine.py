@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _build, _checkpoint, _ddp, _footprint, _onecopy, _resources, _sizes, _wrap
+from . import _activations, _admission, _build, _checkpoint, _ddp, _deepspeed, _footprint, _onecopy, _resources, _sizes, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -728,5 +728,11 @@ def initialize(model: nn.Module, config=None, *, optimizer=None, lr_scheduler=No
     class, ``(class, kwargs)`` or a callable building one from the parameters). The engine runs
     its update on the offloaded state; ``engine.optimizer`` is a torch.optim.Optimizer with the
     same ``param_groups``. ``lr_scheduler``: a callable building a scheduler from
-    ``engine.optimizer``; the engine steps it after every step that was not skipped."""
+    ``engine.optimizer``; the engine steps it after every step that was not skipped.
+
+    A DeepSpeed config (its dict, or a path to ``ds_config.json``) is read as the tier config
+    it means (`TierConfig.from_deepspeed`), its ``scheduler`` as ``lr_scheduler`` when none is
+    given."""
+    if lr_scheduler is None and _deepspeed.is_deepspeed(config):
+        lr_scheduler = _deepspeed.lr_scheduler(config)
     return Engine(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler, log_every=log_every)

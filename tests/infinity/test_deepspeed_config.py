@@ -1,0 +1,235 @@
+"""DeepSpeed configs read as tier configs (infinity/_deepspeed.py): the configs of DeepSpeed's
+ZeRO-Infinity and ZeRO-Offload tutorials and of transformers' DeepSpeed docs, written out here,
+train bit for bit as the native config they mean; every key is mapped, ignored or refused as
+docs/config.md's table (the module's own) says; the schedule is DeepSpeed's formula."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import infinity
+from infinity import _deepspeed
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import make_model, train  # noqa: E402
+
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "config.md")
+
+# DeepSpeed's ZeRO-Infinity tutorial ("Offloading to CPU and NVMe with ZeRO-Infinity").
+ZERO_INFINITY = {
+    "zero_optimization": {
+        "stage": 3,
+        "contiguous_gradients": True,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_prefetch_bucket_size": 1e7,
+        "stage3_param_persistence_threshold": 1e5,
+        "reduce_bucket_size": 1e7,
+        "sub_group_size": 1e9,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "NVME", "pin_memory": True},
+        "offload_param": {"device": "nvme", "nvme_path": "NVME", "pin_memory": True},
+    }
+}
+# DeepSpeed's ZeRO-Offload tutorial.
+ZERO_OFFLOAD = {
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "contiguous_gradients": True,
+                          "overlap_comm": True},  # fmt: skip
+}
+# transformers' DeepSpeed docs: ZeRO-3 with its "auto" values, offloaded to the CPU ...
+HF_ZERO3_CPU = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},  # fmt: skip
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                  "warmup_num_steps": "auto"}},  # fmt: skip
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+# ... and to NVMe, with its aio section.
+HF_ZERO3_NVME = {
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "NVME", "pin_memory": True, "buffer_count": 4,
+                              "fast_init": False},  # fmt: skip
+        "offload_param": {"device": "nvme", "nvme_path": "NVME", "pin_memory": True, "buffer_count": 5,
+                          "buffer_size": 1e8, "max_in_cpu": 1e9},  # fmt: skip
+        "aio": None,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1, "single_submit": False,
+            "overlap_events": True},  # fmt: skip
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+del HF_ZERO3_NVME["zero_optimization"]["aio"]  # (aio is top-level; the line above keeps the docs' order)
+
+
+def _with_path(ds: dict, path) -> dict:
+    return json.loads(json.dumps(ds).replace('"NVME"', json.dumps(str(path))))
+
+
+class _Args:
+    """The TrainingArguments values transformers fills "auto" from."""
+
+    learning_rate, adam_beta1, adam_beta2, adam_epsilon, weight_decay = 3e-3, 0.8, 0.99, 1e-7, 0.05
+    max_grad_norm, gradient_accumulation_steps, bf16, fp16 = 0.5, 2, False, False
+
+    def get_warmup_steps(self, total):
+        return 4
+
+
+NATIVE = {
+    "zero-infinity": {"tiers": {"params": "nvme", "grads": "cpu", "optimizer": "nvme"},
+                      "partition": {"stage": 3}, "optimizer": {"sub_group_size": 128 << 20},
+                      "prefetch": {"bytes": 4 * 10**7}},  # fmt: skip
+    "zero-offload": {"tiers": {"params": "device", "grads": "cpu", "optimizer": "cpu"}, "partition": {"stage": 2}},
+    "hf-zero3-cpu": {"tiers": {"params": "cpu", "grads": "cpu", "optimizer": "cpu"}, "partition": {"stage": 3},
+                     "optimizer": {"lr": 3e-3, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.05,
+                                   "max_grad_norm": 0.5, "gradient_accumulation_steps": 2,
+                                   "sub_group_size": 128 << 20}},  # fmt: skip
+    "hf-zero3-nvme": {"tiers": {"params": "nvme", "grads": "cpu", "optimizer": "nvme"}, "partition": {"stage": 3},
+                      "aio": {"block_size": 262144, "queue_depth": 32},
+                      "optimizer": {"lr": 3e-3, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.05,
+                                    "max_grad_norm": 0.5, "gradient_accumulation_steps": 2,
+                                    "sub_group_size": 128 << 20}},  # fmt: skip
+}
+CONFIGS = {"zero-infinity": (ZERO_INFINITY, None), "zero-offload": (ZERO_OFFLOAD, None),
+           "hf-zero3-cpu": (HF_ZERO3_CPU, _Args()), "hf-zero3-nvme": (HF_ZERO3_NVME, _Args())}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_deepspeed_config_means_its_native_config_and_trains_bit_for_bit_as_it(tmp_path, name):
+    ds, args = CONFIGS[name]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    native = copy.deepcopy(NATIVE[name])
+    native.setdefault("nvme", {})["paths"] = [str(tmp_path / "b")]
+    got = infinity.TierConfig.from_deepspeed(_with_path(ds, tmp_path / "a"), training_args=args)
+    want = infinity.TierConfig.from_dict(native)
+    assert got.replace(nvme={"paths": want.nvme.paths}) == want
+    engines = [infinity.initialize(make_model(), got), infinity.initialize(make_model(), want)]
+    losses = []
+    for engine in engines:
+        torch.manual_seed(3)  # the model's dropout
+        losses.append(train(engine, 3))
+    assert losses[0] == losses[1]
+    a, b = (e.gathered_weights() for e in engines)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for engine in engines:
+        engine.close()
+
+
+def test_initialize_takes_a_ds_config_json_and_its_schedule(tmp_path):
+    """``infinity.initialize(model, "ds_config.json")``: the tiers it means and DeepSpeed's
+    WarmupDecayLR, whose rates are DeepSpeed's formula (log warm-up, then linear decay)."""
+    ds = _with_path(ZERO_INFINITY, tmp_path)
+    ds["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}
+    ds["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3,
+                                                            "warmup_num_steps": 4, "total_num_steps": 8}}  # fmt: skip
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds))
+    engine = infinity.initialize(make_model(), tmp_path / "ds_config.json")
+    assert engine.config.tiers.on_nvme == ("params", "optimizer") and engine.config.optimizer.type == "adamw"
+    used = []
+    for step in range(8):
+        used.append(engine.optimizer.param_groups[0]["lr"])
+        train(engine, 1, start=step)
+
+    def ds_lr(k):  # DeepSpeed's rate at its iteration k; the first two steps run at the minimum
+        gamma = math.log(k + 1) / math.log(4) if k < 4 else (8 - k) / (8 - 4)
+        return 1e-4 + (1e-3 - 1e-4) * gamma
+
+    assert used == pytest.approx([1e-4, ds_lr(0), ds_lr(1), ds_lr(2), ds_lr(3), ds_lr(4), ds_lr(5), ds_lr(6)],
+                                 rel=1e-12, abs=0)  # fmt: skip
+    engine.close()
+
+
+def test_deepspeeds_adam_is_adamw_unless_adam_w_mode_is_false():
+    """[Note: DeepSpeed's Adam]: read as torch's Adam, "type": "Adam" would train other weights."""
+    base = {"zero_optimization": {"stage": 2}}
+    assert infinity.TierConfig.from_deepspeed({**base, "optimizer": {"type": "Adam"}}).optimizer.type == "adamw"
+    off = {**base, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}
+    assert infinity.TierConfig.from_deepspeed(off).optimizer.type == "adam"
+    assert infinity.TierConfig.from_deepspeed({**base, "optimizer": {"type": "sgd"}}).optimizer.type == "sgd"
+
+
+@pytest.mark.parametrize("ds, message", [
+    ({"zero_optimization": {"stage": 3, "offload_parm": {}}}, r"key 'zero_optimization.offload_parm' is not one "
+                                                                r"this engine knows \(under 'zero_optimization': .*"
+                                                                r"offload_param"),
+    ({"zero_optimization": {"stage": 0}}, r"'zero_optimization.stage' = 0 is refused: .*plain data parallelism"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, r"needs 'zero_optimization.stage' = 3"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     r"'zero_optimization.offload_param.nvme_path': needed with device 'nvme'"),
+    ({"fp16": {"enabled": True, "loss_scale": 1024}}, r"'fp16.loss_scale' = 1024 is refused: a static loss scale"),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}, "zero_optimization": {"stage": 1}}, r"both true"),
+    ({"optimizer": {"type": "Lamb"}, "train_batch_size": 8}, r"'optimizer.type' = \"Lamb\" is refused"),
+    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}, "train_batch_size": 8},
+     r"'optimizer.params.bias_correction' = false is refused"),
+    ({"scheduler": {"type": "OneCycle"}, "zero_optimization": {"stage": 1}}, r"'scheduler.type' = \"OneCycle\" is refused"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, r"ZeRO\+\+ quantized weights"),
+    ({"pipeline": {"stages": 2}, "train_batch_size": 8}, r"'pipeline' = .* is refused: pipeline parallelism"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+     r"partial optimizer offload"),
+], ids=["typo", "stage-0", "param-offload-below-3", "no-nvme-path", "static-scale", "bf16-and-fp16", "lamb",
+        "no-bias-correction", "one-cycle", "zero++", "pipeline", "partial-offload"])  # fmt: skip
+def test_what_cannot_carry_over_is_refused_naming_the_key(ds, message):
+    with pytest.raises(ValueError, match=message):
+        infinity.TierConfig.from_deepspeed(ds)
+
+
+def test_a_config_without_zero_is_refused_as_plain_data_parallelism():
+    with pytest.raises(ValueError, match=r"'zero_optimization.stage' = 0 is refused"):
+        infinity.TierConfig.from_deepspeed({"train_batch_size": 8, "bf16": {"enabled": True}})
+
+
+def test_disabled_features_and_monitoring_are_accepted():
+    ds = {"zero_optimization": {"stage": 1}, "amp": {"enabled": False}, "tensorboard": {"enabled": True},
+          "flops_profiler": {"enabled": False}, "autotuning": {"enabled": False}, "steps_per_print": 10,
+          "communication_data_type": "fp32", "activation_checkpointing": {"cpu_checkpointing": True}}  # fmt: skip
+    cfg = infinity.TierConfig.from_deepspeed(ds)
+    assert cfg.partition.stage == 1 and cfg.activations.tier == "cpu"
+
+
+def test_docs_config_md_holds_the_table_of_every_key():
+    """docs/config.md's table is `_deepspeed.RULES` as `table_markdown` writes it."""
+    with open(DOCS, encoding="utf-8") as f:
+        assert _deepspeed.table_markdown() in f.read()
