@@ -5,6 +5,7 @@ user's unmodified module. It owns no policy of its own; each piece lives in its 
     _admission.py  the host budget's shares by class of traffic, and what gives way to a fetch
     _footprint.py  the disk the swap space takes, checked against free space and nvme.disk_budget
     _units.py      parameters flattened per module (what moves between tiers)
+    _sizes.py      the sizes those parameters report, and torch's clipping over them
     _store.py      a tier: leases out of it, writes into it
     _transport.py  copies to the device and collectives across ranks
     _schedule.py   fetch / prefetch / release around forward and backward
