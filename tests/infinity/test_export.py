@@ -284,8 +284,8 @@ def test_one_unit_is_held_at_a_time(tmp_path, monkeypatch):
     engine, _ = _trained(tmp_path, "tied", steps=1)
     real, seen, alive = engine.unit_weights, [], []
 
-    def recording():
-        for unit, full in real():
+    def recording(**kwargs):
+        for unit, full in real(**kwargs):
             alive.append(sum(ref() is not None for ref in seen))
             seen.append(weakref.ref(full))
             yield unit, full
