@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import infinity
+from infinity.swap import SwapCorruption
 from infinity._activations import dense_span
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -208,3 +209,57 @@ def test_activations_alone_on_nvme_make_the_swap_directory_and_remove_it(tmp_pat
         assert engine.stats()["step"]["activation_in_bytes"] > 0
         assert swap.is_dir()
     assert not swap.exists()
+
+
+def _run_with_a_flipped_activation(tmp_path, dtype, verify=None):
+    """One step of the zoo's Llama with checkpointed activations on nvme, one bit of a saved
+    float activation flipped on disk between forward and backward: the weights, or the error
+    backward raised, and (file, chunk name, its first extent's offset)."""
+    make, batch = zoo.FAMILIES["llama"]
+    torch.manual_seed(0)
+    model = make()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = zoo._nvme(tmp_path / f"{dtype}-{verify}", dtype)
+    cfg["activations"] = {"tier": "nvme", "min_bytes": 0}
+    if verify is not None:
+        cfg["nvme"]["verify"] = verify
+    b = batch(0) if dtype == "fp32" else zoo._cast(batch(0), torch.bfloat16)
+    with infinity.initialize(model, cfg) as engine:
+        loss = engine(**b).loss
+        space = engine.activations.space
+        space.flush()  # the writes behind done: every saved tensor is on disk
+        name = max((n for n in space.names() if space.info(n).dtype in ("float32", "bfloat16")),
+                   key=lambda n: space.info(n).nbytes)  # fmt: skip
+        first = space.info(name).extents[0]
+        arena = space.files[first.file].path
+        with open(arena, "r+b") as f:
+            f.seek(first.offset + 2)
+            byte = f.read(1)
+            f.seek(first.offset + 2)
+            f.write(bytes([byte[0] ^ 0x40]))
+        try:
+            engine.backward(loss)
+        except SwapCorruption as e:
+            return e, (arena, name, first.offset)
+        engine.step()
+        return engine.gathered_weights(), (arena, name, first.offset)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_flipped_byte_in_the_activation_file_raises_in_backward_naming_it(tmp_path, dtype):
+    """At the default nvme.verify the chunk read back is checked before backward computes with
+    it: the error names the file, the chunk, its offset, and the saved tensor it belongs to."""
+    err, (arena, name, offset) = _run_with_a_flipped_activation(tmp_path, dtype)
+    assert isinstance(err, SwapCorruption), err
+    assert (err.filename, err.tensor, err.offset) == (arena, name, offset)
+    message = str(err)
+    assert arena in message and repr(name) in message and f"offset {offset}" in message
+    assert "activation" in message
+
+
+def test_verify_off_trains_on_a_flipped_activation_without_a_word(tmp_path):
+    """The opt-out, and what it risks: the step runs on the bytes as the drive has them."""
+    got, _ = _run_with_a_flipped_activation(tmp_path, "fp32", verify="off")
+    assert isinstance(got, dict), got
+    want = _zoo_run(tmp_path, "llama", "fp32", "nvme", "non-reentrant", steps=1)[1]
+    assert any(not torch.equal(got[k], want[k]) for k in want)
