@@ -34,7 +34,8 @@ so torch.nn.utils' functions are wrapped, once, and given managed parameters the
 - ``clip_grad_norm_`` (and the deprecated ``clip_grad_norm``): clip by the engine's global L2
   norm at its next step (`Engine.clip_grad_norm_`) and return that norm, when the parameters are
   one engine's and hold every parameter it trains (the norm is of all its gradients); otherwise
-  raise, naming ``engine.clip_grad_norm_``;
+  raise, naming ``engine.clip_grad_norm_``. A ``max_norm`` of inf returns the norm and asks
+  nothing of the step, whose ``[optimizer] max_grad_norm`` then still applies;
 - ``clip_grad_value_`` and ``clip_grads_with_norm_``: raise (the engine clips by norm only).
 
 Other parameters go to torch's functions unchanged. A reference to ``clip_grad_norm_`` taken
@@ -137,11 +138,16 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
             f"missing, e.g. {missing[0]!r}): the engine clips all its gradients by their one global norm; call "
             "engine.clip_grad_norm_(max_norm), or pass every parameter (engine.module.parameters())"
         )
+    norm = None
     if error_if_nonfinite:
         norm = engine.grad_norm()
         if not torch.isfinite(torch.tensor(norm)):
             raise RuntimeError(f"the total norm of the gradients of an infinity engine is {norm} "
                                "(error_if_nonfinite=True); the engine skips a step on them")  # fmt: skip
+    if max_norm == float("inf"):
+        # The norm alone (Trainer and accelerate ask it so): a clip to inf asked of the step
+        # would replace the clipping [optimizer] max_grad_norm configures.
+        return torch.tensor(engine.grad_norm() if norm is None else norm)
     return engine.clip_grad_norm_(max_norm)
 
 

@@ -132,6 +132,24 @@ def test_clip_grad_norm_over_the_engine_parameters_clips_as_plain_pytorch(tmp_pa
         torch.testing.assert_close(weights[name], p.detach(), atol=1e-6, rtol=0)
 
 
+def test_clip_grad_norm_to_inf_reads_the_norm_and_leaves_the_configured_clipping(tmp_path, engines):
+    torch.manual_seed(0)
+    model = _Model(tied=False)
+    ref = copy.deepcopy(model)
+    engine = _engine(tmp_path, engines, model, optimizer={"max_grad_norm": 0.1})
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    engine.backward(_loss(engine, 0))
+    got = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), float("inf"))  # Trainer's read of the norm
+    engine.step()
+    _loss(ref, 0).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    opt.step()
+    assert want > 0.1 and got.item() == pytest.approx(want.item(), rel=1e-6)
+    weights = engine.gathered_weights()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), atol=1e-6, rtol=0)
+
+
 def test_clip_grad_norm_with_error_if_nonfinite_raises_on_an_infinite_norm(tmp_path, engines):
     torch.manual_seed(0)
     engine = _engine(tmp_path, engines, _Model(tied=False))
