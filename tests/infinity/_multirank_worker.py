@@ -1,8 +1,14 @@
 """One rank of a multi-rank test (tests/infinity/test_multirank.py); also run alone (1 rank).
 
-argv: mode (parity | dead | mismatch | ckpt-save | ckpt-load), output path prefix, stage, swap
+argv: mode (parity | clip | dead | mismatch | ckpt-save | ckpt-load), output path prefix, stage, swap
 directory, and for the ckpt modes the checkpoint root. The global batch of every step is the
 same whatever the world size; rank r takes its 1/N.
+
+Modes save and save-alone: parity's steps, then (save) every rank calls
+``engine.module.state_dict()`` and ``engine.export`` ({out}.export.safetensors); rank 0 writes the
+state_dict ({out}.state_dict.pt), each rank the number of its keys ({out}.{rank}.keys.json); or
+(save-alone) rank 0 alone calls state_dict(), as DDP's idiom does, and the other ranks wait for
+its error file and exit.
 
 ckpt-save: 5 steps, save, 5 more steps. ckpt-load: load (into any world size and stage), 5
 steps. Rank 0 writes the weights right after the save or load ({out}.at_ckpt.pt) and at the end
@@ -12,6 +18,7 @@ steps. Rank 0 writes the weights right after the save or load ({out}.at_ckpt.pt)
 import json
 import os
 import sys
+import time
 
 import torch
 from torch import nn
@@ -69,7 +76,7 @@ if mode.startswith("ckpt"):
     engine.close()
     sys.exit(0)
 
-losses, reads = [], []
+losses, reads, norms = [], [], []
 g = torch.Generator().manual_seed(1)
 try:
     for step in range(5):
@@ -80,6 +87,8 @@ try:
             raise SimulatedFailure("simulated failure in the training loop")
         loss = ((engine(xs) - ys) ** 2).mean()
         engine.backward(loss)
+        if mode == "clip":  # torch's clipping over the engine's parameters, every step clipped
+            norms.append(float(torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.05)))
         engine.step()
         total = loss.detach().clone()
         if world > 1:
@@ -88,10 +97,25 @@ try:
         losses.append(float(total))
         reads.append(engine.stats()["step"]["nvme"]["read_bytes"])
     weights = engine.gathered_weights()
+    if mode == "save-alone":
+        if rank == 0:
+            engine.module.state_dict()
+        else:  # no collective meanwhile: rank 0's refusal must come from the meeting itself
+            while not os.path.exists(f"{out}.0.err"):
+                time.sleep(0.1)
+            sys.exit(0)
+    if mode == "save":
+        state = engine.module.state_dict()
+        engine.export(f"{out}.export.safetensors")
+        if rank == 0:
+            torch.save(state, f"{out}.state_dict.pt")
+        json.dump({"keys": len(state)}, open(f"{out}.{rank}.keys.json", "w"))
 except RuntimeError as e:
     open(f"{out}.{rank}.err", "w").write(str(e))
     sys.exit(4)
 if rank == 0:
     torch.save(weights, f"{out}.weights.pt")
-json.dump({"losses": losses, "reads": reads, "disk": engine.stats()["disk"]}, open(f"{out}.{rank}.json", "w"))
+count = sum(p.numel() for p in engine.module.parameters())  # the model's, on every rank
+json.dump({"losses": losses, "reads": reads, "disk": engine.stats()["disk"], "norms": norms, "count": count},
+          open(f"{out}.{rank}.json", "w"))  # fmt: skip
 engine.close()

@@ -73,6 +73,29 @@ def test_two_ranks_match_one_rank(tmp_path, stage, tiles, monkeypatch):
         torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0)
 
 
+def test_two_ranks_clip_through_torch_as_one_rank(tmp_path):
+    """``torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.05)`` every step at stage
+    3: each rank gets the global norm one rank gets (every step clipping), losses and weights
+    within 1e-5 of one rank's, and every rank counts the model's full size, not its slices."""
+    one, codes, logs, _ = _launch("clip", 1, 3, tmp_path)
+    assert codes == [0], logs
+    two, codes, logs, _ = _launch("clip", 2, 3, tmp_path)
+    assert codes == [0, 0], logs
+    single = json.load(open(f"{one}.0.json"))
+    assert len(single["norms"]) == 5 and min(single["norms"]) > 0.05
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 4))  # the worker's parameters  # fmt: skip
+    for rank in (0, 1):
+        mine = json.load(open(f"{two}.{rank}.json"))
+        assert mine["count"] == single["count"] == sum(p.numel() for p in model.parameters())
+        assert mine["norms"] == pytest.approx(single["norms"], rel=1e-5)
+        assert mine["losses"] == pytest.approx(single["losses"], abs=1e-5)
+    w1 = torch.load(f"{one}.weights.pt", weights_only=True)
+    w2 = torch.load(f"{two}.weights.pt", weights_only=True)
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0)
+
+
 def test_ranks_on_one_drive_share_its_free_space(tmp_path, monkeypatch):
     """Two ranks whose swap directories are on one filesystem: a free space that holds either
     rank's state but not both is refused on both, naming them; one that holds both is split in
@@ -116,6 +139,47 @@ def test_configs_that_differ_are_refused_at_initialize(tmp_path):
     for rank in (0, 1):
         error = open(f"{out}.{rank}.err").read()
         assert "the tier configs of the ranks differ" in error and "optimizer.lr" in error
+
+
+@pytest.mark.parametrize(("stage", "tiles"), [(1, None), (2, None), (3, None), (3, "4KiB")],
+                         ids=["stage1", "stage2", "stage3", "stage3-tiled"])  # fmt: skip
+def test_state_dict_and_export_at_two_ranks_gather_to_rank_0(tmp_path, stage, tiles, monkeypatch):
+    """Every rank calls ``engine.module.state_dict()`` and ``engine.export()`` (at stages 1 and 2
+    too: the fp32 masters are sharded at every stage). Rank 0's state_dict is the weights the
+    ranks all-gather, exactly, and the 1-rank run's within 1e-5 (the parity test's tolerance:
+    the gradient all-reduce rounds); rank 1's is empty; the export loads strictly into the plain
+    model with rank 0's values. Tiled: a parameter's tiles, gathered unit by unit, joined."""
+    if tiles:
+        monkeypatch.setenv("INFINITY_TEST_TILE_SIZE", tiles)
+    one, codes, logs, _ = _launch("save", 1, stage, tmp_path)
+    assert codes == [0], logs
+    two, codes, logs, _ = _launch("save", 2, stage, tmp_path)
+    assert codes == [0, 0], logs
+    reference = torch.load(f"{one}.state_dict.pt", weights_only=True)
+    state = torch.load(f"{two}.state_dict.pt", weights_only=True)
+    gathered = torch.load(f"{two}.weights.pt", weights_only=True)
+    assert [json.load(open(f"{two}.{r}.keys.json"))["keys"] for r in (0, 1)] == [len(reference), 0]
+    assert state.keys() == reference.keys() == gathered.keys()
+    for name in reference:
+        assert torch.equal(state[name], gathered[name]), name
+        torch.testing.assert_close(state[name], reference[name], atol=1e-5, rtol=0)
+    from safetensors.torch import load_file
+
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                                torch.nn.LayerNorm(64), torch.nn.Linear(64, 4))  # the worker's  # fmt: skip
+    plain.load_state_dict(load_file(f"{two}.export.safetensors"), strict=True)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, state[name]), name
+
+
+def test_a_state_dict_on_rank_0_alone_is_refused_naming_the_rank_that_did_not_call(tmp_path):
+    """DDP's ``if rank == 0: torch.save(model.state_dict(), ...)``: rank 0 raises, naming
+    rank 1, after partition.timeout (10 s here), without a gather that rank 1 never joins."""
+    out, codes, logs, _ = _launch("save-alone", 2, 3, tmp_path, 90)
+    assert codes == [4, 0], logs
+    error = open(f"{out}.0.err").read()
+    assert "state_dict() of a module whose weights are sharded over the ranks is a collective that every " \
+           "rank calls" in error and "rank(s) 1 did not within partition.timeout=10s" in error, error
 
 
 @pytest.mark.parametrize("tiles", [None, "4KiB"], ids=["whole", "tiled"])
