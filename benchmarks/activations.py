@@ -11,8 +11,11 @@ block inputs wait for backward).
 
 Step time (``--seq``): two engines in one process, built from the same initial weights,
 train on the same batches, their steps interleaved (device, ``--tier``, device, ``--tier`` ...;
-nvme by default, cpu on a GPU); the first pair is a warm-up. Reported: the median over the
-pairs of the tier's step / the device's, both medians, the activation bytes a step moved, the
+nvme by default, cpu on a GPU); the first pair is a warm-up. ``--against verify-off`` compares
+instead the tier with nvme.verify at ``--verify`` (always, the default: every read back checked
+against its checksum) to the same tier with nvme.verify = off: the ratio is then what checking
+costs the step. Reported: the median over the pairs of the tier's step / the other side's
+(the device's, or the unchecked tier's), both medians, the activation bytes a step moved, the
 largest loss difference (the tier is exact, so 0), and on a GPU the engine's D2H and H2D copy
 throughput (``engine.stats()``), to set beside the pinned-copy peak ``benchmarks/gpu_step.py``
 measures. On a GPU the longest-sequence sweep still measures host RSS, which is not the memory
@@ -31,6 +34,11 @@ sequence, which is what keeps the limit small here (128MiB: lengths of a few tho
     python benchmarks/activations.py [--seq 1536] [--pairs 4] [--limit 128MiB] [--from 1024]
         [--grow 1.5 | --step 1024] [--warmup 2] [--tier nvme|cpu] [--max-seq 131072] [--tiers device,device,device] [--dir bench-data/]
         [--hidden 256 --layers 32 --intermediate 688 --vocab 1024] [--skip-step] [--skip-longest] [--json]
+        [--verify always|off] [--against device|verify-off]
+
+A tiny model checks the script in seconds (``--hidden 128 --layers 2 --intermediate 256 --vocab
+512 --seq 2048 --pairs 1 --skip-longest``: each block's input is then 1 MiB, the tier's
+``min_bytes``, so it moves; its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -67,9 +75,10 @@ def _model(args, seq: int, seed: int = 0):
     return model
 
 
-def _config(args, swap: str, tier: str) -> dict:
+def _config(args, swap: str, tier: str, verify: str | None = None) -> dict:
     params, grads, optimizer = args.tiers.split(",")
-    return {"tiers": {"params": params, "grads": grads, "optimizer": optimizer}, "nvme": {"paths": [swap]},
+    nvme = {"paths": [swap], "verify": verify or args.verify}
+    return {"tiers": {"params": params, "grads": grads, "optimizer": optimizer}, "nvme": nvme,
             "memory": {"host_budget": args.host_budget}, "optimizer": {"lr": 1e-4},
             "activations": {"tier": tier}}  # fmt: skip
 
@@ -97,10 +106,14 @@ def _step(engine, batch) -> tuple[float, float]:
 def step_time(args, root: str) -> dict:
     import infinity
 
+    # side -> (activations tier, nvme.verify); the side the tier is measured against first
     other = args.tier
-    models = {"device": _model(args, args.seq), other: _model(args, args.seq)}
-    models[other].load_state_dict(models["device"].state_dict())  # (the same seed: already equal)
-    engines = {t: infinity.initialize(m, _config(args, os.path.join(root, t), t)) for t, m in models.items()}
+    base = "device" if args.against == "device" else f"{other} unchecked"
+    sides = {base: ("device", args.verify) if args.against == "device" else (other, "off"), other: (other, args.verify)}
+    models = {side: _model(args, args.seq) for side in sides}
+    models[other].load_state_dict(models[base].state_dict())  # (the same seed: already equal)
+    engines = {side: infinity.initialize(m, _config(args, os.path.join(root, side.replace(" ", "-")), *sides[side]))
+               for side, m in models.items()}  # fmt: skip
     del models
     times = {tier: [] for tier in engines}
     diffs, moved = [], 0
@@ -112,18 +125,19 @@ def step_time(args, root: str) -> dict:
                 seconds, losses[tier] = _step(engine, batch)
                 if pair:  # the first pair warms up
                     times[tier].append(seconds)
-            diffs.append(abs(losses["device"] - losses[other]))
+            diffs.append(abs(losses[base] - losses[other]))
             moved = engines[other].stats()["step"]["activation_out_bytes"]
             shown = {t: f"{v[-1]:.2f} s" if pair else "warm-up" for t, v in times.items()}
-            print(f"  pair {pair}: device {shown['device']}, {other} {shown[other]}, loss {losses['device']:.6f}",
+            print(f"  pair {pair}: {base} {shown[base]}, {other} {shown[other]}, loss {losses[base]:.6f}",
                   file=sys.stderr)  # fmt: skip
         copies = engines[other].stats()["total"]
     finally:
         for engine in engines.values():
             engine.close()
-    ratios = [n / d for n, d in zip(times[other], times["device"])]
-    return {"seq": args.seq, "pairs": args.pairs, "tier": other, "ratio": statistics.median(ratios), "ratios": ratios,
-            "device_s": statistics.median(times["device"]), "tier_s": statistics.median(times[other]),
+    ratios = [n / d for n, d in zip(times[other], times[base])]
+    return {"seq": args.seq, "pairs": args.pairs, "tier": other, "base": base, "verify": args.verify,
+            "ratio": statistics.median(ratios), "ratios": ratios,
+            "base_s": statistics.median(times[base]), "tier_s": statistics.median(times[other]),
             "activation_bytes_a_step": moved, "largest_loss_difference": max(diffs),
             "d2h_gbps": copies.get("d2h_gbps", 0.0), "h2d_gbps": copies.get("h2d_gbps", 0.0)}  # fmt: skip
 
@@ -188,7 +202,7 @@ def _slope(points) -> float:
 def _model_argv(args) -> list[str]:
     return ["--hidden", str(args.hidden), "--layers", str(args.layers), "--intermediate", str(args.intermediate),
             "--vocab", str(args.vocab), "--heads", str(args.heads), "--tiers", args.tiers,
-            "--host-budget", args.host_budget, "--warmup", str(args.warmup)]  # fmt: skip
+            "--host-budget", args.host_budget, "--warmup", str(args.warmup), "--verify", args.verify]  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -202,6 +216,11 @@ def main(argv=None) -> int:
     p.add_argument("--tiers", default="device,device,device", help="params,grads,optimizer")
     p.add_argument("--tier", default="nvme", choices=("nvme", "cpu"),
                    help="[activations] tier of the side compared with the device (cpu: a GPU only)")
+    p.add_argument("--verify", default="always", choices=("always", "off"),
+                   help="nvme.verify of the engines (always: every swap read checked against its checksum)")
+    p.add_argument("--against", default="device", choices=("device", "verify-off"),
+                   help="what the tier's step is measured against: activations on the device, or the same tier "
+                        "with nvme.verify = off (then the ratio is verification on / off)")  # fmt: skip
     p.add_argument("--host-budget", default="256MiB")
     p.add_argument("--seq", type=int, default=1536, help="the sequence of the step-time comparison")
     p.add_argument("--pairs", type=int, default=4)
@@ -238,8 +257,8 @@ def main(argv=None) -> int:
         return 0
     if "step" in result:
         s = result["step"]
-        print(f"step at {s['seq']} tokens ({s['pairs']} pairs): {s['tier']} / device {s['ratio']:.3f} "
-              f"(pairs {' / '.join(f'{r:.3f}' for r in s['ratios'])}); device {s['device_s']:.2f} s, {s['tier']} "
+        print(f"step at {s['seq']} tokens ({s['pairs']} pairs, nvme.verify {s['verify']}): {s['tier']} / {s['base']} "
+              f"{s['ratio']:.3f} (pairs {' / '.join(f'{r:.3f}' for r in s['ratios'])}); {s['base']} {s['base_s']:.2f} s, {s['tier']} "
               f"{s['tier_s']:.2f} s; {s['activation_bytes_a_step'] / 2**20:.0f} MiB of activations each way a step; "
               f"largest |loss difference| {s['largest_loss_difference']:g}"
               + (f"; copies D2H {s['d2h_gbps']:.1f} GB/s, H2D {s['h2d_gbps']:.1f} GB/s" if s["d2h_gbps"] else ""))  # fmt: skip

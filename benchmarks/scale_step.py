@@ -32,11 +32,19 @@ medians over the pairs (the first step of each side is a warm-up and not counted
                                     [--aio-block-size 4MiB] [--aio-queue-depth 32] [--json]
                                     [--against plain|sequential] [--no-overlap] [--overlap-disk 0.3]
                                     [--state-dtype fp32|bf16|int8] [--tiers nvme,cpu,cpu]
+                                    [--verify always|off] [--against verify-off]
 
 ``--tiers`` places the infinity side's params, grads and optimizer states (every one on nvme by
 default). With grads and states in host memory each engine holds 16 bytes a parameter of RAM,
 so against the sequential engine (two such processes) pick a model that fits twice, e.g.
 ``--hidden 1024 --layers 16 --intermediate 2816`` (0.27B parameters).
+
+``--verify`` sets the infinity side's nvme.verify (``always``, the default: every swap read
+checked against its checksum). ``--against verify-off`` runs the same engine with
+``nvme.verify = "off"`` as the other side, interleaved as above: the ratio is then what checking
+every read costs the step (the cost of verification, on / off). A tiny model checks the script
+in seconds (``--hidden 128 --layers 2 --intermediate 256 --vocab 512 --pairs 1``; its figures
+mean nothing).
 """
 
 from __future__ import annotations
@@ -115,6 +123,7 @@ def _infinity_worker(args) -> None:
         tiers["optimizer"]["overlap_disk"] = args.overlap_disk
     if args.worker == "sequential":  # the same engine with the optimizer after backward
         tiers["optimizer"]["overlap"] = False
+    tiers["nvme"]["verify"] = "off" if args.worker == "unverified" else args.verify
     base = rss()
     reset_peak()
     engine = infinity.from_pretrained(transformers.LlamaForCausalLM, args.weights, tiers)
@@ -200,11 +209,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
                    help="optimizer.state_dtype of the infinity side (plain stays fp32: the losses then differ by "
                         "the quantisation, and 'largest |loss difference|' is that, not exactness)")  # fmt: skip
+    p.add_argument("--verify", choices=("always", "off"), default="always",
+                   help="nvme.verify of the infinity side (default always: every swap read checked)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--against", choices=("plain", "sequential"), default="plain",
-                   help="the other side: plain PyTorch in RAM (default), or the engine with optimizer.overlap = false "
-                        "(then the ratio is overlap on / off)")  # fmt: skip
-    p.add_argument("--worker", choices=("plain", "infinity", "sequential"), help=argparse.SUPPRESS)
+    p.add_argument("--against", choices=("plain", "sequential", "verify-off"), default="plain",
+                   help="the other side: plain PyTorch in RAM (default), the engine with optimizer.overlap = false "
+                        "(then the ratio is overlap on / off), or the engine with nvme.verify = off (then the "
+                        "ratio is verification on / off)")  # fmt: skip
+    p.add_argument("--worker", choices=("plain", "infinity", "sequential", "unverified"), help=argparse.SUPPRESS)
     p.add_argument("--save-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--weights", help=argparse.SUPPRESS)
     p.add_argument("--swap", help=argparse.SUPPRESS)
@@ -216,7 +228,7 @@ def main(argv=None) -> int:
     if args.worker == "plain":
         _plain_worker(args)
         return 0
-    if args.worker in ("infinity", "sequential"):
+    if args.worker in ("infinity", "sequential", "unverified"):
         _infinity_worker(args)
         return 0
     from infinity.tools.nvme_bench import create_test_file, fill_test_file, open_runner
@@ -233,10 +245,11 @@ def main(argv=None) -> int:
     try:
         if args.against == "plain":
             plain = _Worker("plain", shared)  # saves the initial weights before it answers
-        else:  # the weights first, then the engine without overlap on its own swap directory
+        else:  # the weights first, then the other engine (no overlap, or no verify) on its own swap directory
             subprocess.run([sys.executable, __file__, "--worker", "plain", "--save-only", *shared], check=True)
-            os.makedirs(os.path.join(work, "swap-sequential"))
-            plain = _Worker("sequential", [*shared, "--swap", os.path.join(work, "swap-sequential")])
+            kind = "sequential" if args.against == "sequential" else "unverified"
+            os.makedirs(os.path.join(work, f"swap-{kind}"))
+            plain = _Worker(kind, [*shared, "--swap", os.path.join(work, f"swap-{kind}")])
         workers.append(plain)
         infinity_side = _Worker("infinity", shared)
         workers.append(infinity_side)
@@ -251,7 +264,7 @@ def main(argv=None) -> int:
                 read_gbps, write_gbps = run("read"), run("write")
                 if step == 0:
                     report({"type": "warmup", "plain": a, "infinity": b},
-                           f"warm-up: plain {a['step']:.1f}s, infinity {b['step']:.1f}s")  # fmt: skip
+                           f"warm-up: {plain.kind} {a['step']:.1f}s, infinity {b['step']:.1f}s")  # fmt: skip
                     continue
                 io = b["read_bytes"] / (read_gbps * 1e9) + b["write_bytes"] / (write_gbps * 1e9)
                 opt_io = b["opt_read_bytes"] / (read_gbps * 1e9) + b["opt_write_bytes"] / (write_gbps * 1e9)
@@ -265,7 +278,7 @@ def main(argv=None) -> int:
                        "opt_vs_io": b["optimizer"] / opt_io,
                        "loss_diff": abs(a["loss"] - b["loss"])}  # fmt: skip
                 rows.append(row)
-                report(row, f"pair {step}: plain {a['step']:.1f}s (fwd {a['forward']:.1f} bwd {a['backward']:.1f} "
+                report(row, f"pair {step}: {plain.kind} {a['step']:.1f}s (fwd {a['forward']:.1f} bwd {a['backward']:.1f} "
                             f"opt {a['optimizer']:.1f}), infinity {b['step']:.1f}s (fwd {b['forward']:.1f} "
                             f"bwd {b['backward']:.1f} opt {b['optimizer']:.1f}, {b['committed_early']}/{b['sub_groups']} sub-groups "
                             f"early, read {b['read_bytes'] / 1e9:.1f} GB, "
@@ -306,9 +319,10 @@ def main(argv=None) -> int:
         else:
             opt_line = (f"optimizer / its I/O:      {summary['opt_vs_io']:.3f}   (target <= 1.15; its bytes over the "
                         "throughput measured with the CPU idle)")  # fmt: skip
-        other = "plain" if args.against == "plain" else "off"
-        ratio = (f"infinity / plain PyTorch: {summary['vs_plain']:.3f}   (target <= 0.9)" if other == "plain"
-                 else f"overlap on / off:         {summary['vs_plain']:.3f}")  # fmt: skip
+        other = {"plain": "plain", "sequential": "off", "verify-off": "unverified"}[args.against]
+        ratio = {"plain": f"infinity / plain PyTorch: {summary['vs_plain']:.3f}   (target <= 0.9)",
+                 "sequential": f"overlap on / off:         {summary['vs_plain']:.3f}",
+                 "verify-off": f"verify always / off:      {summary['vs_plain']:.3f}   (target <= 1.03)"}[args.against]  # fmt: skip
         report(summary, "\n".join([
             f"{params / 1e9:.3f}B parameters, {len(rows)} pairs (medians):",
             f"  {ratio}",
