@@ -180,9 +180,7 @@ def _install() -> None:
     """Wrap torch.nn.utils' clipping (see [Note: clipping managed parameters]), once."""
     if getattr(_clip_grad.clip_grad_norm_, "_infinity", False):
         return
-    for fn in (clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_):
-        fn._infinity = True
-        fn.__wrapped__ = getattr(torch.nn.utils, fn.__name__)
+    clip_grad_norm_._infinity = True
     for where in (torch.nn.utils, _clip_grad):
         where.clip_grad_norm_ = clip_grad_norm_
         where.clip_grad_value_ = clip_grad_value_

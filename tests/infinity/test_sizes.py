@@ -132,6 +132,15 @@ def test_clip_grad_norm_over_the_engine_parameters_clips_as_plain_pytorch(tmp_pa
         torch.testing.assert_close(weights[name], p.detach(), atol=1e-6, rtol=0)
 
 
+def test_the_deprecated_clip_grad_norm_is_the_engine_norm_too(tmp_path, engines):
+    torch.manual_seed(0)
+    engine = _engine(tmp_path, engines, _Model(tied=False))
+    engine.backward(_loss(engine, 0))
+    with pytest.warns(FutureWarning):
+        got = torch.nn.utils.clip_grad_norm(engine.module.parameters(), 0.1)
+    assert got.item() == pytest.approx(engine.grad_norm(), rel=1e-6) and engine.optimizer.clip_next == 0.1
+
+
 def test_clip_grad_norm_to_inf_reads_the_norm_and_leaves_the_configured_clipping(tmp_path, engines):
     torch.manual_seed(0)
     model = _Model(tied=False)
