@@ -52,7 +52,7 @@ from infinity.swap import (
     SpaceReader, SwapSpace, WriteBehind, fsync_dir, parse_json, read_json, round_up, write_bytes_atomic, write_json_atomic,
 )  # fmt: skip
 
-from . import _algorithms, _compact, _recut, _rng
+from . import _algorithms, _compact, _consolidate, _recut, _rng
 from ._substates import state_key
 from .checkpoint import (
     FORMAT, LATEST_NAME, LOCK_NAME, META_NAME, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, check_tag,
@@ -86,6 +86,9 @@ def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
         "optimizer": {k: v for k, v in parts["optimizer"].state_dict().items() if k != "unit_steps"},  # JSON
         "lr_scheduler": None if parts["lr_scheduler"] is None else parts["lr_scheduler"].state_dict(),
         "units": _units_layout(engine),
+        # What engine.export writes under each key, so that a checkpoint consolidates offline
+        # into the same file ([Note: consolidated checkpoint] in `_consolidate`).
+        "state_dict": _consolidate.state_dict_layout(engine),
         "rng": rng,
         "client_state": client_state,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
