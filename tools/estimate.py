@@ -140,7 +140,11 @@ def model_maker(args):
     auto = transformers.AutoModelForCausalLM
     if type(config) not in auto._model_mapping:
         auto = transformers.AutoModel
-    return f"{type(config).__name__} from {args.model}", lambda: auto.from_config(config)
+    try:
+        name = auto._model_mapping[type(config)].__name__
+    except (KeyError, ValueError) as e:
+        raise BadInput(f"MODEL {args.model!r}: transformers has no model for {type(config).__name__}: {e}") from None
+    return f"{name} from {args.model}", lambda: auto.from_config(config)
 
 
 def tier_config(args):
