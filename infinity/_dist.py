@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import hashlib
+import itertools
 import os
 import sys
 
@@ -28,6 +29,9 @@ import torch
 import torch.distributed as dist
 
 _FAILED = "infinity/failed/"
+_MET = "infinity/met/"
+# Every rank makes its engines (and so its Dists) in one order: their initialize is a collective.
+_DISTS = itertools.count()
 
 
 def _own_gpu() -> int:
@@ -49,6 +53,8 @@ def _own_gpu() -> int:
 class Dist:
     def __init__(self, timeout: int):
         self.timeout = timeout
+        self._meetings = f"{_MET}{next(_DISTS)}/"  # this Dist's keys: another engine's were set before
+        self._met: dict[str, int] = {}  # name -> how many times this rank has met the others there
         env_world = int(os.environ.get("WORLD_SIZE", "1"))
         if not dist.is_available() or (not dist.is_initialized() and env_world <= 1):
             self.rank, self.world_size, self.local_rank, self.store = 0, 1, 0, None
@@ -119,6 +125,38 @@ class Dist:
         flags[self.rank] = 0.0 if ok else 1.0
         self.all_reduce_sum(flags, what)
         return [r for r in range(self.world_size) if flags[r] > 0]
+
+    def meet(self, name: str, what: str) -> None:
+        """Return once every rank has reached its n-th ``name`` (n: this rank's count of them),
+        else raise after ``partition.timeout`` naming the ranks that did not come. Through the
+        group's key-value store, not a collective: a call that one rank makes alone (``if rank
+        == 0: model.state_dict()``, the DDP idiom) is refused before its first collective, which
+        would otherwise wait on, or under NCCL pair with, whatever the other ranks run next."""
+        if not self.active or self.store is None:
+            return
+        n = self._met[name] = self._met.get(name, 0) + 1
+        keys = [f"{self._meetings}{name}/{n}/{r}" for r in range(self.world_size)]
+        try:
+            self.store.set(keys[self.rank], "1")
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+            return
+        except Exception as e:  # noqa: BLE001 - the store's timeout: say who did not come
+            error = e
+        missing = [r for r, key in enumerate(keys) if not self._has(key)]
+        if not missing:
+            return  # the last one came as the wait gave up
+        failed = self.failures()
+        why = "".join(f"; rank {r} failed: {failed[r]}" for r in missing if r in failed)
+        ranks = ", ".join(map(str, missing))
+        raise RuntimeError(
+            f"{what} is a collective that every rank calls: rank {self.rank} called it (call {n}) and rank(s) "
+            f"{ranks} did not within partition.timeout={self.timeout}s{why}") from error
+
+    def _has(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except Exception:  # noqa: BLE001 - an unreachable store: count the key as missing
+            return False
 
     def agree_on_outcome(self, error: BaseException | None, what: str) -> None:
         """Every rank calls it after doing ``what``, with its error or None: raise on every rank

@@ -105,6 +105,7 @@ def export_safetensors(engine, path) -> str:
     when the export fails. Its mode honours the umask."""
     path = os.path.abspath(os.fspath(path))
     layout = _Layout(_entries(engine))  # on every rank: a TypeError here raises before any gather
+    engine.dist.meet("export", f"the export to {path}")
     write_files(engine, [(path, layout)], f"the export to {path}", done=f"exported {path}")
     return path
 

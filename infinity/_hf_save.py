@@ -70,6 +70,7 @@ def save_pretrained(engine, directory, max_shard_size="2GB") -> str:
     """See `Engine.save_pretrained` and [Note: save_pretrained's order]."""
     directory = os.path.abspath(os.fspath(directory))
     limit = shard_bytes(max_shard_size)
+    engine.dist.meet("save_pretrained", f"save_pretrained to {directory}")
     entries = _entries(engine)
     shards: list[list] = []
     size = 0

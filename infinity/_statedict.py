@@ -14,9 +14,10 @@ state, partitioned from stage 1 on), so ``state_dict()`` at several ranks is a c
 torch's ``get_model_state_dict`` with ``full_state_dict=True, cpu_offload=True`` (FSDP's
 FULL_STATE_DICT with ``rank0_only``) is: every rank must call it, one unit at a time is gathered
 to rank 0, and rank 0 gets the full dict (on the CPU) while every other rank gets an empty one
-(its entries of the module removed), so no rank but the writer holds the model. A call on one
-rank alone waits for the others and fails after ``partition.timeout``. ``keep_vars=True`` gives
-the placeholders, gathers nothing, and is not a collective. To write the weights without
+(its entries of the module removed), so no rank but the writer holds the model. ``keep_vars=True`` gives
+the placeholders, gathers nothing, and is not a collective. A call that only some ranks make
+(DDP's ``if rank == 0: torch.save(model.state_dict(), ...)``) is refused with the ranks that did
+not come, after ``partition.timeout``, before any gather (`Dist.meet`). To write the weights without
 holding them, `Engine.save_pretrained` and `Engine.export` stream them to rank 0's files.
 """
 
@@ -83,6 +84,7 @@ class StateDictHooks:
             if not keys or isinstance(state_dict[keys[0][0]], nn.Parameter):  # keep_vars=True: the parameters
                 return
             engine = self.engine
+            engine.dist.meet("state_dict", "state_dict() of a module whose weights are sharded over the ranks")
             if engine.world_size > 1 and engine.rank != 0:
                 # [Note: state_dict at several ranks]: this rank only sends its shards.
                 for key in [k for k in state_dict if k.startswith(prefix)]:

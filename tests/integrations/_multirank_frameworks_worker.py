@@ -1,12 +1,14 @@
 """One rank of tests/integrations/test_multirank_frameworks.py; also run alone (1 process).
 
-argv: mode, output path prefix, swap directory, and for ``trainer-save`` the partition stage and
-optionally the checkpoint to resume from. Modes:
+argv: mode, output path prefix, swap directory, and for ``trainer-save`` the partition stage.
+Modes:
 
 - ``trainer``: InfinityTrainer, as run_clm.py runs it under torchrun (TrainingArguments make the
   process group, the Trainer shards the data).
-- ``trainer-save``: the same with a checkpoint every 2 steps (``save_steps``; resumed from the
-  one given, if any), then ``trainer.save_model(f"{out}-final")``.
+- ``trainer-save``: the same with a checkpoint every 2 steps (``save_steps``), then
+  ``trainer.save_model(f"{out}-final")``; then, at several ranks, in the same processes (no
+  second start-up), a new Trainer resumed from ``checkpoint-2`` runs to the end and writes
+  ``{out}-resumed.json`` and ``{out}-resumed.weights.pt``.
 - ``accelerate``: a plain accelerate loop with the README's recipe.
 - ``accelerate-ddp``: the same loop with ``accelerator.prepare(engine.module, ...)``, which wraps
   the module in DistributedDataParallel at several processes: expected refused.
@@ -28,7 +30,6 @@ from infinity.integrations.transformers import InfinityTrainer
 
 mode, out, swap = sys.argv[1], sys.argv[2], sys.argv[3]
 stage = int(sys.argv[4]) if len(sys.argv) > 4 else 3
-resume = sys.argv[5] if len(sys.argv) > 5 else None
 world = int(os.environ.get("WORLD_SIZE", "1"))
 torch.set_num_threads(1)
 STEPS, GLOBAL_BATCH = 4, 4
@@ -49,26 +50,32 @@ CONFIG = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
           "nvme": {"paths": [swap], "grow_step": "4MiB"}, "partition": {"stage": stage, "timeout": 30}}  # fmt: skip
 
 
-def write(losses, weights):
+def write(losses, weights, prefix=out):
     if int(os.environ.get("RANK", "0")) == 0:
-        json.dump({"losses": losses}, open(f"{out}.json", "w"))
-        torch.save(weights, f"{out}.weights.pt")
+        json.dump({"losses": losses}, open(f"{prefix}.json", "w"))
+        torch.save(weights, f"{prefix}.weights.pt")
 
 
-if mode.startswith("trainer"):
+def train(prefix, resume=None):
     saving = {"save_strategy": "steps", "save_steps": 2} if mode == "trainer-save" else {"save_strategy": "no"}
     args = transformers.TrainingArguments(
-        output_dir=f"{out}-trainer", max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // world,
+        output_dir=f"{prefix}-trainer", max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // world,
         learning_rate=3e-3, weight_decay=0.1, max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True,
         seed=0, dataloader_num_workers=0, disable_tqdm=True, train_sampling_strategy="sequential", **saving)  # fmt: skip
     trainer = InfinityTrainer(model=llama(), args=args, train_dataset=DATA, infinity_config=CONFIG)
     trainer.train(resume_from_checkpoint=resume)
     assert trainer.model_wrapped is trainer.model, type(trainer.model_wrapped)  # not DDP
     if mode == "trainer-save":
-        trainer.save_model(f"{out}-final")
+        trainer.save_model(f"{prefix}-final")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    write(losses, trainer.engine.gathered_weights())
+    write(losses, trainer.engine.gathered_weights(), prefix)
     trainer.engine.close()
+
+
+if mode.startswith("trainer"):
+    train(out)
+    if mode == "trainer-save" and world > 1:
+        train(f"{out}-resumed", resume=f"{out}-trainer/checkpoint-2")
 else:
     import accelerate
 
