@@ -4,8 +4,9 @@ Layout of a checkpoint root ``DIR``::
 
     DIR/latest              the tag of the newest complete checkpoint (text, replaced atomically)
     DIR/<tag>/meta.json     format, step, world size, stage, config, the loss scaler's state,
-                            RNG states of every rank, the units' layout, the user's
-                            client_state (JSON only)
+                            RNG states of every rank, the units' layout, the module's
+                            state_dict keys (what an export writes under each; absent in older
+                            checkpoints), the user's client_state (JSON only)
     DIR/<tag>/rank<r>/      rank r's state in the swap format (manifest.json, arena-0.bin):
                             per unit "<unit>/param" (low precision), "<unit>/master",
                             "<unit>/exp_avg", "<unit>/exp_avg_sq" (fp32), each the rank's slice of

@@ -10,6 +10,7 @@ write from the same state ([Note: consolidated checkpoint] in `infinity._consoli
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -150,7 +151,14 @@ def consolidate(args) -> tuple[str, CheckpointWeights]:
             if progress is not None:
                 weights.on_unit = lambda done, unit: progress.show(unit.name, done)
             if kind == "directory":
-                save_pretrained(weights, output, max_shard_size=limit)
+                made = not os.path.exists(output)
+                try:
+                    save_pretrained(weights, output, max_shard_size=limit)
+                except BaseException:
+                    if made:  # a failed run leaves nothing behind, not even the directory it made
+                        with contextlib.suppress(OSError):
+                            os.rmdir(output)
+                    raise
             elif kind == "safetensors":
                 export_safetensors(weights, output)
             else:

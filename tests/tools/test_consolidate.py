@@ -212,8 +212,9 @@ def test_a_flipped_byte_is_named_and_nothing_is_written(tmp_path, capsys):
         byte = f.read(1)
         f.seek(extent[1])
         f.write(bytes([byte[0] ^ 1]))
-    code, _, err = _run(capsys, ckpt, tmp_path / "out.safetensors")
-    assert code == 1 and "norm/master" in err and arena in err
+    for out in ("out.safetensors", "hf"):
+        code, _, err = _run(capsys, ckpt, tmp_path / out)
+        assert code == 1 and "norm/master" in err and arena in err
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "export.safetensors", "swap"]
 
 
