@@ -454,7 +454,8 @@ class Engine:
         """What ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` does in a plain
         loop (whose parameters here have no ``.grad``: their gradients are in the tiers): the
         next step clips the gradients to the global norm ``max_norm``; returns the norm before
-        clipping. For accelerate loops: call it where ``accelerator.clip_grad_norm_`` was."""
+        clipping. ``torch.nn.utils.clip_grad_norm_`` and ``accelerator.clip_grad_norm_`` over
+        ``engine.module.parameters()`` call it ([Note: clipping managed parameters] in `_sizes`)."""
         if not max_norm > 0:
             raise ValueError(f"{max_norm=} must be > 0")
         self.optimizer.clip_next = float(max_norm)
