@@ -54,8 +54,8 @@ def _loss(model, step: int):
 
 
 def _engine(tmp_path, engines, model, tiers=NVME, **sections):
-    engine = infinity.initialize(model, _config(tmp_path, tiers, memory={"tile_size": 4096}, **sections),
-                                 optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5))  # fmt: skip
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    engine = infinity.initialize(model, _config(tmp_path, tiers, memory={"tile_size": 4096}, **sections), optimizer=sgd)
     engines.append(engine)
     return engine
 
