@@ -562,7 +562,7 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
     start = time.perf_counter()
     # What an interrupted backward left (a gradient in a parameter or a unit) would be added
     # to the loaded state's first one: see [Note: gradient hand-over] in `_schedule`.
-    engine.scheduler.drop_grads()
+    engine.scheduler.forget_backward()
     engine.scheduler.release_all()
     where, writing = None, False
     with record_function("infinity::checkpoint.load"):

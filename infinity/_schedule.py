@@ -39,6 +39,20 @@ once a step. A kept unit whose module's backward has not begun is given back whe
 or a gradient buffer finds the pool full; one whose backward has begun is in use and never is.
 The values are the ones a second read would give (parameters change only at the step).
 
+[Note: gradient hand-over]
+Autograd accumulates a parameter's gradient into ``param.grad`` and then runs the engine's
+hook, which takes it from there into the unit's fp32 gradient; a tile's Function hands its
+rows over directly (`tile_grad`). A ``.grad`` left on a parameter would be accumulated into by
+the next backward and taken with it: every weight of the redone step off, with no error. So
+the bookkeeping from taking a gradient to the unit's hand-over (``param.grad`` cleared, the
+gradient copied or added, the use counted; the unit's gradient taken for `_grads`) runs with
+SIGINT held back ([Note: interrupt windows] in `_interrupts`); the pool buffer it may wait for
+is taken before, while nothing has changed. What no section can cover (the hook's first
+bytecodes run before any section is entered) is undone by `forget_backward`, which
+``zero_grad`` and ``load_checkpoint`` call: every managed parameter's ``.grad`` cleared (a
+tile's too: a gathered tiled parameter's gradient passes through it), every unit's gradient
+dropped, and a backward that never ended ended.
+
 [Note: predicted order]
 The first forward uses module registration order (so prefetch works from the first step);
 each forward records the order that really ran, and the next forward predicts it. When a
@@ -441,22 +455,57 @@ class Scheduler:
         return [] if module in self.tiled else self.module_units[module]
 
     def grad_arrived(self, unit: ParamUnit, i: int, param: torch.Tensor) -> None:
-        """Parameter ``i`` of ``unit`` has its gradient (``param.grad``) of this backward."""
-        grad, param.grad = param.grad, None  # the fp32 copy is the gradient now; the param-dtype one goes
-        self.tile_grad(unit, i, grad)
+        """Parameter ``i`` of ``unit`` has its gradient (``param.grad``) of this backward. The
+        fp32 copy in the unit is the gradient from here; the parameter's goes
+        ([Note: gradient hand-over])."""
+        lease = self._grad_buffer(unit)
+        try:
+            with held_interrupts:
+                grad, param.grad = param.grad, None
+                final = self._gather_grad(unit, i, grad, lease)
+        except BaseException:
+            self._unclaimed(unit, lease)
+            raise
+        if final:
+            self.finish_unit_backward(unit)
 
     def tile_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor) -> None:
         """``grad`` is the gradient of this backward of parameter ``i`` of ``unit`` (of the
         unit's part of it: a tile's rows)."""
+        lease = self._grad_buffer(unit)
+        try:
+            with held_interrupts:  # see [Note: gradient hand-over]
+                final = self._gather_grad(unit, i, grad, lease)
+        except BaseException:
+            self._unclaimed(unit, lease)
+            raise
+        if final:
+            self.finish_unit_backward(unit)
+
+    def _grad_buffer(self, unit: ParamUnit):
+        """The pool buffer ``unit``'s gradient is gathered in, when it has none yet and one is
+        needed (a CPU device with a pool: budgeted, and aligned so its write-behind is
+        direct); else None. It may wait for room: taken before anything changes, so that an
+        interrupt here leaves the gradient where it was."""
+        if unit.grad is None and self.grads_in_pool:
+            return self._acquire(unit.padded_numel * 4)
+        return None
+
+    @staticmethod
+    def _unclaimed(unit: ParamUnit, lease) -> None:
+        """An interrupt came before ``lease`` was the unit's: given back now, not at garbage collection."""
+        if lease is not None and unit.grad_lease is not lease:
+            lease.release()
+
+    def _gather_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor, lease) -> bool:
+        """Copy (the first) or add (the next ones) ``grad`` into the unit's gradient and count
+        the use; whether it was the unit's last. Runs with interrupts held: it never waits."""
         if unit.grad is None:
             # Not zeroed: each parameter's first gradient is copied in, later ones added,
             # and what none arrived for is zeroed when the unit is handed on.
-            if self.grads_in_pool:
-                # From the pool: budgeted, and aligned so its write-behind is direct.
-                lease = self._acquire(unit.padded_numel * 4)
-                with held_interrupts:  # see [Note: interrupt windows]
-                    unit.grad_lease = lease
-                    unit.grad = lease.view(torch.float32, (unit.padded_numel,))
+            if lease is not None:
+                unit.grad_lease = lease
+                unit.grad = lease.view(torch.float32, (unit.padded_numel,))
             else:
                 unit.grad = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
             unit.grad_seen = set()
@@ -467,8 +516,7 @@ class Scheduler:
             unit.grad[off : off + n].copy_(grad.reshape(-1))
             unit.grad_seen.add(i)
         unit.uses -= 1
-        if unit.uses <= 0:
-            self.finish_unit_backward(unit)
+        return unit.uses <= 0
 
     # -- passes -----------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -491,14 +539,15 @@ class Scheduler:
                 self.on_backward_due([u for u in self.units if u.uses > 0])
 
     def finish_unit_backward(self, unit: ParamUnit) -> None:
-        grad, lease = unit.grad, unit.grad_lease
-        unit.grad = unit.grad_lease = None  # handed on, or (if that fails) dropped: never twice
-        if grad is not None:  # zeros where no gradient arrived: parameters unused, the padding
-            for i, (off, n) in enumerate(zip(unit.offsets, unit.numels)):
-                if i not in unit.grad_seen:
-                    grad[off : off + n].zero_()
-            grad[unit.numel :].zero_()
-        unit.uses = 0
+        with held_interrupts:  # see [Note: gradient hand-over]
+            grad, lease = unit.grad, unit.grad_lease
+            unit.grad = unit.grad_lease = None  # handed on, or (if that fails) dropped: never twice
+            if grad is not None:  # zeros where no gradient arrived: parameters unused, the padding
+                for i, (off, n) in enumerate(zip(unit.offsets, unit.numels)):
+                    if i not in unit.grad_seen:
+                        grad[off : off + n].zero_()
+                grad[unit.numel :].zero_()
+            unit.uses = 0
         if grad is not None:
             with _traffic(self.pool, GRAD):
                 self.grads.add(unit, grad, lease)  # owns the lease from here, failing or not
@@ -531,13 +580,25 @@ class Scheduler:
             self._recomputed.clear()
             self.transport.drain()
 
+    def forget_backward(self) -> None:
+        """Forget this step's gradients still in units and parameters (zero_grad, a load), and
+        end a backward that began and never ended: a plain ``loss.backward()`` that raised (a
+        Ctrl-C in a hook) never runs the end it queued, and the next would queue none."""
+        self.drop_grads()
+        if self._end_queued:
+            self.end_backward()
+
     def drop_grads(self) -> None:
-        """Forget gradients still being gathered in units (after a failed backward)."""
+        """Forget gradients still being gathered in units (after a failed backward), and any a
+        parameter still holds ([Note: gradient hand-over])."""
         for unit in self.units:
-            if unit.grad_lease is not None:
-                unit.grad_lease.release()
-            unit.grad = unit.grad_lease = None
-            unit.uses = 0
+            with held_interrupts:
+                if unit.grad_lease is not None:
+                    unit.grad_lease.release()
+                unit.grad = unit.grad_lease = None
+                unit.uses = 0
+                for p in unit.params:  # a tile's too: a gathered one's gradient passes through it
+                    p.grad = None
 
     # -- saved tensors: see [Note: saved parameter views] -------------------------------------
     def pack(self, t: torch.Tensor):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import infinity
+from infinity import _schedule, _tiled
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import config  # noqa: E402
@@ -364,3 +365,128 @@ def _ctrl_c_in_the_second_subgroup_update(engine, monkeypatch) -> None:
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     monkeypatch.undo()
+
+
+# -- Ctrl-C at every line of backward's gradient hooks: a real SIGINT from a trace function -----
+
+_SCHEDULE = _schedule.__file__
+_TILED = _tiled.__file__
+# From a parameter's gradient arriving (or a tile's being made) to the unit's hand-over.
+_HOOK_PATH = {
+    _SCHEDULE: {"hook", "grad_arrived", "tile_grad", "_grad_buffer", "_unclaimed", "_gather_grad",
+                "finish_unit_backward"},
+    _TILED: {"backward"},
+}  # fmt: skip
+
+
+def _interrupt_at_line(k: int):
+    """A trace function that raises a real SIGINT at the k-th line (or call) run in the hook
+    path; ``seen`` lists (function, line) of each one it counted."""
+    seen = []
+
+    def trace(frame, event, arg):
+        code = frame.f_code
+        if code.co_name not in _HOOK_PATH.get(code.co_filename, ()):
+            return None
+        if event in ("call", "line"):
+            seen.append((code.co_name, frame.f_lineno))
+            if len(seen) == k:
+                sys.settrace(None)
+                signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt from here, or held
+        return trace
+
+    return trace, seen
+
+
+def _tiled_mlp() -> nn.Module:
+    """The MLP with a middle layer of 2112 fp32 parameters: two tiles at 4KiB."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 4))
+
+
+def _hook_cfg(path, overlap: bool, states: str, tiled: bool) -> dict:
+    os.makedirs(path, exist_ok=True)
+    memory = {"tile_size": "4KiB"} if tiled else {}
+    return config(path, NVME, optimizer={"overlap": overlap, "sub_group_size": "1KiB", "state_dtype": states},
+                  memory=memory)  # fmt: skip
+
+
+def _sweep_hook_path(tmp_path, *, overlap: bool, states: str, tiled: bool = False, plain: bool = False,
+                     every: bool) -> int:  # fmt: skip
+    """Interrupt step 1's backward at each line of the hook path in turn (``every``), or at the
+    first run of each of its lines and every line of the parameters' hooks (the windows before
+    a gradient is taken); then zero_grad, redo it and step: bit-identical to the uninterrupted
+    run each time. Returns how many points were interrupted."""
+    model = _tiled_mlp if tiled else _mlp
+    ref = infinity.initialize(model(), _hook_cfg(tmp_path / "ref", overlap, states, tiled))
+    for step in range(2):
+        ref.backward(_loss(ref, step))
+        ref.step()
+    expected = ref.gathered_weights()
+    ref.close()
+
+    engine = infinity.initialize(model(), _hook_cfg(tmp_path / "a", overlap, states, tiled))
+    engine.backward(_loss(engine, 0))
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    trace, path = _interrupt_at_line(0)  # k = 0: never raises; records the path's lines
+    sys.settrace(trace)
+    try:
+        _loss(engine, 1).backward()
+    finally:
+        sys.settrace(None)
+    engine.zero_grad()
+    assert {name for name, _ in path} >= {"hook", "grad_arrived", "_gather_grad", "finish_unit_backward"}
+    if every:
+        points = range(1, len(path) + 1)
+    else:
+        first = {}
+        for k, at in enumerate(path, 1):
+            first.setdefault(at, k)
+        points = sorted(set(first.values()) | {k for k, (name, _) in enumerate(path, 1) if name == "hook"})
+    for k in points:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        loss = _loss(engine, 1)
+        trace, seen = _interrupt_at_line(k)
+        sys.settrace(trace)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                loss.backward() if plain else engine.backward(loss)
+        finally:
+            sys.settrace(None)
+        engine.zero_grad()
+        assert not any(p.grad is not None for u in engine.units for p in u.params), f"line {k} ({seen[-1]})"
+        engine.backward(_loss(engine, 1))
+        engine.step()
+        got = engine.gathered_weights()
+        assert all(torch.equal(expected[n], got[n]) for n in expected), f"interrupt at line {k} ({seen[-1]})"
+    engine.close()
+    return len(points)
+
+
+_STATES = [(True, "fp32"), (False, "fp32"), (True, "int8"), (False, "int8")]
+
+
+@pytest.mark.parametrize("overlap,states", _STATES, ids=[f"overlap={o}-{s}" for o, s in _STATES])
+def test_a_ctrl_c_in_the_gradient_hooks_then_zero_grad_redoes_the_step_exactly(tmp_path, overlap, states):
+    """A SIGINT at the first run of each line from a gradient's arrival to its hand-over, and
+    at every line of the parameters' hooks: nothing is left behind (a gradient left in a
+    parameter would be added to the redone step's, with no error)."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert _sweep_hook_path(tmp_path, overlap=overlap, states=states, every=False) > 20
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["engine.backward", "loss.backward"])
+def test_a_ctrl_c_in_a_tiles_gradients_then_zero_grad_redoes_the_step_exactly(tmp_path, plain):
+    """The same through a tiled Linear, whose tiles' gradients come from its Function; and
+    through a plain ``loss.backward()``, which ends its pass only through its own callback."""
+    assert _sweep_hook_path(tmp_path, overlap=True, states="fp32", tiled=True, plain=plain, every=False) > 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tiled", [False, True], ids=["whole", "tiled"])
+@pytest.mark.parametrize("overlap,states", _STATES, ids=[f"overlap={o}-{s}" for o, s in _STATES])
+def test_a_ctrl_c_at_every_line_of_the_gradient_hooks_then_zero_grad_redoes_the_step_exactly(
+    tmp_path, overlap, states, tiled
+):
+    _sweep_hook_path(tmp_path, overlap=overlap, states=states, tiled=tiled, every=True)
