@@ -101,11 +101,12 @@ def _engine_of(params, call: str):
     if not managed:
         return None
     engines = {id(e): e for e in (getattr(p, "_infinity_engine", lambda: None)() for p in managed)}
-    if None in engines.values() or len(engines) != 1:
-        raise RuntimeError(
-            f"torch.nn.utils.{call} over parameters of {len(engines)} infinity engines (or of one that was "
-            "dropped): each engine clips its own gradients, with engine.clip_grad_norm_"
-        )
+    if None in engines.values():
+        raise RuntimeError(f"torch.nn.utils.{call} over parameters of an infinity engine that was dropped: their "
+                           "gradients went with it; there is nothing to clip")  # fmt: skip
+    if len(engines) != 1:
+        raise RuntimeError(f"torch.nn.utils.{call} over parameters of {len(engines)} infinity engines: each "
+                           "engine clips its own gradients, with engine.clip_grad_norm_")  # fmt: skip
     others = [p for p in params if not getattr(p, "_infinity_managed", False) and p.grad is not None]
     if others:
         raise RuntimeError(
