@@ -26,6 +26,17 @@ deep in backward, or a wrong result with no error at all. So:
   had run (a tiled one's is cut into its tiles' rows). A saved view of a whole unit is kept by
   position as always ([Note: saved parameter views]); one of an assembled tensor is assembled
   again in backward.
+
+[Note: gathers across passes]
+What a context gathers stays whole until its exit, whatever runs inside: nested contexts of
+one tiled parameter share one assembled tensor (`_hold_assembled`), and a whole unit a context
+holds (``ParamUnit.gathers``) is not released by `Scheduler.release`, so the end of a forward
+without grad or of a backward inside leaves it bound (before, they released it, and
+``p.detach()``, which a placeholder allows as metadata, read an empty tensor with no error). A
+held unit is not fetched again, and an assembled tensor is a copy: a step or a load inside
+would leave them their old values, and a forward inside would compute with them, so those
+are refused while a context of the engine is open (`refuse_open`); closing the engine
+releases everything (`end_open`).
 """
 
 from __future__ import annotations
@@ -192,8 +203,10 @@ class GatheredParameters:
 
     Tensors no open engine holds (and None) are left alone. Inside the model's forward with
     grad enabled, a gathered parameter may be used in the loss: its gradient reaches the
-    engine's accumulation as if its module had run. Changes made to the values inside are not
-    written back (``modifier_rank`` must be None). With several ranks at ZeRO stage 3 every
+    engine's accumulation as if its module had run. Contexts nest, and passes may run inside:
+    what a context gathered stays whole until its exit; a step or a load inside is refused
+    ([Note: gathers across passes]). Changes made to the values inside are not written back
+    (``modifier_rank`` must be None). With several ranks at ZeRO stage 3 every
     rank enters it for the same parameters: materialising is an all-gather. ``fwd_module`` is
     DeepSpeed's and has no use here."""
 
@@ -245,7 +258,7 @@ class GatheredParameters:
             if not unit.is_tile:
                 scheduler.materialize(unit)
                 with held_interrupts:
-                    unit.active += 1
+                    unit.gathers += 1
                     stack.callback(_let_go, scheduler, unit)
             else:
                 full = _hold_assembled(stack, scheduler, p, pieces)
@@ -264,8 +277,37 @@ class GatheredParameters:
 
 def _let_go(scheduler, unit) -> None:
     with held_interrupts:
-        unit.active = max(unit.active - 1, 0)  # a no-grad root pass's end zeroes it (release_all)
+        unit.gathers = max(unit.gathers - 1, 0)  # the engine's close zeroes it (`end_open`)
         scheduler.release(unit, after_forward=True)
+
+
+def _open_names(engine) -> list[str]:
+    """The parameters of ``engine`` that open GatheredParameters contexts hold."""
+    names = []
+    for unit in engine.units:
+        for i, p in enumerate(unit.params):
+            if (unit.gathers if not unit.is_tile else _open_on(p)) and unit.qualified_name(i) not in names:
+                names.append(unit.qualified_name(i))
+    return names
+
+
+def refuse_open(engine, what: str) -> None:
+    """Raise if GatheredParameters contexts of ``engine`` are open: ``what`` (a step, a load)
+    changes the values they hold, and they would keep the old ones (a whole unit stays bound
+    to them, and the forwards that follow inside would compute with them: [Note: gathers
+    across passes])."""
+    names = _open_names(engine)
+    if names:
+        raise RuntimeError(f"{what} while GatheredParameters holds {names}: they would keep their values from "
+                           "before it, and forwards inside the context would compute with them; exit the context "
+                           "first")  # fmt: skip
+
+
+def end_open(engine) -> None:
+    """The engine closes: the units open contexts hold are released with the rest (their
+    memory goes with the engine's); the contexts' exits find them released."""
+    for unit in engine.units:
+        unit.gathers = 0
 
 
 # id(tiled parameter) -> (the parameter, weakly; the GatheredParameters contexts open on it),

@@ -751,10 +751,10 @@ class Scheduler:
                 c.fetches += 1
 
     def release(self, unit: ParamUnit, after_forward: bool = False) -> None:
-        """Free a unit's full parameters unless a running module still uses them or (in
-        backward) more of its gradients are due; after a forward, pending backward uses do not
-        hold it: backward fetches it again."""
-        if self.always_ready or unit.active > 0 or (unit.uses > 0 and not after_forward):
+        """Free a unit's full parameters unless a running module or an open GatheredParameters
+        still uses them or (in backward) more of its gradients are due; after a forward, pending
+        backward uses do not hold it: backward fetches it again."""
+        if self.always_ready or unit.active > 0 or unit.gathers > 0 or (unit.uses > 0 and not after_forward):
             return
         if unit.state is UnitState.FETCHING:
             return  # a prefetch for a coming module: keep it

@@ -74,6 +74,8 @@ class ParamUnit:
         self.pending = None  # the fetch in flight (store Pending), while FETCHING
         self.lease = None  # the host buffer backing ``full`` (nvme tier on a CPU device)
         self.active = 0  # forwards (or backwards) running that use the unit
+        # Open GatheredParameters contexts holding the unit: passes ending inside leave it bound.
+        self.gathers = 0
         self.uses = 0  # gradient accumulations still expected in this backward
         self.grad: torch.Tensor | None = None  # 1-D fp32, this backward's gradient, being gathered
         self.grad_lease = None  # the pool buffer holding ``grad`` (CPU device)

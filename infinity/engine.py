@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _build, _checkpoint, _ddp, _deepspeed, _footprint, _onecopy, _resources, _sizes, _wrap
+from . import _activations, _admission, _build, _checkpoint, _ddp, _deepspeed, _footprint, _gather, _onecopy, _resources, _sizes, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -316,6 +316,7 @@ class Engine:
     @entry("step")
     def _step(self) -> bool:
         self._check_training()
+        _gather.refuse_open(self, "engine.step()")
         if self._grads_incomplete:
             raise RuntimeError(f"{self._grads_incomplete}: the gradients accumulated since the last step are "
                                "incomplete; call engine.zero_grad() and run this step's micro-batches again")  # fmt: skip
@@ -499,6 +500,7 @@ class Engine:
         self._check_usable()
         if self.grads.has_grad:
             raise RuntimeError("load_state_dict between backward and step: call step() or zero_grad() first")
+        _gather.refuse_open(self, "load_state_dict")
         self.scheduler.release_all()
         self.optimizer.load_master(values)
 
@@ -585,6 +587,7 @@ class Engine:
         sub-group size or tile size loads too: each rank reads the slices of every unit it now
         owns, re-cut by rows where the modules are tiled otherwise ([Note: re-cut] in `_recut`)."""
         self._check_open()
+        _gather.refuse_open(self, "engine.load_checkpoint()")
         client_state = _checkpoint.load(self, path, tag, on_partial=self._refuse)
         self._unusable = None
         self._stats.start_step()
@@ -616,6 +619,7 @@ class Engine:
         try:
             if self.scheduler.in_forward:  # a forward a Ctrl-C left
                 self.scheduler.end_interrupted_pass()
+            _gather.end_open(self)  # their memory goes with the engine's
             self.scheduler.release_all()
             if self.optimizer.overlap is not None:
                 self.optimizer.overlap.discard()

@@ -342,3 +342,62 @@ def test_a_tiled_weight_gathered_in_forward_while_its_module_runs_trains_as_plai
         assert engine.module.head.weight.untyped_storage().nbytes() == 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("memory", [_TILES, {}], ids=["tiled", "whole"])
+def test_a_gathered_parameter_stays_whole_through_passes_inside_the_context(tmp_path, memory):
+    """The end of a forward without grad and of a backward releases every unit but those an
+    open context holds: the weight read after them is still whole, and training is exact."""
+    runs = {}
+    for name in ("gathered", "never"):
+        engine = infinity.initialize(_calls(), _nvme(tmp_path / name, memory=memory))
+        try:
+            head = engine.module.head
+            want = engine.gathered_weights()["head.weight"]
+            with infinity.GatheredParameters([head.weight]) if name == "gathered" else contextlib.nullcontext():
+                with torch.no_grad():
+                    engine(_batch(0)[0])
+                loss = _loss(engine, 0)
+                engine.backward(loss)
+                if name == "gathered":
+                    assert torch.equal(head.weight.detach().clone(), want)
+            engine.step()
+            runs[name] = loss.item(), engine.gathered_weights()
+        finally:
+            engine.close()
+    assert runs["gathered"][0] == runs["never"][0]
+    for key, value in runs["never"][1].items():
+        assert torch.equal(runs["gathered"][1][key], value), key
+
+
+@pytest.mark.parametrize("memory", [_TILES, {}], ids=["tiled", "whole"])
+def test_a_step_or_a_load_inside_gathered_parameters_is_refused_naming_them(tmp_path, memory):
+    """Either would change the values the context holds, and it would keep the old ones."""
+    engine = infinity.initialize(_calls(), _nvme(tmp_path, memory=memory))
+    try:
+        engine.save_checkpoint(tmp_path / "ckpt")
+        state = engine.module.state_dict()
+        head = engine.module.head
+        with infinity.GatheredParameters([head.weight]):
+            engine.backward(_loss(engine, 0))
+            with pytest.raises(RuntimeError, match=r"engine\.step\(\) while GatheredParameters holds .*'head\.weight'"):
+                engine.step()
+            engine.zero_grad()
+            with pytest.raises(RuntimeError, match=r"load_state_dict while .*'head\.weight'"):
+                engine.module.load_state_dict(state)
+            with pytest.raises(RuntimeError, match=r"load_checkpoint\(\) while .*'head\.weight'"):
+                engine.load_checkpoint(tmp_path / "ckpt")
+        engine.backward(_loss(engine, 0))
+        engine.step()  # refused before anything changed: the engine trains on
+    finally:
+        engine.close()
+
+
+def test_closing_the_engine_inside_gathered_parameters_releases_them(tmp_path):
+    engine = infinity.initialize(_calls(), _nvme(tmp_path))
+    head = engine.module.head
+    with infinity.GatheredParameters([head.weight]):
+        engine.close()
+        with pytest.raises(RuntimeError, match=r"'head\.weight'"):
+            head.weight.sum()  # its memory went with the engine's
+    assert all(u.gathers == 0 for u in engine.units)
