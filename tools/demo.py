@@ -51,7 +51,7 @@ DEFAULT_SIZE = "large"
 # (what initialize checks); the recomputing backward has held up to 41 MiB of the pool, and
 # 40 MiB has run out there, hence 46 MiB.
 SIZE_DEFAULTS = {
-    "large": dict(steps=30, host_budget="46MiB", sample_bytes=40, log_every=5, gradient_checkpointing=True),
+    "large": dict(steps=40, host_budget="46MiB", sample_bytes=40, log_every=5, gradient_checkpointing=True),
 }
 DEFAULTS = dict(steps=500, host_budget=None, sample_bytes=120, log_every=50, gradient_checkpointing=False)
 # Optimizer sub-groups small enough for a budget of tens of MiB (a unit larger than this is a
@@ -344,7 +344,25 @@ def train(args: argparse.Namespace) -> int:
     _check_reload(args, saved, val, val_loss, say)
     if world > 1:
         torch.distributed.barrier()  # every rank's manifest is written before rank 0 looks
-    return _inspect_swap_space(engine.swap_dirs, world) if rank == 0 else 0
+    if rank != 0:
+        return 0
+    status = _inspect_swap_space(engine.swap_dirs, world)
+    _say_what_is_left(args)
+    return status
+
+
+def _say_what_is_left(args: argparse.Namespace) -> None:
+    """The demo's files stay for a look (swap-inspect, the saved model): say where, how much
+    disk they take and how to remove them."""
+    where = Path(args.swap_dir)
+    if not where.is_dir():
+        return
+    used = sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(where) for f in files)
+    remove = f"rm -r {where}"
+    if where.resolve() == (_ROOT / "demo-swap").resolve():
+        remove = f"make clean (or {remove})"
+    print(f"\nleft in {where}: {used / 2**20:.0f} MiB on disk (the swap files and the saved model); "
+          f"{remove} removes them")
 
 
 def _pretrained_dir(args: argparse.Namespace) -> str:
@@ -403,7 +421,10 @@ def _setup(args: argparse.Namespace) -> tuple:
     say = print if rank == 0 else _silent
     where = "" if args.config else f" (params {args.params}, grads {args.grads}, optimizer {args.optimizer})"
     ranks = f", {world} ranks" if world > 1 else ""
-    say(f"GPT-2 {args.size}: {nparams / 1e6:.2f}M parameters, {len(train_data):,} training bytes{where}{ranks}")
+    shape = SIZES[args.size]
+    say(f"model: a GPT-2-shaped transformers model with random weights, demo size {args.size!r} ({shape['n_layer']} "
+        f"layers of width {shape['n_embd']}, a byte vocabulary): {nparams / 1e6:.2f}M parameters{where}{ranks}")
+    say(f"text: {len(train_data):,} bytes to train on and {len(val_data):,} to validate on ({CORPUS.name})")
     budget = engine.stats().get("host_budget_bytes")
     of = f", {state_bytes(nparams) / budget:.1f}x its host budget of {budget / 2**20:.1f} MiB" if budget else ""
     say(f"training state {state_bytes(nparams) / 2**20:.1f} MiB{of}")
@@ -502,8 +523,8 @@ def _inspect_swap_space(swap_dirs: list[str], world: int) -> int:
         return 0
     # With several ranks, the parent of the rank directories shows them all.
     where = os.path.dirname(swap_dirs[0]) if world > 1 else swap_dirs[0]
-    print(f"\nswap-inspect {where}", flush=True)
-    return 1 if swap_inspect.main([where]) else 0
+    print(f"\nswap-inspect --summary {where}", flush=True)
+    return 1 if swap_inspect.main(["--summary", where]) else 0
 
 
 def resume(engine, args: argparse.Namespace, batches: Iterator, say) -> int:
@@ -653,7 +674,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_foreign_imports() -> None:
+    """transformers imports torchao (for its quantizers) when it is installed, and torchao's
+    optional CUDA kernels do not load beside a CPU build of torch: it logs a warning per
+    kernel, and torch one per deprecated registration. The demo uses none of them; their lines
+    came before its own (errors still show)."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_foreign_imports()
     parser = _parser()
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:

@@ -183,7 +183,7 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
             for r in rows]  # fmt: skip
 
 
-def print_summary(s: dict) -> None:
+def print_summary(s: dict, tensors: bool = True) -> None:
     print(f"rank {s['rank']}: {shown(s['rank_dir'])} (space {shown(s['space_id'])}, manifest generation "
           f"{s['generation']})")  # fmt: skip
     for k, member in enumerate(s["members"]):
@@ -202,7 +202,7 @@ def print_summary(s: dict) -> None:
     if total:  # what the arenas take on disk for what the tensors hold (staging, alignment, holes)
         print(f"  footprint: {human_size(s['capacity'])} of arena for {human_size(total)} of tensors "
               f"({s['capacity'] / total:.2f}x)")  # fmt: skip
-    if not s["tensors"]:
+    if not s["tensors"] or not tensors:
         return
     files, striped = s["files"], len(s["members"]) > 1
     rows = [["name", "dtype", "shape", "bytes", "file", "offset", "checksum"]]
@@ -326,7 +326,7 @@ def print_tensor(t: dict) -> None:
 
 
 # -- command line -----------------------------------------------------------------------------
-SYNOPSIS = "swap-inspect DIR [--verify | --tensor NAME] [--json]"
+SYNOPSIS = "swap-inspect DIR [--verify | --tensor NAME] [--summary] [--json]"
 
 DESCRIPTION = """\
 description:
@@ -350,7 +350,7 @@ output:
   "<kind>.scale"); the footprint: the arenas' size against the tensors' bytes, and their
   ratio (staged copies, alignment, holes). Then one row per tensor: name, dtype, shape, bytes, file (the first
   extent's arena file, "dK/" naming its member when there are several, "+N" for N more
-  extents), offset of the first extent, checksum ("-" if none).
+  extents), offset of the first extent, checksum ("-" if none); --summary leaves the rows out.
   --verify: afterwards reads every tensor back (through the aio engine) and checks its
   checksum; prints a BAD line per mismatch (tensor, file, offset of its first extent) or
   read error (an arena that is missing, short, a FIFO or a symlink), a NOT VERIFIED line per
@@ -392,6 +392,7 @@ def _parser() -> argparse.ArgumentParser:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--verify", action="store_true", help="read every tensor back and check its checksum")
     what.add_argument("--tensor", metavar="NAME", help="one tensor's record and statistics")
+    p.add_argument("--summary", action="store_true", help="the space's totals without the table of tensors")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout instead of text")
     return p
 
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             if checkpoint is not None and not args.json:
                 print_checkpoint(checkpoint)
             for s in [] if args.json else summaries:
-                print_summary(s)
+                print_summary(s, tensors=not args.summary)
             sys.stdout.flush()
             result = dict(path=args.directory, ranks=summaries)
             if checkpoint is not None:

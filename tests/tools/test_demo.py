@@ -1,9 +1,11 @@
 """The training demo (python -m infinity.tools.demo): its data pipeline, its command line, and a short
-real run through the engine (skipped until `infinity.initialize` exists)."""
+real run through the engine."""
 
 import math
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -197,7 +199,6 @@ def test_the_train_loss_is_the_mean_of_where_the_run_ended(steps, log_every, win
 
 
 # -- a real run -------------------------------------------------------------------------------
-@pytest.mark.skipif(not hasattr(infinity, "initialize"), reason="infinity.initialize (the engine) is not written yet")
 def test_demo_trains_on_nvme_and_shows_the_swap_space(tmp_path, capsys):
     pytest.importorskip("transformers")
     code = demo.main(["--size", "tiny", "--steps", "3", "--block-size", "32", "--batch-size", "2",
@@ -206,7 +207,30 @@ def test_demo_trains_on_nvme_and_shows_the_swap_space(tmp_path, capsys):
     assert code == 0, out
     assert "step 3/3 loss" in out and "val loss" in out
     assert "train loss" in out and "(the last step)" in out  # 3 steps: a window of one
-    assert "swap-inspect" in out and "tensors:" in out  # the summary of the rank directory
+    assert "swap-inspect --summary" in out and "tensors:" in out  # the summary of the rank directory
+    assert "checksum" not in out  # ... without its table of every tensor
+    assert f"left in {tmp_path / 'swap'}: " in out and f"rm -r {tmp_path / 'swap'} removes them" in out
+
+
+def test_the_demos_first_lines_are_its_own(tmp_path):
+    """What a newcomer sees first, in a process of its own (imports included): the demo's
+    header, not the warnings of packages it does not use (torchao's CUDA kernels beside a CPU
+    torch, torch's deprecations), nor its own size label read as a model's name."""
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "-m", "infinity.tools.demo", "--size", "tiny", "--steps", "1",
+                          "--block-size", "32", "--batch-size", "2", "--sample-bytes", "0",
+                          "--swap-dir", str(tmp_path / "swap")],  # fmt: skip
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert lines[0].startswith("model: a GPT-2-shaped transformers model with random weights, demo size 'tiny' "
+                               "(2 layers of width 64, a byte vocabulary): 0.12M parameters"), lines[:5]
+    assert lines[1].startswith("text: ") and "bytes to train on" in lines[1], lines[:5]
+    assert lines[2].startswith("training state "), lines[:5]
+
+
+def test_the_default_run_goes_past_its_warm_up():
+    assert demo.SIZE_DEFAULTS[demo.DEFAULT_SIZE]["steps"] > demo.WARMUP_STEPS
 
 
 def test_demo_resumes_exactly_and_exports_what_transformers_loads(tmp_path, capsys):
