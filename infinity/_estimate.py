@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from infinity.swap import ALIGNMENT, round_up
+
 from . import _activations, _admission, _footprint, _resources
 from .config import TierConfig
 from .engine import Engine
@@ -136,33 +138,46 @@ def estimate(make_model: Callable[[], nn.Module], config=None, *, placements=Non
         machine = Machine.detect(paths)
     if len(machine.disk_free) != len(paths):
         raise ValueError(f"the machine has {len(machine.disk_free)} disk figures for {len(paths)} nvme.paths {paths}")
+    dry = _dry_engine(machine.disk_free)
     out = []
-    for name, tiers in (placements or PLACEMENTS).items():
-        tiers = dict(zip(KINDS, tiers))
-        with _scratch(paths) as dirs:
-            run = cfg.replace(tiers=tiers, nvme={"paths": dirs})
-            with _build.build(run):
-                model = make_model()
-            try:
-                _DryEngine(model, run)
-            except _Stop as stop:
-                figures = stop.figures
-            else:  # pragma: no cover - _check_memory always stops it
-                raise RuntimeError("the dry engine did not stop at its memory check")
-        out.append(_finish(name, tiers, figures, machine, paths, cfg))
+    level = logger.level
+    # The bisection plans dozens of budgets; what the engine logs about each is not the user's.
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        for name, tiers in (placements or PLACEMENTS).items():
+            tiers = dict(zip(KINDS, tiers))
+            with _scratch(paths) as dirs:
+                run = cfg.replace(tiers=tiers, nvme={"paths": dirs})
+                with _build.build(run):
+                    model = make_model()
+                try:
+                    engine = dry(model, run)
+                except _Stop as stop:
+                    figures = stop.figures
+                else:
+                    engine.close()
+                    raise RuntimeError("the estimate's engine ran past its memory check: Engine no longer calls "
+                                       "_check_memory before writing the state (see infinity/_estimate.py)")  # fmt: skip
+            out.append(_finish(name, tiers, figures, machine, paths, cfg))
+    finally:
+        logger.setLevel(level)
     return out
 
 
-class _DryEngine(Engine):
-    """`Engine` up to its memory check, where it measures and stops ([Note: estimate from the
-    engine's own plan])."""
+def _dry_engine(disk_free: list[int]) -> type:
+    """`Engine` up to its memory check, where it measures (with ``disk_free`` as each drive's
+    free space) and stops ([Note: estimate from the engine's own plan])."""
 
-    def _check_memory(self, cfg: TierConfig, units) -> None:
-        raise _Stop(_measure(self, cfg, units))
+    class DryEngine(Engine):
+        def _check_memory(self, cfg: TierConfig, units) -> None:
+            raise _Stop(_measure(self, cfg, units, disk_free))
+
+    return DryEngine
 
 
-def _measure(engine, cfg: TierConfig, units) -> dict:
-    """What `Engine._check_memory` would plan and check for ``cfg``, and the floor."""
+def _measure(engine, cfg: TierConfig, units, disk_free: list[int]) -> dict:
+    """What `Engine._check_memory` would plan and check for ``cfg`` on a machine with
+    ``disk_free`` bytes free per drive, and the floor."""
     in_pool = _activations.in_pool(cfg)
 
     def plan_at(budget: int, base: TierConfig = cfg):
@@ -175,10 +190,13 @@ def _measure(engine, cfg: TierConfig, units) -> dict:
     floor, what = _floor(plan_at)
     budget = cfg.memory.host_budget
     plan = plan_at(max(budget, floor))  # below the floor: the figures at the floor, marked refused
+    if isinstance(plan, _resources.HostBudgetError):  # a need that grew past the budget above the floor
+        plan = plan_at(floor)
     at = cfg.replace(memory={"host_budget": plan.budget})
     fp, refused = None, None
     if engine.space is not None:
         fp = _footprint.plan(engine, at, bool(plan.overlap))
+        fp.available = [f // ALIGNMENT * ALIGNMENT for f in disk_free]  # the machine's, not the scratch's
         try:
             _footprint.check(fp, bool(plan.overlap))
         except ValueError as e:
@@ -204,11 +222,12 @@ def _measure(engine, cfg: TierConfig, units) -> dict:
     params = {p for u in units for p in u.params}  # a tiled one is in each of its tiles
     return {
         "params": sum(p.numel() for p in params), "units": len(units), "sub_groups": len(opt.groups),
-        "floor": floor, "floor_what": what, "overlap_from": plan.overlap_from, "plan": plan, "moves": moves,
+        "floor": floor, "floor_what": what, "budget_ok": plan.budget == budget, "overlap_from": plan.overlap_from,
+        "plan": plan, "moves": moves, "footprint": fp, "refused": refused, "on_nvme": _on_nvme(engine),
         "resident": {"params": (full if opt.gather_params else shard) * engine.dtype.itemsize, "grads": grad_numel * 4,
                      "optimizer": sum(g.record.state_bytes(opt.kinds) for g in opt.groups)},
-        "on_nvme": _on_nvme(engine), "footprint": fp, "refused": refused, "step": _step_bytes(engine, units),
-        "grad_bytes": grad_numel * 4, "param_bytes": sum(opt.record(u).nbytes("param") for u in units),
+        "step": _step_bytes(engine, units), "grad_bytes": grad_numel * 4,
+        "param_bytes": sum(opt.record(u).nbytes("param") for u in units),
     }  # fmt: skip
 
 
@@ -235,8 +254,6 @@ def _floor(plan_at) -> tuple[int, str]:
 def _on_nvme(engine) -> dict[str, int]:
     """Bytes of each kind the run keeps on nvme, each tensor aligned as the swap space writes
     it (`_footprint.state_tensors`' sizes, by kind)."""
-    from infinity.swap import ALIGNMENT, round_up
-
     opt = engine.optimizer
     out = dict.fromkeys(KINDS, 0)
     if engine.param_store.tier == "nvme":
@@ -301,7 +318,7 @@ def _finish(name: str, tiers: dict, f: dict, machine: Machine, paths: list[str],
              "ram": host + (int(RSS_FACTOR * plan.budget) + RSS_EXTRA if pool else 0),
              "disk": sum(d["peak_bytes"] for d in disk)}  # fmt: skip
     fits = {
-        "budget": plan.budget >= f["floor"] and cfg.memory.host_budget >= f["floor"],
+        "budget": f["budget_ok"],
         "gpu": (needs["gpu"] <= machine.gpu) if on_gpu else None,
         "ram": (needs["ram"] <= machine.ram) if machine.ram is not None else None,
         "disk": None if fp is None else (f["refused"] is None and all(

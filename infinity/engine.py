@@ -217,7 +217,8 @@ class Engine:
     def _check_memory(self, cfg: TierConfig, units) -> None:
         """Refuse at initialize a host budget the pipelines cannot run in, or a placement the
         machine's memory cannot hold (see `_resources`); plan the budget's shares
-        ([Note: traffic classes] in `_admission`)."""
+        ([Note: traffic classes] in `_admission`). Called before anything is written: the
+        estimate stops here ([Note: estimate from the engine's own plan] in `_estimate`)."""
         self.plan = _admission.make_plan(self, cfg, units, activations_in_pool=_activations.in_pool(cfg))
         self.overlap_from = self.plan.overlap_from
         # State the resident tiers keep in host memory: the cpu tier, and the device tier on a

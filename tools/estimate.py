@@ -63,6 +63,7 @@ output:
 
 exit status:
   0  the estimate was printed
+  1  an nvme path could not be written (the estimate makes a directory there and removes it)
   2  bad input (an option, a path, a model config that cannot be read)"""
 
 # A Llama's hidden sizes by model size, with the layers that take it to N: the smallest hidden
@@ -297,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as e:
         print(f"infinity-estimate: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the scratch directory under an nvme path, the swap space opened there
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"infinity-estimate: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(out))
     else:
