@@ -168,6 +168,9 @@ class CheckpointWeights:
                     raise CheckpointError(f"{self.where}: units[{i}]: parameter {p!r} is not [name, shape]")
                 q = qualified(path, p[0])
                 if q in names:  # the next rows of a tiled parameter ([Note: tiles] in `_units`)
+                    if not p[1] or p[1][1:] != names[q][0][1:]:
+                        raise CheckpointError(f"{self.where}: units[{i}] {u['name']!r}: parameter {q!r} {p[1]} is "
+                                              f"not rows of the {names[q][0]} an earlier unit holds")  # fmt: skip
                     names[q][0][0] += p[1][0]
                 else:
                     names[q] = [list(p[1]), None, 0]

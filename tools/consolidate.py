@@ -211,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     keys = len(weights.module.state_dict())
     print(f"wrote {output}: {keys} tensors, {human_size(_size(output))}, from checkpoint {meta.get('tag', '?')} "
           f"(step {meta['step']}, saved by {meta['world_size']} rank(s))")  # fmt: skip
-    for note in weights.notes:
+    notes = list(weights.notes)
+    if _output_kind(args.output) == "directory" and args.config is None:
+        notes.append("no config.json written (--config PATH): from_pretrained needs the model's")
+    for note in notes:
         print(f"note: {note}")
     return 0
 
