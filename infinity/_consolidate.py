@@ -161,12 +161,17 @@ class CheckpointWeights:
         pieces = []  # per unit: the qualified names of its parameters
         for i, u in enumerate(saved):
             path = _path(u["name"], [p[0] for p in u["params"]], known)
+            first_row = u["name"][len(path) + 1 :] if u["name"] != path else None  # a tile's "<module>#<row>"
             mine = []
             for p in u["params"]:
                 if not (isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)
                         and all(isinstance(d, int) and d >= 0 for d in p[1])):  # fmt: skip
                     raise CheckpointError(f"{self.where}: units[{i}]: parameter {p!r} is not [name, shape]")
                 q = qualified(path, p[0])
+                rows_before = names[q][0][0] if q in names else 0
+                if first_row is not None and int(first_row) != rows_before:
+                    raise CheckpointError(f"{self.where}: units[{i}] {u['name']!r} starts at row {first_row} of "
+                                          f"{q!r}, and the units before it hold {rows_before} rows")  # fmt: skip
                 if q in names:  # the next rows of a tiled parameter ([Note: tiles] in `_units`)
                     if not p[1] or p[1][1:] != names[q][0][1:]:
                         raise CheckpointError(f"{self.where}: units[{i}] {u['name']!r}: parameter {q!r} {p[1]} is "
