@@ -138,7 +138,7 @@ def estimate(make_model: Callable[[], nn.Module], config=None, *, placements=Non
         machine = Machine.detect(paths)
     if len(machine.disk_free) != len(paths):
         raise ValueError(f"the machine has {len(machine.disk_free)} disk figures for {len(paths)} nvme.paths {paths}")
-    dry = _dry_engine(machine.disk_free)
+    dry = _dry_engine(machine.disk_free, paths)
     out = []
     level = logger.level
     # The bisection plans dozens of budgets; what the engine logs about each is not the user's.
@@ -164,20 +164,20 @@ def estimate(make_model: Callable[[], nn.Module], config=None, *, placements=Non
     return out
 
 
-def _dry_engine(disk_free: list[int]) -> type:
-    """`Engine` up to its memory check, where it measures (with ``disk_free`` as each drive's
-    free space) and stops ([Note: estimate from the engine's own plan])."""
+def _dry_engine(disk_free: list[int], paths: list[str]) -> type:
+    """`Engine` up to its memory check, where it measures (with ``disk_free`` as the free space
+    of each of the drives ``paths``) and stops ([Note: estimate from the engine's own plan])."""
 
     class DryEngine(Engine):
         def _check_memory(self, cfg: TierConfig, units) -> None:
-            raise _Stop(_measure(self, cfg, units, disk_free))
+            raise _Stop(_measure(self, cfg, units, disk_free, paths))
 
     return DryEngine
 
 
-def _measure(engine, cfg: TierConfig, units, disk_free: list[int]) -> dict:
+def _measure(engine, cfg: TierConfig, units, disk_free: list[int], paths: list[str]) -> dict:
     """What `Engine._check_memory` would plan and check for ``cfg`` on a machine with
-    ``disk_free`` bytes free per drive, and the floor."""
+    ``disk_free`` bytes free on each drive of ``paths``, and the floor."""
     in_pool = _activations.in_pool(cfg)
 
     def plan_at(budget: int, base: TierConfig = cfg):
@@ -197,6 +197,7 @@ def _measure(engine, cfg: TierConfig, units, disk_free: list[int]) -> dict:
     if engine.space is not None:
         fp = _footprint.plan(engine, at, bool(plan.overlap))
         fp.available = [f // ALIGNMENT * ALIGNMENT for f in disk_free]  # the machine's, not the scratch's
+        fp.paths = list(paths)  # what a refusal names: the user's directories, not the scratch ones
         try:
             _footprint.check(fp, bool(plan.overlap))
         except ValueError as e:

@@ -123,7 +123,8 @@ def model_maker(args):
     if args.model is None:
         shape = llama_shape(args)
         config = transformers.LlamaConfig(**shape, max_position_embeddings=64)
-        text = ", ".join(f"{k.replace('_size', '').replace('num_', '').replace('_', ' ')} {v}" for k, v in shape.items())
+        names = ("vocab", "hidden", "intermediate", "layers", "heads", "kv heads")  # in llama_shape's order
+        text = ", ".join(f"{name} {v}" for name, v in zip(names, shape.values()))
         return f"a Llama ({text})", lambda: transformers.LlamaForCausalLM(config)
     if not os.path.exists(args.model):
         raise BadInput(f"MODEL {args.model!r} does not exist (a config.json or a from_pretrained directory)")
@@ -257,9 +258,9 @@ def print_text(out: dict) -> None:
             print(f"  disk: initialize would refuse it: {e['disk_refused']}")
         if e["step_floor"]:
             kinds = ", ".join(f"{k} {v / n:.2f}" for k, v in e["step_floor"].items() if v)
-            print(f"  nvme a step: {e['step_expected_bytes_per_param']:.1f} B/param expected "
-                  f"({sum(e['step_expected'].values()) / 1e9:.2f} GB); floor {e['step_floor_bytes_per_param']:.2f} "
-                  f"({kinds}), at most {e['step_most_bytes_per_param']:.1f}")  # fmt: skip
+            print(f"  nvme a step: {e['step_expected_bytes_per_param']:.2f} B/param expected "
+                  f"({human_size(sum(e['step_expected'].values()))}); floor {e['step_floor_bytes_per_param']:.2f} "
+                  f"({kinds}), at most {e['step_most_bytes_per_param']:.2f}")  # fmt: skip
         else:
             print("  nvme a step: nothing")
         ram = f"RAM {human_size(e['needs']['ram'])} of {_size(mach['ram'])} ({_yes(e['fits']['ram'])})"
@@ -268,13 +269,23 @@ def print_text(out: dict) -> None:
         print(f"  memory: {ram}; {gpu}")
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive size")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infinity-estimate", usage=SYNOPSIS, description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("model", metavar="MODEL", nargs="?", help="a transformers config.json or a from_pretrained directory")
     p.add_argument("--params", metavar="N", help="a Llama of about N parameters (1.3B, 350M)")
     for flag in ("hidden", "layers", "intermediate", "vocab", "heads"):
-        p.add_argument(f"--{flag}", type=int, help=f"the Llama's {flag} size" if flag != "layers" else "its layers")
+        p.add_argument(f"--{flag}", type=_positive, help=f"the Llama's {flag} size" if flag != "layers" else "its layers")
     p.add_argument("--config", metavar="FILE", help="a tier config (.toml, .json) or a DeepSpeed ds_config.json")
     p.add_argument("--nvme", metavar="PATH", nargs="+", help="the swap directories (nvme.paths)")
     p.add_argument("--host-budget", metavar="SIZE", help="memory.host_budget (the config's, else 4GiB)")
@@ -292,8 +303,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.model is not None and args.params is not None:
-            raise BadInput("give MODEL or --params, not both")
+        shaped = [f"--{k}" for k in ("params", "hidden", "layers", "intermediate", "vocab", "heads")
+                  if getattr(args, k) is not None]  # fmt: skip
+        if args.model is not None and shaped:
+            raise BadInput(f"MODEL's config.json gives its shape: {', '.join(shaped)} describe a Llama without one")
         out = run(args)
     except BadInput as e:
         print(f"infinity-estimate: error: {e}", file=sys.stderr)

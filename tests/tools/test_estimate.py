@@ -13,6 +13,7 @@ import torch
 
 import infinity
 from infinity import _estimate
+from infinity.swap import human_size
 from infinity.tools import estimate as tool
 
 transformers = pytest.importorskip("transformers")
@@ -254,6 +255,8 @@ def test_options_set_the_config(tmp_path, capsys):
     assert out["machine"] == {"paths": [str(tmp_path)], "disk_free": [1 << 20], "ram": 1 << 40, "gpu": 80 << 30}
     (e,) = out["placements"]
     assert e["fits"] == {"budget": True, "gpu": True, "ram": True, "disk": False}
+    assert e["disk_refused"].startswith(f"the swap space under {str(tmp_path)!r} needs ")  # initialize's refusal
+    assert f"has {human_size(1 << 20)} free" in e["disk_refused"]
 
 
 def test_text_output_names_every_placement(tmp_path, capsys):
@@ -278,11 +281,18 @@ def test_params_choose_a_llama_shape():
     (["--hidden", "64", "--layers", "1", "--placement", "zero"], "--placement 'zero'"),
     (["--hidden", "64", "--layers", "1", "--nvme", "{tmp}/a", "{tmp}/b", "--disk-free", "1G", "2G", "3G"], "3 sizes for 2"),
     (["--hidden", "64", "--layers", "1", "--host-budget", "lots"], "size 'lots'"),
+    (["{tmp}", "--hidden", "64"], "--hidden describe a Llama"),
 ])  # fmt: skip
 def test_bad_input_exits_2(args, says, capsys, tmp_path):
     assert tool.main([a.format(tmp=tmp_path) for a in args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("infinity-estimate: error: ") and says in err
+
+
+def test_a_size_is_positive(capsys):
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--hidden", "64", "--layers", "0"])
+    assert e.value.code == 2 and "0 is not a positive size" in capsys.readouterr().err
 
 
 def test_the_installed_command_is_declared():
