@@ -192,11 +192,9 @@ class CheckpointWeights:
             if dtype is not None and names[q][1].is_floating_point:
                 names[q][1] = dtype
         frozen = self._frozen(saved)
-        if exclude_frozen:
-            skipped = {q for k in frozen for q in pieces[k]}
+        skipped = {q for k in frozen for q in pieces[k]} if exclude_frozen else set()
+        if skipped:
             self.notes.append(f"{len(skipped)} frozen parameter(s) left out (--exclude-frozen-parameters)")
-        else:
-            skipped = set()
         placeholders = {q: torch.empty(0, device="meta") for q in names if q not in skipped}
         entries: dict[str, torch.Tensor] = {}
         if layout is None:

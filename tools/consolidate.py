@@ -60,8 +60,10 @@ description:
 """
 
 EPILOG = """\
-DeepSpeed's zero_to_fp32.py spellings are accepted: --tag, --max_shard_size,
---exclude_frozen_parameters, --safe_serialization (safetensors is the default for a directory).
+DeepSpeed's zero_to_fp32.py spellings are accepted: -t/--tag, --max_shard_size,
+--exclude_frozen_parameters, --safe_serialization (a directory is always safetensors) and
+-d/--debug (the progress lines are shown anyway). zero_to_fp32 writes fp32 whatever the model
+was made in; here that is --dtype fp32, and the default is the model's own dtypes.
 
 output:
   Progress on stderr, one line per unit redrawn where stderr is a terminal (else a line every
@@ -93,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude-frozen-parameters", "--exclude_frozen_parameters", action="store_true",
                    help="leave out the parameters that did not train")
     p.add_argument("--safe_serialization", "--safe-serialization", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("-d", "--debug", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return p
 
