@@ -20,11 +20,14 @@ from infinity import aio
 from infinity._consolidate import BuffersNotSaved, CheckpointWeights, JsonConfig, to_state_dict
 from infinity._export import export_safetensors
 from infinity._hf_save import save_pretrained, shard_bytes
-from infinity.checkpoint import LATEST_NAME
+from infinity.checkpoint import LATEST_NAME, META_NAME
 from infinity.swap import SwapCorruption, human_size
 from infinity.tools._cli import BadInput, Progress
 
 PROG = "infinity-consolidate"
+# Where InfinityTrainer saves the engine's checkpoint in its own: its ENGINE_DIR, not imported
+# from infinity.integrations.transformers, which imports transformers.
+TRAINER_ENGINE_DIR = "infinity"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 SYNOPSIS = f"""\
@@ -39,8 +42,10 @@ description:
   them: every key of the model's state_dict, in its order, a tied parameter under each of
   its keys, each parameter the fp32 master weights cast to the dtype the model was made in.
   It needs neither a GPU nor the model's code, and holds one parameter unit at a time.
-  CHECKPOINT is a checkpoint root (the checkpoint its "latest" file names, or -t TAG) or one
-  checkpoint's directory. Every tensor read is checked against its checksum.
+  CHECKPOINT is a checkpoint root (the checkpoint its "latest" file names, or -t TAG), one
+  checkpoint's directory, or an InfinityTrainer checkpoint (checkpoint-N: its "infinity"
+  directory, and its config.json for a directory OUTPUT). Every tensor read is checked
+  against its checksum.
 
   OUTPUT, by its name:
     DIR                 a Hugging Face directory, as engine.save_pretrained writes it
@@ -136,7 +141,15 @@ def consolidate(args) -> tuple[str, CheckpointWeights]:
         limit = shard_bytes(args.max_shard_size)
     except ValueError as e:
         raise BadInput(str(e)) from None
-    config, generation = _configs(args.config)
+    checkpoint, config_path = args.checkpoint, args.config
+    trainer = os.path.join(checkpoint, TRAINER_ENGINE_DIR)
+    if not any(os.path.exists(os.path.join(checkpoint, n)) for n in (META_NAME, LATEST_NAME)) and os.path.isdir(trainer):
+        # An InfinityTrainer checkpoint: the engine's state is in its "infinity" directory,
+        # and the model's config.json (save_pretrained's) beside it.
+        checkpoint = trainer
+        if config_path is None and kind == "directory" and os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+            config_path = args.checkpoint
+    config, generation = _configs(config_path)
     output = os.path.abspath(args.output)
     if kind != "directory" and os.path.isdir(output):
         raise BadInput(f"{output} is a directory, and {kind} output is one file")
@@ -144,7 +157,7 @@ def consolidate(args) -> tuple[str, CheckpointWeights]:
         raise BadInput(f"{output} exists and is not a directory (a file name ending in .safetensors, .bin or .pt "
                        "writes one file)")  # fmt: skip
     with aio.open_engine() as engine:
-        weights = CheckpointWeights(args.checkpoint, args.tag, dtype=DTYPES.get(args.dtype),
+        weights = CheckpointWeights(checkpoint, args.tag, dtype=DTYPES.get(args.dtype),
                                     buffers="skip" if args.skip_buffers else "refuse",
                                     exclude_frozen=args.exclude_frozen_parameters, config=config,
                                     generation_config=generation, aio_engine=engine)  # fmt: skip
@@ -171,6 +184,8 @@ def consolidate(args) -> tuple[str, CheckpointWeights]:
             weights.close()
             if progress is not None:
                 progress.clear()
+    if config is not None and config_path != args.config:
+        weights.notes.append(f"config.json taken from {config.path}")
     return output, weights
 
 
@@ -215,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {output}: {keys} tensors, {human_size(_size(output))}, from checkpoint {meta.get('tag', '?')} "
           f"(step {meta['step']}, saved by {meta['world_size']} rank(s))")  # fmt: skip
     notes = list(weights.notes)
-    if _output_kind(args.output) == "directory" and args.config is None:
+    if _output_kind(args.output) == "directory" and weights.module.config is None:
         notes.append("no config.json written (--config PATH): from_pretrained needs the model's")
     for note in notes:
         print(f"note: {note}")

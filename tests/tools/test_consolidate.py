@@ -237,6 +237,23 @@ def test_bad_input_is_named(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+def test_an_infinity_trainer_checkpoint_is_read_with_its_config(tmp_path, capsys):
+    """checkpoint-N/infinity/state is the engine's state (InfinityTrainer's layout), and
+    checkpoint-N/config.json the config a directory gets."""
+    torch.manual_seed(0)
+    engine = _engine(tmp_path, _Tied())
+    _train(engine)
+    engine.save_checkpoint(tmp_path / "checkpoint-2" / "infinity", tag="state")
+    export = engine.export(tmp_path / "export.safetensors")
+    engine.close()
+    (tmp_path / "checkpoint-2" / "config.json").write_text('{"model_type": "tied"}')
+    code, out, err = _run(capsys, tmp_path / "checkpoint-2", tmp_path / "hf")
+    assert code == 0, err
+    assert f"note: config.json taken from {tmp_path / 'checkpoint-2' / 'config.json'}" in out
+    assert (tmp_path / "hf" / "config.json").read_text() == '{"model_type": "tied"}'
+    _assert_same_file(tmp_path / "hf" / "model.safetensors", export)
+
+
 def test_progress_lines_name_each_unit(tmp_path, capsys):
     ckpt, _ = _saved(tmp_path)
     assert main([ckpt, str(tmp_path / "out.safetensors")]) == 0
