@@ -24,6 +24,7 @@ then unknown, and the result says so.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import types
@@ -38,6 +39,8 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.
            "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
            "uint8": torch.uint8, "bool": torch.bool}  # fmt: skip
 _PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+logger = logging.getLogger("infinity")
+
 _NONE = torch.empty(0, device="meta")  # a parameter left out (frozen, excluded): no key names it
 
 
@@ -54,9 +57,20 @@ def qualified(path: str, name: str) -> str:
     return name if path == "<root>" else f"{path}.{name}"
 
 
-def state_dict_layout(engine) -> list[dict]:
+def state_dict_layout(engine) -> list[dict] | None:
     """meta.json's ``state_dict``: the module's keys in order (see [Note: consolidated
-    checkpoint]). A value that is not a tensor (extra state) is left out, as no file holds it."""
+    checkpoint]). A value that is not a tensor (extra state) is left out, as no file holds it.
+    None, with a warning, where the module's state_dict cannot be listed: the checkpoint is
+    saved all the same, and consolidates as one of an older version does."""
+    try:
+        return _layout_of(engine)
+    except Exception as e:  # noqa: BLE001 - a save must not fail for what only the offline tool reads
+        logger.warning("checkpoint: the module's state_dict keys are not recorded (%s: %s); infinity-consolidate "
+                       "will write its parameters under their own names", type(e).__name__, e)  # fmt: skip
+        return None
+
+
+def _layout_of(engine) -> list[dict]:
     params: dict[int, tuple[str, tuple, torch.dtype]] = {}  # id(param) -> (qualified name, full shape, dtype)
     for u in engine.units:
         for p, name, shape, dtype in zip(u.params, u.param_names, u.full_shapes, u.dtypes):
@@ -247,7 +261,8 @@ class CheckpointWeights:
         if not isinstance(layout, list):
             raise CheckpointError(f"{where}: state_dict: not a list")
         for i, e in enumerate(layout):
-            ok = (isinstance(e, dict) and isinstance(e.get("key"), str) and e.get("dtype") in _DTYPES
+            ok = (isinstance(e, dict) and isinstance(e.get("key"), str) and isinstance(e.get("dtype"), str)
+                  and (e.get("dtype") in _DTYPES or "param" not in e)  # a buffer's is only named
                   and isinstance(e.get("shape"), list) and all(isinstance(d, int) and d >= 0 for d in e["shape"])
                   and (isinstance(e.get("param"), str) or e.get("buffer") is True))  # fmt: skip
             if not ok:

@@ -143,7 +143,8 @@ def consolidate(args) -> tuple[str, CheckpointWeights]:
         raise BadInput(str(e)) from None
     checkpoint, config_path = args.checkpoint, args.config
     trainer = os.path.join(checkpoint, TRAINER_ENGINE_DIR)
-    if not any(os.path.exists(os.path.join(checkpoint, n)) for n in (META_NAME, LATEST_NAME)) and os.path.isdir(trainer):
+    own = any(os.path.exists(os.path.join(checkpoint, n)) for n in (META_NAME, LATEST_NAME))
+    if not own and os.path.isdir(trainer):
         # An InfinityTrainer checkpoint: the engine's state is in its "infinity" directory,
         # and the model's config.json (save_pretrained's) beside it.
         checkpoint = trainer

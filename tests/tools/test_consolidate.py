@@ -201,6 +201,22 @@ def test_a_checkpoint_without_the_key_list_writes_its_parameters_and_says_what_i
     assert all(torch.equal(got[k], want[k]) for k in got)
 
 
+def test_a_save_whose_keys_cannot_be_listed_still_saves(tmp_path, capsys, monkeypatch, caplog):
+    """The key list is for this tool only: a module whose state_dict fails does not fail the
+    save; the checkpoint then consolidates as an older one does, saying so."""
+
+    def fail(engine):
+        raise RuntimeError("state_dict hook failed")
+
+    monkeypatch.setattr(_consolidate, "_layout_of", fail)
+    ckpt, export = _saved(tmp_path)
+    assert "state_dict keys are not recorded (RuntimeError: state_dict hook failed)" in caplog.text
+    code, out, _ = _run(capsys, ckpt, tmp_path / "out.safetensors")
+    assert code == 0 and "tied aliases and persistent buffers" in out
+    got, want = safetensors_torch.load_file(tmp_path / "out.safetensors"), safetensors_torch.load_file(export)
+    assert sorted(got) == sorted(k for k in want if k != "head.weight")
+
+
 def test_a_flipped_byte_is_named_and_nothing_is_written(tmp_path, capsys):
     ckpt, _ = _saved(tmp_path)
     rank_dir = os.path.join(ckpt, "step-2", "rank0")
