@@ -35,8 +35,8 @@ params-cpu, zero-infinity, nvme, and the --config file's own):
   - the disk each swap directory takes at most: the state and optimizer.overlap_disk of it
     for the overlap's staged copies, as initialize checks it;
   - the nvme bytes of one step, by kind: the floor (every unit kept for backward, every
-    gradient held), the most (none), and the expected figure (the gradients the plan at
-    --host-budget holds are not written);
+    gradient held), the most (none), and the expected figure (what the plan at --host-budget
+    holds and keeps is not moved again);
   - whether it fits: the budget (at least the floor), the GPU's memory (the state on the
     device; activations come on top), the host memory (the state on the cpu, and on the
     device where there is no GPU, plus 1.25 x host_budget + 128MiB, the bound of the process's
@@ -52,8 +52,9 @@ current directory), MemAvailable of /proc/meminfo, the GPU's total memory; --dis
 and --gpu-memory replace what was read. A directory of the estimate's own is made under each
 path for the dry engine's swap space and removed after.
 
-Figures are for one process (one rank); gradient accumulation adds its gradients' bytes a
-micro-batch (docs/architecture.md, "The bytes of a step")."""
+Figures are for one process (one rank) and one micro-batch a step: gradient accumulation adds
+its gradients' bytes a micro-batch (docs/architecture.md, "The bytes of a step"), and the
+activations (the [activations] tier, or the GPU's memory) come on top of every figure."""
 
 EPILOG = """\
 output:
@@ -284,8 +285,9 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("model", metavar="MODEL", nargs="?", help="a transformers config.json or a from_pretrained directory")
     p.add_argument("--params", metavar="N", help="a Llama of about N parameters (1.3B, 350M)")
-    for flag in ("hidden", "layers", "intermediate", "vocab", "heads"):
-        p.add_argument(f"--{flag}", type=_positive, help=f"the Llama's {flag} size" if flag != "layers" else "its layers")
+    for flag, what in (("hidden", "hidden size"), ("layers", "layers"), ("intermediate", "MLP size (2.75 x hidden)"),
+                       ("vocab", "vocabulary (32000)"), ("heads", "attention heads (hidden / 128)")):
+        p.add_argument(f"--{flag}", type=_positive, metavar=flag[0].upper(), help=f"the Llama's {what}")
     p.add_argument("--config", metavar="FILE", help="a tier config (.toml, .json) or a DeepSpeed ds_config.json")
     p.add_argument("--nvme", metavar="PATH", nargs="+", help="the swap directories (nvme.paths)")
     p.add_argument("--host-budget", metavar="SIZE", help="memory.host_budget (the config's, else 4GiB)")
