@@ -31,6 +31,7 @@ saves it, through the module's ``state_dict()``, which every rank calls and rank
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -46,19 +47,54 @@ ENGINE_DIR = "infinity"  # inside a Trainer checkpoint directory
 _SCHEDULER_NAME = "scheduler.pt"  # the Trainer's name for it
 
 
+@dataclasses.dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """transformers' TrainingArguments whose ``deepspeed`` (a ds_config.json or its dict) is
+    the engine's config, read by `TierConfig.from_deepspeed` with these arguments filling its
+    "auto" values, instead of turning DeepSpeed on (which needs the deepspeed package): a script
+    written for ``TrainingArguments(deepspeed=...)`` and Trainer runs on the engine with one
+    changed import, ``from infinity.integrations.transformers import InfinityTrainer as
+    Trainer, TrainingArguments``, or with none under ``python -m infinity.integrations.launch``."""
+
+    def __post_init__(self):
+        # Kept beside the arguments, not in ``deepspeed``: transformers would start DeepSpeed.
+        self.infinity_deepspeed, self.deepspeed = self.deepspeed, None
+        super().__post_init__()
+        if self.infinity_deepspeed is not None:
+            from .._deepspeed import load
+
+            self.infinity_deepspeed = load(self.infinity_deepspeed)  # a bad file: said now, not at train()
+
+
 class InfinityTrainer(transformers.Trainer):
     """`transformers.Trainer` whose model is trained by an infinity engine
-    (``infinity_config``: what `infinity.initialize` takes). ``engine`` is None until
-    training starts."""
+    (``infinity_config``: what `infinity.initialize` takes, a DeepSpeed config included; by
+    default the ``deepspeed`` of this module's `TrainingArguments`). ``engine`` is None until
+    training starts. ``log_engine_stats``: the engine's figures in the Trainer's logs
+    (`EngineStatsCallback`)."""
 
-    def __init__(self, *args, infinity_config=None, **kwargs):
+    def __init__(self, *args, infinity_config=None, log_engine_stats: bool = True, **kwargs):
         optimizers = kwargs.get("optimizers", (None, None))
         if optimizers and optimizers[0] is not None:
             raise ValueError("InfinityTrainer makes its optimizer from TrainingArguments (optim, learning_rate, "
                              "weight_decay, ...) and runs it in the engine: pass optimizers=(None, scheduler)")  # fmt: skip
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(given, "deepspeed", None):
+            raise ValueError("transformers.TrainingArguments(deepspeed=...) starts DeepSpeed itself; with "
+                             "InfinityTrainer use infinity.integrations.transformers.TrainingArguments, whose "
+                             "deepspeed is the engine's config, or pass infinity_config=")  # fmt: skip
         self.infinity_config = infinity_config
         self.engine = None
         super().__init__(*args, **kwargs)
+        if infinity_config is None:
+            self.infinity_config = getattr(self.args, "infinity_deepspeed", None)
+        if log_engine_stats:
+            log_stats(self, lambda: self.engine)
+
+    def _deepspeed_config(self) -> dict | None:
+        from .. import _deepspeed
+
+        return _deepspeed.load(self.infinity_config) if _deepspeed.is_deepspeed(self.infinity_config) else None
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:
@@ -73,21 +109,44 @@ class InfinityTrainer(transformers.Trainer):
         if self.engine is None:
             # The engine overlaps the optimizer with the last micro-batch's backward: it needs
             # the Trainer's accumulation to know which that is.
-            cfg = as_config(self.infinity_config).replace(
-                optimizer={"gradient_accumulation_steps": self.args.gradient_accumulation_steps})
-            self.engine = infinity.initialize(self.model, cfg, optimizer=self._torch_optimizer())
+            ds = self._deepspeed_config()
+            if ds is not None:
+                cfg = infinity.TierConfig.from_deepspeed(ds, training_args=self.args)
+            else:
+                cfg = as_config(self.infinity_config)
+            cfg = cfg.replace(optimizer={"gradient_accumulation_steps": self.args.gradient_accumulation_steps})
+            # A DeepSpeed config's optimizer section is the optimizer (its "auto" values the
+            # arguments'), over the Trainer's groups (no decay on biases and norms).
+            opt = self._torch_optimizer() if ds is None or "optimizer" not in ds else self._groups(cfg)
+            self.engine = infinity.initialize(self.model, cfg, optimizer=opt)
         self.optimizer = self.engine.optimizer
         return self.optimizer
 
-    def _torch_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer plain Trainer would make (its groups, class and hyperparameters)."""
+    def _groups(self, cfg=None) -> list[dict]:
+        """The Trainer's parameter groups: decay on what it decays (``cfg``'s weight decay, or
+        the arguments'), none on biases and norms."""
         decay = set(self.get_decay_parameter_names(self.model))
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        rate = cfg.optimizer.weight_decay if cfg is not None else self.args.weight_decay
         groups = [
-            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n in decay], "weight_decay": rate},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
-        groups = [g for g in groups if g["params"]]
+        return [g for g in groups if g["params"]]
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        ds = self._deepspeed_config() if self.lr_scheduler is None else None
+        if ds is not None and ds.get("scheduler"):  # the DeepSpeed config's own schedule
+            from .._deepspeed import lr_scheduler
+
+            make = lr_scheduler(ds, training_args=self.args, num_training_steps=num_training_steps)
+            self.lr_scheduler = make(optimizer if optimizer is not None else self.optimizer)
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer plain Trainer would make (its groups, class and hyperparameters)."""
+        groups = self._groups()
         cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
         if cls not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad):
             raise ValueError(f"TrainingArguments.optim={self.args.optim!r} ({getattr(cls, '__name__', cls)}) cannot "
@@ -169,3 +228,66 @@ def _engine_state(checkpoint) -> str:
             f"counts, master weights) that InfinityTrainer saves in every checkpoint; {os.fspath(checkpoint)} was not "
             "saved by InfinityTrainer or has lost it, and resuming would restart the optimizer state silently")
     return saved
+
+
+# -- the engine's figures in the Trainer's logs ------------------------------------------------
+class EngineStatsCallback(transformers.TrainerCallback):
+    """Adds the engine's figures since the previous log to each training log, beside the loss:
+    per tier that moved bytes (nvme, cpu) the GB read and written and their GB/s (bytes over
+    the seconds its transfers were busy), the seconds compute stalled waiting for data, H2D
+    and D2H GB/s where there is a GPU, and the host pool's peak (MiB), all under
+    ``infinity/``. ``engine``: the engine, or a callable giving it (None before it exists).
+    It must run before the reporting callbacks (TensorBoard, W&B, ...) to reach them: `log_stats`
+    puts it first; it also adds its keys to ``state.log_history``."""
+
+    def __init__(self, engine):
+        self._engine = engine if callable(engine) else (lambda: engine)
+        self._last: dict | None = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        engine = self._engine()
+        if engine is None or logs is None or "loss" not in logs or getattr(engine, "_closed", False):
+            return
+        stats = engine.stats()
+        figures = engine_figures(self._last, stats["total"], stats)
+        self._last = stats["total"]
+        logs.update(figures)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(figures)
+
+
+def engine_figures(before: dict | None, total: dict, stats: dict) -> dict[str, float]:
+    """The figures `EngineStatsCallback` logs: ``total`` (``engine.stats()["total"]``) less
+    ``before`` (the previous log's, or nothing)."""
+
+    def delta(*path):
+        now, then = total, before or {}
+        for key in path:
+            now, then = now.get(key, 0) if isinstance(now, dict) else 0, then.get(key, 0) if isinstance(then, dict) else 0
+        return (now or 0) - (then or 0)
+
+    out: dict[str, float] = {}
+    for tier in ("nvme", "cpu"):
+        for way in ("read", "write"):
+            nbytes, seconds = delta(tier, f"{way}_bytes"), delta(tier, f"{way}_seconds")
+            if nbytes:
+                out[f"infinity/{tier}_{way}_gb"] = round(nbytes / 1e9, 6)
+                if seconds > 0:
+                    out[f"infinity/{tier}_{way}_gbps"] = round(nbytes / seconds / 1e9, 3)
+    out["infinity/stall_s"] = round(delta("stall_seconds"), 4)
+    for way in ("h2d", "d2h"):
+        nbytes, seconds = delta(f"{way}_bytes"), delta(f"{way}_seconds")
+        if nbytes and seconds > 0:
+            out[f"infinity/{way}_gbps"] = round(nbytes / seconds / 1e9, 3)
+    peak = stats.get("peak_host_pool_bytes")
+    if peak is not None:
+        out["infinity/pool_peak_mib"] = round(peak / 2**20, 1)
+    return out
+
+
+def log_stats(trainer: transformers.Trainer, engine) -> EngineStatsCallback:
+    """Log ``engine``'s figures (an engine, or a callable giving it) in ``trainer``'s logs,
+    before its reporting callbacks see them: any Trainer. `InfinityTrainer` does this itself."""
+    callback = EngineStatsCallback(engine)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback
