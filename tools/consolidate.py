@@ -18,7 +18,7 @@ import torch
 
 from infinity import aio
 from infinity._consolidate import BuffersNotSaved, CheckpointWeights, JsonConfig, to_state_dict
-from infinity._export import export_safetensors
+from infinity._export import _AtomicFile, export_safetensors
 from infinity._hf_save import save_pretrained, shard_bytes
 from infinity.checkpoint import LATEST_NAME, META_NAME
 from infinity.swap import SwapCorruption, human_size
@@ -192,8 +192,6 @@ def consolidate(args) -> tuple[str, CheckpointWeights]:
 
 def _save_atomic(tensors: dict, path: str) -> None:
     """torch.save to a temporary file beside ``path``, renamed over it when whole."""
-    from infinity._export import _AtomicFile
-
     out = _AtomicFile(path, 0)
     try:
         with open(out.fd, "wb", closefd=False) as f:
