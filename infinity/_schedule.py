@@ -134,6 +134,15 @@ def _weak_grad_hook(scheduler, unit, i: int):
     return hook
 
 
+LOST_BACKWARD = "the last backward raised part-way (a plain loss.backward(), whose end never ran)"
+
+
+def _graph_task() -> int | None:
+    """The autograd graph task running in this thread (-1: none; None: torch cannot say)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else None
+
+
 def _traffic(pool, name: str):
     """Count the pool buffers taken inside under traffic class ``name`` ([Note: traffic classes])."""
     return pool.traffic(name) if pool is not None else contextlib.nullcontext()
@@ -277,6 +286,9 @@ class Scheduler:
                 self.end_interrupted_pass()
             self._depth += 1
         if self._depth == 1:
+            if self.backward_lost:
+                raise RuntimeError(f"{LOST_BACKWARD}: the gradients accumulated since the last step are incomplete; "
+                                   "call engine.zero_grad() and run this step's micro-batches again")  # fmt: skip
             self._before_forward()
             self.begin_forward()
             self._began = True
@@ -364,6 +376,14 @@ class Scheduler:
     def _backward_done(self) -> None:
         self._end_queued = False
         self._after_backward()
+
+    @property
+    def backward_lost(self) -> bool:
+        """A backward began (its end queued with autograd) and raised: a plain
+        ``loss.backward()`` (``engine.backward`` ends its own), whose end never runs. Its
+        units hold part of its gradients, and the pass it began is still open: the next
+        forward would be taken for a recomputation inside it. `forget_backward` ends it."""
+        return self._end_queued and _graph_task() == -1
 
     @property
     def in_backward(self) -> bool:

@@ -42,7 +42,7 @@ from ._overlap import Overlap
 from ._overlap_host import HostOverlap
 from ._owner import Owner, entry
 from ._scaler import LossScaler
-from ._schedule import Scheduler
+from ._schedule import LOST_BACKWARD, Scheduler
 from ._statedict import StateDictHooks
 from ._stats import Stats, peak_rss_bytes
 from ._store import Store
@@ -318,6 +318,8 @@ class Engine:
     def _step(self) -> bool:
         self._check_training()
         _gather.refuse_open(self, "engine.step()")
+        if self.scheduler.backward_lost and not self._grads_incomplete:
+            self._grads_incomplete = LOST_BACKWARD
         if self._grads_incomplete:
             raise RuntimeError(f"{self._grads_incomplete}: the gradients accumulated since the last step are "
                                "incomplete; call engine.zero_grad() and run this step's micro-batches again")  # fmt: skip
