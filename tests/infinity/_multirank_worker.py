@@ -1,6 +1,6 @@
 """One rank of a multi-rank test (tests/infinity/test_multirank.py); also run alone (1 rank).
 
-argv: mode (parity | clip | dead | mismatch | ckpt-save | ckpt-load), output path prefix, stage, swap
+argv: mode (parity | gather | clip | dead | mismatch | ckpt-save | ckpt-load), output path prefix, stage, swap
 directory, and for the ckpt modes the checkpoint root. The global batch of every step is the
 same whatever the world size; rank r takes its 1/N.
 
@@ -85,6 +85,13 @@ try:
         xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
         if mode == "dead" and rank == 1 and step == 2:
             raise SimulatedFailure("simulated failure in the training loop")
+        if mode == "gather":  # parity's steps, each after a read-only gather (nested) of a weight
+            w = engine.module[2].weight
+            with infinity.GatheredParameters([w]):
+                with infinity.GatheredParameters([w]):
+                    inner = w.detach().clone()
+                if inner.shape != (64, 64) or not torch.equal(w.detach(), inner):
+                    raise RuntimeError(f"the outer gather lost its weight: {tuple(w.shape)} after the inner exit")
         loss = ((engine(xs) - ys) ** 2).mean()
         engine.backward(loss)
         if mode == "clip":  # torch's clipping over the engine's parameters, every step clipped

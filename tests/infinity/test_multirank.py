@@ -73,6 +73,24 @@ def test_two_ranks_match_one_rank(tmp_path, stage, tiles, monkeypatch):
         torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("tiles", [None, "4KiB"], ids=["whole", "tiled"])
+def test_two_ranks_train_alike_after_read_only_gathers(tmp_path, tiles, monkeypatch):
+    """A read-only GatheredParameters of a weight (nested) before every step at stage 3, where
+    gathering it is an all-gather of its slices (tile by tile where tiled): the weight is whole
+    in both contexts, and the losses and weights are bit-identical to the run without them."""
+    if tiles:
+        monkeypatch.setenv("INFINITY_TEST_TILE_SIZE", tiles)
+    plain, codes, logs, _ = _launch("parity", 2, 3, tmp_path)
+    assert codes == [0, 0], logs
+    gathered, codes, logs, _ = _launch("gather", 2, 3, tmp_path)
+    assert codes == [0, 0], logs
+    for rank in (0, 1):
+        assert json.load(open(f"{gathered}.{rank}.json"))["losses"] == json.load(open(f"{plain}.{rank}.json"))["losses"]
+    w1 = torch.load(f"{plain}.weights.pt", weights_only=True)
+    w2 = torch.load(f"{gathered}.weights.pt", weights_only=True)
+    assert w1.keys() == w2.keys() and all(torch.equal(w2[k], w1[k]) for k in w1)
+
+
 def test_two_ranks_clip_through_torch_as_one_rank(tmp_path):
     """``torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.05)`` every step at stage
     3: each rank gets the global norm one rank gets (every step clipping), losses and weights
