@@ -7,8 +7,9 @@ changes several fields together (a unit bound to its memory, known to the saved-
 and holding its lease; a read given back and forgotten; a gradient taken from its parameter
 into its unit and counted) interrupted half-way leaves a state no later call understands: a
 unit "fetching" with no read, memory given back that parameters still point at, a gradient
-left on a parameter for the next backward to add to ([Note: gradient hand-over] in `_schedule`). `held_interrupts` runs such a section with SIGINT recorded instead of raised, and
-delivers it again at the end of the section, to whatever handler was installed.
+left on a parameter for the next backward to add to ([Note: gradient hand-over] in
+`_schedule`). `held_interrupts` runs such a section with SIGINT recorded instead of raised,
+and delivers it again at the end of the section, to whatever handler was installed.
 
 A section never waits (no I/O, no pool wait, no collective), so a Ctrl-C is late by
 microseconds at most. The waits stay interruptible and are written so that an interrupt there
