@@ -516,3 +516,36 @@ def test_a_ctrl_c_at_every_line_of_the_gradient_hooks_then_zero_grad_redoes_the_
     tmp_path, overlap, states, tiled
 ):
     _sweep_hook_path(tmp_path, overlap=overlap, states=states, tiled=tiled, every=True)
+
+
+def test_a_ctrl_c_in_a_gradient_hook_then_load_checkpoint_redoes_the_step_exactly(tmp_path):
+    """A load drops what an interrupted backward left as zero_grad does: the gradient still on
+    the parameter whose hook was cut, and the pass a plain ``loss.backward()`` left open."""
+    ref = infinity.initialize(_mlp(), _hook_cfg(tmp_path / "ref", True, "fp32", False))
+    for step in range(2):
+        ref.backward(_loss(ref, step))
+        ref.step()
+    expected = ref.gathered_weights()
+    ref.close()
+
+    engine = infinity.initialize(_mlp(), _hook_cfg(tmp_path / "a", True, "fp32", False))
+    engine.backward(_loss(engine, 0))
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    loss = _loss(engine, 1)
+    trace, seen = _interrupt_at_line(1)  # the first parameter's hook, before it takes the gradient
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loss.backward()
+    finally:
+        sys.settrace(None)
+    assert seen == [("hook", seen[0][1])]
+    assert any(p.grad is not None for u in engine.units for p in u.params)
+    engine.load_checkpoint(tmp_path / "ckpt")
+    assert not any(p.grad is not None for u in engine.units for p in u.params)
+    engine.backward(_loss(engine, 1))
+    engine.step()
+    got = engine.gathered_weights()
+    engine.close()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
