@@ -508,7 +508,8 @@ class ActivationTier:
                     futures[i + 1] = self._read_if_room(names[i + 1])
                 buffer = future.result()
                 try:
-                    self.to_device(_Lease(buffer, saved.dtype), out=flat[i * per : (i + 1) * per])
+                    out = flat[i * per : (i + 1) * per]
+                    self.to_device(_Lease(buffer, saved.dtype, out.numel()), out=out)
                 except BaseException:
                     buffer.release()
                     raise
@@ -564,9 +565,11 @@ class _Lease:
 
     __slots__ = ("tensor", "_buffer")
 
-    def __init__(self, buffer, dtype: torch.dtype):
+    def __init__(self, buffer, dtype: torch.dtype, numel: int | None = None):
         self._buffer = buffer
-        self.tensor = buffer.view(dtype, (buffer.nbytes // dtype.itemsize,))
+        # ``numel``: the chunk's own elements; a pool buffer is rounded up to whole pages, so a
+        # tensor's last, shorter chunk holds fewer than the buffer does.
+        self.tensor = buffer.view(dtype, (buffer.nbytes // dtype.itemsize if numel is None else numel,))
 
     def release(self) -> None:
         self._buffer.release()

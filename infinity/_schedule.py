@@ -517,7 +517,7 @@ class Scheduler:
         if lease is not None and unit.grad_lease is not lease:
             lease.release()
 
-    def _gather_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor, lease) -> bool:
+    def _gather_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor | None, lease) -> bool:
         """Copy (the first) or add (the next ones) ``grad`` into the unit's gradient and count
         the use; whether it was the unit's last. Runs with interrupts held: it never waits."""
         if unit.grad is None:
@@ -530,7 +530,9 @@ class Scheduler:
                 unit.grad = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
             unit.grad_seen = set()
         off, n = unit.offsets[i], unit.numels[i]
-        if i in unit.grad_seen:
+        if grad is None:
+            pass  # a Function that gave this parameter none: as a parameter no gradient reached
+        elif i in unit.grad_seen:
             unit.grad[off : off + n].add_(grad.reshape(-1))
         else:
             unit.grad[off : off + n].copy_(grad.reshape(-1))

@@ -63,3 +63,52 @@ def test_tiles_kept_from_forward_are_not_read_again(tmp_path):
         assert torch.equal(on[1][k], off[1][k]), k
     assert off[2] == 2 * on[3] and on[2] == on[3], (off[2], on[2], on[3])
     assert on[4]["kept_for_backward"] > 10  # the tiles, and the two small whole units
+
+
+class _NoWeightGrad(torch.autograd.Function):
+    """Scales its input, and gives the weight it is handed no gradient (None), as custom
+    kernels may for a parameter they only read for shapes."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+class _Doubler(nn.Linear):
+    def forward(self, x):
+        return _NoWeightGrad.apply(x, self.weight)
+
+
+@pytest.mark.parametrize("tiers", [NVME, ("device",) * 3], ids=["nvme", "device"])
+def test_a_parameter_given_a_none_gradient_trains_as_in_plain_pytorch(tmp_path, tiers):
+    """The engine's gradient hook took param.grad as a tensor: a None there raised
+    AttributeError in backward where plain PyTorch trains on. The parameter is one no gradient
+    reached (zeros, which AdamW without weight decay leaves as it was)."""
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), _Doubler(16, 16), nn.Linear(16, 4))
+
+    plain = model()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0)
+    engine = infinity.initialize(model(), config(tmp_path, tiers, optimizer={"weight_decay": 0.0}))
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = ((engine(x) - y) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        opt.zero_grad()
+        ref = ((plain(x) - y) ** 2).mean()
+        ref.backward()
+        opt.step()
+        assert abs(loss.item() - ref.item()) < 1e-6, step
+    got = engine.gathered_weights()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), atol=1e-6, rtol=0)
+    assert torch.equal(got["1.weight"], model()[1].weight.detach())  # never updated
+    engine.close()
