@@ -75,11 +75,13 @@ def test_a_flipped_parameter_byte_raises_in_the_forward_that_reads_it(tmp_path):
 
 
 def test_a_flipped_gradient_byte_raises_in_the_step(tmp_path):
-    # A budget too small to hold the gradients in memory ([Note: gradients held]): they are
-    # written in backward and read in the step.
-    with _engine(tmp_path, memory={"host_budget": "4MiB"}) as engine:
+    # No gradient held in memory ([Note: gradients held]) and no update under backward: each
+    # is written in backward and read in the step.
+    with _engine(tmp_path, memory={"host_budget": "4MiB"}, optimizer={"overlap": False}) as engine:
+        engine.grads.hold_limit = 0
         x, y = _batch()
         engine.backward(((engine(x) - y) ** 2).mean())
+        engine.space.flush()  # the gradients' writes go on behind backward
         assert "3/grad" in engine.space
         path, offset = _flip(engine, "3/grad")
         with pytest.raises(SwapCorruption) as info:
