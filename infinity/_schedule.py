@@ -478,23 +478,21 @@ class Scheduler:
         """Parameter ``i`` of ``unit`` has its gradient (``param.grad``) of this backward. The
         fp32 copy in the unit is the gradient from here; the parameter's goes
         ([Note: gradient hand-over])."""
-        lease = self._grad_buffer(unit)
-        try:
-            with held_interrupts:
-                grad, param.grad = param.grad, None
-                final = self._gather_grad(unit, i, grad, lease)
-        except BaseException:
-            self._unclaimed(unit, lease)
-            raise
-        if final:
-            self.finish_unit_backward(unit)
+        self._receive(unit, i, param=param)
 
     def tile_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor) -> None:
         """``grad`` is the gradient of this backward of parameter ``i`` of ``unit`` (of the
         unit's part of it: a tile's rows)."""
+        self._receive(unit, i, grad=grad)
+
+    def _receive(self, unit: ParamUnit, i: int, *, grad: torch.Tensor | None = None, param=None) -> None:
+        """``grad``, or ``param``'s ``.grad`` (taken from it), into the unit's gradient; the
+        unit handed on when it was its last ([Note: gradient hand-over])."""
         lease = self._grad_buffer(unit)
         try:
-            with held_interrupts:  # see [Note: gradient hand-over]
+            with held_interrupts:
+                if param is not None:
+                    grad, param.grad = param.grad, None
                 final = self._gather_grad(unit, i, grad, lease)
         except BaseException:
             self._unclaimed(unit, lease)

@@ -7,6 +7,8 @@ against torch's default: rounding, as test_accelerate.py).
 """
 
 import logging
+import os
+import sys
 
 import pytest
 import torch
@@ -21,12 +23,8 @@ import infinity  # noqa: E402
 from infinity.integrations.transformers import InfinityTrainer  # noqa: E402
 
 
-def _llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attention_dropout=0.0)  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg)
+sys.path.insert(0, os.path.dirname(__file__))
+from test_transformers import _llama  # noqa: E402
 
 
 def _nvme(tmp_path, **sections):
