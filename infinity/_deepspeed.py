@@ -30,7 +30,7 @@ from typing import Any
 
 from torch.optim.lr_scheduler import LRScheduler
 
-from .config import TierConfig, format_size
+from .config import TierConfig, _loads_json
 
 MAP, IGNORE, REFUSE = "mapped", "ignored", "refused"
 
@@ -243,12 +243,14 @@ def load(source) -> dict:
         raise TypeError(f"a DeepSpeed config is a dict or a path to its JSON file, got {type(source).__name__}")
     path = os.fspath(source)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            data = _loads_json(f.read())  # the tier config's reader: a key twice is refused, not the last kept
     except FileNotFoundError:
         raise FileNotFoundError(2, "DeepSpeed config file not found", path) from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e.msg} (at line {e.lineno}, column {e.colno})") from None
+    except ValueError as e:  # a key twice; bad UTF-8
+        raise ValueError(f"{path}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a DeepSpeed config is a JSON object, got {type(data).__name__}")
     return data
@@ -492,13 +494,6 @@ def table_markdown() -> str:
             rows.append(f"| `{key}` | refused{when} | {rule.why} |")
     return "\n".join(rows)
 
-
-def describe(cfg: TierConfig) -> str:
-    """One line of what a DeepSpeed config became (logged by the entry points)."""
-    t = cfg.tiers
-    return (f"params {t.params}, grads {t.grads}, optimizer {t.optimizer} ({cfg.optimizer.type}, lr "
-            f"{cfg.optimizer.lr:g}), {cfg.precision.param_dtype}, stage {cfg.partition.stage}, sub-groups of "
-            f"{format_size(cfg.optimizer.sub_group_size)}")  # fmt: skip
 
 
 # -- the LR schedule -------------------------------------------------------------------------

@@ -562,8 +562,10 @@ class SwapSpace:
             try:
                 if error is not None:
                     raise error
-                if check and transfer is None and record.checksum != compute_checksum(data.numpy()):
-                    raise self._corruption(record, compute_checksum(data.numpy()))  # an empty tensor's
+                if check and transfer is None:  # an empty tensor's: no read to check on a thread
+                    actual = compute_checksum(data.numpy())
+                    if actual != record.checksum:
+                        raise self._corruption(record, actual)
             except Exception:
                 if lease is not None:
                     lease.release()

@@ -215,10 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     except (BadInput, BuffersNotSaved) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # CheckpointError, ManifestError, a dtype safetensors cannot hold
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    except (OSError, SwapCorruption, TypeError, aio.BackendUnavailable) as e:
+    # CheckpointError, ManifestError, a dtype safetensors cannot hold; I/O and checksum failures
+    except (ValueError, OSError, SwapCorruption, TypeError, aio.BackendUnavailable) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -233,3 +233,10 @@ def test_docs_config_md_holds_the_table_of_every_key():
     """docs/config.md's table is `_deepspeed.RULES` as `table_markdown` writes it."""
     with open(DOCS, encoding="utf-8") as f:
         assert _deepspeed.table_markdown() in f.read()
+
+
+def test_a_key_twice_in_a_ds_config_json_is_refused_naming_it(tmp_path):
+    """json keeps the last of two silently; the tier config's reader refuses it, naming it."""
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3, "stage": 2}}')
+    with pytest.raises(ValueError, match=r"ds.json: key 'zero_optimization.stage' appears twice"):
+        infinity.TierConfig.from_deepspeed(tmp_path / "ds.json")
