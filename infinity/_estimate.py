@@ -253,20 +253,10 @@ def _floor(plan_at) -> tuple[int, str]:
 
 
 def _on_nvme(engine) -> dict[str, int]:
-    """Bytes of each kind the run keeps on nvme, each tensor aligned as the swap space writes
-    it (`_footprint.state_tensors`' sizes, by kind)."""
-    opt = engine.optimizer
+    """Bytes of each kind the run keeps on nvme, each tensor aligned as the swap space writes it."""
     out = dict.fromkeys(KINDS, 0)
-    if engine.param_store.tier == "nvme":
-        whole = opt.gather_params
-        out["params"] = sum(round_up((u.padded_numel if whole else u.shard_numel) * engine.dtype.itemsize, ALIGNMENT)
-                            for u in engine.units)  # fmt: skip
-    if engine.grads.store.tier == "nvme":
-        out["grads"] = sum(round_up((u.padded_numel if engine.grads_full else u.shard_numel) * 4, ALIGNMENT)
-                           for u in engine.units if any(u.requires_grad))  # fmt: skip
-    if opt.states["master"].tier == "nvme":
-        kinds = opt.kinds[1:] if opt.one_copy else opt.kinds  # one copy: the master weights are the params
-        out["optimizer"] = sum(round_up(g.record.nbytes(k), ALIGNMENT) for g in opt.groups for k in kinds)
+    for kind, sizes in _footprint.state_tensors(engine).items():
+        out[kind] = sum(round_up(n, ALIGNMENT) for n in sizes)
     return out
 
 

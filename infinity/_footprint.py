@@ -75,19 +75,20 @@ class Layout:
         return taken
 
 
-def state_tensors(engine) -> list[int]:
-    """Bytes of each tensor the run keeps on nvme under its real name."""
-    opt, sizes = engine.optimizer, []
+def state_tensors(engine) -> dict[str, list[int]]:
+    """Bytes of each tensor the run keeps on nvme under its real name, by kind of state
+    ("params", "grads", "optimizer"; the kinds not on nvme absent)."""
+    opt, sizes = engine.optimizer, {}
     if engine.param_store.tier == "nvme":
         whole = opt.gather_params
-        sizes += [(u.padded_numel if whole else u.shard_numel) * engine.dtype.itemsize for u in engine.units]
+        sizes["params"] = [(u.padded_numel if whole else u.shard_numel) * engine.dtype.itemsize for u in engine.units]
     if engine.grads.store.tier == "nvme":
         # frozen units (a LoRA's base) never get a gradient written
-        sizes += [(u.padded_numel if engine.grads_full else u.shard_numel) * 4
-                  for u in engine.units if any(u.requires_grad)]  # fmt: skip
+        sizes["grads"] = [(u.padded_numel if engine.grads_full else u.shard_numel) * 4
+                          for u in engine.units if any(u.requires_grad)]  # fmt: skip
     if opt.states["master"].tier == "nvme":
         kinds = opt.kinds[1:] if opt.one_copy else opt.kinds  # one copy: the master weights are the params
-        sizes += [g.record.nbytes(k) for g in opt.groups for k in kinds]
+        sizes["optimizer"] = [g.record.nbytes(k) for g in opt.groups for k in kinds]
     return sizes
 
 
@@ -145,7 +146,7 @@ def plan(engine, cfg, overlap: bool) -> Footprint:
     space = engine.space
     layout = Layout(len(space.rank_dirs), cfg.nvme.stripe_size, cfg.nvme.stripe_threshold)
     state = [0] * layout.members
-    for n in state_tensors(engine):
+    for n in (n for sizes in state_tensors(engine).values() for n in sizes):
         state = [a + b for a, b in zip(state, layout.add(n))]
     staging = [0] * layout.members
     if overlap:
