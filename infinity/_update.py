@@ -154,6 +154,11 @@ class StreamedUpdate:
         (unit -> its gradient shard, divided by ``divide``), with the step counts ``steps``
         (unit -> the count this update makes) and ``first`` the units stepping for the first time."""
         grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=self.substates.device)
+        if grad_scale is not None:
+            # The fused kernels unscale the gradients they are given in place. An early update
+            # (the overlap's, the one caller) reads gradients the step reads again when it is not
+            # committed (a held one, the tier's own tensor): it unscales private copies.
+            grads = {i: g.clone() for i, g in grads.items()}
         self._apply_kernels(index, master, states, grads, grad_scale, steps, first)
 
     def _apply_kernels(self, index, master, states, grads, grad_scale, step_of, first) -> None:

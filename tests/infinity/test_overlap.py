@@ -139,6 +139,19 @@ def test_overlap_with_fp16_overflow(tmp_path):
     assert on[2][1] == 0 and on[2][0] == 4 and on[2][2] == 4
 
 
+@pytest.mark.parametrize("tiers", [NVME, ("nvme", "cpu", "nvme"), ("cpu", "cpu", "cpu")], ids=["held", "resident", "host"])
+def test_overlap_with_fp16_and_clipping_leaves_the_gradients_as_the_step_reads_them(tmp_path, tiers):
+    """The fused kernels unscale the gradients they are given in place. An early update under
+    a loss scale that is then discarded (the step clips) must leave the gradient the step reads
+    again (held in the pool, or the tier's own tensor) as it was: it updated 0.06 off."""
+    kw = dict(dtype=torch.float16, tiers=tiers, precision={"param_dtype": "fp16", "initial_scale": 1024},
+              optimizer={"max_grad_norm": 1e-3})  # fmt: skip
+    off = _train(tmp_path / "off", False, **kw)
+    on = _train(tmp_path / "on", True, **kw)
+    _same(off, on)
+    assert on[2] == [0] * 4  # every early update discarded: the step clips
+
+
 def test_overlap_with_gradient_accumulation(tmp_path):
     off = _train(tmp_path / "off", False, micro=3, optimizer={"gradient_accumulation_steps": 3})
     on = _train(tmp_path / "on", True, micro=3, optimizer={"gradient_accumulation_steps": 3})
