@@ -60,12 +60,12 @@ import threading
 import weakref
 
 import torch
-from torch.profiler import record_function
 
 from infinity.aio import empty_aligned
 from infinity.swap import PoolExhausted, SwapCorruption
 
 from ._admission import ACTIVATION
+from ._profile import region
 from ._resources import open_activation_space, remove_made_dirs
 
 MAX_IN_FLIGHT = 2  # tensors whose copies back to the host may be on their way at once (a GPU)
@@ -310,7 +310,7 @@ class ActivationTier:
             if saved is not None and saved.source() is t and saved.version == t._version:
                 return saved  # the same tensor, saved again by another node (its memory is not another's yet)
             saved = _Saved(t)
-            with record_function("infinity::activation_out"):
+            with region("infinity::activation_out"):
                 self._settle(done_only=True)
                 if self.tier == "cpu":
                     self._send_host(saved, _span(t))
@@ -418,7 +418,7 @@ class ActivationTier:
                     raise _changed_error(saved.size, saved.dtype, "a later one", saved.version,
                                          f"changed before the activation tier ([activations] tier = {self.tier!r}) "
                                          "stored it; autograd raises this without the tier too")  # fmt: skip
-                with record_function("infinity::activation_in"):
+                with region("infinity::activation_in"):
                     saved.loaded = self._load(saved)
                 for c in self.stats.both():
                     c.activation_in_bytes += saved.nbytes

@@ -50,10 +50,10 @@ from __future__ import annotations
 import collections
 
 import torch
-from torch.profiler import record_function
 
 from infinity.swap import PoolExhausted, WriteBehind
 
+from ._profile import region
 from ._store import InHand, Lease, Store
 from ._units import ParamUnit
 
@@ -66,8 +66,11 @@ class GradAccumulator:
         self.grads_full = grads_full  # ZeRO stage 1: every rank keeps the whole (averaged) gradient
         self.max_writes = max_writes
         self.has_grad: set[int] = set()  # units with a gradient this step
-        self.norm_sq: dict[int, torch.Tensor] = {}  # 0-d fp64 per unit, read once at the step
-        self.finite: dict[int, torch.Tensor] = {}  # 0-d bool per unit
+        # Per unit, the fp32 norm of its gradient (a 0-d tensor), or the gradient itself where
+        # the tier keeps it in memory: its norm is taken at the step, with every other's in one
+        # call (`_norms`). Read once at the step: see `_note`.
+        self.norms: dict[int, torch.Tensor] = {}
+        self._unnormed: dict[int, torch.Tensor] = {}
         self.version: dict[int, int] = {}  # unit -> gradients stored for it this step
         # The overlap's: keep(unit, nbytes) says whether to keep a stored gradient's buffer
         # for an early update (which then reads it from memory, not back from nvme).
@@ -90,7 +93,7 @@ class GradAccumulator:
         if self.dist is not None and self.dist.active:
             grad, lease = self.transport.reduce_grad(unit, grad, lease, keep_full=self.grads_full)
         # ``grad`` is now what this rank keeps: its slice (stages 2, 3) or all of it (stage 1)
-        with record_function("infinity::grad_write"):
+        with region("infinity::grad_write"):
             try:
                 self._land(unit.index)  # its previous micro-batch's, before adding to it
                 self._land_finished()
@@ -110,6 +113,18 @@ class GradAccumulator:
                     lease.release()
                 raise
             self._store(unit, acc, hold)
+
+    def in_place(self, unit: ParamUnit, device: torch.device) -> torch.Tensor | None:
+        """The tier's own tensor for ``unit``'s gradient, for backward to gather it in on
+        ``device`` (`add` then copies nothing): where the tier keeps it there, one rank keeps
+        it whole, and this is the step's first gradient of ``unit`` (a later one is added to
+        the sum there); else None."""
+        if (self.dist is not None and self.dist.active) or unit.index in self.has_grad:
+            return None
+        if not self.store.in_place_on(device):
+            return None
+        dst, _ = self.store.landing(unit.name, torch.Size((unit.padded_numel,)), torch.float32)
+        return dst
 
     # -- copies from the device: see [Note: gradients copied back] ----------------------------
     def _copy_back(self, unit: ParamUnit, grad: torch.Tensor) -> None:
@@ -274,16 +289,34 @@ class GradAccumulator:
         """``unit`` has ``acc`` as its gradient now: its version, squared norm and finiteness."""
         self.has_grad.add(unit.index)
         self.version[unit.index] = self.version.get(unit.index, 0) + 1
-        mine = acc[unit.shard] if self.grads_full else acc  # norms of this rank's slice only
-        # Kept as tensors: reading them (a device sync on CUDA) waits for the step, once. The
-        # norm in fp32, as torch.nn.utils.clip_grad_norm_ computes it (no fp64 copy of the
-        # gradient), squared in fp64. It is finite exactly when every element is, unless the
-        # norm itself passes the fp32 range (3.4e38): that counts as an overflow too, as in
-        # clip_grad_norm_. So no second pass over the gradient checks finiteness.
-        norm_sq = torch.linalg.vector_norm(mine).to(torch.float64) ** 2
-        self.norm_sq[unit.index] = norm_sq
         self._norm = None
-        self.finite[unit.index] = torch.isfinite(norm_sq)
+        own = self.store.own(unit.name)
+        if own is not None and own.device == acc.device:  # the tier's own tensor holds it until the step
+            self.norms.pop(unit.index, None)
+            self._unnormed[unit.index] = own[unit.shard] if self.grads_full else own
+            return
+        self._unnormed.pop(unit.index, None)
+        mine = acc[unit.shard] if self.grads_full else acc  # norms of this rank's slice only
+        # Kept as a tensor: reading it (a device sync on CUDA) waits for the step, once. The
+        # norm in fp32, as torch.nn.utils.clip_grad_norm_ computes it (no fp64 copy of the
+        # gradient); squared and summed in fp64 at the step. It is finite exactly when every
+        # element is, unless the norm itself passes the fp32 range (3.4e38): that counts as an
+        # overflow too, as in clip_grad_norm_. So no second pass over the gradient checks
+        # finiteness.
+        self.norms[unit.index] = torch.linalg.vector_norm(mine)
+
+    def _norms(self) -> list[torch.Tensor]:
+        """Every unit's gradient norm (fp32, 0-d): those left for the step taken now, the same
+        kernel per gradient as `_note`'s (one call on the host: `torch._foreach_norm`)."""
+        if self._unnormed:
+            indices, tensors = list(self._unnormed), list(self._unnormed.values())
+            if all(t.device.type == "cpu" for t in tensors):
+                norms = torch._foreach_norm(tensors)
+            else:
+                norms = [torch.linalg.vector_norm(t) for t in tensors]
+            self.norms.update(zip(indices, norms))
+            self._unnormed.clear()
+        return list(self.norms.values())
 
     # -- held gradients: see [Note: gradients held] ------------------------------------------
     def _unhold(self, index: int):
@@ -402,14 +435,19 @@ class GradAccumulator:
         return self._norm
 
     def _global_norm(self) -> float:
-        local = torch.stack(list(self.norm_sq.values())).sum().cpu() if self.norm_sq else torch.zeros((), dtype=torch.float64)
+        norms = self._norms()
+        if norms:
+            local = (torch.stack(norms).to(torch.float64) ** 2).sum().cpu()
+        else:
+            local = torch.zeros((), dtype=torch.float64)
         total = local.reshape(1).to(torch.float64)
         if self.dist is not None and self.dist.active:  # each rank holds the norm of its slices
             self.dist.all_reduce_sum(total, "the global gradient norm")
         return float(total) ** 0.5
 
     def all_finite(self) -> bool:
-        ok = bool(torch.stack(list(self.finite.values())).all()) if self.finite else True
+        norms = self._norms()
+        ok = bool(torch.isfinite(torch.stack(norms)).all()) if norms else True
         bad = torch.tensor([0.0 if ok else 1.0])
         if self.dist is not None and self.dist.active:  # an overflow anywhere skips everywhere
             self.dist.all_reduce_sum(bad, "the overflow check")
@@ -435,8 +473,8 @@ class GradAccumulator:
         self._borrowed.clear()
         self.has_grad.clear()
         self._norm = None
-        self.norm_sq.clear()
-        self.finite.clear()
+        self.norms.clear()
+        self._unnormed.clear()
         self.version.clear()
 
 

@@ -70,7 +70,6 @@ import weakref
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from infinity.swap import PoolExhausted
 
@@ -80,6 +79,7 @@ from ._admission import FETCH, GRAD, OVERLAP, PREFETCH, Admission
 from ._compile import eager
 from ._grads import GradAccumulator
 from ._interrupts import held_interrupts
+from ._profile import region
 from ._stats import Stats
 from ._store import Store
 from ._transport import Transport
@@ -505,7 +505,7 @@ class Scheduler:
         needed (a CPU device with a pool: budgeted, and aligned so its write-behind is
         direct); else None. It may wait for room: taken before anything changes, so that an
         interrupt here leaves the gradient where it was."""
-        if unit.grad is None and self.grads_in_pool:
+        if unit.grad is None and self.grads_in_pool and self.grads.in_place(unit, self.device) is None:
             return self._acquire(unit.padded_numel * 4)
         return None
 
@@ -524,8 +524,10 @@ class Scheduler:
             if lease is not None:
                 unit.grad_lease = lease
                 unit.grad = lease.view(torch.float32, (unit.padded_numel,))
-            else:
-                unit.grad = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
+            else:  # the tier's own tensor where it can be (then `add` copies nothing), else a new one
+                unit.grad = self.grads.in_place(unit, self.device)
+                if unit.grad is None:
+                    unit.grad = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
             unit.grad_seen = set()
         off, n = unit.offsets[i], unit.numels[i]
         if grad is None:
@@ -611,14 +613,15 @@ class Scheduler:
     def drop_grads(self) -> None:
         """Forget gradients still being gathered in units (after a failed backward), and any a
         parameter still holds ([Note: gradient hand-over])."""
-        for unit in self.units:
-            with held_interrupts:
+        with held_interrupts:  # one section for all: it never waits
+            for unit in self.units:
                 if unit.grad_lease is not None:
                     unit.grad_lease.release()
                 unit.grad = unit.grad_lease = None
                 unit.uses = 0
                 for p in unit.params:  # a tile's too: a gathered one's gradient passes through it
-                    p.grad = None
+                    if p.grad is not None:
+                        p.grad = None
 
     # -- saved tensors: see [Note: saved parameter views] -------------------------------------
     def pack(self, t: torch.Tensor):
@@ -731,7 +734,7 @@ class Scheduler:
             with held_interrupts:
                 unit.bind(tensor)
             return
-        with record_function("infinity::fetch"):
+        with region("infinity::fetch"):
             counters = self.stats.both()
             if unit.state is UnitState.RELEASED:
                 self._start_fetch(unit)
