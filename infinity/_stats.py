@@ -78,6 +78,12 @@ class Counters:
     d2h_seconds: float = 0.0  # ... the GPU time of those copies (CUDA events)
     activation_out_bytes: int = 0  # saved activations moved to the activation tier
     activation_in_bytes: int = 0  # ... and brought back for backward
+    # The optimizer's own time: its kernels (the codec of compact states included; on the host,
+    # the work itself; on a GPU, their launch), under backward too, and the update of the step
+    # from its gradient check to its last new parameter (what the step waited for around the
+    # kernels: reads, copies, parameter writes, is the difference).
+    optimizer_seconds: float = 0.0
+    update_seconds: float = 0.0
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -97,6 +103,8 @@ class Counters:
             "d2h_gbps": self.d2h_bytes / self.d2h_seconds / 1e9 if self.d2h_seconds else 0.0,
             "activation_out_bytes": self.activation_out_bytes,
             "activation_in_bytes": self.activation_in_bytes,
+            "optimizer_seconds": self.optimizer_seconds,
+            "update_seconds": self.update_seconds,
             "seconds": self.seconds,
         }
 
@@ -116,6 +124,17 @@ class Stats:
     def io(self, tier: str, write: bool, nbytes: int, kind: str | None = None) -> "_IoSpan":
         """A read or write of ``nbytes`` of state ``kind`` in ``tier``, counted when done."""
         return _IoSpan(self, tier, write, nbytes, kind)
+
+    def count(self, tier: str, kind: str, write: bool, nbytes: int) -> None:
+        """``nbytes`` of state ``kind`` read or written in a resident ``tier`` (in place: no
+        busy time of its own, the work that touched them has it)."""
+        for c in self.both():
+            c.tiers[tier].count(kind, write, nbytes)
+
+    def add(self, name: str, value) -> None:
+        """``value`` more of the counter ``name`` (``optimizer_seconds``, ``h2d_bytes``, ...)."""
+        for c in self.both():
+            setattr(c, name, getattr(c, name) + value)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps}

@@ -305,31 +305,60 @@ class SubGroupStates:
             lease.release()
 
     # -- new parameters ---------------------------------------------------------------------
-    def write_params(self, group: SubGroup, have: list, master: torch.Tensor) -> bool:
+    def stages_params(self, transport) -> bool:
+        """Whether new parameters go to a GPU from the host's master weights through pinned pool
+        buffers (`_transport.Transport.to_device_as`; [Note: the host step on a GPU] in `_update`)."""
+        store = self.param_store
+        return (transport is not None and transport.pipelined and not store.uses_pool and not self.gather_params
+                and store.device.type == "cuda" and self.device.type == "cpu")  # fmt: skip
+
+    def write_params(self, group: SubGroup, have: list, master: torch.Tensor, transport=None) -> bool:
         """The new low-precision parameters of ``have`` (units of ``group``) from ``master``,
         each from its own pool copy (or cast): ``master`` may be reused before the write is
         done. Nothing with one copy of the fp32 weights: the master weights' own write is the
         parameters' ([Note: one copy of the fp32 weights] in `_onecopy`; no copy either, 3.8 GB
         a step on the 953M model: CPU work beside the stream slows this machine's drive, a copy
-        loop on one core to 0.4-0.45 of its idle throughput, benchmarks/io_under_compute.py)."""
+        loop on one core to 0.4-0.45 of its idle throughput, benchmarks/io_under_compute.py).
+        ``transport`` (`_transport.Transport`) makes and counts the copies between the host and
+        a GPU; where resident, the bytes written count in the params tier."""
         if self.one_copy:
             return True
+        staged = self.stages_params(transport)
+        if staged:  # the previous sub-group's copies are done (the kernel ran since): their buffers go back
+            transport.settle()
+        stats = getattr(transport, "stats", None)
+        store = self.param_store
         for u in have:
             s = group.slices[u.index]
             if self.gather_params:
-                self._gather_new_params(u, master[s])
+                self._gather_new_params(u, master[s], transport)
+                continue
+            if store.uses_pool:
+                self.param_writes.add(store.put(u.name, master[s], copy=True))
+                continue
+            dst = store.writable(u.name).tensor  # resident: the tier's own tensor, written in place
+            if dst.shape != master[s].shape:
+                store.put(u.name, master[s])  # made anew in its shape (never the case after init_state)
+            elif staged:
+                transport.to_device_as(master[s], dst)
+            elif transport is not None:
+                transport.copy(master[s], dst)
             else:
-                self.param_writes.add(self.param_store.put(u.name, master[s], copy=True))
+                dst.copy_(master[s])
+            if stats is not None:
+                stats.count(store.tier, "param", True, dst.numel() * dst.element_size())
         return True
 
-    def _gather_new_params(self, unit: ParamUnit, master: torch.Tensor) -> None:
+    def _gather_new_params(self, unit: ParamUnit, master: torch.Tensor, transport=None) -> None:
         """Stages 1 and 2: every rank updated its slice; all gather the whole parameters."""
         shard = master.to(self.param_dtype, copy=True)
         lease = self.param_store.writable(unit.name)
         full = lease.tensor
+        if shard.device != full.device:
+            shard = transport.copy_to(shard, full.device) if transport is not None else shard.to(full.device)
         with record_function("infinity::gather"):
             try:
-                self.dist.all_gather(full, shard.to(full.device), f"parameter gather of {unit.name}")
+                self.dist.all_gather(full, shard, f"parameter gather of {unit.name}")
                 pending = self.param_store.put(unit.name, full)
             except BaseException:
                 lease.release()

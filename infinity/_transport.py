@@ -1,12 +1,22 @@
 """Moving a unit's data between host and device, and between ranks.
 
 Owns: the CUDA copy streams (parameters in, gradients out) and the events that say when a
-host buffer may be reused or read; the
-parameter all-gather (stage 3: each rank read only its own slice from its own drives) and the
-gradient reduction (reduce-scatter to this rank's slice, or all-reduce at stage 1). Touches:
-the units' shapes, the host pool (buffers for what it gathers or reduces on a CPU device),
-`_dist.Dist` for the collectives. It decides nothing about when: the scheduler and the
-gradient accumulator call it.
+host buffer may be reused or read; the optimizer step's copies (`to_host`, `to_device_as`,
+`copy`); the parameter all-gather (stage 3: each rank read only its own slice from its own
+drives) and the gradient reduction (reduce-scatter to this rank's slice, or all-reduce at
+stage 1). Touches: the units' shapes, the host pool (buffers for what it gathers or reduces
+on a CPU device, pinned staging for the step's copies), `_dist.Dist` for the collectives. It
+decides nothing about when: the scheduler, the gradient accumulator and the update call it.
+
+[Note: every copy counted]
+Every copy between host and device goes through here and is counted in `engine.stats()`:
+``h2d_bytes`` / ``d2h_bytes`` (the bytes that cross) and ``h2d_seconds`` / ``d2h_seconds``
+(their GPU time, CUDA events on the stream that ran them). Those on a side stream (parameters
+in, gradients back, the step's pipelined copies) are counted when their event is seen done;
+the others (`copy`, on the current stream) when `settle` reads their events, at the end of the
+step. On a machine without a GPU the device is the host and nothing crosses: the counts stay
+0, and what the optimizer reads and writes in place shows in the tiers' bytes instead
+(`_update`).
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
+from ._store import Lease
 from ._units import ParamUnit
 
 
@@ -121,6 +132,28 @@ class Copy:
         self._end = None
 
 
+class Arriving:
+    """A gradient on its way to the host (`Transport.to_host`): a store `Pending`'s interface.
+    ``result()`` waits for the copy and returns the lease of its pinned buffer (the same every
+    call); ``done()`` polls. Never released before its copy is done: the DMA writes it."""
+
+    __slots__ = ("_copy", "_lease")
+
+    def __init__(self, copy: "Copy", lease: Lease):
+        self._copy, self._lease = copy, lease
+
+    def done(self) -> bool:
+        return self._copy.done()
+
+    def result(self) -> Lease:
+        try:
+            self._copy.wait()
+        except Exception:  # a failed copy writes nothing more: its buffer goes back, its error is raised
+            self._lease.release()
+            raise
+        return self._lease
+
+
 class Transport:
     """The collectives and copies of one engine (``dist``: `_dist.Dist`, or None at one rank)."""
 
@@ -129,8 +162,80 @@ class Transport:
         self.dtype = dtype  # of the parameters
         self.pool = pool
         self.dist = dist
+        self.stats = stats
         self.copies = CopyStream(device, stats) if device.type == "cuda" else None
         self.copy_back = CopyBack(device, stats) if device.type == "cuda" else None
+        self._timed: list = []  # (start event, end event, bytes, counter) of `copy`'s copies not yet counted
+
+    # -- the optimizer step's copies: see [Note: every copy counted] --------------------------
+    @property
+    def pipelined(self) -> bool:
+        """Whether copies between the host and the compute device run on side streams into
+        pinned pool memory (a CUDA device): `to_host` and `to_device_as` apply."""
+        return self.copy_back is not None and self.pool is not None
+
+    def to_host(self, src: torch.Tensor, timeout: float | None = None) -> "Arriving":
+        """Start copying ``src`` (on the device, made by work queued on the current stream)
+        into a pinned pool buffer on the copy-back stream; `Arriving.result` waits for it and
+        lends the buffer (released by the lease). Waits at most ``timeout`` seconds for pool
+        memory (`infinity.swap.PoolExhausted`)."""
+        buffer = self.pool.acquire(max(src.numel() * src.element_size(), 1), timeout=timeout)
+        try:
+            dst = buffer.view(src.dtype, tuple(src.shape))
+            copy = self.copy_back.start(src, dst)
+        except BaseException:
+            buffer.release()
+            raise
+        return Arriving(copy, Lease(dst, buffer))
+
+    def to_device_as(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        """``src`` (host) into ``out`` (on the device, its dtype): converted once on the host
+        into a pinned pool buffer of ``out``'s dtype, then copied on the side stream, which the
+        current stream waits for (an event: the next forward's use of ``out`` is after it, the
+        host waits for nothing). The buffer goes back once its copy is done (`drain`)."""
+        buffer = self.pool.acquire(max(out.numel() * out.element_size(), 1))
+        try:
+            staged = buffer.view(out.dtype, tuple(out.shape))
+            staged.copy_(src.view(out.shape))
+        except BaseException:
+            buffer.release()
+            raise
+        with record_function("infinity::h2d"):
+            self.copies.to_device(Lease(staged, buffer), out)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """``dst.copy_(src)`` on the current stream, counted where it crosses between the host
+        and a GPU (the bytes that cross: ``dst``'s going in, ``src``'s coming back, as torch
+        converts on the host for both). Returns ``dst``."""
+        crossing = src.device.type != dst.device.type and "cuda" in (src.device.type, dst.device.type)
+        if not crossing or self.stats is None:
+            return dst.copy_(src)
+        inward = dst.device.type == "cuda"
+        nbytes = (dst if inward else src).numel() * (dst if inward else src).element_size()
+        stream = torch.cuda.current_stream((dst if inward else src).device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        dst.copy_(src)
+        end.record(stream)
+        self._timed.append((start, end, nbytes, "h2d" if inward else "d2h"))
+        return dst
+
+    def copy_to(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``src`` on ``device`` (itself where it is there already), counted as `copy`."""
+        if src.device == device:
+            return src
+        return self.copy(src, torch.empty(src.shape, dtype=src.dtype, device=device))
+
+    def settle(self, block: bool = True) -> None:
+        """Count `copy`'s copies whose events are done (all of them, waiting, when ``block``)
+        and give back the step's staging buffers whose copies are done (`CopyStream.drain`)."""
+        if self.copies is not None:
+            self.copies.drain(block)
+        while self._timed and (block or self._timed[0][1].query()):
+            start, end, nbytes, way = self._timed.pop(0)
+            end.synchronize()
+            self.stats.add(f"{way}_bytes", nbytes)
+            self.stats.add(f"{way}_seconds", start.elapsed_time(end) / 1e3)
 
     def to_device(self, lease, out: torch.Tensor | None = None) -> torch.Tensor:
         with record_function("infinity::h2d"):

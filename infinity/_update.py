@@ -13,11 +13,32 @@ written to the params tier as they are made. Semantics follow the matching ``tor
 class: only parameters in a group are updated (frozen ones are left alone), a unit without a
 gradient this step is left alone (no decay, no state update), and each unit keeps its own step
 count.
+
+[Note: the host step on a GPU]
+With the optimizer's states on the host (the cpu or nvme tier) and the gradients or parameters
+on a GPU, the update is a pipeline of sub-groups: while the kernel runs on sub-group i, the
+gradients of i+1 are on their way to pinned pool buffers on the copy-back stream
+(`Transport.to_host`), which the kernel then reads in place; the new parameters of i are
+converted once, on the host, into pinned pool buffers of their stored dtype and copied to the
+device on the side stream (`Transport.to_device_as`), which the compute stream waits for with
+an event: the next forward's kernels run after the copies, and the host waits for nothing. A
+staging buffer goes back to the pool only once its copy's event is done; before a sub-group's
+parameters are staged the previous one's copies are drained (done by then: the kernel ran in
+between), so the step holds at most two sub-groups' gradients and one's parameters in the pool
+(`host_bytes_needed`). On the host (no GPU) the kernel reads the gradients where they are and
+nothing is staged. Every copy is counted ([Note: every copy counted] in `_transport`), and the
+resident tiers' bytes the update reads and writes are counted by kind in their tier.
+
+The kernels run on the caller's thread. A worker thread for the kernel while this thread stages
+the next sub-group buys nothing here: what this thread does between kernels is issue copies and
+convert parameters, and the conversion is a host kernel that would share the same cores and
+memory bandwidth as the update's (torch's kernels already use every core).
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch.profiler import record_function
@@ -48,11 +69,35 @@ class StreamedUpdate:
         self.ahead_bytes: int | None = None  # read-ahead by bytes too (see fit_read_ahead)
         self.overlap = None  # _overlap.Overlap, set by the engine where it applies
         self.hold_room: int | None = None  # gradients the stream leaves held (the engine's plan)
+        self.transport = grads.transport  # `_transport.Transport`: the copies ([Note: every copy counted])
+        self.stats = getattr(self.transport, "stats", None)  # `_stats.Stats`, or None (nothing counted)
+
+    # -- where the gradients and parameters go through pinned staging ---------------------------
+    @property
+    def stages_grads(self) -> bool:
+        """Whether the gradients come to the host kernel by copies from a GPU into pinned pool
+        buffers ([Note: the host step on a GPU])."""
+        store = self.grads.store
+        return (self.transport is not None and self.transport.pipelined and not store.uses_pool
+                and store.device.type == "cuda" and self.substates.device.type == "cpu")  # fmt: skip
+
+    @property
+    def stages_params(self) -> bool:
+        """Whether the new parameters go from the host kernel to a GPU through pinned pool buffers."""
+        return self.substates.stages_params(self.transport)
 
     def update(self, loss_scale: float = 1.0) -> bool:
         """One update of every parameter with a gradient; False when skipped (non-finite).
         Sub-groups updated early under backward are committed where valid, see
         [Note: exact overlap] in `_overlap`."""
+        start = time.perf_counter()
+        try:
+            return self._update_all(loss_scale)
+        finally:
+            if self.stats is not None:
+                self.stats.add("update_seconds", time.perf_counter() - start)
+
+    def _update_all(self, loss_scale: float) -> bool:
         st = self.substates
         self.grads.flush()
         if not self.grads.all_finite():
@@ -97,8 +142,15 @@ class StreamedUpdate:
             # Every buffer goes back; the first error is the one raised.
             release_unused((*(grads_now or {}).values(), *(grads_next or {}).values()))
             st.param_writes.discard_errors()
+            if self.transport is not None:
+                try:  # staging buffers go back once their copies are done
+                    self.transport.settle()
+                except Exception:  # noqa: BLE001 - the first error is the one to see
+                    pass
             raise
         st.param_writes.drain()
+        if self.transport is not None:
+            self.transport.settle()  # the last parameters' copies; the copies' GPU time counted
         return True
 
     def _read_grads(self, group: SubGroup, wait: bool = True) -> dict | None:
@@ -109,7 +161,7 @@ class StreamedUpdate:
         try:
             for u in units:
                 if not self.grads.is_held(u.index):
-                    pending[u.index] = self.grads.get(u, timeout=None if wait else 0)
+                    pending[u.index] = self._read_grad(u, timeout=None if wait else 0)
         except BaseException as e:
             release_unused(pending.values())  # the held ones stay held: a later read finds them
             if wait or not isinstance(e, PoolExhausted):
@@ -119,6 +171,22 @@ class StreamedUpdate:
             if u.index not in pending:
                 pending[u.index] = InHand(Lease(*self.grads.take_held(u.index)))
         return pending
+
+    def _read_grad(self, unit, timeout: float | None):
+        """The `Pending` of ``unit``'s gradient for the step: a read from nvme (counted by the
+        store), the tier's own tensor (counted here), or that tensor on its way from a GPU to a
+        pinned buffer (`Transport.to_host`; [Note: the host step on a GPU])."""
+        pending = self.grads.get(unit, timeout=timeout)
+        store = self.grads.store
+        if store.uses_pool:
+            return pending
+        value = pending.result().tensor  # resident: lent in place, nothing to wait for
+        if value.numel() != unit.shard_numel:  # stage 1 keeps the whole gradient
+            value = value[unit.shard]
+        out = self.transport.to_host(value, timeout=timeout) if self.stages_grads else InHand(Lease(value))
+        if self.stats is not None:
+            self.stats.count(store.tier, "grad", False, value.numel() * value.element_size())
+        return out
 
     def _update(self, index: int, tensors, grad_scale, pending: dict) -> bool:
         """Update sub-group ``index``'s parameters that have a gradient; False when none has."""
@@ -136,18 +204,41 @@ class StreamedUpdate:
                 value = lease.tensor
                 if value.numel() != u.shard_numel:  # stage 1 keeps the whole gradient
                     value = value[u.shard]
-                grads[u.index] = value if value.device == master.device else value.to(master.device)
+                grads[u.index] = self._to(value, master.device)
             stepped = {u.index for u in have}
             if st.foreign is not None:
                 self._step_foreign(index, grads, grad_scale)
-                return st.write_params(group, have, master)
+                return st.write_params(group, have, master, self.transport)
             first = st.mark_stepped(stepped)
             torch._foreach_add_([st.steps[i] for i in stepped], 1.0)
             self._apply_kernels(index, master, states, grads, grad_scale, st.steps, first)
         finally:
             for lease in leases:
                 lease.release()
-        return st.write_params(group, have, master)
+        self._count_states(index, have)
+        return st.write_params(group, have, master, self.transport)
+
+    def _to(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``value`` on ``device``: itself where it is there, else a copy (counted)."""
+        if value.device == device:
+            return value
+        if self.transport is None:
+            return value.to(device)
+        return self.transport.copy_to(value, device)
+
+    def _count_states(self, index: int, have: list) -> None:
+        """The optimizer's reads and writes of sub-group ``index``'s states, where they are
+        resident (nvme's are counted by the stream): each kind's part of every unit it stepped."""
+        if self.stats is None:
+            return
+        st = self.substates
+        for kind in st.kinds:
+            store = st.stores[kind]
+            if store.uses_pool:
+                continue
+            nbytes = sum(st.records[u.index].nbytes(kind) for u in have)
+            self.stats.count(store.tier, kind, False, nbytes)
+            self.stats.count(store.tier, kind, True, nbytes)
 
     def apply(self, index: int, master, states, grads: dict, divide: float, steps: dict, first: set) -> None:
         """Sub-group ``index``'s update in place on ``master`` and ``states`` from ``grads``
@@ -164,6 +255,14 @@ class StreamedUpdate:
     def _apply_kernels(self, index, master, states, grads, grad_scale, step_of, first) -> None:
         """The algorithm's kernel once per parameter group over its parameters in sub-group
         ``index`` that have a gradient (on fp32 copies of compact states: `_compact`)."""
+        start = time.perf_counter()
+        try:
+            self._run_kernels(index, master, states, grads, grad_scale, step_of, first)
+        finally:
+            if self.stats is not None:
+                self.stats.add("optimizer_seconds", time.perf_counter() - start)
+
+    def _run_kernels(self, index, master, states, grads, grad_scale, step_of, first) -> None:
         group = self.substates.groups[index]
         with self.algorithm.unpacked(states, group, grads, step_of) as states:
             for gi, entries in self.substates.slices[index].items():
@@ -213,7 +312,9 @@ class StreamedUpdate:
         of the largest, the one given or else this optimizer's, or ``ahead_bytes``; one in hand,
         one written behind), the gradients of one sub-group and the next one's, and three
         parameter write-behinds (copies; none with one copy of the fp32 weights, where the
-        master weights' write is theirs); each only where its store uses the pool."""
+        master weights' write is theirs); each only where its store uses the pool. On a GPU
+        with the states on the host, the gradients staged from the device (two sub-groups') and
+        one sub-group's new parameters staged to it ([Note: the host step on a GPU])."""
         st = self.substates
         if not st.groups:
             return 0
@@ -225,10 +326,12 @@ class StreamedUpdate:
                 need += 2 * state + self.ahead_bytes
             else:
                 need += (2 + (self.ahead if ahead is None else ahead)) * state
-        if self.grads.store.uses_pool:  # one buffer per unit
+        if self.grads.store.uses_pool or self.stages_grads:  # one buffer per unit
             need += 2 * max(sum(round_up(4 * u.shard_numel) for u in g.units) for g in st.groups)
         if st.param_store.uses_pool and not st.one_copy:
             need += 3 * max(round_up(st.param_dtype.itemsize * u.shard_numel) for u in st.units)
+        if self.stages_params:  # one sub-group's staged parameters ([Note: the host step on a GPU])
+            need += max(sum(round_up(st.param_dtype.itemsize * u.shard_numel) for u in g.units) for g in st.groups)
         return need
 
     def fit_read_ahead(self, budget: int) -> int:

@@ -415,10 +415,15 @@ class Engine:
 
     # -- reporting --------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Per step (the last one) and cumulative: bytes and busy seconds per tier, stall
-        seconds, fetches (prefetched or on demand), skipped steps, peak host-pool bytes and the process's peak RSS; "disk":
-        per swap directory, the state's bytes, the peak, the arena's cap and size now; "pool": the
-        host pool's bytes by traffic class (held now, peak) and the budget's shares."""
+        """Per step (the last one) and cumulative: bytes and busy seconds per tier (nvme's
+        transfers; in the resident tiers, what the optimizer step reads and writes there), by
+        kind of state, stall seconds, fetches (prefetched or on demand), skipped steps, every
+        copy between the host and a GPU (``h2d_bytes``, ``d2h_bytes`` and their GPU seconds:
+        [Note: every copy counted] in `_transport`), the optimizer's time in its kernels
+        (``optimizer_seconds``) and the step's update (``update_seconds``), peak host-pool bytes
+        and the process's peak RSS; "disk": per swap directory, the state's bytes, the peak, the
+        arena's cap and size now; "pool": the host pool's bytes by traffic class (held now,
+        peak) and the budget's shares."""
         out = {
             "steps": self._stats.steps,
             "step": getattr(self, "_last_step", None),

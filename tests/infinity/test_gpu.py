@@ -194,3 +194,55 @@ def test_activations_larger_than_the_budget_go_through_the_gpu_in_chunks(tmp_pat
         assert torch.equal(got[1][k], want[1][k]), k
     pool = got[2]["pool"]
     assert 0 < pool["by_traffic"]["activation"]["peak_bytes"] <= pool["shares"]["activation"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_host_step_copies_are_counted_and_pipelined_bit_identically(tmp_path, monkeypatch, dtype):
+    """Placement device,device,cpu (ZeRO-Offload's), the optimizer after backward: each step
+    brings every fp32 gradient to the host (4 B a parameter, D2H) and sends every new parameter
+    back in its dtype (H2D), through pinned pool buffers on side streams ([Note: the host step
+    on a GPU] in `_update`); stats() counts exactly those bytes, with their GPU time. The same
+    steps with blocking copies instead (no staging) give the same weights, bit for bit: the
+    arithmetic is the host kernel's either way."""
+    from infinity._transport import Transport
+
+    def run(where, pipelined):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(4)], nn.Linear(256, 8))
+        cfg = {"tiers": {"params": "device", "grads": "device", "optimizer": "cpu"}, "nvme": {"paths": [str(where)]},
+               "precision": {"param_dtype": dtype},
+               "optimizer": {"lr": 1e-3, "overlap": False, "sub_group_size": "256KiB"}}  # fmt: skip
+        with monkeypatch.context() as m:
+            if not pipelined:
+                m.setattr(Transport, "pipelined", property(lambda self: False))
+            with infinity.initialize(model, cfg) as engine:
+                assert engine.optimizer.updater.stages_grads == pipelined
+                assert engine.optimizer.updater.stages_params == pipelined
+                losses, stats = [], []
+                for step in range(3):
+                    x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+                    if dtype == "bf16":
+                        x = x.to(torch.bfloat16)
+                    loss = engine(x).float().pow(2).mean()
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.item())
+                    stats.append(engine.stats()["step"])
+                n = sum(u.shard_numel for g in engine.optimizer.groups for u in g.units)
+                return losses, engine.gathered_weights(), stats, n
+
+    want = run(tmp_path / "blocking", pipelined=False)
+    got = run(tmp_path / "pipelined", pipelined=True)
+    assert got[0] == want[0]
+    for k in want[1]:
+        assert torch.equal(got[1][k], want[1][k]), k
+    itemsize = 2 if dtype == "bf16" else 4
+    for losses, weights, stats, n in (want, got):
+        for step in stats:
+            assert step["d2h_bytes"] == 4 * n  # the gradients, fp32, once each
+            assert step["h2d_bytes"] == itemsize * n  # the new parameters, converted on the host
+            assert step["d2h_seconds"] > 0 and step["h2d_seconds"] > 0
+            assert step["device"]["by_kind"]["grad"]["read_bytes"] == 4 * n
+            assert step["device"]["by_kind"]["param"]["write_bytes"] == itemsize * n
+            assert step["cpu"]["by_kind"]["master"] == {"read_bytes": 4 * n, "write_bytes": 4 * n}
+            assert 0 < step["optimizer_seconds"] <= step["update_seconds"]
