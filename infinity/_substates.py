@@ -158,6 +158,13 @@ class SubGroupStates:
         self.slices = self._map_slices()
         self.foreign = foreign  # algorithm "torch": the user's optimizer, stepped on views of the masters
         self.shadows: dict[tuple[int, int], torch.nn.Parameter] = {}
+        # Resident fp32 parameters beside resident master weights on the same device: each
+        # sub-group's parameters in one flat tensor (1-D, fp32, laid out as its master
+        # weights), which the master weights become at the first step without the overlap
+        # (``shared`` -> ``sharing``): [Note: one copy of the fp32 weights] in `_onecopy`.
+        self.shared: dict[int, torch.Tensor] = {}
+        self.sharing: set[int] = set()  # sub-groups whose master weights are their ``shared`` tensor
+        self._shares_checked = False
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -226,14 +233,20 @@ class SubGroupStates:
             whole = values(u)
             kept = whole[u.shard] if not self.gather_params else whole
             self.param_store.put(u.name, kept.to(self.param_dtype)).result()
+        share = self._may_share()
         for sg, per_group in zip(self.groups, self.slices):
             master = torch.zeros(sg.numel, dtype=torch.float32)
+            shared = None
             for u in sg.units:
                 whole = values(u)
                 flat = whole[u.shard]
                 kept = flat if not self.gather_params else whole  # see [Note: unit partition]
                 self.param_store.put(u.name, kept.to(self.param_dtype, copy=True)).result()
                 master[sg.slices[u.index]] = flat
+                if share:
+                    shared = self._share_param(sg, u, shared)
+            if shared is not None:
+                self.shared[sg.index] = shared
             if not self.one_copy:  # else the parameters just written are the master weights
                 self.stores["master"].put(sg.record.name_for(), master).result()
             for kind, value in self.algorithm.initial_states(master, per_group, self.param_groups, sg.slices):
@@ -304,6 +317,43 @@ class SubGroupStates:
         finally:
             lease.release()
 
+    def _may_share(self) -> bool:
+        """Whether the parameters may become the master weights in memory ([Note: one copy of
+        the fp32 weights] in `_onecopy`): fp32, each rank keeping its slice, both tiers resident
+        on one device, the engine's own algorithm."""
+        master, params = self.stores["master"], self.param_store
+        return (self.param_dtype == torch.float32 and not self.gather_params and self.foreign is None
+                and not self.one_copy and not master.uses_pool and not params.uses_pool
+                and master.device == params.device)  # fmt: skip
+
+    def _share_param(self, sg: SubGroup, unit: ParamUnit, shared: torch.Tensor | None) -> torch.Tensor:
+        """Unit ``unit``'s parameters (just put) moved into sub-group ``sg``'s flat tensor
+        ``shared`` (made on the first unit: where the params tier keeps them, pinned as it does),
+        at its slice of the master weights; returns ``shared``. Nothing holds a view of them yet:
+        the scheduler binds the units after initialize writes them."""
+        own = self.param_store.get(unit.name).result().tensor
+        if shared is None:
+            shared = torch.empty(sg.numel, dtype=torch.float32, device=own.device, pin_memory=own.is_pinned())
+        part = shared[sg.slices[unit.index]]
+        part.copy_(own.reshape(-1))
+        self.param_store.swap(unit.name, part.view(own.shape))
+        return shared
+
+    def share_masters(self) -> None:
+        """Once, at the first step that runs without the overlap: each sub-group's master
+        weights become its ``shared`` parameters, where the two hold the same values (they do
+        unless something wrote one and not the other), so the update writes the parameters in
+        place ([Note: one copy of the fp32 weights] in `_onecopy`)."""
+        if self._shares_checked:
+            return
+        self._shares_checked = True
+        for index, shared in self.shared.items():
+            name = self.groups[index].record.name_for()
+            master = self.stores["master"].get(name).result().tensor
+            if master.data_ptr() == shared.data_ptr() or torch.equal(master, shared):
+                self.stores["master"].swap(name, shared)
+                self.sharing.add(index)
+
     # -- new parameters ---------------------------------------------------------------------
     def stages_params(self, transport) -> bool:
         """Whether new parameters go to a GPU from the host's master weights through pinned pool
@@ -321,7 +371,7 @@ class SubGroupStates:
         loop on one core to 0.4-0.45 of its idle throughput, benchmarks/io_under_compute.py).
         ``transport`` (`_transport.Transport`) makes and counts the copies between the host and
         a GPU; where resident, the bytes written count in the params tier."""
-        if self.one_copy:
+        if self.one_copy or group.index in self.sharing:
             return True
         staged = self.stages_params(transport)
         if staged:  # the previous sub-group's copies are done (the kernel ran since): their buffers go back

@@ -99,6 +99,8 @@ class StreamedUpdate:
 
     def _update_all(self, loss_scale: float) -> bool:
         st = self.substates
+        if self.overlap is None:  # see [Note: one copy of the fp32 weights] in `_onecopy`
+            st.share_masters()
         self.grads.flush()
         if not self.grads.all_finite():
             if self.overlap is not None:

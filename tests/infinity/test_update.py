@@ -1,5 +1,6 @@
-"""The optimizer step's accounting (`_update`, `_substates`): what ``engine.stats()["step"]``
-counts equals what the step moves.
+"""The optimizer step's accounting and its one copy of fp32 weights in memory (`_update`,
+`_substates`): what ``engine.stats()["step"]`` counts equals what the step moves, and the
+parameters shared with the master weights train bit-identically to the two copies.
 
 On this machine the compute device is the host: placement device,device,cpu puts the
 parameters and gradients in host memory beside the optimizer's states, nothing crosses to a
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import infinity
+from infinity._substates import SubGroupStates
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import config, make_model, train  # noqa: E402
@@ -39,14 +41,17 @@ def _numel(engine) -> int:
 def test_host_step_counts_the_bytes_it_reads_and_writes(tmp_path, dtype):
     """Per parameter: the fp32 gradient read (4 B) from the device tier; the master weights and
     both moments read and written (4 B each way each) in the cpu tier; the new parameters written
-    in their dtype."""
+    in their dtype (bf16: 2 B; fp32: none, they are the master weights the kernel wrote)."""
     engine = _engine(tmp_path, dtype=dtype)
     n = _numel(engine)
     train(engine, 2, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     step = engine.stats()["step"]
     device, cpu = step["device"]["by_kind"], step["cpu"]["by_kind"]
     assert device["grad"] == {"read_bytes": 4 * n, "write_bytes": 0}
-    assert device["param"] == {"read_bytes": 0, "write_bytes": (2 if dtype == "bf16" else 4) * n}
+    if dtype == "bf16":
+        assert device["param"] == {"read_bytes": 0, "write_bytes": 2 * n}
+    else:
+        assert "param" not in device
     for kind in ("master", "exp_avg", "exp_avg_sq"):
         assert cpu[kind] == {"read_bytes": 4 * n, "write_bytes": 4 * n}, kind
     assert step["cpu"]["read_bytes"] == 12 * n and step["cpu"]["write_bytes"] == 12 * n
@@ -83,4 +88,87 @@ def test_optimizer_time_counts_the_early_updates_too(tmp_path):
     step = engine.stats()["step"]
     assert engine.optimizer.overlap is not None and engine.optimizer.overlap.committed > 0
     assert step["optimizer_seconds"] > 0
+    engine.close()
+
+
+def _weights(engine) -> dict:
+    return {k: v.clone() for k, v in engine.gathered_weights().items()}
+
+
+def _no_sharing(monkeypatch):
+    monkeypatch.setattr(SubGroupStates, "_may_share", lambda self: False)
+
+
+@pytest.mark.parametrize("tiers", [HOST, ("cpu", "cpu", "cpu"), ("device", "device", "device")])
+def test_parameters_shared_with_the_master_weights_train_bit_identically(tmp_path, monkeypatch, tiers):
+    """fp32 parameters resident beside the master weights become them at the first step
+    ([Note: one copy of the fp32 weights] in `_onecopy`): the same losses and weights, bit for
+    bit, as the engine keeping two copies."""
+    shared = _engine(tmp_path / "a", tiers=tiers)
+    losses = train(shared, 4)
+    opt = shared.optimizer
+    assert opt.substates.sharing == {g.index for g in opt.groups}
+    for g in opt.groups:  # one memory: the parameters are views of the master weights
+        master = opt.states["master"].get(g.record.name_for()).result().tensor
+        for u in g.units:
+            param = shared.param_store.get(u.name).result().tensor
+            assert param.data_ptr() == master[g.slices[u.index]].data_ptr()
+    with monkeypatch.context() as m:
+        _no_sharing(m)
+        two = _engine(tmp_path / "b", tiers=tiers)
+        assert two.optimizer.substates.sharing == set()
+        assert train(two, 4) == losses
+    a, b = _weights(shared), _weights(two)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    shared.close()
+    two.close()
+
+
+def test_no_sharing_under_the_overlap_in_host_memory(tmp_path, monkeypatch):
+    """The overlap's commit swaps staged copies in for the master weights: they stay apart from
+    the parameters, and it trains as the engine that never shares."""
+    engine = _engine(tmp_path / "a", overlap=True)
+    losses = train(engine, 3)
+    assert engine.optimizer.overlap is not None and engine.optimizer.substates.sharing == set()
+    with monkeypatch.context() as m:
+        _no_sharing(m)
+        other = _engine(tmp_path / "b", overlap=True)
+        assert train(other, 3) == losses
+    a, b = _weights(engine), _weights(other)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    engine.close()
+    other.close()
+
+
+def test_shared_weights_resume_from_a_checkpoint_exactly(tmp_path):
+    """A checkpoint of shared weights loads into an engine that shares them and trains on as
+    the one that saved it."""
+    engine = _engine(tmp_path / "a")
+    train(engine, 2)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    ahead = train(engine, 2, start=2)
+    resumed = _engine(tmp_path / "b")
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert train(resumed, 2, start=2) == ahead
+    assert resumed.optimizer.substates.sharing == {g.index for g in resumed.optimizer.groups}
+    a, b = _weights(engine), _weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    engine.close()
+    resumed.close()
+
+
+def test_a_master_weight_changed_alone_is_not_shared(tmp_path):
+    """Sharing never changes a value: a sub-group whose master weights differ from its
+    parameters at the first step keeps the two apart (and the step writes its parameters)."""
+    engine = _engine(tmp_path)
+    opt = engine.optimizer
+    g = opt.groups[0]
+    master = opt.states["master"].get(g.record.name_for()).result().tensor
+    master[0] += 1.0  # the parameters stay as they were
+    train(engine, 1)
+    assert g.index not in opt.substates.sharing
+    assert opt.substates.sharing == {h.index for h in opt.groups[1:]}
+    u = g.units[0]
+    param = engine.param_store.get(u.name).result().tensor
+    assert torch.equal(param.reshape(-1), master[g.slices[u.index]])  # written from the master weights
     engine.close()
