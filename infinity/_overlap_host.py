@@ -49,11 +49,21 @@ def applies(engine, cfg) -> bool:
     resident on the host (the cpu tier, or the device tier where the device is the CPU), an
     algorithm of ours (a torch optimizer steps all at once), and no all-gather of the new
     parameters (stages 1 and 2 over several ranks: a collective at a point that differs across
-    ranks, as for nvme)."""
+    ranks, as for nvme). With ``overlap = "auto"`` also where it can gain (`gains`)."""
     opt = engine.optimizer
     master = opt.states["master"]
-    return bool(cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and not master.uses_pool
-                and master.in_place_on(torch.device("cpu")) and not opt.gather_params)  # fmt: skip
+    possible = bool(cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and not master.uses_pool
+                    and master.in_place_on(torch.device("cpu")) and not opt.gather_params)  # fmt: skip
+    return possible and (cfg.optimizer.overlap is True or gains(engine.device, cfg))
+
+
+def gains(device: torch.device, cfg) -> bool:
+    """Whether early updates in host memory can take time off a step: the host's cores are
+    free while backward computes on a GPU, or while it waits for parameters read from nvme.
+    With the compute on the host and every parameter in memory, an early update only takes
+    the cores backward needs, and copies the states first: the step takes longer (measured
+    with benchmarks/small_layers.py)."""
+    return device.type != "cpu" or cfg.tiers.params == "nvme"
 
 
 def staged_bytes(opt, sg) -> int:

@@ -424,11 +424,14 @@ class OptimizerConfig:
     """Micro-batches (backward passes) per optimizer step. The last one's backward runs the
     update of each sub-group whose gradients are final (see ``overlap``); a step after more or
     fewer backward passes is still exact, only not overlapped."""
-    overlap: bool = True
+    overlap: bool | str = "auto"
     """Update sub-groups during the last micro-batch's backward, as their gradients become
-    final, into new extents on nvme that the step commits, or discards when the step turns out
-    to clip, skip (a non-finite gradient) or change hyperparameters: then it updates
-    sequentially. Results are the same either way; it applies when the optimizer tier is nvme."""
+    final, into staged copies that the step commits, or discards when the step turns out to
+    clip, skip (a non-finite gradient) or change hyperparameters: then it updates
+    sequentially. Results are the same either way. ``true``: wherever it applies (the optimizer
+    states on nvme, or in host memory); ``"auto"``: where it can gain, which excludes states
+    in host memory updated on the cores backward computes on (see docs/config.md); ``false``:
+    never."""
     overlap_disk: float = 0.3
     """The disk the overlap's staged copies may take on each drive beside the state, as a
     fraction of the state there: each arena stays within (1 + overlap_disk) x its state. The
@@ -462,8 +465,8 @@ class OptimizerConfig:
         _float(self, "max_grad_norm", lo=0.0, open_lo=True, none_ok=True)
         _size(self, "sub_group_size", lo=ADAM_STATE_BYTES)
         _int(self, "gradient_accumulation_steps", lo=1)
-        if not isinstance(self.overlap, bool):
-            raise _type_error(self, "overlap", "true or false", self.overlap)
+        if not isinstance(self.overlap, bool) and self.overlap != "auto":
+            raise _type_error(self, "overlap", 'true, false or "auto"', self.overlap)
         _float(self, "overlap_disk", lo=0.0)
 
     @property

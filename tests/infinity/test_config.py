@@ -137,7 +137,8 @@ BAD = [
     ({"optimizer": {"sub_group_size": 12.0}}, "optimizer.sub_group_size: expected a size"),
     ({"optimizer": {"gradient_accumulation_steps": 0}}, "optimizer.gradient_accumulation_steps: 0 must be at least 1"),
     ({"optimizer": {"gradient_accumulation_steps": 2.0}}, "optimizer.gradient_accumulation_steps: expected an int"),
-    ({"optimizer": {"overlap": 1}}, "optimizer.overlap: expected true or false"),
+    ({"optimizer": {"overlap": 1}}, 'optimizer.overlap: expected true, false or "auto"'),
+    ({"optimizer": {"overlap": "yes"}}, 'optimizer.overlap: expected true, false or "auto", got str'),
     ({"optimizer": {"overlap_disk": -0.1}}, "optimizer.overlap_disk: -0.1 must be in [0.0, inf)"),
     ({"optimizer": {"overlap_disk": "30%"}}, "optimizer.overlap_disk: expected a number"),
     ({"nvme": {"keep": "no"}}, "nvme.keep: expected true or false"),
@@ -191,6 +192,7 @@ def _all(value, right) -> bool:
 _RIGHT_TYPE = {
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
+    "bool | str": lambda v: isinstance(v, (bool, str)),
     "int": lambda v: _number(v, int),
     "float": lambda v: _number(v, (int, float)),
     "float | None": lambda v: v is None or _number(v, (int, float)),
@@ -201,7 +203,7 @@ _RIGHT_TYPE = {
 }
 
 
-_EVERY_VALUE_IN_RANGE = {"optimizer.overlap", "nvme.keep", "prefetch.keep"}
+_EVERY_VALUE_IN_RANGE = {"nvme.keep", "prefetch.keep"}
 
 
 def test_the_table_has_a_wrong_type_and_an_out_of_range_value_for_every_key():

@@ -306,9 +306,24 @@ def test_overlap_on_nvme_does_not_apply_where_the_states_or_parameters_are_resid
 def test_config_keys(tmp_path):
     with pytest.raises(ValueError, match="optimizer.gradient_accumulation_steps: 0 must be at least 1"):
         infinity.TierConfig.from_dict({"optimizer": {"gradient_accumulation_steps": 0}})
-    with pytest.raises(ValueError, match="optimizer.overlap: expected true or false"):
+    with pytest.raises(ValueError, match='optimizer.overlap: expected true, false or "auto"'):
         infinity.TierConfig.from_dict({"optimizer": {"overlap": "yes"}})
-    assert infinity.TierConfig().optimizer.overlap is True
+    assert infinity.TierConfig().optimizer.overlap == "auto"
+
+
+@pytest.mark.parametrize("tiers, overlap, kind", [
+    (("device", "device", "cpu"), "auto", None),  # the host computes: early updates take its cores
+    (("device", "device", "cpu"), True, "HostOverlap"),
+    (("nvme", "cpu", "cpu"), "auto", "HostOverlap"),  # backward waits for reads: room for them
+    (NVME, "auto", "Overlap"),
+])  # fmt: skip
+def test_auto_overlaps_where_it_can_gain(tmp_path, tiers, overlap, kind):
+    """On the host (no GPU here): "auto" leaves out the host overlap where every parameter is in
+    memory; true forces it; on nvme it applies."""
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path, overlap, tiers=tiers))
+    got = engine.optimizer.overlap
+    assert (type(got).__name__ if got is not None else None) == kind
+    engine.close()
 
 
 
