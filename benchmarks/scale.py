@@ -13,6 +13,7 @@ initialize checked, the arena's cap and the size it reached, over the state).
     python benchmarks/scale.py [--dir bench-data/] [--steps 3] [--host-budget 4GiB] [--json]
                                [--hidden 2048 --layers 16 --intermediate 5632]  (2.7B: 2560 32 6912)
                                [--no-overlap] [--no-keep] [--state-dtype fp32|bf16|int8]
+                               [--precision fp32|bf16] [--tiers nvme,nvme,nvme]
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-keep", action="store_true", help="prefetch.keep = false (backward reads every unit again)")
     p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
                    help="optimizer.state_dtype: how Adam's moments are stored (the master weights stay fp32)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="precision.param_dtype")
+    p.add_argument("--tiers", default="nvme,nvme,nvme", help="params,grads,optimizer tiers")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     import transformers
@@ -96,7 +99,8 @@ def main(argv=None) -> int:
 
     try:
         cfg = llama_config(args)
-        tiers = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [work]},
+        tiers = {"tiers": dict(zip(("params", "grads", "optimizer"), args.tiers.split(","))), "nvme": {"paths": [work]},
+                 "precision": {"param_dtype": args.precision},
                  "memory": {"host_budget": args.host_budget,
                             "tile_size": None if args.tile_size == "none" else args.tile_size},
                  "optimizer": {"lr": 1e-4, "sub_group_size": args.sub_group_size, "overlap": not args.no_overlap,

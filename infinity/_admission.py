@@ -153,8 +153,9 @@ def _held(plan: Plan, engine) -> int:
     in `_grads`): what the usable budget leaves beside the larger of the backward's and the
     step's own buffers (the step starts with them held); where the optimizer runs under
     backward, what its share leaves beside the most it holds at once (`MAX_IN_HAND` sub-groups).
-    Nothing where the grads are not on nvme or compute is not on the host."""
-    if not engine.grads.store.uses_pool or engine.device.type != "cpu" or plan.staging:
+    Nothing where the grads are not on nvme. On a GPU they are held as they land from the
+    device ([Note: gradients copied back])."""
+    if not engine.grads.store.uses_pool or plan.staging:
         return 0  # (staged copies in host memory take the room held gradients would)
     opt = engine.optimizer
     if plan.overlap:

@@ -23,20 +23,22 @@ their gradients have arrived, for the same reason.
 
 [Note: kept for backward]
 Backward uses the units in the reverse of forward's order, so the units forward used last are
-the ones backward needs first. With the compute on the host (the pool buffer a unit was read
-into is its parameters), a unit that backward will need is kept bound after its forward
-rather than released, as long as the pool keeps room for what the rest of the pass needs (the
-engine's plan gives `keep_limit`: the budget less its slack and backward's own buffers, a unit
-in use, ``depth`` prefetched, gradients being written); when it does not, the units kept
-longest go first, those backward needs last. Where the optimizer's early updates under
+the ones backward needs first. A unit that backward will need is kept bound after its forward
+rather than released, as long as the parameters kept stay within ``memory.device_budget``
+(`device_budget`: on a GPU they hold its memory) and, with the compute on the host (the pool
+buffer a unit was read into is its parameters), the pool keeps room for what the rest of the
+pass needs (the engine's plan gives `keep_limit`: the budget less its slack and backward's own
+buffers, a unit in use, ``depth`` prefetched, gradients being written); when either does not,
+the units kept longest go first, those backward needs last. Where the optimizer's early updates under
 backward ([Note: exact overlap] in `_overlap`) are planned, units are kept only in what the
 most those hold at once leaves (the room of held gradients, [Note: gradients held] in
 `_grads`: a kept unit turns into a gradient as backward uses it); kept units that took the
 early updates' room too (a 2.7B model at 2GiB) made forward wait on the pool and the RSS pass
 its bound. Backward finds the rest bound
 and reads only what was let go: with a budget that holds every unit, each parameter is read
-once a step. A kept unit whose module's backward has not begun is given back whenever a fetch
-or a gradient buffer finds the pool full; one whose backward has begun is in use and never is.
+once a step. A kept unit in a pool buffer whose module's backward has not begun is given back whenever a
+fetch or a gradient buffer finds the pool full; one whose backward has begun is in use and
+never is.
 The values are the ones a second read would give (parameters change only at the step).
 
 [Note: gradient hand-over]
@@ -181,6 +183,7 @@ class Scheduler:
         tiled: dict[nn.Module, list[ParamUnit]] | None = None,
         keep: bool = True,
         keep_limit: int = 0,
+        device_budget: int | None = None,
         admission: Admission,
     ):
         self.units = units
@@ -231,13 +234,17 @@ class Scheduler:
         # expecting gradients, and when a unit's gradient is stored.
         self.on_backward_due = None
         self.on_unit_final = None
-        # Units kept bound after forward for backward, in the order forward left them, while
-        # the pool holds at most ``keep_limit`` bytes: see [Note: kept for backward]. Only with
-        # the compute on the host, where the pool buffer is the parameters (on a GPU it would
-        # hold device memory).
-        self.keep = keep and keep_limit > 0 and self.device.type == "cpu" and not self.always_ready
-        self.keep_limit = keep_limit
+        # Units kept bound after forward for backward, in the order forward left them: at most
+        # ``device_budget`` bytes of them (None: no bound but the pool's), and with the compute
+        # on the host (the pool buffer is the parameters) while the pool holds at most
+        # ``keep_limit`` bytes. See [Note: kept for backward].
+        on_host = self.device.type == "cpu"
+        self.keep_limit = keep_limit if on_host else None
+        self.device_budget = device_budget
+        self.keep = (keep and not self.always_ready and device_budget != 0
+                     and (keep_limit > 0 if on_host else device_budget is not None))  # fmt: skip
         self._kept: dict[int, ParamUnit] = {}
+        self._kept_bytes = 0  # of the parameters the kept units hold
 
     # -- hooks ------------------------------------------------------------------------------
     def install(self, root: nn.Module, *, before_forward, after_backward, owner=None) -> None:
@@ -437,29 +444,46 @@ class Scheduler:
     def keep_for_backward(self, unit: ParamUnit) -> bool:
         """Keep ``unit`` bound after its forward for backward, giving back the units kept
         longest while the pool holds more than `keep_limit` ([Note: kept for backward])."""
-        if not self.keep or unit.active > 0 or unit.lease is None or unit.state is not UnitState.READY:
+        if not self.keep or unit.active > 0 or unit.state is not UnitState.READY:
             return False
-        self._kept.pop(unit.index, None)
+        if self.keep_limit is not None and unit.lease is None:
+            return False  # on the host, a unit not in a pool buffer (none to keep it in)
+        self._unkeep(unit.index)
         self._kept[unit.index] = unit  # the newest: needed first in backward
-        while self._kept and self.pool.in_use_bytes > self.keep_limit:
+        self._kept_bytes += unit.padded_numel * self._itemsize
+        while self._kept and self._over_keep():
             self._let_go(next(iter(self._kept.values())))
         return unit.index in self._kept
 
+    def _over_keep(self) -> bool:
+        if self.device_budget is not None and self._kept_bytes > self.device_budget:
+            return True
+        return self.keep_limit is not None and self.pool.in_use_bytes > self.keep_limit
+
+    def _unkeep(self, index: int) -> ParamUnit | None:
+        """No longer count unit ``index`` as kept; it, or None if it was not."""
+        unit = self._kept.pop(index, None)
+        if unit is not None:
+            self._kept_bytes -= unit.padded_numel * self._itemsize
+        return unit
+
     def take_kept(self, unit: ParamUnit) -> None:
         """``unit`` is in use from now (its backward began): never given back while kept."""
-        if self._kept.pop(unit.index, None) is not None:
+        if self._unkeep(unit.index) is not None:
             for c in self.stats.both():
                 c.kept_for_backward += 1
 
     def _let_go(self, unit: ParamUnit) -> None:
         """Release a kept unit: backward reads it again."""
-        del self._kept[unit.index]
+        self._unkeep(unit.index)
         self.release(unit, after_forward=True)
 
     def give_back_kept(self) -> None:
-        """The pool is full: release every unit kept for a backward that has not reached it."""
+        """The pool is full: release every unit kept for a backward that has not reached it
+        in a pool buffer (on a GPU, kept units hold device memory: none is in the pool)."""
         for unit in list(self._kept.values()):
-            self._let_go(unit)
+            if unit.lease is not None:
+                self._let_go(unit)
 
     def pre_backward(self, module: nn.Module) -> None:
         # Several outputs of one call each run this; the first materialises, the rest find it ready.
@@ -783,7 +807,7 @@ class Scheduler:
             return  # a prefetch for a coming module: keep it
         if unit.state is UnitState.READY:
             with held_interrupts:  # see [Note: interrupt windows]
-                self._kept.pop(unit.index, None)
+                self._unkeep(unit.index)
                 self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
                 unit.unbind()
                 if unit.lease is not None:

@@ -303,9 +303,17 @@ class MemoryConfig:
     so no buffer the engine holds is larger. Only where some tier is not the device. None: no
     tiles."""
 
+    device_budget: Size | None = None
+    """Parameters the compute device may keep between a unit's forward and its backward, so
+    that backward does not fetch them again ([Note: kept for backward] in
+    infinity/_schedule.py). None: on a GPU half of what it has free at initialize (the rest
+    for activations and the units in use); with the compute on the host, no bound beyond
+    ``host_budget``, whose pool buffers the kept units are. 0: none kept."""
+
     def __post_init__(self) -> None:
         _size(self, "host_budget")
         _size(self, "tile_size", lo=4096, none_ok=True)
+        _size(self, "device_budget", lo=0, none_ok=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -319,9 +327,9 @@ class PrefetchConfig:
     bytes: Size | None = None
     """A byte budget ahead, when set; prefetch stops at whichever of the two limits comes first."""
     keep: bool = True
-    """Computing on the host: keep the units forward used last in memory for backward, as far
-    as memory.host_budget allows, instead of reading them again ([Note: kept for backward] in
-    infinity/_schedule.py). False: backward reads every unit again."""
+    """Keep the units forward used last for backward, as far as memory.device_budget and (the
+    compute on the host) memory.host_budget allow, instead of fetching them again ([Note: kept
+    for backward] in infinity/_schedule.py). False: backward fetches every unit again."""
 
     def __post_init__(self) -> None:
         _int(self, "depth", 0)

@@ -177,7 +177,8 @@ class Engine:
         self.admission = _admission.Admission(self.pool, plan)
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes, keep=cfg.prefetch.keep,
-                                   keep_limit=plan.kept, gather=self.params_sharded and self.dist.active, tiled=tiled,
+                                   keep_limit=plan.kept, device_budget=_device_budget(cfg, dev),
+                                   gather=self.params_sharded and self.dist.active, tiled=tiled,
                                    admission=self.admission)  # fmt: skip
         if self.scheduler.always_ready:
             for unit in units:
@@ -667,6 +668,16 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _device_budget(cfg: TierConfig, device: torch.device) -> int | None:
+    """``memory.device_budget``, or its default: on a GPU half of what it has free now (the
+    rest for activations and the units in use), on the host none (``host_budget`` bounds the
+    pool buffers kept units are)."""
+    if cfg.memory.device_budget is not None or device.type == "cpu":
+        return cfg.memory.device_budget
+    free, _ = torch.cuda.mem_get_info(device)
+    return free // 2
 
 
 def _close_dropped(space, pool, aio) -> None:

@@ -246,3 +246,26 @@ def test_host_step_copies_are_counted_and_pipelined_bit_identically(tmp_path, mo
             assert step["device"]["by_kind"]["param"]["write_bytes"] == itemsize * n
             assert step["cpu"]["by_kind"]["master"] == {"read_bytes": 4 * n, "write_bytes": 4 * n}
             assert 0 < step["optimizer_seconds"] <= step["update_seconds"]
+
+
+@pytest.mark.parametrize("device_budget", [None, 0])
+def test_bf16_on_nvme_moves_28_bytes_a_parameter_with_units_kept_on_the_gpu(tmp_path, device_budget):
+    """memory.device_budget keeps the parameters fetched for forward on the GPU until backward
+    has used them, and the host budget holds the gradients off nvme: params read once (2 bytes),
+    new params written (2), master weights and moments read and written (24). With a device
+    budget of 0 backward reads every unit again (2 bytes more), and the losses are the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
+    cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [str(tmp_path)]},
+           "precision": {"param_dtype": "bf16"}, "memory": {"host_budget": "64MiB", "device_budget": device_budget},
+           "optimizer": {"lr": 1e-3, "overlap": False}}  # fmt: skip
+    engine = infinity.initialize(model, cfg)
+    n = sum(u.numel for u in engine.units)
+    for _ in range(3):
+        x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    nvme = engine.stats()["step"]["nvme"]
+    per_param = (nvme["read_bytes"] + nvme["write_bytes"]) / n
+    engine.close()
+    assert per_param <= (28.0 if device_budget is None else 30.0) + 0.01, nvme["by_kind"]

@@ -24,8 +24,9 @@ def _layers() -> nn.Module:
                          nn.Linear(256, 4))  # fmt: skip
 
 
-def _run(path, keep: bool, budget: str, steps: int = 3, tile_size: str | None = None):
-    cfg = config(path, NVME, prefetch={"keep": keep}, memory={"host_budget": budget, "tile_size": tile_size},
+def _run(path, keep: bool, budget: str, steps: int = 3, tile_size: str | None = None, device_budget=None):
+    memory = {"host_budget": budget, "tile_size": tile_size, "device_budget": device_budget}
+    cfg = config(path, NVME, prefetch={"keep": keep}, memory=memory,
                  optimizer={"overlap": False, "sub_group_size": "256KiB"})  # fmt: skip
     engine = infinity.initialize(_layers(), cfg)
     try:
@@ -51,6 +52,26 @@ def test_units_kept_from_forward_are_not_read_again_and_change_nothing(tmp_path,
         assert read_on == fp32 and on[4]["kept_for_backward"] == 10
     else:  # the units forward used last are kept, the rest read again
         assert fp32 < read_on < 2 * fp32 and 0 < on[4]["kept_for_backward"] < 10, (read_on, fp32, on[4])
+
+
+@pytest.mark.parametrize("device_budget, kept", [(0, 0), ("300KiB", 2), ("64MiB", 10)])
+def test_the_device_budget_bounds_the_units_kept(tmp_path, device_budget, kept):
+    """memory.device_budget bounds the parameters kept on the compute device (here the host,
+    whose pool buffers they are; on a GPU its memory): the units forward used last are kept,
+    the rest read again, and nothing changes but the bytes read."""
+    ref = _run(tmp_path / "ref", False, "64MiB")
+    on = _run(tmp_path / "on", True, "64MiB", device_budget=device_budget)
+    assert on[0] == ref[0]
+    for k in ref[1]:
+        assert torch.equal(on[1][k], ref[1][k]), k
+    fp32 = on[3]
+    assert on[4]["kept_for_backward"] == kept, on[4]
+    if kept == 10:
+        assert on[2] == fp32  # each parameter read once a step
+    elif kept == 0:
+        assert on[2] == 2 * fp32
+    else:  # the last Linear (4KiB) and the 257KiB one before it: 300KiB holds no third
+        assert on[2] == 2 * fp32 - 4 * (256 * 256 + 256) - 4 * (256 * 4 + 4), (on[2], fp32)
 
 
 def test_tiles_kept_from_forward_are_not_read_again(tmp_path):
