@@ -6,8 +6,10 @@
 #      liburing is there, or its .deb files were carried in .debs/);
 #   2. run the tests marked gpu or multirank;
 #   3. run the demo with params on nvme and the optimizer on nvme, the device tier on the GPU;
-#   4. run benchmarks/gpu_step.py: the 953M Llama in bf16 with params streamed from nvme to the
-#      GPU, against the same model resident on the GPU (GPU_CHECK_BENCH: its arguments);
+#   4. run the sweep of benchmarks/gpu_step.py that the GPU targets are measured on: the 953M
+#      Llama in bf16 against the same model resident on the GPU, device,device,cpu and
+#      nvme,cpu,cpu at 16x4096 with checkpointing, device,device,cpu and nvme,nvme,nvme at
+#      16x2048 (GPU_CHECK_BENCH: other arguments, one run), its figures as JSON lines;
 #   5. write what it saw under $OUT (or ./gpu-check) when that is set.
 #
 # GPU_CHECK_TESTS="" skips step 2; other text replaces the pytest -m expression.
@@ -64,20 +66,28 @@ fi
 if [[ -n ${GPU_CHECK_DEMO-1} ]]; then
     swap=$(mktemp -d /tmp/infinity-gpu-swap.XXXXXX)
     (cd /tmp && PYTHONUNBUFFERED=1 "$PY" -m infinity.tools.demo --swap-dir "$swap" --params nvme --grads device \
-        --optimizer nvme --steps 50) 2>&1 | tee "$OUTDIR/demo.log"
+        --optimizer nvme --steps 20) 2>&1 | tee "$OUTDIR/demo.log"
     ((PIPESTATUS[0] == 0)) || status=1
     rm -rf "$swap"
 fi
 
 # --- the billion-parameter step in bf16 against a resident PyTorch run --------------------------
 # GPU_CHECK_BENCH="" skips it; other text replaces its arguments (benchmarks/gpu_step.py --help).
-bench_args=${GPU_CHECK_BENCH-"--pairs 3"}
-if [[ -n $bench_args ]]; then
-    bench=$(mktemp -d /tmp/infinity-gpu-bench.XXXXXX)
-    # shellcheck disable=SC2086
-    (cd benchmarks && PYTHONUNBUFFERED=1 "$PY" gpu_step.py --dir "$bench" $bench_args) 2>&1 | tee "$OUTDIR/gpu_step.log"
+bench() {  # NAME ARGS...: one run of gpu_step.py, its JSON lines in $OUTDIR/gpu_step_NAME.jsonl
+    local name=$1 dir
+    shift
+    dir=$(mktemp -d /tmp/infinity-gpu-bench.XXXXXX)
+    (cd benchmarks && PYTHONUNBUFFERED=1 "$PY" gpu_step.py --dir "$dir" --json "$@") \
+        2> >(tee "$OUTDIR/gpu_step_$name.log" >&2) | tee "$OUTDIR/gpu_step_$name.jsonl"
     ((PIPESTATUS[0] == 0)) || status=1
-    rm -rf "$bench"
+    rm -rf "$dir"
+}
+if [[ -z ${GPU_CHECK_BENCH+set} ]]; then  # the sweep the GPU targets are measured on (README, On a GPU)
+    bench long --pairs 2 --batches 16x4096 --checkpointing --placements "device,device,cpu;nvme,cpu,cpu"
+    bench short --pairs 2 --batches 16x2048 --placements "device,device,cpu;nvme,nvme,nvme"
+elif [[ -n $GPU_CHECK_BENCH ]]; then
+    # shellcheck disable=SC2086
+    bench custom $GPU_CHECK_BENCH
 fi
 
 say "done (status $status); logs in $OUTDIR"
