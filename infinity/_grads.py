@@ -283,6 +283,8 @@ class GradAccumulator:
         if hold is not None and self.keep is not None and self.keep(unit, nbytes):
             self._kept[unit.index] = (acc, hold)
             hold = None
+        if hold is None and not self.store.uses_pool:
+            return  # stored in the tier's own tensor already: nothing in flight
         self._writes.add(pending, hold, key=unit.index)
 
     def _note(self, unit: ParamUnit, acc: torch.Tensor) -> None:

@@ -424,7 +424,8 @@ class Scheduler:
             self._calls[module] = self._calls.get(module, 0) + 1
             for unit, uses in self._uses_per_call[module]:
                 unit.uses += uses
-            if any(unit.requires_grad for unit in units):
+            if not self.always_ready and any(unit.requires_grad for unit in units):
+                # (Units always bound need no fetch in backward: no hook.)
                 # The gradient of an output arrives just before the module's own backward runs.
                 # A hook on the tensor (not an identity Function, whose output would be a view
                 # that the model may not change in place) says so.
