@@ -16,7 +16,16 @@ search is the torch cost) and 6-7x to decode (0.3 against 2.0; benchmarks/codec.
 The fused kernels (`torch._fused_adamw_`, ...) take fp32 states only, so an update decodes the
 moments of the units that step to fp32, runs the same kernel as with fp32 states, and encodes
 them back; the fp32 master weights are never compact. The temporaries (4 bytes per element per
-moment of the sub-group in hand) are plain host memory beside the pool, not pool buffers.
+moment of the largest sub-group) are plain host memory beside the pool, not pool buffers, kept
+by the codec from one sub-group and one step to the next: made afresh for each sub-group, their
+first touch (page faults, the kernel zeroing each page) took two thirds of the decode, 0.033 s
+of 0.049 for 22M elements on these 2 cores (the decode itself 0.016).
+
+One call of the codec per unit part: spreading a sub-group's parts in pieces of 256K elements
+over worker threads (one per core; the C++ codec releases the GIL) measured slower here than
+the C++ codec's own threads on parts of 1M elements or more (0.233 s against 0.211 for a
+layer's and an embedding's sub-groups of the 106M Llama, 7 interleaved runs): the two cores
+of this machine gave the codec 1.3x at best, less than the pieces cost.
 
 [Note: compact state format]
 A compact moment ``m`` of a sub-group is stored as the kind ``m`` itself (its codes) and, for
@@ -212,6 +221,7 @@ class Codec:
                              f"{', '.join(d for d in STATE_DTYPES if d != 'fp32')}")  # fmt: skip
         self.state_dtype = state_dtype
         self.moments = moments
+        self._temporaries: dict[int, torch.Tensor | None] = {}  # moment -> its fp32 temporary (see `unpacked`)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -276,22 +286,31 @@ class Codec:
         self.decode(k, stored, s, (bslices or block_slices(slices))[unit], out)
         return out
 
+    def _temporary(self, k: int, numel: int, device) -> torch.Tensor:
+        """Moment ``k``'s fp32 temporary of ``numel`` elements, kept for the next sub-group
+        (see the module's docstring: made afresh, its page faults cost more than the decode)."""
+        kept = self._temporaries
+        t = kept.get(k)
+        if t is None or t.numel() < numel or t.device != torch.device(device):
+            kept[k] = None  # the old one goes before the new one is made
+            t = kept[k] = torch.empty(numel, dtype=torch.float32, device=device)
+        return t[:numel]
+
     @contextlib.contextmanager
     def unpacked(self, tensors, slices: dict[int, slice], stepped, steps: dict, base: dict):
         """fp32 temporaries of a sub-group's moments (its stored ``tensors``, its units'
         parts ``slices``), the parts of the units in ``stepped`` filled; at the end, those
         parts encoded back into ``tensors`` (the others are left as they are, byte for byte).
         ``steps``: unit -> its step count this update (seeds bf16's rounding with ``base``:
-        unit -> where its part starts in its whole flat parameter)."""
+        unit -> where its part starts in its whole flat parameter). The temporaries are the
+        codec's, valid until the next call."""
         units = [i for i in slices if i in stepped]
         bslices = block_slices(slices) if self.state_dtype == "int8" else {}
         per = self._per_moment(tensors)
-        values = []
-        for k, stored in enumerate(per):
-            full = torch.empty(stored[0].numel(), dtype=torch.float32, device=stored[0].device)
+        values = [self._temporary(k, stored[0].numel(), stored[0].device) for k, stored in enumerate(per)]
+        for k, (stored, full) in enumerate(zip(per, values)):
             for i in units:
                 self.decode(k, stored, slices[i], bslices.get(i), full[slices[i]])
-            values.append(full)
         yield values
         # Only after the kernels ran to the end: an error leaves the stored states as they were.
         for k, (stored, full) in enumerate(zip(per, values)):
