@@ -59,7 +59,7 @@ from ._units import ParamUnit
 
 
 class GradAccumulator:
-    def __init__(self, store: Store, transport=None, grads_full: bool = False, max_writes: int = 2):
+    def __init__(self, store: Store, transport=None, grads_full: bool = False, max_writes: int = 2, copier=None):
         self.store = store
         self.transport = transport  # _transport.Transport; collectives only when it has several ranks
         self.dist = transport.dist if transport is not None else None
@@ -83,7 +83,7 @@ class GradAccumulator:
         self._borrowed: set[int] = set()  # held ones an early update is reading: see borrow_held
         self._writes = WriteBehind(max_writes)  # keyed by unit index
         # Copies from the device in flight: see [Note: gradients copied back]. Oldest first.
-        self.copier = None  # `_transport.CopyBack`, set by the engine on a GPU
+        self.copier = copier  # `_transport.CopyBack` on a GPU
         self._landing: collections.OrderedDict[int, _Landing] = collections.OrderedDict()
         self._norm: float | None = None  # global_norm of the gradients as they are now
 

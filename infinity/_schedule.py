@@ -185,6 +185,8 @@ class Scheduler:
         keep_limit: int = 0,
         device_budget: int | None = None,
         admission: Admission,
+        on_backward_due=None,
+        on_unit_final=None,
     ):
         self.units = units
         self.module_units = module_units
@@ -232,8 +234,8 @@ class Scheduler:
         self._after_backward = None  # the engine's end of a backward pass
         # The engine's overlap (see _overlap): told when a backward is due, with the units
         # expecting gradients, and when a unit's gradient is stored.
-        self.on_backward_due = None
-        self.on_unit_final = None
+        self.on_backward_due = on_backward_due
+        self.on_unit_final = on_unit_final
         # Units kept bound after forward for backward, in the order forward left them: at most
         # ``device_budget`` bytes of them (None: no bound but the pool's), and with the compute
         # on the host (the pool buffer is the parameters) while the pool holds at most

@@ -133,8 +133,8 @@ class Engine:
             states["master"] = _onecopy.MasterView(self.param_store, groups, stats)
         self.units = units
         self.transport = Transport(dev, self.dtype, self.pool, self.dist, stats)
-        self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full)
-        self.grads.copier = self.transport.copy_back  # on a GPU: [Note: gradients copied back]
+        self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full,
+                                     copier=self.transport.copy_back)  # on a GPU: [Note: gradients copied back]
         self.optimizer = Optimizer(
             algorithm, param_groups, defaults, units=units, groups=groups, states=states,
             param_store=self.param_store, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
@@ -175,11 +175,20 @@ class Engine:
         self.grads.hold_limit = plan.held
         self.optimizer.updater.hold_room = plan.step_holds  # what the step leaves held
         self.admission = _admission.Admission(self.pool, plan)
+        if plan.overlap:
+            self.optimizer.overlap = Overlap(self.optimizer, plan.overlap, self._loss_scale,
+                                             disk_room=self.footprint.staging_room, space=self.space,
+                                             on_disk_full=self._refuse)  # fmt: skip
+        elif plan.staging:  # the states in host memory: see [Note: staged in host memory]
+            self.optimizer.overlap = HostOverlap(self.optimizer, plan.staging, self._loss_scale)
+        overlap = self.optimizer.overlap
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes, keep=cfg.prefetch.keep,
                                    keep_limit=plan.kept, device_budget=_device_budget(cfg, dev),
                                    gather=self.params_sharded and self.dist.active, tiled=tiled,
-                                   admission=self.admission)  # fmt: skip
+                                   admission=self.admission,
+                                   on_backward_due=self._backward_due if overlap is not None else None,
+                                   on_unit_final=overlap.unit_final if overlap is not None else None)  # fmt: skip
         if self.scheduler.always_ready:
             for unit in units:
                 self.scheduler.materialize(unit)
@@ -196,15 +205,6 @@ class Engine:
         self._state_hooks = StateDictHooks(self, module)
         self._backwards = 0  # backward passes since the last step
         self._told_accumulation = False
-        if plan.overlap:
-            self.optimizer.overlap = Overlap(self.optimizer, plan.overlap, self._loss_scale,
-                                             disk_room=self.footprint.staging_room, space=self.space,
-                                             on_disk_full=self._refuse)  # fmt: skip
-        elif plan.staging:  # the states in host memory: see [Note: staged in host memory]
-            self.optimizer.overlap = HostOverlap(self.optimizer, plan.staging, self._loss_scale)
-        if self.optimizer.overlap is not None:
-            self.scheduler.on_backward_due = self._backward_due
-            self.scheduler.on_unit_final = self.optimizer.overlap.unit_final
         # What waits in the pool for later gives way to a transfer needed now, in this order
         # ([Note: traffic classes] in `_admission`).
         self.admission.give_way(_admission.PREFETCH, self.scheduler.cancel_prefetches)
