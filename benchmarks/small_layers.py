@@ -1,0 +1,147 @@
+"""The engine's own cost per unit: many small layers, little compute, every tier in memory.
+Not run by CI.
+
+A model of many small layers at a small batch is where what the engine does per unit (its
+hooks in forward and backward, each gradient's hand-over, the step's per-unit bookkeeping)
+shows against the compute. No tier is on nvme, so no I/O hides it or is hidden by it: what
+is left over plain PyTorch is the engine's critical path. On a GPU the same per-unit host work
+is what a launch-bound step waits on.
+
+One process trains the same Llama-shaped model (``--layers`` 24 of hidden 256, intermediate
+512, vocab 4096, 16 heads: 17.8M parameters; ``benchmarks/scale.py``'s builder) on the same batches of
+``--batch`` x ``--tokens`` (1 x 32):
+
+- plain: the model in fp32, ``torch.optim.AdamW(fused=True)`` (the engine's kernel, and the
+  fastest torch step on the host), ``zero_grad()`` after each step;
+- infinity: ``infinity.initialize`` of a copy, with each placement of ``--placements`` in turn
+  (params,grads,optimizer; ``device`` is the compute device, here the host), the optimizer
+  under backward as configured by default, same learning rate and weight decay.
+
+Steps are interleaved (plain, infinity, plain, infinity ...), ``--repeat`` steps of one side
+each time, ``--pairs`` pairs after a warm-up pair; reported per placement as medians: the step
+time of both sides, their ratio (the issue's bar: 1.05), the forward / backward / step split
+of both, and the largest loss difference (a sanity check: the engine's fp32 step is checked
+against torch's in the tests).
+
+    python benchmarks/small_layers.py [--pairs 7] [--repeat 5] [--placements
+        "device,device,device;device,device,cpu"] [--precision fp32|bf16] [--no-overlap] [--json]
+        [--hidden 256 --layers 24 --intermediate 512 --vocab 4096] [--batch 1 --tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+
+from scale import add_model_args, llama_config  # this directory: the same model
+
+TARGET = 1.05  # infinity step / plain step: the issue's bar
+
+
+def _timed_step(model, backward, step, zero, batch) -> tuple[float, float, float, float]:
+    """(forward, backward, step seconds, loss) of one training step."""
+    t0 = time.perf_counter()
+    loss = model(**batch).loss
+    t1 = time.perf_counter()
+    backward(loss)
+    t2 = time.perf_counter()
+    step()
+    zero()
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, loss.detach().item()
+
+
+def _placement(args, base, placement: str, batches) -> dict:
+    import infinity
+
+    params, grads, optimizer = placement.split(",")
+    plain = copy.deepcopy(base)
+    if args.precision == "bf16":
+        plain = plain.to(torch.bfloat16)  # the engine's bf16 parameters; fp32 states in both
+    opt = torch.optim.AdamW(plain.parameters(), lr=args.lr, weight_decay=0.01, fused=True)
+    cfg = infinity.TierConfig.from_dict({
+        "tiers": {"params": params, "grads": grads, "optimizer": optimizer},
+        "precision": {"param_dtype": args.precision},
+        "optimizer": {"lr": args.lr, "weight_decay": 0.01, "overlap": not args.no_overlap},
+    })  # fmt: skip
+    engine = infinity.initialize(copy.deepcopy(base), cfg)
+    sides = {
+        "plain": lambda b: _timed_step(plain, lambda loss: loss.backward(), opt.step, opt.zero_grad, b),
+        "infinity": lambda b: _timed_step(engine, engine.backward, engine.step, engine.zero_grad, b),
+    }
+    times = {side: [] for side in sides}  # per pair: (fwd, bwd, step) medians over the repeat
+    losses = {side: [] for side in sides}
+    ratios = []
+    try:
+        for pair in range(args.pairs + 1):
+            total = {}
+            for side, run in sides.items():
+                out = [run(batches[(pair * args.repeat + r) % len(batches)]) for r in range(args.repeat)]
+                losses[side].extend(o[3] for o in out)
+                if pair:  # the first pair warms up
+                    times[side].append([statistics.median(o[k] for o in out) for k in range(3)])
+                total[side] = sum(sum(o[:3]) for o in out)
+            if pair:
+                ratios.append(total["infinity"] / total["plain"])
+    finally:
+        engine.close()
+    split = {side: [statistics.median(t[k] for t in ts) for k in range(3)] for side, ts in times.items()}
+    return {
+        "placement": placement,
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "plain_ms": sum(split["plain"]) * 1e3,
+        "infinity_ms": sum(split["infinity"]) * 1e3,
+        "split_ms": {side: [round(x * 1e3, 2) for x in s] for side, s in split.items()},
+        "max_loss_diff": max(abs(a - b) for a, b in zip(losses["plain"], losses["infinity"])),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(p)
+    p.set_defaults(hidden=256, layers=24, intermediate=512, vocab=4096, tokens=32)
+    p.add_argument("--pairs", type=int, default=7)
+    p.add_argument("--repeat", type=int, default=5, help="steps of one side in a row")
+    p.add_argument("--placements", default="device,device,device;device,device,cpu")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--no-overlap", action="store_true", help="optimizer.overlap = false")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    import transformers
+
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(llama_config(args))
+    n = sum(t.numel() for t in base.parameters())
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(8):
+        ids = torch.randint(0, args.vocab, (args.batch, args.tokens), generator=g)
+        batches.append({"input_ids": ids, "labels": ids})
+    results = [_placement(args, base, pl, batches) for pl in args.placements.split(";")]
+    if args.json:
+        print(json.dumps({"parameters": n, "results": results}, indent=2))
+        return 0
+    print(f"{n / 1e6:.1f}M parameters, {args.layers} layers, {args.batch}x{args.tokens} tokens, {args.precision}, "
+          f"{args.pairs} interleaved pairs of {args.repeat} steps a side (medians)")  # fmt: skip
+    for r in results:
+        pf, pb, ps = r["split_ms"]["plain"]
+        inf_f, inf_b, inf_s = r["split_ms"]["infinity"]
+        verdict = "within" if r["ratio"] <= TARGET else "over"
+        print(f"{r['placement']:>22}: infinity / plain {r['ratio']:.3f} ({verdict} {TARGET}); "
+              f"plain {r['plain_ms']:.1f} ms ({pf:.1f} / {pb:.1f} / {ps:.1f}), "
+              f"infinity {r['infinity_ms']:.1f} ms ({inf_f:.1f} / {inf_b:.1f} / {inf_s:.1f}) fwd / bwd / step; "
+              f"pairs {' / '.join(f'{x:.3f}' for x in r['ratios'])}; max loss diff {r['max_loss_diff']:.2e}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
