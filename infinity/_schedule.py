@@ -302,8 +302,11 @@ class Scheduler:
             self.begin_forward()
             self._began = True
             # See [Note: saved parameter views].
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-            self._saved_hooks.__enter__()
+            # Units always bound are never placeholders nor moved: with no other handler (the
+            # activation tier), nothing to do for a saved tensor.
+            if not (self.always_ready and len(self.saved.handlers) == 1):
+                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+                self._saved_hooks.__enter__()
 
     def _root_post_hook(self, module, args, output):
         """Runs also when the forward raised (``always_call``): the pass always ends."""
@@ -329,7 +332,8 @@ class Scheduler:
                 _map_tensors(output, lambda t: _on_grad(t, self._root_grad_arrives))
         finally:
             hooks, self._saved_hooks = self._saved_hooks, None
-            hooks.__exit__(None, None, None)
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
             self.end_forward()
             if not torch.is_grad_enabled():
                 self.release_all()
