@@ -15,7 +15,8 @@ One process trains the same Llama-shaped model (``--layers`` 24 of hidden 256, i
   fastest torch step on the host), ``zero_grad()`` after each step;
 - infinity: ``infinity.initialize`` of a copy, with each placement of ``--placements`` in turn
   (params,grads,optimizer; ``device`` is the compute device, here the host), the optimizer
-  under backward as configured by default, same learning rate and weight decay.
+  under backward as ``--overlap`` says (the default's "auto"), same learning rate and weight
+  decay.
 
 Steps are interleaved (plain, infinity, plain, infinity ...), ``--repeat`` steps of one side
 each time, ``--pairs`` pairs after a warm-up pair; reported per placement as medians: the step
@@ -24,7 +25,8 @@ of both, and the largest loss difference (a sanity check: the engine's fp32 step
 against torch's in the tests).
 
     python benchmarks/small_layers.py [--pairs 7] [--repeat 5] [--placements
-        "device,device,device;device,device,cpu"] [--precision fp32|bf16] [--no-overlap] [--json]
+        "device,device,device;device,device,cpu"] [--precision fp32|bf16] [--overlap auto|true|false]
+        [--json]
         [--hidden 256 --layers 24 --intermediate 512 --vocab 4096] [--batch 1 --tokens 32]
 """
 
@@ -67,7 +69,8 @@ def _placement(args, base, placement: str, batches) -> dict:
     cfg = infinity.TierConfig.from_dict({
         "tiers": {"params": params, "grads": grads, "optimizer": optimizer},
         "precision": {"param_dtype": args.precision},
-        "optimizer": {"lr": args.lr, "weight_decay": 0.01, "overlap": not args.no_overlap},
+        "optimizer": {"lr": args.lr, "weight_decay": 0.01,
+                      "overlap": {"true": True, "false": False}.get(args.overlap, args.overlap)},
     })  # fmt: skip
     engine = infinity.initialize(copy.deepcopy(base), cfg)
     sides = {
@@ -110,7 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="steps of one side in a row")
     p.add_argument("--placements", default="device,device,device;device,device,cpu")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--no-overlap", action="store_true", help="optimizer.overlap = false")
+    p.add_argument("--overlap", choices=("auto", "true", "false"), default="auto", help="optimizer.overlap")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--json", action="store_true")
