@@ -66,11 +66,7 @@ class GradAccumulator:
         self.grads_full = grads_full  # ZeRO stage 1: every rank keeps the whole (averaged) gradient
         self.max_writes = max_writes
         self.has_grad: set[int] = set()  # units with a gradient this step
-        # Per unit, the fp32 norm of its gradient (a 0-d tensor), or the gradient itself where
-        # the tier keeps it in memory: its norm is taken at the step, with every other's in one
-        # call (`_norms`). Read once at the step: see `_note`.
-        self.norms: dict[int, torch.Tensor] = {}
-        self._unnormed: dict[int, torch.Tensor] = {}
+        self.norms: dict[int, torch.Tensor] = {}  # 0-d fp32 per unit, read once at the step: see `_note`
         self.version: dict[int, int] = {}  # unit -> gradients stored for it this step
         # The overlap's: keep(unit, nbytes) says whether to keep a stored gradient's buffer
         # for an early update (which then reads it from memory, not back from nvme).
@@ -288,16 +284,10 @@ class GradAccumulator:
         self._writes.add(pending, hold, key=unit.index)
 
     def _note(self, unit: ParamUnit, acc: torch.Tensor) -> None:
-        """``unit`` has ``acc`` as its gradient now: its version, squared norm and finiteness."""
+        """``unit`` has ``acc`` as its gradient now: its version and norm (which also says whether it is finite)."""
         self.has_grad.add(unit.index)
         self.version[unit.index] = self.version.get(unit.index, 0) + 1
         self._norm = None
-        own = self.store.own(unit.name)
-        if own is not None and own.device == acc.device:  # the tier's own tensor holds it until the step
-            self.norms.pop(unit.index, None)
-            self._unnormed[unit.index] = own[unit.shard] if self.grads_full else own
-            return
-        self._unnormed.pop(unit.index, None)
         mine = acc[unit.shard] if self.grads_full else acc  # norms of this rank's slice only
         # Kept as a tensor: reading it (a device sync on CUDA) waits for the step, once. The
         # norm in fp32, as torch.nn.utils.clip_grad_norm_ computes it (no fp64 copy of the
@@ -306,19 +296,6 @@ class GradAccumulator:
         # overflow too, as in clip_grad_norm_. So no second pass over the gradient checks
         # finiteness.
         self.norms[unit.index] = torch.linalg.vector_norm(mine)
-
-    def _norms(self) -> list[torch.Tensor]:
-        """Every unit's gradient norm (fp32, 0-d): those left for the step taken now, the same
-        kernel per gradient as `_note`'s (one call on the host: `torch._foreach_norm`)."""
-        if self._unnormed:
-            indices, tensors = list(self._unnormed), list(self._unnormed.values())
-            if all(t.device.type == "cpu" for t in tensors):
-                norms = torch._foreach_norm(tensors)
-            else:
-                norms = [torch.linalg.vector_norm(t) for t in tensors]
-            self.norms.update(zip(indices, norms))
-            self._unnormed.clear()
-        return list(self.norms.values())
 
     # -- held gradients: see [Note: gradients held] ------------------------------------------
     def _unhold(self, index: int):
@@ -437,7 +414,7 @@ class GradAccumulator:
         return self._norm
 
     def _global_norm(self) -> float:
-        norms = self._norms()
+        norms = list(self.norms.values())
         if norms:
             local = (torch.stack(norms).to(torch.float64) ** 2).sum().cpu()
         else:
@@ -448,7 +425,7 @@ class GradAccumulator:
         return float(total) ** 0.5
 
     def all_finite(self) -> bool:
-        norms = self._norms()
+        norms = list(self.norms.values())
         ok = bool(torch.isfinite(torch.stack(norms)).all()) if norms else True
         bad = torch.tensor([0.0 if ok else 1.0])
         if self.dist is not None and self.dist.active:  # an overflow anywhere skips everywhere
@@ -476,7 +453,6 @@ class GradAccumulator:
         self.has_grad.clear()
         self._norm = None
         self.norms.clear()
-        self._unnormed.clear()
         self.version.clear()
 
 

@@ -115,10 +115,6 @@ class Store:
         """True when `get` lends the tier's own tensor, on ``device``: nothing to fetch or copy."""
         return self._resident is not None and self.device == device
 
-    def own(self, name: str) -> torch.Tensor | None:
-        """The resident tier's own tensor of ``name`` (None on nvme, or where it has none)."""
-        return None if self._resident is None else self._resident.get(name)
-
     @property
     def uses_pool(self) -> bool:
         """True when leases and staged writes take host-pool memory (counts against the budget)."""
