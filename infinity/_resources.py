@@ -140,7 +140,9 @@ def close_io(space, pool, engine, discard: bool = False) -> None:
 # Blocks under it (a 64-token batch's activations of a 2048-wide model are 512 KiB each) come
 # from the heap, and free ones inside it stay in the process: glibc returns only the heap's
 # top. `trim_malloc` (malloc_trim(0): free pages anywhere in the heaps go back) runs after
-# initialize and after each step, and every 512 MiB of state while initialize writes it and
+# initialize, after each step where the resident set grew by 16 MiB since the last one
+# (`STEP_TRIM_SLACK`: the walk took 5 ms of a 17.8M model's 140 ms step on every step,
+# benchmarks/small_layers.py), and every 512 MiB of state while initialize writes it and
 # from_pretrained loads it (`TrimEvery`): on the 953M Llama it gave back 240 to 880 MiB each
 # time, in about 60 ms.
 # The pin must come before the first large free, which raises the threshold for good:
@@ -150,6 +152,7 @@ def close_io(space, pool, engine, discard: bool = False) -> None:
 # peak RSS growth of 48 x Linear(2048, 2048) under a 256 MiB budget was 488 to 621 MiB, and
 # is 414 MiB pinned here (benchmarks/rss_bound.py --no-warmup).
 _MALLOC_PINNED = False
+STEP_TRIM_SLACK = 16 << 20
 
 
 @functools.cache
@@ -192,11 +195,33 @@ class TrimEvery:
             trim_malloc()
 
 
-def trim_malloc() -> None:
-    """Give the free pages of glibc's heaps back to the system (see [Note: malloc threshold])."""
+_TRIMMED_AT = 0  # the resident set size after the last trim_malloc (bytes)
+
+
+def trim_malloc(unless_within: int = 0) -> None:
+    """Give the free pages of glibc's heaps back to the system (see [Note: malloc threshold]);
+    not where the resident set grew by less than ``unless_within`` bytes since the last trim
+    (a walk of the heaps costs milliseconds a step, for nothing when nothing piled up)."""
+    global _TRIMMED_AT
     libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
+    if libc is None:
+        return
+    if unless_within:
+        now = _rss()
+        _TRIMMED_AT = min(_TRIMMED_AT, now)  # what was given back since counts as trimmed
+        if now - _TRIMMED_AT < unless_within:
+            return
+    libc.malloc_trim(0)
+    _TRIMMED_AT = _rss()
+
+
+def _rss() -> int:
+    """The process's resident set size now (bytes; 0 where /proc cannot say)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class HostBudgetError(ValueError):

@@ -112,7 +112,16 @@ def _swap(p: nn.Parameter, value: torch.Tensor) -> None:
 def refuse_changed(module: nn.Module, managed: set[int]) -> None:
     """``module`` holds a parameter the engine does not manage (``managed``: the ids of its
     units' parameters): one added or replaced after `initialize`, which the engine would never
-    give a gradient or an update."""
+    give a gradient or an update. Runs before each forward and step: a plain walk of the
+    modules' own dicts (cheaper than named_parameters, which names each), named only on a find."""
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if any(p is not None and id(p) not in managed for p in m._parameters.values()):
+            break
+        stack.extend(c for c in m._modules.values() if c is not None)
+    else:
+        return
     for name, p in module.named_parameters():
         if id(p) not in managed:
             raise RuntimeError(

@@ -353,7 +353,7 @@ class Engine:
         self.grads.zero()  # resident parameters are views of the tier, updated in place: nothing to rebind
         if stepped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        _resources.trim_malloc()  # see [Note: malloc threshold]
+        _resources.trim_malloc(_resources.STEP_TRIM_SLACK)  # see [Note: malloc threshold]
         last = self._stats.end_step()
         self._last_step = last
         if self.log_every and self._stats.steps % self.log_every == 0:
