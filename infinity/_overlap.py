@@ -243,7 +243,7 @@ class Overlap:
             for i, p in early.grads.items():
                 leases.append(p.result())
                 g = leases[-1].tensor  # on the GPU when the grads tier is the device: the update runs on the host
-                grads[i] = g if g.device == tensors[0].device else g.to(tensors[0].device)
+                grads[i] = opt.grads.transport.copy_to(g, tensors[0].device)  # counted: [Note: every copy counted]
             early.divide = self.loss_scale()
             early.hyper = opt.hyperparameters()
             early.first = {u.index for u in early.units} & opt.substates.never_stepped

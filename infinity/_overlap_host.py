@@ -195,7 +195,7 @@ class HostOverlap(Overlap):
                 lease = opt.grads.lend(u, timeout=0).result()
                 leases.append(lease)
                 g = lease.tensor
-                grads[u.index] = g if g.device == copies[0].device else g.to(copies[0].device)
+                grads[u.index] = opt.grads.transport.copy_to(g, copies[0].device)  # counted: [Note: every copy counted]
             early.divide = self.loss_scale()
             early.hyper = opt.hyperparameters()
             early.first = {u.index for u in early.units} & opt.substates.never_stepped
