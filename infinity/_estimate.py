@@ -221,12 +221,17 @@ def _measure(engine, cfg: TierConfig, units, disk_free: list[int], paths: list[s
     trainable = [u for u in units if any(u.requires_grad)]
     grad_numel = sum(u.padded_numel if engine.grads_full else u.shard_numel for u in trainable)
     params = {p for u in units for p in u.params}  # a tiled one is in each of its tiles
+    # From the first step on, fp32 parameters resident beside the master weights are them
+    # ([Note: one copy of the fp32 weights] in `_onecopy`; counted in the params tier), unless
+    # the overlap stages copies in host memory.
+    shares = opt.substates.may_share() and not plan.staging
+    shared = sum(g.record.nbytes("master") for g in opt.groups) if shares else 0
     return {
         "params": sum(p.numel() for p in params), "units": len(units), "sub_groups": len(opt.groups),
         "floor": floor, "floor_what": what, "budget_ok": plan.budget == budget, "overlap_from": plan.overlap_from,
         "plan": plan, "moves": moves, "footprint": fp, "refused": refused, "on_nvme": _on_nvme(engine),
         "resident": {"params": (full if opt.gather_params else shard) * engine.dtype.itemsize, "grads": grad_numel * 4,
-                     "optimizer": sum(g.record.state_bytes(opt.kinds) for g in opt.groups)},
+                     "optimizer": sum(g.record.state_bytes(opt.kinds) for g in opt.groups) - shared},
         "step": _step_bytes(engine, units), "grad_bytes": grad_numel * 4,
         "param_bytes": sum(opt.record(u).nbytes("param") for u in units),
     }  # fmt: skip

@@ -127,6 +127,11 @@ class Store:
             return 0
         return sum(t.numel() * t.element_size() for t in self._resident.values())
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The tensors the tier holds in memory (none on nvme). Two stores' may share memory:
+        the parameters and the master weights of [Note: one copy of the fp32 weights]."""
+        return [] if self._resident is None else list(self._resident.values())
+
     # -- access -----------------------------------------------------------------------------
     def _key(self, name: str) -> str:
         return f"{name}/{self.kind}"

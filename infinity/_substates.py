@@ -233,7 +233,7 @@ class SubGroupStates:
             whole = values(u)
             kept = whole[u.shard] if not self.gather_params else whole
             self.param_store.put(u.name, kept.to(self.param_dtype)).result()
-        share = self._may_share()
+        share = self.may_share()
         for sg, per_group in zip(self.groups, self.slices):
             master = torch.zeros(sg.numel, dtype=torch.float32)
             shared = None
@@ -317,7 +317,7 @@ class SubGroupStates:
         finally:
             lease.release()
 
-    def _may_share(self) -> bool:
+    def may_share(self) -> bool:
         """Whether the parameters may become the master weights in memory ([Note: one copy of
         the fp32 weights] in `_onecopy`): fp32, each rank keeping its slice, both tiers resident
         on one device, the engine's own algorithm."""

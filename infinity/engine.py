@@ -443,11 +443,25 @@ class Engine:
         return out
 
     def _resident_bytes(self) -> dict[str, int]:
-        """Bytes each resident tier ("device", "cpu") holds now."""
-        out = {"device": 0, "cpu": 0}
+        """Bytes each resident tier ("device", "cpu") holds now: memory two stores share (the
+        parameters that are the master weights) counted once, in the params tier."""
+        # storage -> (the tier of the first store that holds it, the byte ranges held): the
+        # params store first, whose tier made the memory it shares with the master weights.
+        spans: dict[tuple, tuple[str, list]] = {}
         for store in (self.param_store, self.grads.store, *self.optimizer.states.values()):
-            if store.tier in out:
-                out[store.tier] += store.held_bytes
+            if store.tier not in ("device", "cpu"):
+                continue
+            for t in store.resident_tensors():
+                storage = t.untyped_storage()
+                start = t.storage_offset() * t.element_size()
+                spans.setdefault((storage.device, storage.data_ptr()), (store.tier, []))[1].append(
+                    (start, start + t.numel() * t.element_size()))
+        out = {"device": 0, "cpu": 0}
+        for tier, ranges in spans.values():
+            end = 0
+            for lo, hi in sorted(ranges):  # their union: what overlaps counted once
+                out[tier] += max(0, hi - max(lo, end))
+                end = max(end, hi)
         return out
 
     @entry("grad_norm")

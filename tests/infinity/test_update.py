@@ -96,7 +96,7 @@ def _weights(engine) -> dict:
 
 
 def _no_sharing(monkeypatch):
-    monkeypatch.setattr(SubGroupStates, "_may_share", lambda self: False)
+    monkeypatch.setattr(SubGroupStates, "may_share", lambda self: False)
 
 
 @pytest.mark.parametrize("tiers", [HOST, ("cpu", "cpu", "cpu"), ("device", "device", "device")])
