@@ -140,9 +140,10 @@ def close_io(space, pool, engine, discard: bool = False) -> None:
 # Blocks under it (a 64-token batch's activations of a 2048-wide model are 512 KiB each) come
 # from the heap, and free ones inside it stay in the process: glibc returns only the heap's
 # top. `trim_malloc` (malloc_trim(0): free pages anywhere in the heaps go back) runs after
-# initialize, after each step where the resident set grew by 16 MiB since the last one
-# (`STEP_TRIM_SLACK`: the walk took 5 ms of a 17.8M model's 140 ms step on every step,
-# benchmarks/small_layers.py), and every 512 MiB of state while initialize writes it and
+# initialize, after a step that ends 16 MiB (`STEP_TRIM_SLACK`) above where the last trimmed
+# step ended (each step trimmed, the walk took 5 ms of a 17.8M model's 140 ms step,
+# benchmarks/small_layers.py, and the next step faulted the pages in again), and every 512 MiB
+# of state while initialize writes it and
 # from_pretrained loads it (`TrimEvery`): on the 953M Llama it gave back 240 to 880 MiB each
 # time, in about 60 ms.
 # The pin must come before the first large free, which raises the threshold for good:
@@ -195,24 +196,25 @@ class TrimEvery:
             trim_malloc()
 
 
-_TRIMMED_AT = 0  # the resident set size after the last trim_malloc (bytes)
+_TRIM_MARK = 0  # the resident set size when trim_malloc last trimmed, before it did (bytes)
 
 
 def trim_malloc(unless_within: int = 0) -> None:
     """Give the free pages of glibc's heaps back to the system (see [Note: malloc threshold]);
-    not where the resident set grew by less than ``unless_within`` bytes since the last trim
-    (a walk of the heaps costs milliseconds a step, for nothing when nothing piled up)."""
-    global _TRIMMED_AT
+    with ``unless_within``, only where the resident set is that many bytes above what it was
+    at the last trim: a step's own transient memory is faulted in again by the next step, so
+    trimming it every step cost the walk of the heaps and the faults, for nothing; what
+    piles up from step to step still goes back."""
+    global _TRIM_MARK
     libc = _glibc()
     if libc is None:
         return
     if unless_within:
         now = _rss()
-        _TRIMMED_AT = min(_TRIMMED_AT, now)  # what was given back since counts as trimmed
-        if now - _TRIMMED_AT < unless_within:
+        if now - _TRIM_MARK < unless_within:
             return
+        _TRIM_MARK = now
     libc.malloc_trim(0)
-    _TRIMMED_AT = _rss()
 
 
 def _rss() -> int:
