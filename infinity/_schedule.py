@@ -29,16 +29,15 @@ rather than released, as long as the parameters kept stay within ``memory.device
 buffer a unit was read into is its parameters), the pool keeps room for what the rest of the
 pass needs (the engine's plan gives `keep_limit`: the budget less its slack and backward's own
 buffers, a unit in use, ``depth`` prefetched, gradients being written); when either does not,
-the units kept longest go first, those backward needs last. Where the optimizer's early updates under
-backward ([Note: exact overlap] in `_overlap`) are planned, units are kept only in what the
-most those hold at once leaves (the room of held gradients, [Note: gradients held] in
-`_grads`: a kept unit turns into a gradient as backward uses it); kept units that took the
+the units kept longest go first, those backward needs last. Where the optimizer's early
+updates under backward ([Note: exact overlap] in `_overlap`) are planned, units are kept only
+in what the most those hold at once leaves (the room of held gradients, [Note: gradients held]
+in `_grads`: a kept unit turns into a gradient as backward uses it); kept units that took the
 early updates' room too (a 2.7B model at 2GiB) made forward wait on the pool and the RSS pass
-its bound. Backward finds the rest bound
-and reads only what was let go: with a budget that holds every unit, each parameter is read
-once a step. A kept unit in a pool buffer whose module's backward has not begun is given back whenever a
-fetch or a gradient buffer finds the pool full; one whose backward has begun is in use and
-never is.
+its bound. Backward finds the rest bound and reads only what was let go: with a budget that
+holds every unit, each parameter is read once a step. A kept unit in a pool buffer whose module's backward has not begun is given
+back whenever a fetch or a gradient buffer finds the pool full; one whose backward has begun
+is in use and never is.
 The values are the ones a second read would give (parameters change only at the step).
 
 [Note: gradient hand-over]
@@ -450,7 +449,8 @@ class Scheduler:
 
     def keep_for_backward(self, unit: ParamUnit) -> bool:
         """Keep ``unit`` bound after its forward for backward, giving back the units kept
-        longest while the pool holds more than `keep_limit` ([Note: kept for backward])."""
+        longest while they hold more than `device_budget` or the pool more than `keep_limit`
+        ([Note: kept for backward])."""
         if not self.keep or unit.active > 0 or unit.state is not UnitState.READY:
             return False
         if self.keep_limit is not None and unit.lease is None:
