@@ -284,7 +284,8 @@ class GradAccumulator:
         self._writes.add(pending, hold, key=unit.index)
 
     def _note(self, unit: ParamUnit, acc: torch.Tensor) -> None:
-        """``unit`` has ``acc`` as its gradient now: its version and norm (which also says whether it is finite)."""
+        """``unit`` has ``acc`` as its gradient now: its version and its norm (which also says
+        whether it is finite)."""
         self.has_grad.add(unit.index)
         self.version[unit.index] = self.version.get(unit.index, 0) + 1
         self._norm = None
