@@ -387,9 +387,7 @@ class SubGroupStates:
                 self.param_writes.add(store.put(u.name, master[s], copy=True))
                 continue
             dst = store.writable(u.name).tensor  # resident: the tier's own tensor, written in place
-            if dst.shape != master[s].shape:
-                store.put(u.name, master[s])  # made anew in its shape (never the case after init_state)
-            elif staged:
+            if staged:
                 transport.to_device_as(master[s], dst)
             elif transport is not None:
                 transport.copy(master[s], dst)

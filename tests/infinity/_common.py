@@ -65,3 +65,16 @@ def rank_env(rank: int, world: int, port: int, gpus_needed: int | None = None) -
     return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
             **cpu_unless_gpus(gpus_needed or world)}  # fmt: skip
+
+
+class GivesNoGrad(torch.autograd.Function):
+    """``apply(x, weight)``: ``2 x``, and no gradient (None) for ``weight``, as a custom kernel
+    that reads a parameter only for shapes may give."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 import infinity
 from infinity._schedule import _UnitView
 
-from ._common import config
+from ._common import GivesNoGrad, config
 
 
 class _FusedHead(nn.Module):
@@ -403,18 +403,6 @@ def test_closing_the_engine_inside_gathered_parameters_releases_them(tmp_path):
     assert all(u.gathers == 0 for u in engine.units)
 
 
-class _GivesNone(torch.autograd.Function):
-    """Takes a weight and gives it no gradient (None), as a kernel that reads nothing of it may."""
-
-    @staticmethod
-    def forward(ctx, h, w):
-        return h * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2, None
-
-
 def test_a_gathered_tiled_weight_given_no_gradient_trains_as_plain_pytorch(tmp_path):
     """Autograd runs the weight's hooks for the None too: the gather's take it for no gradient."""
 
@@ -422,7 +410,7 @@ def test_a_gathered_tiled_weight_given_no_gradient_trains_as_plain_pytorch(tmp_p
         def forward(self, ids):
             h = torch.tanh(self.body(self.embed(ids)))
             with self.gather([self.head.weight]):
-                return self.head(_GivesNone.apply(h, self.head.weight))
+                return self.head(GivesNoGrad.apply(h, self.head.weight))
 
     torch.manual_seed(0)
     want, want_params = _plain(3, model=M(gather=lambda params: contextlib.nullcontext()))

@@ -13,7 +13,7 @@ from torch import nn
 import infinity
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import config, train  # noqa: E402
+from _common import GivesNoGrad, config, train  # noqa: E402
 
 NVME = ("nvme", "nvme", "nvme")
 
@@ -86,22 +86,9 @@ def test_tiles_kept_from_forward_are_not_read_again(tmp_path):
     assert on[4]["kept_for_backward"] > 10  # the tiles, and the two small whole units
 
 
-class _NoWeightGrad(torch.autograd.Function):
-    """Scales its input, and gives the weight it is handed no gradient (None), as custom
-    kernels may for a parameter they only read for shapes."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2, None
-
-
 class _Doubler(nn.Linear):
     def forward(self, x):
-        return _NoWeightGrad.apply(x, self.weight)
+        return GivesNoGrad.apply(x, self.weight)
 
 
 @pytest.mark.parametrize("tiers", [NVME, ("device",) * 3], ids=["nvme", "device"])
