@@ -4,8 +4,8 @@
   with pkg-config (Debian: liburing-dev); nothing is downloaded. Without it the package
   installs without the extension and the `threads` backend serves (see infinity.aio.probe()).
   INFINITY_BUILD_URING=0 skips it on purpose.
-- `infinity._compact_native`, the int8 codec of compact optimizer states (plain C++, always
-  built; a failed build is a warning). INFINITY_BUILD_NATIVE=0 skips it; `infinity._compact` then runs its torch reference.
+- `infinity._compact_native`, the int8 codec of compact optimizer states and the one-pass
+  int8 Adam update (plain C++, always built; a failed build is a warning). INFINITY_BUILD_NATIVE=0 skips it; `infinity._compact` then runs its torch reference.
 
 Everything else is declared in pyproject.toml.
 """
@@ -45,7 +45,10 @@ def _codec():
         Pybind11Extension(
             "infinity._compact_native",
             sources=["infinity/csrc/compact.cpp"],
-            extra_compile_args=["-O3", "-Wall", "-Wextra"],
+            depends=["infinity/csrc/codec.h", "infinity/csrc/adam_int8.h"],
+            # No contraction into FMA: the scalar code must round as the AVX2 code does
+            # (infinity/csrc/codec.h), whatever the compiler's default.
+            extra_compile_args=["-O3", "-Wall", "-Wextra", "-ffp-contract=off", "-Wno-psabi"],
             cxx_std=17,
             optional=True,  # a failed build leaves the torch reference, not a failed install
         )

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from . import _compact
+from . import _adam_int8, _compact
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,6 +179,29 @@ class Algorithm:
         base = {u.index: u.shard.start for u in group.units}
         return self.codec.unpacked(states, group.slices, stepped, steps, base)
 
+    def update(self, group, per_group: dict[int, list], param_groups: list[dict], master: torch.Tensor, states: list,
+               grads: dict, grad_scale, steps: dict, first: set) -> None:  # fmt: skip
+        """One update in place of sub-group ``group``'s ``master`` weights and stored ``states``
+        from ``grads`` (unit -> its gradient shard; only those units step): the kernel once per
+        parameter group (``per_group``: group index -> entries (unit, slice of the sub-group,
+        slice of the unit's gradient, parameter index)), on fp32 copies of compact states.
+        ``steps``: unit -> its step count (this update's); ``first``: the units stepping for the
+        first time; ``grad_scale``: what the gradients are divided by (None: 1)."""
+        with self.unpacked(states, group, grads, steps) as fp32:
+            for gi, entries in per_group.items():
+                entries = [e for e in entries if e[0].index in grads]
+                if not entries:
+                    continue
+                self.step(
+                    param_groups[gi],
+                    [master[s] for _, s, _, _ in entries],
+                    [grads[u.index][gs] for u, _, gs, _ in entries],
+                    [[state[s] for _, s, _, _ in entries] for state in fp32],
+                    [steps[u.index] for u, _, _, _ in entries],
+                    [u.index in first for u, _, _, _ in entries],
+                    grad_scale,
+                )
+
     def defaults(self, cfg) -> dict:
         """The hyperparameters ``[optimizer]`` (``cfg``) gives every group of this algorithm."""
         every = _config_values(cfg)
@@ -198,6 +221,14 @@ class _Adam(Algorithm):
     states = (StateKind(name="exp_avg"), StateKind(name="exp_avg_sq", signed=False))
     hyperparameters = ("lr", "betas", "eps", "weight_decay")
     _kernel: ClassVar[str]
+
+    def update(self, group, per_group, param_groups, master, states, grads, grad_scale, steps, first) -> None:
+        # int8 moments: one pass over them where the extension serves (`_adam_int8`)
+        if self.state_dtype == "int8" and _adam_int8.served(master, states, grads):
+            _adam_int8.update(master, states, group.slices, per_group, param_groups, grads, steps, grad_scale,
+                              adamw=self._kernel == "_fused_adamw_")  # fmt: skip
+            return
+        super().update(group, per_group, param_groups, master, states, grads, grad_scale, steps, first)
 
     def step(self, hp, params, grads, states, steps, first, grad_scale) -> None:
         beta1, beta2 = hp["betas"]

@@ -7,14 +7,16 @@ stochastic rounding, and `unpacked`, which gives the fp32 kernels fp32 temporari
 sub-group's compact moments and writes them back compact. Touches: only the tensors it is
 handed (the stream's pool buffers, which it changes in place).
 
-The int8 codec runs in C++ (``infinity._compact_native``, built from infinity/csrc/compact.cpp
-with the package) where it was built, and as torch ops (`_encode_blocks`, `_decode_blocks`, the
-reference) where not: the same bytes either way (tests/infinity/test_compact.py), the C++ one
-15-20x faster to encode on these 2 cores (1.05 ns an element against 16-21; bucketize's binary
-search is the torch cost) and 6-7x to decode (0.3 against 2.0; benchmarks/codec.py).
+The int8 codec runs in C++ (``infinity._compact_native``, built from infinity/csrc/codec.h and
+compact.cpp with the package, with AVX-512 or AVX2 where the CPU has them) where it was built,
+and as torch ops (`_encode_blocks`, `_decode_blocks`, the reference) where not: the same bytes
+either way (tests/infinity/test_compact.py), the C++ one about 24x faster to encode (1.2 ns an
+element against 30 on these 2 cores over 8M elements; bucketize's binary search is the torch
+cost) and 8x to decode (benchmarks/codec.py).
 
-The fused kernels (`torch._fused_adamw_`, ...) take fp32 states only, so an update decodes the
-moments of the units that step to fp32, runs the same kernel as with fp32 states, and encodes
+The fused kernels (`torch._fused_adamw_`, ...) take fp32 states only, so an update (but Adam's
+and AdamW's with int8 states, which `_adam_int8` runs in one pass) decodes the moments of the
+units that step to fp32, runs the same kernel as with fp32 states, and encodes
 them back; the fp32 master weights are never compact. The temporaries (4 bytes per element per
 moment of the largest sub-group) are plain host memory beside the pool, not pool buffers, kept
 by the codec from one sub-group and one step to the next: made afresh for each sub-group, their
@@ -149,14 +151,23 @@ def _rows(x, codes, stop, width, start=0):
 
 
 @functools.cache
-def _native_codec(signed: bool):
-    """The C++ codec (``infinity._compact_native``) for this map, or None where the extension
-    was not built: it computes the same bytes as the torch ops above, about 20x faster."""
+def native_module():
+    """``infinity._compact_native``, or None where the extension was not built."""
     try:
         from . import _compact_native
     except ImportError:
         return None
-    return _compact_native.Codec(_boundaries(signed).tolist(), code_map(signed).tolist())
+    return _compact_native
+
+
+@functools.cache
+def _native_codec(signed: bool):
+    """The C++ codec (``infinity._compact_native``) for this map, or None where the extension
+    was not built: it computes the same bytes as the torch ops above, about 20x faster."""
+    native = native_module()
+    if native is None:
+        return None
+    return native.Codec(_boundaries(signed).tolist(), code_map(signed).tolist())
 
 
 def _native_for(signed: bool, *tensors: torch.Tensor):
@@ -182,7 +193,8 @@ def encode_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, sign
     _check(x, codes, scales)
     native = _native_for(signed, x, codes, scales)
     if native is not None:
-        native.encode(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), x.numel(), BLOCK)
+        native_module().encode(native, x.data_ptr(), codes.data_ptr(), scales.data_ptr(), x.numel(), BLOCK,
+                               torch.get_num_threads())
     else:
         _by_blocks(_encode_blocks, x, codes, scales, signed)
 
@@ -192,7 +204,8 @@ def decode_int8(codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: to
     _check(out, codes, scales)
     native = _native_for(signed, codes, scales, out)
     if native is not None:
-        native.decode(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), out.numel(), BLOCK)
+        native_module().decode(native, codes.data_ptr(), scales.data_ptr(), out.data_ptr(), out.numel(), BLOCK,
+                               torch.get_num_threads())
     else:
         _by_blocks(_decode_blocks, out, codes, scales, signed)
 

@@ -265,21 +265,9 @@ class StreamedUpdate:
                 self.stats.add("optimizer_seconds", time.perf_counter() - start)
 
     def _run_kernels(self, index, master, states, grads, grad_scale, step_of, first) -> None:
-        group = self.substates.groups[index]
-        with self.algorithm.unpacked(states, group, grads, step_of) as states:
-            for gi, entries in self.substates.slices[index].items():
-                entries = [e for e in entries if e[0].index in grads]
-                if not entries:
-                    continue
-                self.algorithm.step(
-                    self.param_groups[gi],
-                    [master[s] for _, s, _, _ in entries],
-                    [grads[u.index][gs] for u, _, gs, _ in entries],
-                    [[state[s] for _, s, _, _ in entries] for state in states],
-                    [step_of[u.index] for u, _, _, _ in entries],
-                    [u.index in first for u, _, _, _ in entries],
-                    grad_scale,
-                )
+        st = self.substates
+        self.algorithm.update(st.groups[index], st.slices[index], self.param_groups, master, states, grads,
+                              grad_scale, step_of, first)  # fmt: skip
 
     def _step_foreign(self, index: int, grads: dict, grad_scale) -> None:
         """The user's torch optimizer on sub-group ``index``: gradients as ``.grad`` of the

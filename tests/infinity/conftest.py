@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 import infinity
+from infinity import _compact
 
 
 @pytest.fixture
@@ -56,3 +57,17 @@ def tmpfs(mount):
         return mount("-t", "tmpfs", "-o", f"size={size},mode=0700", source="tmpfs", target=target)
 
     return do
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def isa(request):
+    """Each of the C++ codec's instruction sets this CPU has, in turn; the best one after."""
+    native = _compact.native_module()
+    if native is None:
+        pytest.skip("infinity._compact_native was not built (no C++ compiler at install, or INFINITY_BUILD_NATIVE=0)")
+    best = native.isa()
+    if native.set_isa(request.param) != request.param:
+        native.set_isa(best)
+        pytest.skip(f"this CPU has no {request.param} (the codec runs {best})")
+    yield request.param
+    native.set_isa(best)

@@ -61,10 +61,9 @@ def codec(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.skipif(_compact._native_codec(True) is None, reason=NO_NATIVE)
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("n", [1, 255, 256, 257, (1 << 21) + 77])  # the last: split over threads
-def test_native_int8_codec_gives_the_reference_bytes(monkeypatch, signed, n):
+def test_native_int8_codec_gives_the_reference_bytes(monkeypatch, isa, signed, n):
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, generator=g) * 10 ** (torch.rand(n, generator=g) * 10 - 9)
     x = x if signed else x.abs()
