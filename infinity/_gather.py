@@ -142,14 +142,14 @@ def _assemble(scheduler, pieces) -> torch.Tensor:
     fetched and released in turn."""
     full = None
     for unit, i in pieces:
-        scheduler.materialize(unit)
+        scheduler.runtime.materialize(unit)
         try:
             piece = unit.piece(i)
             if full is None:
                 full = torch.empty(unit.full_shapes[i], dtype=piece.dtype, device=piece.device)
             full[unit.rows[0] : unit.rows[1]].copy_(piece)
         finally:
-            scheduler.release(unit, after_forward=True)
+            scheduler.runtime.release(unit, after_forward=True)
     return full
 
 
@@ -181,7 +181,7 @@ def _hook(scheduler, p: nn.Parameter, pieces) -> None:
             grad, param.grad = param.grad, None
             if live is not None and grad is not None:
                 for unit, i in pieces:
-                    live.tile_grad(unit, i, grad[unit.rows[0] : unit.rows[1]])
+                    live.runtime.tile_grad(unit, i, grad[unit.rows[0] : unit.rows[1]])
         if stood_in:
             stood_in.clear()
             unit, i = pieces[0]
@@ -256,7 +256,7 @@ class GatheredParameters:
             pieces = where[id(p)]
             unit, i = pieces[0]
             if not unit.is_tile:
-                scheduler.materialize(unit)
+                scheduler.runtime.materialize(unit)
                 with held_interrupts:
                     unit.gathers += 1
                     stack.callback(_let_go, scheduler, unit)
@@ -278,7 +278,7 @@ class GatheredParameters:
 def _let_go(scheduler, unit) -> None:
     with held_interrupts:
         unit.gathers = max(unit.gathers - 1, 0)  # the engine's close zeroes it (`end_open`)
-        scheduler.release(unit, after_forward=True)
+        scheduler.runtime.release(unit, after_forward=True)
 
 
 def _open_names(engine) -> list[str]:

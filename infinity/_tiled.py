@@ -51,16 +51,16 @@ class _Tiles:
         reads the tiles again), kept for backward where the pool has room ([Note: kept for
         backward] in `_schedule`)."""
         unit = self.tiles[k]
-        scheduler.materialize(unit)
+        scheduler.runtime.materialize(unit)
         if 0 <= k + step < len(self.tiles):
-            scheduler.prefetch_unit(self.tiles[k + step])
+            scheduler.runtime.prefetch_unit(self.tiles[k + step])
         unit.active += 1
         try:
             yield unit
         finally:
             unit.active -= 1
-            if not (keep and scheduler.keep_for_backward(unit)):
-                scheduler.release(unit, after_forward=True)
+            if not (keep and scheduler.prefetcher.keep_for_backward(unit)):
+                scheduler.runtime.release(unit, after_forward=True)
 
 
 def _anchor(*params) -> torch.Tensor:
@@ -117,7 +117,7 @@ class _LinearFn(torch.autograd.Function):
             unit = tiles.tiles[k]
             # The weights are read only for the input's gradient; the weight's and the bias's
             # need the input and the output's gradient alone.
-            scheduler.take_kept(unit)
+            scheduler.prefetcher.take_kept(unit)
             with tiles.use(scheduler, k, step=-1) if need_x else contextlib.nullcontext(unit):
                 lo, hi = unit.rows
                 gk = g[..., lo:hi]
@@ -125,9 +125,9 @@ class _LinearFn(torch.autograd.Function):
                     gx.add_(gk.float() @ unit.piece(0).float())
                 g2 = gk.reshape(-1, hi - lo)
                 if need_w:
-                    scheduler.tile_grad(unit, 0, g2.t() @ xc)
+                    scheduler.runtime.tile_grad(unit, 0, g2.t() @ xc)
                 if need_b:  # a bias trained under a frozen weight too
-                    scheduler.tile_grad(unit, 1, g2.sum(0))
+                    scheduler.runtime.tile_grad(unit, 1, g2.sum(0))
         return (gx.to(x.dtype) if need_x else None), None, None, None, None, None
 
 
@@ -161,7 +161,7 @@ class _EmbeddingFn(torch.autograd.Function):
                 sel &= ids != ctx.padding_idx
             gw = torch.zeros(hi - lo, grad_out.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
             gw.index_add_(0, ids[sel] - lo, grad_out[sel])
-            scheduler.tile_grad(unit, 0, gw)
+            scheduler.runtime.tile_grad(unit, 0, gw)
         return None, None, None, None, None, None
 
 

@@ -8,7 +8,9 @@ user's unmodified module. It owns no policy of its own; each piece lives in its 
     _sizes.py      the sizes those parameters report, and torch's clipping over them
     _store.py      a tier: leases out of it, writes into it
     _transport.py  copies to the device and collectives across ranks
-    _schedule.py   fetch / prefetch / release around forward and backward
+    _schedule.py   the pass hooks around forward and backward
+    _runtime.py    a unit's fetch, bind, release and gradient
+    _prefetch.py   the predicted order, reads ahead, units kept for backward
     _grads.py      gradient accumulation in fp32 into the grads tier
     _algorithms.py the optimizer algorithms: state kinds, hyperparameters, kernels
     _substates.py  the optimizer state per sub-group: stores, keys, byte sizes, step counts
@@ -191,7 +193,7 @@ class Engine:
                                    on_unit_final=overlap.unit_final if overlap is not None else None)  # fmt: skip
         if self.scheduler.always_ready:
             for unit in units:
-                self.scheduler.materialize(unit)
+                self.scheduler.runtime.materialize(unit)
         for mod in module.modules():  # buffers stay buffers, on the compute device
             for key, buf in mod._buffers.items():
                 if buf is not None and buf.device != dev:
@@ -207,10 +209,10 @@ class Engine:
         self._told_accumulation = False
         # What waits in the pool for later gives way to a transfer needed now, in this order
         # ([Note: traffic classes] in `_admission`).
-        self.admission.give_way(_admission.PREFETCH, self.scheduler.cancel_prefetches)
+        self.admission.give_way(_admission.PREFETCH, self.scheduler.runtime.cancel_prefetches)
         if self.activations is not None:
             self.admission.give_way(_admission.ACTIVATION, self.activations.drop_reads)
-        self.admission.give_way(_admission.KEPT, self.scheduler.give_back_kept)
+        self.admission.give_way(_admission.KEPT, self.scheduler.prefetcher.give_back_kept)
         if self.optimizer.overlap is not None:
             self.admission.give_way(_admission.OVERLAP, self.optimizer.overlap.relieve)
         self.admission.give_way(_admission.GRAD, self.grads.spill)
@@ -285,7 +287,7 @@ class Engine:
             # on part of a gradient, silently. They stay refused until zero_grad().
             self._grads_incomplete = f"the last backward failed part-way ({type(e).__name__}: {e})"
             try:
-                self.scheduler.drop_grads()
+                self.scheduler.runtime.drop_grads()
                 self.scheduler.end_backward()
             except Exception as cleanup:  # noqa: BLE001 - the first error is the one to see
                 e.add_note(f"(ending the backward pass after that also failed: {cleanup})")

@@ -70,7 +70,7 @@ def _train(path, tiers, late: _LateCopies | None, *, overlap: bool, clip: float 
     try:
         if late is not None:
             # Gradients as a GPU makes them: outside host memory, copied back by the copier.
-            engine.scheduler.grads_in_pool = False
+            engine.scheduler.runtime.grads_in_pool = False
             engine.grads.copier = late
             engine.grads.store.in_place_on = lambda device: False
         losses = []
@@ -133,7 +133,7 @@ def test_a_copy_that_fails_fails_its_backward(tmp_path):
     cfg = config(tmp_path, ("nvme", "nvme", "nvme"), optimizer={"overlap": False})
     engine = infinity.initialize(_model(), cfg)
     try:
-        engine.scheduler.grads_in_pool = False
+        engine.scheduler.runtime.grads_in_pool = False
         engine.grads.copier = _Failing()
         x = torch.randn(8, 16)
         with pytest.raises(RuntimeError, match="the copy failed"):
@@ -163,7 +163,7 @@ def test_copies_into_pool_buffers_stay_within_the_backward_plan(tmp_path):
             return super().start(src, dst)
 
     try:
-        engine.scheduler.grads_in_pool = False
+        engine.scheduler.runtime.grads_in_pool = False
         grads.copier = _Watched(polls=1000)
         for _ in range(2):
             engine.backward(engine(torch.randn(8, 16)).pow(2).mean())

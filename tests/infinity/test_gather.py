@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import infinity
-from infinity._schedule import _UnitView
+from infinity._runtime import _UnitView
 
 from ._common import GivesNoGrad, config
 

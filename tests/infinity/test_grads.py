@@ -96,10 +96,10 @@ def test_zero_grad_gives_held_gradients_back(tmp_path):
         assert engine.grads.held_bytes == 4 * sum(u.shard_numel for u in engine.units)
         engine.zero_grad()
         assert engine.grads.held_bytes == 0
-        assert engine.scheduler.pool.in_use_bytes == 0
+        assert engine.scheduler.runtime.pool.in_use_bytes == 0
         engine.backward(engine(torch.randn(8, 16)).pow(2).mean())  # a fresh gradient, not added to the dropped one
         engine.step()
-        assert engine.scheduler.pool.in_use_bytes == 0
+        assert engine.scheduler.runtime.pool.in_use_bytes == 0
     finally:
         engine.close()
 

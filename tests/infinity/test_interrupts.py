@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import infinity
-from infinity import _schedule, _tiled
+from infinity import _runtime, _schedule, _tiled
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import config  # noqa: E402
@@ -397,11 +397,12 @@ def _ctrl_c_in_the_second_subgroup_update(engine, monkeypatch) -> None:
 # -- Ctrl-C at every line of backward's gradient hooks: a real SIGINT from a trace function -----
 
 _SCHEDULE = _schedule.__file__
+_RUNTIME = _runtime.__file__
 _TILED = _tiled.__file__
 # From a parameter's gradient arriving (or a tile's being made) to the unit's hand-over.
 _HOOK_PATH = {
-    _SCHEDULE: {"hook", "grad_arrived", "tile_grad", "_grad_buffer", "_unclaimed", "_gather_grad",
-                "finish_unit_backward"},
+    _SCHEDULE: {"hook"},
+    _RUNTIME: {"grad_arrived", "tile_grad", "_grad_buffer", "_unclaimed", "_gather_grad", "finish_unit_backward"},
     _TILED: {"backward"},
 }  # fmt: skip
 
