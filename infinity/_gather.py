@@ -1,7 +1,8 @@
 """Parameters used outside their modules: gathering them, and refusing a read of a placeholder.
 
-Owns: the class a released parameter has (whose reads of data are refused, naming it) and
-`GatheredParameters`, which materialises parameters for use outside their modules' forwards.
+Owns: `GatheredParameters`, which materialises parameters for use outside their modules'
+forwards (the class a released parameter has, whose reads of data are refused, is
+`_placeholder`'s).
 Touches: the engine's units and `Scheduler` (materialise, release, the gradient hand-off), the
 parameters' ``.data`` and class.
 
@@ -46,87 +47,11 @@ import weakref
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from . import _resources, _sizes
+from . import _resources
 from ._interrupts import held_interrupts
-
-# Reading these is reading metadata, or registering hooks: allowed on a placeholder.
-_META = frozenset({
-    "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "storage_offset",
-    "is_contiguous", "is_floating_point", "is_complex", "is_signed", "is_pinned", "is_shared", "get_device",
-    "data_ptr", "untyped_storage", "_typed_storage", "storage", "requires_grad_", "register_hook",
-    "register_post_accumulate_grad_hook", "retain_grad", "detach", "detach_", "_is_view", "__hash__",
-    "__repr__", "__format__", "__dir__", "__sizeof__", "_has_compatible_shallow_copy_type",
-})  # fmt: skip
-# Properties that are views of the data, not metadata.
-_DATA_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
-# Conversions `nn.Module._apply` runs under no_grad (``model.to(device)``: Trainer, accelerate).
-_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type"})
-
-
-class _Released:
-    """Mixed into a released parameter's class: see [Note: reads outside a module]."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _sizes.COUNTS:  # the full count: see [Note: sizes of placeholders]
-            return _sizes.count(args[0])
-        if not _allowed(func):
-            for t in tree_leaves((args, kwargs)):
-                if type(t) in _RELEASED_CLASSES:
-                    raise _refusal(t, f"by {getattr(func, '__name__', func)}")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-
-def _allowed(func) -> bool:
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__", "__delete__"):  # a property: metadata, unless a view of the data
-        return getattr(getattr(func, "__self__", None), "__name__", "") not in _DATA_PROPERTIES
-    return name in _META or (name in _CONVERSIONS and not torch.is_grad_enabled())
-
-
-def _refusal(p: torch.Tensor, what: str) -> RuntimeError:
-    name = getattr(p, "_infinity_name", "?")
-    return RuntimeError(
-        f"parameter {name!r} was read outside the forward of the module that holds it ({what}), but an infinity "
-        f"engine keeps it in its tiers and it is an empty placeholder there (shape {tuple(p.shape)}): gather it for the "
-        f"read with `with infinity.GatheredParameters([param]): ...` (as deepspeed.zero.GatheredParameters), "
-        "inside the model's forward to train through it; for TRL's trainers use infinity.integrations.trl"
-    )
-
-
-_RELEASED_CLASSES: set[type] = set()
-_released_of: dict[type, type] = {}  # a parameter class -> its released subclass
-
-
-def release_param(p: nn.Parameter, name: str) -> None:
-    """``p`` is a placeholder now (its data empty): reads of its data are refused, naming it."""
-    p._infinity_name = name
-    cls = type(p)
-    if cls in _RELEASED_CLASSES:
-        return
-    released = _released_of.get(cls)
-    if released is None:
-        released = type(f"Released{cls.__name__}", (_Released, cls), {"_infinity_base": cls})
-        _released_of[cls] = released
-        _RELEASED_CLASSES.add(released)
-    p.__class__ = released
-
-
-def bind_param(p: nn.Parameter) -> None:
-    """``p`` holds its values: its own class again."""
-    if type(p) in _RELEASED_CLASSES:
-        p.__class__ = type(p)._infinity_base
-
-
-def refuse_placeholder(t: torch.Tensor) -> None:
-    """Raise if autograd is saving a placeholder for backward (the saved-tensor hook)."""
-    if type(t) in _RELEASED_CLASSES:
-        raise _refusal(t, "saved for backward")
-
+from ._placeholder import bind_param, is_placeholder, release_param
+from ._units import holders
 
 class _Assembled:
     """A saved view of a tiled parameter assembled by a gather: assembled again to unpack."""
@@ -245,7 +170,6 @@ class GatheredParameters:
         engine._check_open()
         engine._owner.enter("GatheredParameters")
         stack.callback(engine._owner.exit)
-        from ._units import holders  # _units imports this module
 
         scheduler = engine.scheduler
         where = holders(engine.units)
@@ -383,7 +307,7 @@ def _by_engine(params):
             out.append((engine, mine))
     held = {id(p) for _, mine in out for p in mine}
     for p in params:
-        if id(p) not in held and type(p) in _RELEASED_CLASSES:
+        if id(p) not in held and is_placeholder(p):
             raise RuntimeError(f"parameter {getattr(p, '_infinity_name', '?')!r} belongs to an infinity engine that "
                                "is closed: its values are gone from memory (load them from a checkpoint or export)")  # fmt: skip
     return out

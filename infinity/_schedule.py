@@ -72,7 +72,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import _gather, _tiled
+from . import _placeholder, _tiled
 from ._activations import SavedTensors
 from ._admission import Admission
 from ._compile import eager
@@ -153,6 +153,7 @@ class Scheduler:
         keep_limit: int = 0,
         device_budget: int | None = None,
         admission: Admission,
+        activations=None,
         on_backward_due=None,
         on_unit_final=None,
     ):
@@ -178,7 +179,11 @@ class Scheduler:
         self._saved_hooks = None  # the saved-tensor hooks of the pass, while the root runs
         self.saved = SavedTensors()  # what they hand saved tensors to: parameter views first
         self.saved.add(self._pack_view, self.runtime.unpack_view)
-        self.activations = None  # `_activations.ActivationTier`, told when passes begin and end
+        # `_activations.ActivationTier` (None: activations stay where autograd keeps them): the
+        # saved tensors parameter views do not take, and told when passes begin and end.
+        self.activations = activations
+        if activations is not None:
+            self.saved.add(activations.pack, activations.unpack)
         self._end_queued = False  # the end of this backward is queued with autograd
         self.owner = None  # the engine's `_owner.Owner`: a root call is an entry point
         self._before_forward = None  # the engine's checks, before each pass
@@ -447,7 +452,7 @@ class Scheduler:
         return self.saved.unpack(saved)
 
     def _pack_view(self, t: torch.Tensor):
-        _gather.refuse_placeholder(t)  # see [Note: reads outside a module]
+        _placeholder.refuse_placeholder(t)  # see [Note: reads outside a module]
         return self.runtime.pack_view(t)
 
     # -- release ----------------------------------------------------------------------------

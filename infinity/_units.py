@@ -30,7 +30,7 @@ import enum
 import torch
 from torch import nn
 
-from . import _gather
+from . import _placeholder
 
 
 class UnitState(enum.Enum):
@@ -124,7 +124,7 @@ class ParamUnit:
         if self.rows is None:
             for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
                 p.data = full[off : off + n].view(shape)
-                _gather.bind_param(p)
+                _placeholder.bind_param(p)
         self.state = UnitState.READY
 
     def unbind(self) -> None:
@@ -139,7 +139,7 @@ class ParamUnit:
                     swap_contents(p, empty)
                 else:
                     p.data = empty
-                _gather.release_param(p, self.qualified_name(i))
+                _placeholder.release_param(p, self.qualified_name(i))
         self.full = None
         self.state = UnitState.RELEASED
 

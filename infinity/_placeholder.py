@@ -1,0 +1,97 @@
+"""A released parameter's placeholder class: every read of its data refused, naming it.
+
+Owns: the class a released parameter has while its unit is released (a subclass of its own
+class, made once per class) and the refusal it raises ([Note: reads outside a module] in
+`_gather`: the first part). Touches: the parameters' class and a name on them. `_units` makes
+a parameter a placeholder and back (`release_param`, `bind_param`); the saved-tensor hook refuses
+to save one (`refuse_placeholder`); `_gather` gathers them for reads outside a module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from . import _sizes
+
+# Reading these is reading metadata, or registering hooks: allowed on a placeholder.
+_META = frozenset({
+    "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "storage_offset",
+    "is_contiguous", "is_floating_point", "is_complex", "is_signed", "is_pinned", "is_shared", "get_device",
+    "data_ptr", "untyped_storage", "_typed_storage", "storage", "requires_grad_", "register_hook",
+    "register_post_accumulate_grad_hook", "retain_grad", "detach", "detach_", "_is_view", "__hash__",
+    "__repr__", "__format__", "__dir__", "__sizeof__", "_has_compatible_shallow_copy_type",
+})  # fmt: skip
+# Properties that are views of the data, not metadata.
+_DATA_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# Conversions `nn.Module._apply` runs under no_grad (``model.to(device)``: Trainer, accelerate).
+_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type"})
+
+
+class _Released:
+    """Mixed into a released parameter's class: see [Note: reads outside a module] in `_gather`."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _sizes.COUNTS:  # the full count: see [Note: sizes of placeholders]
+            return _sizes.count(args[0])
+        if not _allowed(func):
+            for t in tree_leaves((args, kwargs)):
+                if type(t) in _RELEASED_CLASSES:
+                    raise _refusal(t, f"by {getattr(func, '__name__', func)}")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _allowed(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):  # a property: metadata, unless a view of the data
+        return getattr(getattr(func, "__self__", None), "__name__", "") not in _DATA_PROPERTIES
+    return name in _META or (name in _CONVERSIONS and not torch.is_grad_enabled())
+
+
+def _refusal(p: torch.Tensor, what: str) -> RuntimeError:
+    name = getattr(p, "_infinity_name", "?")
+    return RuntimeError(
+        f"parameter {name!r} was read outside the forward of the module that holds it ({what}), but an infinity "
+        f"engine keeps it in its tiers and it is an empty placeholder there (shape {tuple(p.shape)}): gather it for the "
+        f"read with `with infinity.GatheredParameters([param]): ...` (as deepspeed.zero.GatheredParameters), "
+        "inside the model's forward to train through it; for TRL's trainers use infinity.integrations.trl"
+    )
+
+
+_RELEASED_CLASSES: set[type] = set()
+_released_of: dict[type, type] = {}  # a parameter class -> its released subclass
+
+
+def release_param(p: nn.Parameter, name: str) -> None:
+    """``p`` is a placeholder now (its data empty): reads of its data are refused, naming it."""
+    p._infinity_name = name
+    cls = type(p)
+    if cls in _RELEASED_CLASSES:
+        return
+    released = _released_of.get(cls)
+    if released is None:
+        released = type(f"Released{cls.__name__}", (_Released, cls), {"_infinity_base": cls})
+        _released_of[cls] = released
+        _RELEASED_CLASSES.add(released)
+    p.__class__ = released
+
+
+def bind_param(p: nn.Parameter) -> None:
+    """``p`` holds its values: its own class again."""
+    if type(p) in _RELEASED_CLASSES:
+        p.__class__ = type(p)._infinity_base
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a released parameter's placeholder."""
+    return type(t) in _RELEASED_CLASSES
+
+
+def refuse_placeholder(t: torch.Tensor) -> None:
+    """Raise if autograd is saving a placeholder for backward (the saved-tensor hook)."""
+    if type(t) in _RELEASED_CLASSES:
+        raise _refusal(t, "saved for backward")
