@@ -593,9 +593,10 @@ def in_pool(cfg) -> bool:
     return cfg.activations.tier == "nvme"
 
 
-def attach(scheduler, cfg, *, rank: int, local_rank: int, aio, pool, transport, stats, params, admission):
-    """The activation tier of ``cfg`` plugged into ``scheduler``'s saved-tensor hooks and
-    passes; None where activations stay on the device (or a CPU device's host memory)."""
+def build(cfg, *, rank: int, local_rank: int, aio, pool, transport, stats, params, admission):
+    """The activation tier of ``cfg``, for the scheduler's saved-tensor hooks and passes
+    (`_schedule.Scheduler` takes it); None where activations stay on the device (or a CPU
+    device's host memory)."""
     tier, device = cfg.activations.tier, transport.device
     if tier == "device" or (tier == "cpu" and device.type == "cpu"):
         return None
@@ -605,6 +606,4 @@ def attach(scheduler, cfg, *, rank: int, local_rank: int, aio, pool, transport, 
                          drain_copies=(lambda: transport.copies.drain(block=True)) if transport.copies else None,
                          min_bytes=cfg.activations.min_bytes, depth=cfg.activations.depth, params=params)  # fmt: skip
     act.made_dirs = made
-    scheduler.saved.add(act.pack, act.unpack)
-    scheduler.activations = act
     return act

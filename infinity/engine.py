@@ -184,11 +184,15 @@ class Engine:
         elif plan.staging:  # the states in host memory: see [Note: staged in host memory]
             self.optimizer.overlap = HostOverlap(self.optimizer, plan.staging, self._loss_scale)
         overlap = self.optimizer.overlap
+        # [activations] tier: see [Note: activations offloaded] in `_activations`
+        self.activations = _activations.build(cfg, rank=self.rank, local_rank=self.dist.local_rank, aio=self.aio,
+                                              pool=self.pool, transport=self.transport, stats=stats,
+                                              params=module.parameters, admission=self.admission)  # fmt: skip
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes, keep=cfg.prefetch.keep,
                                    keep_limit=plan.kept, device_budget=_device_budget(cfg, dev),
                                    gather=self.params_sharded and self.dist.active, tiled=tiled,
-                                   admission=self.admission,
+                                   admission=self.admission, activations=self.activations,
                                    on_backward_due=self._backward_due if overlap is not None else None,
                                    on_unit_final=overlap.unit_final if overlap is not None else None)  # fmt: skip
         if self.scheduler.always_ready:
@@ -200,10 +204,6 @@ class Engine:
                     mod._buffers[key] = buf.to(dev)
         self.scheduler.install(module, before_forward=self._check_training, after_backward=self._end_backward,
                                owner=self._owner)  # fmt: skip
-        # [activations] tier: see [Note: activations offloaded] in `_activations`
-        self.activations = _activations.attach(self.scheduler, cfg, rank=self.rank, local_rank=self.dist.local_rank,
-                                               aio=self.aio, pool=self.pool, transport=self.transport, stats=stats,
-                                               params=module.parameters, admission=self.admission)  # fmt: skip
         self._state_hooks = StateDictHooks(self, module)
         self._backwards = 0  # backward passes since the last step
         self._told_accumulation = False
