@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -313,7 +314,9 @@ class Codec {
 };
 
 // fn(first, last) over [0, n) cut into ``parts`` runs whose cuts are multiples of ``align``,
-// the first on the calling thread, the others on threads of their own.
+// the first on the calling thread, the others on threads of their own. Every thread is joined
+// before this returns, also when one failed (a thread that cannot start, an allocation in
+// fn): the first error is raised after, none ends the process.
 template <typename Fn>
 void in_parts(int64_t n, int64_t align, int64_t parts, Fn fn) {
   if (n <= 0) return;
@@ -324,13 +327,27 @@ void in_parts(int64_t n, int64_t align, int64_t parts, Fn fn) {
     return;
   }
   const int64_t per = (units + parts - 1) / parts;
+  std::vector<std::exception_ptr> errors(parts);
+  auto guarded = [&](int64_t p, int64_t a, int64_t b) {
+    try {
+      fn(a, b);
+    } catch (...) {
+      errors[p] = std::current_exception();
+    }
+  };
   std::vector<std::thread> threads;
-  for (int64_t p = 1; p < parts; ++p) {
-    const int64_t a = std::min(n, p * per * align), b = std::min(n, (p + 1) * per * align);
-    if (a < b) threads.emplace_back(fn, a, b);
+  try {
+    for (int64_t p = 1; p < parts; ++p) {
+      const int64_t a = std::min(n, p * per * align), b = std::min(n, (p + 1) * per * align);
+      if (a < b) threads.emplace_back(guarded, p, a, b);
+    }
+  } catch (...) {
+    errors[0] = std::current_exception();  // a thread that could not start: the rest runs nothing more
   }
-  fn(int64_t{0}, std::min(n, per * align));
+  if (!errors[0]) guarded(0, 0, std::min(n, per * align));
   for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 }  // namespace infinity_native
