@@ -65,6 +65,7 @@ units are fetched on demand: a departure costs speed, never correctness.
 
 from __future__ import annotations
 
+import enum
 import functools
 import sys
 import weakref
@@ -131,6 +132,16 @@ def _map_tensors(obj, fn):
     return obj
 
 
+class TrainingState(enum.Enum):
+    """Where the pass is, between a grad-enabled forward and the end of its backward (as
+    FSDP2's ``TrainingState``; a root call running is `Scheduler.in_forward`, apart: a forward
+    recomputed inside backward runs in BACKWARD)."""
+
+    IDLE = "idle"  # no backward due
+    BACKWARD_DUE = "backward_due"  # a grad-enabled forward ended; its backward has not begun
+    BACKWARD = "backward"  # its backward began: its end is queued with autograd
+
+
 class Scheduler:
     """Materialises each module's units just before it runs (forward and backward), prefetches
     along the predicted order, and releases them after: the hooks, over a `UnitRuntime` and a
@@ -168,7 +179,7 @@ class Scheduler:
                                      keep=keep, keep_limit=keep_limit, device_budget=device_budget)  # fmt: skip
         self.always_ready = self.runtime.always_ready
         self._handles = []
-        self._in_backward = False  # between a grad-enabled forward and the end of its backward
+        self.state = TrainingState.IDLE
         # Per module, grad-enabled calls whose gradient uses were counted in forward, and calls
         # run again inside backward (activation checkpointing): a reentrant checkpoint's first
         # forward runs without grad, so its uses are counted when backward runs it again.
@@ -184,7 +195,6 @@ class Scheduler:
         self.activations = activations
         if activations is not None:
             self.saved.add(activations.pack, activations.unpack)
-        self._end_queued = False  # the end of this backward is queued with autograd
         self.owner = None  # the engine's `_owner.Owner`: a root call is an entry point
         self._before_forward = None  # the engine's checks, before each pass
         self._after_backward = None  # the engine's end of a backward pass
@@ -326,12 +336,12 @@ class Scheduler:
         self.backward_started()
 
     def backward_started(self) -> None:
-        if not self._end_queued:
-            self._end_queued = True
+        if self.state is not TrainingState.BACKWARD:
+            self.state = TrainingState.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
-        self._end_queued = False
+        self.state = TrainingState.BACKWARD_DUE  # the callback ran: ended by what follows
         self._after_backward()
 
     @property
@@ -340,12 +350,12 @@ class Scheduler:
         ``loss.backward()`` (``engine.backward`` ends its own), whose end never runs. Its
         units hold part of its gradients, and the pass it began is still open: the next
         forward would be taken for a recomputation inside it. `forget_backward` ends it."""
-        return self._end_queued and _graph_task() == -1
+        return self.state is TrainingState.BACKWARD and _graph_task() == -1
 
     @property
     def in_backward(self) -> bool:
         """A grad-enabled pass ran and its backward has not ended."""
-        return self._in_backward
+        return self.state is not TrainingState.IDLE
 
     def _pre_forward_hook(self, module, args):
         pos = self.prefetcher.forward_arrived(module)
@@ -358,7 +368,7 @@ class Scheduler:
         units = self.module_units[module]
         for unit in self._held(module):
             unit.active -= 1
-        if self._in_backward:
+        if self.state is not TrainingState.IDLE:
             # A forward recomputed inside backward (activation checkpointing): its units stay
             # until their gradients arrive. Its uses were counted by the first forward, unless
             # that ran without grad (reentrant checkpointing): then they are counted now.
@@ -406,7 +416,8 @@ class Scheduler:
         due = torch.is_grad_enabled()
         self.prefetcher.end_forward(backward_due=due)
         if due:
-            self._in_backward = True
+            if self.state is TrainingState.IDLE:
+                self.state = TrainingState.BACKWARD_DUE
             if self.on_backward_due is not None:
                 self.on_backward_due([u for u in self.units if u.uses > 0])
 
@@ -427,9 +438,8 @@ class Scheduler:
                 unit.active = 0
                 self.runtime.release(unit)
             self.prefetcher.end_backward()
-            self._in_backward = False
-            # A backward that raised (a Ctrl-C in a hook) never runs the callback it queued.
-            self._end_queued = False
+            # Also where a backward raised (a Ctrl-C in a hook): it never runs the callback it queued.
+            self.state = TrainingState.IDLE
             self._calls.clear()
             self._recomputed.clear()
             self.runtime.transport.drain()
@@ -439,7 +449,7 @@ class Scheduler:
         end a backward that began and never ended: a plain ``loss.backward()`` that raised (a
         Ctrl-C in a hook) never runs the end it queued, and the next would queue none."""
         self.runtime.drop_grads()
-        if self._end_queued:
+        if self.state is TrainingState.BACKWARD:
             self.end_backward()
 
     # -- saved tensors: see [Note: saved parameter views] -------------------------------------
@@ -465,7 +475,8 @@ class Scheduler:
             self.runtime.drop_fetch(unit)
             unit.active = unit.uses = 0
             self.runtime.release(unit)
-        self._in_backward = False
+        if self.state is TrainingState.BACKWARD_DUE:  # a backward that began ends as it does
+            self.state = TrainingState.IDLE
         self.prefetcher.end_backward()
         self._calls.clear()
         self._recomputed.clear()
