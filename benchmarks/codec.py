@@ -5,7 +5,10 @@ Encodes and decodes one moment of ``--elements`` values (exp_avg-like: signed; e
 unsigned, magnitudes over ten decades) with each side in turn (torch, native, torch, native
 ...), and reports per side the median nanoseconds an element and the median of the pairs'
 ratios torch / native; beside them, ``torch._fused_adamw_`` on as many elements, the kernel the
-codec runs around. The two sides' bytes are checked equal on every pair.
+codec runs around. The two sides' bytes are checked equal on every pair. Then the one-pass int8
+AdamW update (`infinity._adam_int8`) of as many elements as one unit against
+``torch._fused_adamw_`` over fp32 states, interleaved, with each instruction set the CPU has
+(scalar, AVX2, AVX-512): the kernel's share of ``benchmarks/host_step.py --compare int8``.
 
     python benchmarks/codec.py [--elements 33554432] [--pairs 5] [--json]
 """
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
     adamw = [_timed(lambda: torch._fused_adamw_([w], [grad], [m], [sq], [], [step], lr=1e-4, beta1=0.9, beta2=0.999,
                                                 weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False))
              for _ in range(args.pairs)]  # fmt: skip
+    one_pass = _one_pass(n, args.pairs, g)
     rows = []
     for op in ("encode", "decode"):
         for signed in (True, False):
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
                          "torch_ns": statistics.median(a) / n * 1e9, "native_ns": statistics.median(b) / n * 1e9,
                          "torch_over_native": statistics.median(x / y for x, y in zip(a, b))})  # fmt: skip
     summary = {"elements": n, "pairs": args.pairs, "threads": torch.get_num_threads(), "rows": rows,
-               "fused_adamw_ns": statistics.median(adamw) / n * 1e9}  # fmt: skip
+               "fused_adamw_ns": statistics.median(adamw) / n * 1e9, "one_pass": one_pass}  # fmt: skip
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -80,7 +84,45 @@ def main(argv=None) -> int:
         print(f"  {r['op']} ({r['map']:8}): torch {r['torch_ns']:5.2f} ns/element, native {r['native_ns']:5.2f}; "
               f"torch / native {r['torch_over_native']:.1f}")
     print(f"  torch._fused_adamw_ beside them: {summary['fused_adamw_ns']:.2f} ns/element")
+    for isa, r in one_pass.items():
+        print(f"  one-pass int8 AdamW ({isa}): {r['ns']:.2f} ns/element, torch._fused_adamw_ on fp32 states "
+              f"{r['fp32_ns']:.2f}; int8 / fp32 {r['ratio']:.2f} (pairs {r['low']:.2f}-{r['high']:.2f})")
     return 0
+
+
+def _one_pass(n: int, pairs: int, g) -> dict:
+    """The one-pass int8 AdamW update of ``n`` elements as one unit (``_compact_native.adam_int8``,
+    infinity/csrc/adam_int8.h) against ``torch._fused_adamw_`` over as many fp32 states,
+    interleaved, for each instruction set this CPU has: {isa: ns an element, the ratio}."""
+    native = _compact.native_module()
+    signed, unsigned = _compact._native_codec(True), _compact._native_codec(False)
+    w, grad = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2
+    m, sq = torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6
+    states = []
+    for x, is_signed in ((m, True), (sq, False)):
+        codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(_compact.blocks(n))
+        _compact.encode_int8(x, codes, scales, is_signed)
+        states += [codes, scales]
+    segment = [(0, n, grad.data_ptr(), 1e-4, 0.9, 0.999, 1e-8, 0.01, 5.0)]
+    step, threads, best = torch.tensor(5.0), torch.get_num_threads(), native.isa()
+    out = {}
+    try:
+        for isa in ("scalar", "avx2", "avx512"):
+            if native.set_isa(isa) != isa:
+                continue
+            ours, theirs = [], []
+            for _ in range(pairs + 1):  # the first pair a warm-up
+                ours.append(_timed(lambda: native.adam_int8(signed, unsigned, w.data_ptr(), *(t.data_ptr() for t in states),
+                                                            n, _compact.BLOCK, segment, True, None, threads)))  # fmt: skip
+                theirs.append(_timed(lambda: torch._fused_adamw_([w], [grad], [m], [sq], [], [step], lr=1e-4, beta1=0.9,
+                                                                 beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
+                                                                 maximize=False)))  # fmt: skip
+            ratios = [a / b for a, b in zip(ours[1:], theirs[1:])]
+            out[isa] = {"ns": statistics.median(ours[1:]) / n * 1e9, "fp32_ns": statistics.median(theirs[1:]) / n * 1e9,
+                        "ratio": statistics.median(ratios), "low": min(ratios), "high": max(ratios)}  # fmt: skip
+    finally:
+        native.set_isa(best)
+    return out
 
 
 if __name__ == "__main__":
