@@ -32,8 +32,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def __init__(self, algorithm: Algorithm, param_groups: list[dict], defaults: dict, *, units, groups,
                  states: dict[str, Store], param_store: Store, grads: GradAccumulator, max_grad_norm,
-                 param_dtype: torch.dtype, dist=None, params_sharded: bool = True, foreign=None,
-                 one_copy: bool = False):  # fmt: skip
+                 param_dtype: torch.dtype, engine_step, engine_zero_grad, dist=None, params_sharded: bool = True,
+                 foreign=None, one_copy: bool = False):  # fmt: skip
         self._ready = False
         if foreign is not None and dist is not None and dist.active:
             raise ValueError(f"optimizer {type(foreign).__name__}: the engine runs a torch optimizer it does not "
@@ -53,8 +53,8 @@ class Optimizer(torch.optim.Optimizer):
         self.gather_params, self.steps, self.foreign = sub.gather_params, sub.steps, sub.foreign
         self.one_copy = one_copy  # the parameters are the master weights: [Note: one copy of the fp32 weights]
         self.grads = grads
-        self._engine_step = None  # set by the engine: what step() runs
-        self._engine_zero_grad = None
+        self._engine_step = engine_step  # the engine's: what step() and zero_grad() run
+        self._engine_zero_grad = engine_zero_grad
         self._ready = True
 
     # -- torch.optim.Optimizer --------------------------------------------------------------

@@ -140,10 +140,9 @@ class Engine:
         self.optimizer = Optimizer(
             algorithm, param_groups, defaults, units=units, groups=groups, states=states,
             param_store=self.param_store, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
-            param_dtype=self.dtype, dist=self.dist, params_sharded=self.params_sharded, foreign=foreign,
-            one_copy=one_copy,
+            param_dtype=self.dtype, engine_step=self._step, engine_zero_grad=self.zero_grad, dist=self.dist,
+            params_sharded=self.params_sharded, foreign=foreign, one_copy=one_copy,
         )  # fmt: skip
-        self.optimizer._engine_step, self.optimizer._engine_zero_grad = self._step, self.zero_grad
         # Everything that can refuse the user's arguments, before the module's weights move.
         self.lr_scheduler = self._make_scheduler(scheduler_spec)
         self._check_memory(cfg, units)  # before anything is written: that needs the pool too
