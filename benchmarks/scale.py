@@ -161,7 +161,7 @@ def main(argv=None) -> int:
                    f"disk: state {d['state_bytes'] / 2**30:.2f} GiB, peak checked at initialize "
                    f"{d['peak_bytes'] / 2**30:.2f} GiB, cap {d['cap_bytes'] / 2**30:.2f} GiB, arena "
                    f"{d['arena_bytes'] / 2**30:.2f} GiB = {d['arena_bytes'] / max(d['state_bytes'], 1):.3f} x state "
-                   f"({engine.optimizer.overlap.committed if engine.optimizer.overlap else 0} of "
+                   f"({engine.overlap.committed if engine.overlap else 0} of "
                    f"{len(engine.optimizer.groups)} sub-groups committed early in the last step)")  # fmt: skip
         engine.close()
     finally:

@@ -151,8 +151,8 @@ def _infinity_worker(args) -> None:
                 "stall": st["stall_seconds"], "peak_growth": peak() - base, "init_growth": init_growth,
                 "pool_peak": engine.stats()["peak_host_pool_bytes"],
                 "params": sum(u.numel for u in engine.units), "sub_groups": len(engine.optimizer.groups),
-                "committed_early": engine.optimizer.overlap.committed if engine.optimizer.overlap else 0,
-                "overlap_budget": engine.optimizer.overlap.budget if engine.optimizer.overlap else 0}  # fmt: skip
+                "committed_early": engine.overlap.committed if engine.overlap else 0,
+                "overlap_budget": engine.overlap.budget if engine.overlap else 0}  # fmt: skip
 
     try:
         _serve(run_step)

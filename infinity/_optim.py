@@ -149,9 +149,9 @@ class Optimizer(torch.optim.Optimizer):
         """See `SubGroupStates.load_master`."""
         self.substates.load_master(values)
 
-    def update(self, loss_scale: float = 1.0) -> bool:
+    def update(self, loss_scale: float = 1.0, overlap=None) -> bool:
         """See `StreamedUpdate.update`."""
-        return self.updater.update(loss_scale)
+        return self.updater.update(loss_scale, overlap)
 
     def apply(self, index: int, master, states, grads: dict, divide: float, steps: dict, first: set) -> None:
         """See `StreamedUpdate.apply` (what the overlap runs early)."""
@@ -166,8 +166,6 @@ class Optimizer(torch.optim.Optimizer):
         return self.updater.fit_read_ahead(budget)
 
     # What the engine sets and reads between steps, kept by the update.
-    overlap = property(lambda self: self.updater.overlap, lambda self, v: setattr(self.updater, "overlap", v),
-                       doc="The `_overlap.Overlap` the engine set where it applies, else None.")  # fmt: skip
     clip_next = property(lambda self: self.updater.clip_next, lambda self, v: setattr(self.updater, "clip_next", v),
                          doc="Clip the next step to this (`Engine.clip_grad_norm_`), then forget it.")  # fmt: skip
     clipped_last = property(lambda self: self.updater.clipped_last, doc="Whether the last step clipped.")

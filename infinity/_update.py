@@ -67,7 +67,6 @@ class StreamedUpdate:
         self.clipped_last = False  # the last step clipped (early updates would be discarded)
         self.ahead = READ_AHEAD
         self.ahead_bytes: int | None = None  # read-ahead by bytes too (see fit_read_ahead)
-        self.overlap = None  # _overlap.Overlap, set by the engine where it applies
         self.hold_room: int | None = None  # gradients the stream leaves held (the engine's plan)
         self.transport = grads.transport  # `_transport.Transport`: the copies ([Note: every copy counted])
         self.stats = getattr(self.transport, "stats", None)  # `_stats.Stats`, or None (nothing counted)
@@ -86,25 +85,26 @@ class StreamedUpdate:
         """Whether the new parameters go from the host kernel to a GPU through pinned pool buffers."""
         return self.substates.stages_params(self.transport)
 
-    def update(self, loss_scale: float = 1.0) -> bool:
+    def update(self, loss_scale: float = 1.0, overlap=None) -> bool:
         """One update of every parameter with a gradient; False when skipped (non-finite).
-        Sub-groups updated early under backward are committed where valid, see
+        Sub-groups ``overlap`` (the engine's `_overlap.Overlap` or `_overlap_host.HostOverlap`,
+        where the optimizer runs under backward) updated early are committed where valid, see
         [Note: exact overlap] in `_overlap`."""
         start = time.perf_counter()
         try:
-            return self._update_all(loss_scale)
+            return self._update_all(loss_scale, overlap)
         finally:
             if self.stats is not None:
                 self.stats.add("update_seconds", time.perf_counter() - start)
 
-    def _update_all(self, loss_scale: float) -> bool:
+    def _update_all(self, loss_scale: float, overlap) -> bool:
         st = self.substates
-        if self.overlap is None:  # see [Note: one copy of the fp32 weights] in `_onecopy`
+        if overlap is None:  # see [Note: one copy of the fp32 weights] in `_onecopy`
             st.share_masters()
         self.grads.flush()
         if not self.grads.all_finite():
-            if self.overlap is not None:
-                self.overlap.discard()
+            if overlap is not None:
+                overlap.discard()
             return False
         divide = loss_scale  # gradients are stored multiplied by the loss scale
         clip, self.clip_next = (self.clip_next if self.clip_next is not None else self.max_grad_norm), None
@@ -114,7 +114,7 @@ class StreamedUpdate:
             coef = min(1.0, clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
             divide = loss_scale / coef
             self.clipped_last = coef < 1.0
-        committed = self.overlap.commit(divide) if self.overlap is not None else set()
+        committed = overlap.commit(divide) if overlap is not None else set()
         groups = [g for g in st.groups if g.index not in committed]
         # Held gradients ([Note: gradients held] in `_grads`): those of committed sub-groups go
         # back, and what the stream has no room for beside its own buffers is written.

@@ -88,6 +88,7 @@ class Engine:
         self._grads_incomplete: str | None = None  # why the step's gradients are not whole
         self.aio = self.pool = self.space = None
         self.activations = None
+        self.overlap = None  # the optimizer under backward, where it applies (`_overlap`, `_overlap_host`)
         try:
             self.aio, self.pool, self.space = _resources.open_io(cfg, rank, local_rank)
             self._setup(module, cfg, optimizer, lr_scheduler)
@@ -177,12 +178,12 @@ class Engine:
         self.optimizer.updater.hold_room = plan.step_holds  # what the step leaves held
         self.admission = _admission.Admission(self.pool, plan)
         if plan.overlap:
-            self.optimizer.overlap = Overlap(self.optimizer, plan.overlap, self._loss_scale,
+            self.overlap = Overlap(self.optimizer, plan.overlap, self._loss_scale,
                                              disk_room=self.footprint.staging_room, space=self.space,
                                              on_disk_full=self._refuse)  # fmt: skip
         elif plan.staging:  # the states in host memory: see [Note: staged in host memory]
-            self.optimizer.overlap = HostOverlap(self.optimizer, plan.staging, self._loss_scale)
-        overlap = self.optimizer.overlap
+            self.overlap = HostOverlap(self.optimizer, plan.staging, self._loss_scale)
+        overlap = self.overlap
         # [activations] tier: see [Note: activations offloaded] in `_activations`
         self.activations = _activations.build(cfg, rank=self.rank, local_rank=self.dist.local_rank, aio=self.aio,
                                               pool=self.pool, transport=self.transport, stats=stats,
@@ -212,8 +213,8 @@ class Engine:
         if self.activations is not None:
             self.admission.give_way(_admission.ACTIVATION, self.activations.drop_reads)
         self.admission.give_way(_admission.KEPT, self.scheduler.prefetcher.give_back_kept)
-        if self.optimizer.overlap is not None:
-            self.admission.give_way(_admission.OVERLAP, self.optimizer.overlap.relieve)
+        if self.overlap is not None:
+            self.admission.give_way(_admission.OVERLAP, self.overlap.relieve)
         self.admission.give_way(_admission.GRAD, self.grads.spill)
 
     def _check_memory(self, cfg: TierConfig, units) -> None:
@@ -250,7 +251,7 @@ class Engine:
     def _backward_due(self, expected) -> None:
         """A grad-enabled forward ended: arm the overlap when this is the step's last micro-batch
         (and the last step did not clip: an early update would then likely be discarded)."""
-        overlap = self.optimizer.overlap
+        overlap = self.overlap
         if self._backwards + 1 == self.config.optimizer.gradient_accumulation_steps and not self.optimizer.clipped_last:
             overlap.arm(expected)
         else:
@@ -307,8 +308,8 @@ class Engine:
             )
         self.scheduler.end_backward()
         self._backwards += 1
-        if self.optimizer.overlap is not None:
-            self.optimizer.overlap.backward_ended()
+        if self.overlap is not None:
+            self.overlap.backward_ended()
 
     def step(self) -> bool:
         """The optimizer step, then gradients cleared, then the LR scheduler given to
@@ -330,7 +331,7 @@ class Engine:
         self._tell_accumulation()
         try:
             with self.pool.traffic(_admission.STEP):
-                stepped = self.optimizer.update(scale)
+                stepped = self.optimizer.update(scale, self.overlap)
         except BaseException as e:
             self.dist.report_failure(e)
             # Part of the sub-groups may be updated and part not: training on would be silently
@@ -367,8 +368,8 @@ class Engine:
         the step can then be redone from its first micro-batch)."""
         self._check_open()
         self.scheduler.forget_backward()
-        if self.optimizer.overlap is not None:
-            self.optimizer.overlap.discard()
+        if self.overlap is not None:
+            self.overlap.discard()
         self.grads.zero()
         self._backwards = 0
         self._grads_incomplete = None
@@ -377,7 +378,7 @@ class Engine:
         """Say once when steps follow another number of backward passes than configured: the
         optimizer then runs after backward (results are the same)."""
         want = self.config.optimizer.gradient_accumulation_steps
-        if self.optimizer.overlap is not None and self._backwards != want and not self._told_accumulation:
+        if self.overlap is not None and self._backwards != want and not self._told_accumulation:
             self._told_accumulation = True
             logger.warning("optimizer.gradient_accumulation_steps = %d, but this step follows %d backward passes: "
                            "set it to the number of micro-batches per step to overlap the optimizer with the "
@@ -645,8 +646,8 @@ class Engine:
                 self.scheduler.end_interrupted_pass()
             _gather.end_open(self)  # their memory goes with the engine's
             self.scheduler.release_all()
-            if self.optimizer.overlap is not None:
-                self.optimizer.overlap.discard()
+            if self.overlap is not None:
+                self.overlap.discard()
             self.grads.flush()
         finally:
             try:

@@ -404,7 +404,7 @@ def test_overlap_is_bit_identical_with_compact_states(tmp_path, state_dtype):
             losses = []
             for step in range(4):
                 losses += train(engine, 1, start=step)
-                committed += engine.optimizer.overlap.committed if engine.optimizer.overlap else 0
+                committed += engine.overlap.committed if engine.overlap else 0
             runs[overlap] = (losses, engine.gathered_weights(), _states(engine), committed)
         finally:
             engine.close()

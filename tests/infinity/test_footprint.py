@@ -101,7 +101,7 @@ def _train(path, overlap: bool, steps: int = 4, model=_mlp, **cfg):
         losses, committed, arenas = [], [], []
         for step in range(steps):
             losses.append(_step(engine, step))
-            committed.append(engine.optimizer.overlap.committed if engine.optimizer.overlap else 0)
+            committed.append(engine.overlap.committed if engine.overlap else 0)
             arenas.append(engine.space.arena_sizes()[0])
         return losses, engine.gathered_weights(), committed, arenas, engine.footprint
     finally:

@@ -48,8 +48,8 @@ def _run(path, budget: str, hold_limit: int | None = None, steps: int = 3, layer
             held = max(held, engine.grads.held_bytes)
             engine.step()
             assert engine.grads.held_bytes == 0
-            if engine.optimizer.overlap is not None:
-                committed.append(engine.optimizer.overlap.committed)
+            if engine.overlap is not None:
+                committed.append(engine.overlap.committed)
         traffic = engine.stats()["step"]["nvme"]["by_kind"].get("grad", {"read_bytes": 0, "write_bytes": 0})
         fp32 = 4 * sum(u.shard_numel for u in engine.units)
         return losses, engine.gathered_weights(), traffic, fp32, held, committed

@@ -41,7 +41,7 @@ def _run(path, monkeypatch, one_copy: bool, overlap: bool, steps: int = 3, ckpt=
             engine.load_checkpoint(ckpt)
             losses += train(engine, 1, start=steps)
         names = engine.space.names()
-        committed = engine.optimizer.overlap.committed if overlap else 0
+        committed = engine.overlap.committed if overlap else 0
         return (losses, engine.gathered_weights(), engine.stats()["step"]["nvme"]["by_kind"], names,
                 engine.stats()["disk"], engine.optimizer, 4 * sum(u.shard_numel for u in engine.units), committed)  # fmt: skip
     finally:

@@ -58,7 +58,7 @@ def _train(path, overlap, *, model=None, steps=4, micro=1, dtype=torch.float32, 
         if between is not None:
             between(engine, step)
         engine.step()
-        committed.append(engine.optimizer.overlap.committed if engine.optimizer.overlap else 0)
+        committed.append(engine.overlap.committed if engine.overlap else 0)
     weights = engine.gathered_weights()
     names = engine.space.names() if engine.space is not None else []  # None: every tier resident
     engine.close()
@@ -173,8 +173,8 @@ def test_more_micro_batches_than_configured_stays_exact_and_says_so(tmp_path, ca
 def test_a_hyperparameter_changed_between_backward_and_step(tmp_path):
     def change(engine, step):
         if step == 2:
-            if engine.optimizer.overlap is not None:
-                engine.optimizer.overlap.pump(block=True)  # every early update made with the old lr
+            if engine.overlap is not None:
+                engine.overlap.pump(block=True)  # every early update made with the old lr
             for group in engine.optimizer.param_groups:
                 group["lr"] = 0.5
 
@@ -196,7 +196,7 @@ def test_overlap_with_an_lr_schedule(tmp_path):
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        out = losses, engine.gathered_weights(), [engine.optimizer.overlap.committed if overlap else 0]
+        out = losses, engine.gathered_weights(), [engine.overlap.committed if overlap else 0]
         engine.close()
         return out
 
@@ -254,7 +254,7 @@ def test_overlap_on_gpt2_with_activation_checkpointing(tmp_path, reentrant):
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-            committed.append(engine.optimizer.overlap.committed if overlap else 0)
+            committed.append(engine.overlap.committed if overlap else 0)
         out = losses, engine.gathered_weights(), committed
         engine.close()
         return out
@@ -271,9 +271,9 @@ def test_zero_grad_after_backward_discards_early_updates(tmp_path):
     before = engine.gathered_weights()
     x, y = _batch(0)
     engine.backward(((engine(x) - y) ** 2).mean())
-    assert engine.optimizer.overlap.pending > 0
+    assert engine.overlap.pending > 0
     engine.zero_grad()
-    assert engine.optimizer.overlap.pending == 0
+    assert engine.overlap.pending == 0
     assert not [n for n in engine.space.names() if "~next" in n]
     assert all(torch.equal(before[k], v) for k, v in engine.gathered_weights().items())
     assert all(float(s) == 0 for s in engine.optimizer.steps.values())
@@ -298,7 +298,7 @@ def test_overlap_on_nvme_does_not_apply_where_the_states_or_parameters_are_resid
     new parameters); states in host memory: the host overlap's (tests/infinity/test_overlap_host.py)."""
     os.makedirs(tmp_path / "a")
     engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", True, tiers=tiers))
-    overlap = engine.optimizer.overlap
+    overlap = engine.overlap
     assert (type(overlap).__name__ if overlap is not None else None) == kind
     engine.close()
 
@@ -321,7 +321,7 @@ def test_auto_overlaps_where_it_can_gain(tmp_path, tiers, overlap, kind):
     """On the host (no GPU here): "auto" leaves out the host overlap where every parameter is in
     memory; true forces it; on nvme it applies."""
     engine = infinity.initialize(_mlp(), _cfg(tmp_path, overlap, tiers=tiers))
-    got = engine.optimizer.overlap
+    got = engine.overlap
     assert (type(got).__name__ if got is not None else None) == kind
     engine.close()
 
@@ -346,7 +346,7 @@ def test_an_early_update_that_fails_fails_the_backward_and_nothing_is_half_commi
     engine.backward(((engine(x) - y) ** 2).mean())
     engine.step()
     monkeypatch.setattr(engine.optimizer, "apply", failing)
-    overlap = engine.optimizer.overlap
+    overlap = engine.overlap
     # Every early update runs before backward returns, so the failure is the backward's.
     monkeypatch.setattr(overlap, "backward_ended", lambda: overlap.pump(block=True))
     x, y = _batch(1)
@@ -371,7 +371,7 @@ def test_overlap_applies_only_with_room_to_spare_in_the_host_budget(tmp_path, bu
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
     engine = infinity.initialize(model, _cfg(tmp_path, True, memory={"host_budget": budget},
                                              optimizer={"sub_group_size": "16MiB"}))  # fmt: skip
-    assert (engine.optimizer.overlap is not None) == applies
+    assert (engine.overlap is not None) == applies
     engine.backward(engine(torch.randn(2, 1024)).sum())
     assert engine.step()
     engine.close()
@@ -388,11 +388,11 @@ def test_the_budget_overlap_applies_from_is_the_one_it_applies_from(tmp_path, ca
     start = engine.overlap_from
     engine.close()
     engine = infinity.initialize(model(), cfg(start))
-    assert engine.optimizer.overlap is not None and engine.overlap_from == start
+    assert engine.overlap is not None and engine.overlap_from == start
     engine.close()
     with caplog.at_level(logging.INFO, logger="infinity"):
         engine = infinity.initialize(model(), cfg(start - 1024))
-    assert engine.optimizer.overlap is None
+    assert engine.overlap is None
     engine.close()
     assert f"a host_budget of {infinity.swap.human_size(start)} or more would run it under backward" in caplog.text
     with pytest.raises(infinity.HostBudgetError) as e:

@@ -118,15 +118,15 @@ def test_the_parameters_change_only_at_the_step_and_zero_grad_discards(tmp_path)
     zero_grad drops it without a trace."""
     os.makedirs(tmp_path / "a")
     engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", True, tiers=HOST[0]))
-    assert isinstance(engine.optimizer.overlap, HostOverlap)
+    assert isinstance(engine.overlap, HostOverlap)
     before = engine.gathered_weights()
     states = {k: s._resident.copy() for k, s in engine.optimizer.states.items()}
     x, y = _batch(0)
     engine.backward(((engine(x) - y) ** 2).mean())
-    assert engine.optimizer.overlap.pending == 4
+    assert engine.overlap.pending == 4
     assert all(torch.equal(before[k], v) for k, v in engine.gathered_weights().items())
     engine.zero_grad()
-    assert engine.optimizer.overlap.pending == 0
+    assert engine.overlap.pending == 0
     assert all(torch.equal(before[k], v) for k, v in engine.gathered_weights().items())
     for k, store in engine.optimizer.states.items():  # the same tensors, unchanged
         assert all(store._resident[n] is t for n, t in states[k].items())
@@ -146,16 +146,16 @@ def test_staging_stays_within_its_budget_and_the_rest_is_left_to_the_step(tmp_pa
     opt = engine.optimizer
     sizes = sorted(_overlap_host.staged_bytes(opt, g) for g in opt.groups)
     assert len(sizes) >= 2
-    opt.overlap.staging.budget = opt.overlap.budget = sizes[-1]  # room for one sub-group at a time
+    engine.overlap.staging.budget = engine.overlap.budget = sizes[-1]  # room for one sub-group at a time
     losses, committed = [], []
     for step in range(4):
         x, y = _batch(step)
         loss = ((engine(x) - y) ** 2).float().mean()
         engine.backward(loss)
-        assert opt.overlap.staging.bytes <= sizes[-1]
+        assert engine.overlap.staging.bytes <= sizes[-1]
         engine.step()
         losses.append(loss.item())
-        committed.append(opt.overlap.committed)
+        committed.append(engine.overlap.committed)
     on = losses, engine.gathered_weights(), committed
     engine.close()
     _same(off, on)
@@ -183,12 +183,12 @@ def test_compact_states(tmp_path, state_dtype):
 def test_does_not_apply_to_a_torch_optimizer_or_without_overlap(tmp_path):
     os.makedirs(tmp_path / "a")
     engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", False, tiers=HOST[0]))
-    assert engine.optimizer.overlap is None
+    assert engine.overlap is None
     engine.close()
     model = _mlp()  # an optimizer the engine has no kernel for (every tier on the device) steps as it is
     engine = infinity.initialize(model, _cfg(tmp_path / "a", True, tiers=("device",) * 3),
                                  optimizer=torch.optim.RMSprop(model.parameters(), lr=0.01))  # fmt: skip
-    assert engine.optimizer.kind == "torch" and engine.optimizer.overlap is None
+    assert engine.optimizer.kind == "torch" and engine.overlap is None
     engine.close()
 
 
@@ -214,7 +214,7 @@ def _hf_llama(path, dtype: str, overlap: bool, tiers):
                 losses.append(loss.item())
             engine.clip_grad_norm_(1e-2 if step == 1 else 1e3)  # the second step clips
             engine.step()
-            committed.append(engine.optimizer.overlap.committed if overlap else 0)
+            committed.append(engine.overlap.committed if overlap else 0)
         return losses, engine.gathered_weights(), committed
     finally:
         engine.close()

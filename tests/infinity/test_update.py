@@ -86,7 +86,7 @@ def test_optimizer_time_counts_the_early_updates_too(tmp_path):
     engine = _engine(tmp_path, tiers=("cpu", "cpu", "cpu"), overlap=True)
     train(engine, 2)
     step = engine.stats()["step"]
-    assert engine.optimizer.overlap is not None and engine.optimizer.overlap.committed > 0
+    assert engine.overlap is not None and engine.overlap.committed > 0
     assert step["optimizer_seconds"] > 0
     engine.close()
 
@@ -129,7 +129,7 @@ def test_no_sharing_under_the_overlap_in_host_memory(tmp_path, monkeypatch):
     the parameters, and it trains as the engine that never shares."""
     engine = _engine(tmp_path / "a", overlap=True)
     losses = train(engine, 3)
-    assert engine.optimizer.overlap is not None and engine.optimizer.substates.sharing == set()
+    assert engine.overlap is not None and engine.optimizer.substates.sharing == set()
     with monkeypatch.context() as m:
         _no_sharing(m)
         other = _engine(tmp_path / "b", overlap=True)

@@ -74,7 +74,7 @@ def test_the_trainer_on_nvme_logs_the_losses_of_plain_trainer_and_resumes_identi
         assert lr == pytest.approx(ref_lr, rel=1e-12), step
     # The Trainer's accumulation reaches the engine: the optimizer overlaps the second micro-batch.
     assert ours.engine.config.optimizer.gradient_accumulation_steps == 2
-    assert ours.engine.optimizer.overlap is not None
+    assert ours.engine.overlap is not None
     checkpoint = tmp_path / "ours" / "checkpoint-10"
     assert (checkpoint / ENGINE_DIR / "state" / "meta.json").is_file()
     ours.engine.close()
