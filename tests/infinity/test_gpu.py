@@ -269,3 +269,56 @@ def test_bf16_on_nvme_moves_28_bytes_a_parameter_with_units_kept_on_the_gpu(tmp_
     per_param = (nvme["read_bytes"] + nvme["write_bytes"]) / n
     engine.close()
     assert per_param <= (28.0 if device_budget is None else 30.0) + 0.01, nvme["by_kind"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("tiers", [("device", "device", "cpu"), ("nvme", "cpu", "cpu"), ("nvme", "nvme", "nvme")])
+def test_whole_steps_make_no_host_synchronisation(tmp_path, tiers, dtype):
+    """Forward, backward and step of every placement under torch.cuda.set_sync_debug_mode: no
+    operation that makes the host wait for the GPU (a blocking copy, ``.item()``, a stream or
+    device synchronize) anywhere in a step. The engine's own waits are on CUDA events where a
+    result is consumed (a gradient the host kernel reads), which the mode does not count. Every
+    place that synchronised is listed with the Python stack that led to it (mode "warn",
+    recorded, so that one run names them all; the issue's "error" fails on the first)."""
+    import traceback
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)], nn.Linear(256, 8))
+    cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
+           "precision": {"param_dtype": dtype}, "optimizer": {"lr": 1e-3}}  # fmt: skip
+    xs = [torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
+    if dtype == "bf16":
+        xs = [x.to(torch.bfloat16) for x in xs]
+    seen: dict = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        stack = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        ours = [f for f in stack if "infinity" in f.filename and "test_gpu" not in f.filename]
+        where = ours[-1] if ours else stack[-1]
+        key = f"{where.filename}:{where.lineno} ({where.name})"
+        seen.setdefault(key, "".join(traceback.format_list(stack[-8:])))
+
+    with infinity.initialize(model, cfg) as engine:
+        losses = []
+        engine.backward(engine(xs[0]).float().pow(2).mean())  # the first step: lazy setup may wait
+        engine.step()
+        old = warnings.showwarning
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for x in xs[1:]:
+                    loss = engine(x).float().pow(2).mean()
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.detach())
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                warnings.showwarning = old
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(v).item() for v in losses)
+    assert not seen, "host synchronisations in a step:\n" + "\n".join(f"{k}\n{v}" for k, v in seen.items())
