@@ -55,6 +55,7 @@ from infinity.swap import PoolExhausted, WriteBehind
 
 from ._profile import region
 from ._store import InHand, Lease, Store
+from ._transport import host_value
 from ._units import ParamUnit
 
 
@@ -417,7 +418,7 @@ class GradAccumulator:
     def _global_norm(self) -> float:
         norms = list(self.norms.values())
         if norms:
-            local = (torch.stack(norms).to(torch.float64) ** 2).sum().cpu()
+            local = host_value((torch.stack(norms).to(torch.float64) ** 2).sum())
         else:
             local = torch.zeros((), dtype=torch.float64)
         total = local.reshape(1).to(torch.float64)
@@ -427,7 +428,7 @@ class GradAccumulator:
 
     def all_finite(self) -> bool:
         norms = list(self.norms.values())
-        ok = bool(torch.isfinite(torch.stack(norms)).all()) if norms else True
+        ok = bool(host_value(torch.isfinite(torch.stack(norms)).all())) if norms else True
         bad = torch.tensor([0.0 if ok else 1.0])
         if self.dist is not None and self.dist.active:  # an overflow anywhere skips everywhere
             self.dist.all_reduce_sum(bad, "the overflow check")

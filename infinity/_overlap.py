@@ -369,6 +369,10 @@ class Overlap:
             self._delete_staged(early)
         self._early.clear()
 
+    def close(self) -> None:
+        """The engine closes: every early update is forgotten."""
+        self.discard()
+
     @property
     def pending(self) -> int:
         """Sub-groups updated early and not yet committed or discarded."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch.profiler import record_function
@@ -40,6 +41,7 @@ from infinity.swap import PoolExhausted
 
 from ._overlap import Overlap, _Early
 from ._store import Lease
+from ._transport import Arriving
 
 logger = logging.getLogger("infinity")
 
@@ -145,16 +147,28 @@ class _Back:
 
 class HostOverlap(Overlap):
     """Early updates of one step with the optimizer states in host memory (see [Note: staged
-    in host memory]). ``budget``: the host bytes their staged copies may take."""
+    in host memory]). ``budget``: the host bytes their staged copies may take.
+
+    [Note: early updates on a worker]
+    Autograd's hooks only hand the work over: `_update_now`, called from the hook that stored a
+    sub-group's last gradient, does the bookkeeping (what the update assumes, staging tensors,
+    the gradients lent) and starts each gradient's copy from a GPU into a pinned pool buffer on
+    the copy-back stream; one worker thread then copies the states into staging, waits for the
+    gradients' copies (CUDA events), runs the kernel and casts the new parameters, while
+    backward goes on (the copies and the kernels release the GIL). The worker touches only what
+    it was handed; the step waits for every job before it commits or discards one (`commit`,
+    `_delete_staged`), and a job's error is raised there."""
 
     def __init__(self, optimizer, budget: int, loss_scale):
         super().__init__(optimizer, budget, loss_scale)
         self.staging = _Staging(budget, pin=torch.cuda.is_available())
         self._staged: dict[int, tuple[list, dict]] = {}  # sub-group -> (state copies, unit -> new params)
+        self._jobs: dict[int, Future] = {}  # sub-group -> its update on the worker
+        self._worker: ThreadPoolExecutor | None = None  # made on first use
 
-    # -- backward: each sub-group is updated as soon as it is ready -------------------------
+    # -- backward: each sub-group is handed to the worker as soon as it is ready ------------
     def pump(self, block: bool = False) -> None:
-        """Update the sub-groups that are ready, in order; one whose gradient is still being
+        """Hand over the sub-groups that are ready, in order; one whose gradient is still being
         written waits for a later call, or with ``block`` (the step is due) is left to the step."""
         while self._ready:
             if self._update_now(self._ready[0]) or block:
@@ -163,9 +177,9 @@ class HostOverlap(Overlap):
                 break
 
     def _update_now(self, index: int) -> bool:
-        """Sub-group ``index``'s update on staged copies of its states, now; left to the step
-        when staging has no room or the pool none for a gradient's read. False: a gradient is
-        being written (read back once written, not by waiting here)."""
+        """Start sub-group ``index``'s update on staged copies of its states (on the worker);
+        left to the step when staging has no room or the pool none for a gradient's copy.
+        False: a gradient is being written (read back once written, not by waiting here)."""
         opt = self.opt
         sg = opt.groups[index]
         early = _Early(index)
@@ -174,52 +188,98 @@ class HostOverlap(Overlap):
             return True
         if any(opt.grads.writing(u.index) for u in early.units):
             return False
-        copies, params, leases = [], {}, []
+        transport = opt.grads.transport
+        states, copies, params, leases, grads = [], [], {}, [], {}
         try:
             for kind in opt.kinds:
                 src = opt.states[kind].get(sg.record.name_for()).result().tensor  # resident: lent in place
                 dst = self.staging.take(src.shape, src.dtype)
                 if dst is None:
                     raise _NoRoom
+                states.append(src)
                 copies.append(dst)
-                dst.copy_(src)
             for u in early.units:
                 s = sg.slices[u.index]
                 dst = self.staging.take((s.stop - s.start,), opt.param_dtype)
                 if dst is None:
                     raise _NoRoom
                 params[u.index] = dst
-            grads = {}
+            host = copies[0].device
             for u in early.units:
                 early.versions[u.index] = opt.grads.version[u.index]
                 lease = opt.grads.lend(u, timeout=0).result()
                 leases.append(lease)
                 g = lease.tensor
-                grads[u.index] = opt.grads.transport.copy_to(g, copies[0].device)  # counted: [Note: every copy counted]
+                if g.device == host:
+                    grads[u.index] = g
+                elif transport is not None and transport.pipelined:  # from a GPU, on the copy-back stream
+                    grads[u.index] = transport.to_host(g, timeout=0)
+                else:  # counted: [Note: every copy counted]
+                    grads[u.index] = transport.copy_to(g, host) if transport is not None else g.to(host)
             early.divide = self.loss_scale()
             early.hyper = opt.hyperparameters()
             early.first = {u.index for u in early.units} & opt.substates.never_stepped
             early.steps = {u.index: opt.steps[u.index] + 1 for u in early.units}
-            with record_function("infinity::optimizer.early"):
-                opt.apply(index, copies[0], copies[1:], grads, early.divide, early.steps, early.first)
-                for u in early.units:
-                    params[u.index].copy_(copies[0][sg.slices[u.index]])
         except (_NoRoom, PoolExhausted):  # the step updates it
-            for t in (*copies, *params.values()):
-                self.staging.give(t)
+            _drop(grads, leases, (*copies, *params.values()), self.staging)
             return True
         except BaseException:
-            for t in (*copies, *params.values()):
-                self.staging.give(t)
+            _drop(grads, leases, (*copies, *params.values()), self.staging)
             raise
-        finally:
-            for lease in leases:
-                lease.release()
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-optimizer")
+        self._jobs[index] = self._worker.submit(self._run, early, states, copies, params, grads, leases)
         self._early[index] = early
         self._staged[index] = (copies, params)
         return True
 
+    def _run(self, early: _Early, states, copies, params, grads, leases) -> None:
+        """On the worker: sub-group ``early.index``'s update on staged copies of ``states``
+        from ``grads`` (host tensors, or copies from a GPU still arriving); the gradients'
+        leases go back when it is done, whatever happens."""
+        opt = self.opt
+        sg = opt.groups[early.index]
+        try:
+            with record_function("infinity::optimizer.early"):
+                for src, dst in zip(states, copies):
+                    dst.copy_(src)
+                here = {}
+                for i, g in grads.items():
+                    if isinstance(g, Arriving):
+                        g = g.result().tensor  # waits for its copy's event; released by `_drop`
+                    here[i] = g
+                opt.apply(early.index, copies[0], copies[1:], here, early.divide, early.steps, early.first)
+                for u in early.units:
+                    params[u.index].copy_(copies[0][sg.slices[u.index]])
+        finally:
+            _drop(grads, leases, (), None)
+
+    def _wait(self, index: int) -> BaseException | None:
+        """Wait for sub-group ``index``'s job, if one was handed over; its error, if it failed."""
+        job = self._jobs.pop(index, None)
+        if job is None:
+            return None
+        try:
+            job.result()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            return e
+        return None
+
     # -- the step ---------------------------------------------------------------------------
+    def commit(self, divide: float) -> set[int]:
+        """See `Overlap.commit`; every job is finished first, and the first that failed is
+        raised (after every early update is discarded: the step was not taken)."""
+        self.pump(block=True)
+        error = None
+        for index in list(self._jobs):
+            e = self._wait(index)
+            if e is not None and error is None:
+                error = e
+        if error is not None:
+            self.discard()
+            raise error
+        return super().commit(divide)
+
     def _commit_one(self, index: int, early: _Early) -> None:
         opt = self.opt
         sg = opt.groups[index]
@@ -227,19 +287,50 @@ class HostOverlap(Overlap):
         for kind, t in zip(opt.kinds, copies):
             self.staging.give(opt.states[kind].swap(sg.record.name_for(), t))
         st = opt.substates
+        transport = opt.grads.transport
         for u in early.units:
             new = params[u.index]
-            pending = opt.param_store.put(u.name, new)
-            if opt.param_store.uses_pool:  # nvme: written behind the step, from the staged tensor
-                st.param_writes.add(pending, Lease(new, _Back(self.staging, new)))
-            else:  # resident: copied into the tier's own tensor now
-                pending.result()
+            store = opt.param_store
+            if store.uses_pool:  # nvme: written behind the step, from the staged tensor
+                st.param_writes.add(store.put(u.name, new), Lease(new, _Back(self.staging, new)))
+                continue
+            dst = store.writable(u.name).tensor  # resident: the tier's own tensor
+            if dst.device.type == "cuda" and transport is not None and transport.pipelined:
+                # From pinned staging on the side stream; the staging tensor goes back once the
+                # copy is done (`CopyStream.drain`), and the next forward waits on its event.
+                transport.to_device(Lease(new.view(dst.shape), _Back(self.staging, new)), dst)
+            else:
+                store.put(u.name, new).result()
                 self.staging.give(new)
 
     def _delete_staged(self, early: _Early) -> None:
+        self._wait(early.index)  # its error does not matter: it is discarded
         copies, params = self._staged.pop(early.index, ([], {}))
         for t in (*copies, *params.values()):
             self.staging.give(t)
+
+    def close(self) -> None:
+        self.discard()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+def _drop(grads: dict, leases: list, staged, staging) -> None:
+    """Give back what a sub-group's update held: gradients on their way from a GPU (once their
+    copies are done: the DMA writes them), the gradients' leases, and staging tensors."""
+    for g in grads.values():
+        if isinstance(g, Arriving):
+            try:
+                g.result().release()
+            except Exception:  # noqa: BLE001 - a failed copy released its buffer
+                pass
+    grads.clear()
+    for lease in leases:
+        lease.release()
+    leases.clear()
+    for t in staged:
+        staging.give(t)
 
 
 class _NoRoom(Exception):

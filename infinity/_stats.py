@@ -7,6 +7,7 @@ optimizer add to it.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -117,6 +118,7 @@ class Stats:
         self.step = Counters()
         self.steps = 0
         self._step_start = time.perf_counter()
+        self._lock = threading.Lock()  # `add` and `count` come from the optimizer's worker too
 
     def both(self):
         return (self.total, self.step)
@@ -128,13 +130,15 @@ class Stats:
     def count(self, tier: str, kind: str, write: bool, nbytes: int) -> None:
         """``nbytes`` of state ``kind`` read or written in a resident ``tier`` (in place: no
         busy time of its own, the work that touched them has it)."""
-        for c in self.both():
-            c.tiers[tier].count(kind, write, nbytes)
+        with self._lock:
+            for c in self.both():
+                c.tiers[tier].count(kind, write, nbytes)
 
     def add(self, name: str, value) -> None:
         """``value`` more of the counter ``name`` (``optimizer_seconds``, ``h2d_bytes``, ...)."""
-        for c in self.both():
-            setattr(c, name, getattr(c, name) + value)
+        with self._lock:
+            for c in self.both():
+                setattr(c, name, getattr(c, name) + value)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps}

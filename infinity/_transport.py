@@ -28,6 +28,22 @@ from ._store import Lease
 from ._units import ParamUnit
 
 
+def host_value(t: torch.Tensor) -> torch.Tensor:
+    """A small tensor's value on the host, where the step consumes it (a flag, a norm): from a
+    GPU by a copy into pinned memory on the current stream and a wait on its event, which
+    blocks this thread until the work queued before it ran (not a device or stream
+    synchronize: `torch.cuda.set_sync_debug_mode` does not count it, and nothing queued later
+    is waited for). On the host, ``t`` itself."""
+    if t.device.type != "cuda":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(t.device))
+    done.synchronize()
+    return out
+
+
 class CopyStream:
     """Host-to-device copies on a side stream: compute waits on an event, not the host.
 

@@ -647,7 +647,7 @@ class Engine:
             _gather.end_open(self)  # their memory goes with the engine's
             self.scheduler.release_all()
             if self.overlap is not None:
-                self.overlap.discard()
+                self.overlap.close()
             self.grads.flush()
         finally:
             try:

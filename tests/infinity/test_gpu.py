@@ -280,6 +280,7 @@ def test_whole_steps_make_no_host_synchronisation(tmp_path, tiers, dtype):
     result is consumed (a gradient the host kernel reads), which the mode does not count. Every
     place that synchronised is listed with the Python stack that led to it (mode "warn",
     recorded, so that one run names them all; the issue's "error" fails on the first)."""
+    import os
     import traceback
     import warnings
 
@@ -291,15 +292,16 @@ def test_whole_steps_make_no_host_synchronisation(tmp_path, tiers, dtype):
     if dtype == "bf16":
         xs = [x.to(torch.bfloat16) for x in xs]
     seen: dict = {}
+    package = os.path.dirname(infinity.__file__) + os.sep
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return
-        stack = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
-        ours = [f for f in stack if "infinity" in f.filename and "test_gpu" not in f.filename]
-        where = ours[-1] if ours else stack[-1]
-        key = f"{where.filename}:{where.lineno} ({where.name})"
-        seen.setdefault(key, "".join(traceback.format_list(stack[-8:])))
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if f.filename.startswith(package)]
+        where = ours[-1] if ours else stack[-1]  # the engine's last frame: where it synchronised
+        key = f"{where.filename}:{where.lineno} ({where.name}): {message}"
+        seen.setdefault(key, "".join(traceback.format_list(stack[-10:])))
 
     with infinity.initialize(model, cfg) as engine:
         losses = []

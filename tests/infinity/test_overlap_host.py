@@ -227,3 +227,60 @@ def test_a_transformers_model_as_trainer_calls_it(tmp_path, dtype, tiers):
     on = _hf_llama(tmp_path / "on", dtype, True, tiers)
     _same(off, on)
     assert on[2][0] > 0 and on[2][1] == 0, on[2]  # the clipped step discards; the first commits
+
+
+def test_backward_hands_the_updates_to_a_worker_and_does_not_wait_for_them(tmp_path, monkeypatch):
+    """The hooks only hand each sub-group over ([Note: early updates on a worker]): backward
+    returns while every update is held back on the worker, the updates run there, and the step
+    waits for them and commits them all, with the weights of the step after backward."""
+    import threading
+
+    x, y = _batch(0)
+    os.makedirs(tmp_path / "off")
+    with infinity.initialize(_mlp(), _cfg(tmp_path / "off", False, tiers=HOST[0])) as engine:
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+        want = engine.gathered_weights()
+    os.makedirs(tmp_path / "on")
+    with infinity.initialize(_mlp(), _cfg(tmp_path / "on", True, tiers=HOST[0])) as engine:
+        gate, threads = threading.Event(), []
+        apply = engine.optimizer.apply
+
+        def held_back(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            if not gate.wait(30):
+                raise TimeoutError("the gate was never opened")
+            return apply(*args, **kwargs)
+
+        monkeypatch.setattr(engine.optimizer, "apply", held_back)
+        engine.backward(((engine(x) - y) ** 2).mean())  # would wait 30 s and fail in a hook
+        assert engine.overlap.pending == 4
+        gate.set()
+        engine.step()
+        assert engine.overlap.committed == 4
+        assert threads and all(t.startswith("infinity-optimizer") for t in threads), threads
+        got = engine.gathered_weights()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_an_early_update_that_fails_on_the_worker_is_raised_at_the_step(tmp_path, monkeypatch):
+    """An error in a job (here the kernel's) reaches the caller of step, every early update is
+    discarded, and the engine refuses to train on, as after any step that failed."""
+    os.makedirs(tmp_path / "a")
+    with infinity.initialize(_mlp(), _cfg(tmp_path / "a", True, tiers=HOST[0])) as engine:
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("kernel failed")
+
+        monkeypatch.setattr(engine.optimizer, "apply", broken)
+        x, y = _batch(0)
+        engine.backward(((engine(x) - y) ** 2).mean())
+        assert engine.overlap.pending == 4
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            engine.step()
+        assert engine.overlap.pending == 0
+        staging = engine.overlap.staging  # every staging tensor went back, for reuse
+        free = sum(t.numel() * t.element_size() for ts in staging._free.values() for t in ts)
+        assert free == staging.bytes > 0
+        with pytest.raises(RuntimeError, match="step failed part-way.*kernel failed"):
+            engine(x)
