@@ -216,9 +216,16 @@ class Overlap:
         try:
             for kind in opt.kinds:
                 early.reads.append(opt.states[kind].get(sg.record.name_for(), timeout=0))
+            transport = opt.grads.transport
             for u in early.units:
                 early.versions[u.index] = opt.grads.version[u.index]
-                early.grads[u.index] = opt.grads.lend(u, timeout=0)
+                early.grads[u.index] = pending = opt.grads.lend(u, timeout=0)
+                if opt.grads.store.device.type == "cuda" and transport is not None and transport.pipelined:
+                    # On the GPU (the device tier: lent in place, nothing to wait for): copied
+                    # to a pinned pool buffer on the copy-back stream, arrived when its event is.
+                    lease = pending.result()
+                    early.grads[u.index] = transport.to_host(lease.tensor, timeout=0)
+                    lease.release()
         except PoolExhausted:
             _give_back(early)
             return False
