@@ -32,7 +32,7 @@ Each placement starts both sides again from the same initial weights.
 
     python benchmarks/gpu_step.py [--pairs 3] [--dir bench-data/] [--batches 1x64,4x512,16x2048]
         [--placements "device,device,cpu;device,device,nvme;nvme,cpu,cpu;nvme,nvme,nvme"]
-        [--host-budget 4GiB] [--checkpointing] [--json] [--device cuda|cpu]
+        [--host-budget 4GiB] [--checkpointing] [--json] [--profile DIR] [--device cuda|cpu]
         [--hidden 2048 --layers 16 --intermediate 5632 --vocab 32000]
 """
 
@@ -123,6 +123,9 @@ def main(argv=None) -> int:
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on both sides")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", metavar="DIR", help="after each placement and batch, one more infinity step under "
+                   "torch.profiler: its busiest operations to DIR/profile_PLACEMENT_BxS.txt, and the host's waits "
+                   "on the GPU (synchronize and blocking-copy calls) counted in the row")  # fmt: skip
     args = p.parse_args(argv)
     batches, placements = _parse_batches(args.batches), _parse_placements(args.placements)
     dev = args.device
@@ -184,7 +187,9 @@ def main(argv=None) -> int:
             st = engine.stats()["step"]
             return {"loss": loss.item(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0,
                     "h2d_bytes": st["h2d_bytes"], "h2d_gbps": st["h2d_gbps"], "d2h_bytes": st["d2h_bytes"],
-                    "d2h_gbps": st["d2h_gbps"], "stall": st["stall_seconds"],
+                    "d2h_gbps": st["d2h_gbps"], "stall": st["stall_seconds"], "h2d_seconds": st["h2d_seconds"],
+                    "d2h_seconds": st["d2h_seconds"], "host_optimizer": st["optimizer_seconds"],
+                    "update": st["update_seconds"],
                     "read_bytes": st["nvme"]["read_bytes"], "write_bytes": st["nvme"]["write_bytes"]}  # fmt: skip
 
         run_drive = None
@@ -217,6 +222,8 @@ def main(argv=None) -> int:
             for b, s in batches:
                 row = _measure(args, dev, (b, s), placement, resident_step, infinity_step, run_drive, engine, opt,
                                model_flops_per_token(config, n_params, s))  # fmt: skip
+                if args.profile and "oom" not in row:
+                    row["host_waits"] = _profile(args.profile, placement, (b, s), infinity_step)
                 rows.append(row)
                 print(json.dumps(row) if args.json else _line(row), flush=True)
                 if "oom" in row:
@@ -295,6 +302,9 @@ def _measure(args, dev, shape, placement, resident_step, infinity_step, run_driv
         "resident_phases": {k: med(lambda q, k=k: q["resident"][k]) for k in ("forward", "backward", "optimizer")},
         "h2d_gbps": med(lambda q: q["infinity"]["h2d_gbps"]), "d2h_gbps": med(lambda q: q["infinity"]["d2h_gbps"]),
         "stall": med(lambda q: q["infinity"]["stall"]),
+        # engine.stats(): the copies' bytes and GPU seconds, the host kernel's and the whole update's seconds
+        "stats": {k: med(lambda q, k=k: q["infinity"][k]) for k in ("h2d_bytes", "h2d_seconds", "d2h_bytes",
+                                                                   "d2h_seconds", "host_optimizer", "update")},
         "read_bytes": med(lambda q: q["infinity"]["read_bytes"]), "write_bytes": med(lambda q: q["infinity"]["write_bytes"]),
         "max_loss_diff": max(abs(q["infinity"]["loss"] - q["resident"]["loss"]) for q in pairs),
     })  # fmt: skip
@@ -308,6 +318,30 @@ def _measure(args, dev, shape, placement, resident_step, infinity_step, run_driv
         row["drive_write_gbps"] = med(lambda q: q["write_gbps"])
         row["infinity_over_floor"] = med(lambda q: q["infinity"]["step"] / q["floor"])
     return row
+
+
+# The host waiting for the GPU: what torch.cuda.set_sync_debug_mode flags, and event waits.
+_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+
+
+def _profile(out_dir: str, placement: str, shape, infinity_step) -> dict:
+    """One infinity step under torch.profiler: the 40 operations with the most self CPU time to
+    ``out_dir``, and how often and how long the host waited on the GPU (calls of `_WAITS`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        infinity_step(shape, 10_000)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    os.makedirs(out_dir, exist_ok=True)
+    name = f"profile_{placement.replace(',', '-')}_{shape[0]}x{shape[1]}.txt"
+    with open(os.path.join(out_dir, name), "w") as f:
+        f.write(table)
+    waits = {}
+    for e in prof.key_averages():
+        if e.key in _WAITS:
+            waits[e.key] = {"calls": e.count, "seconds": e.cpu_time_total / 1e6}
+    return waits
 
 
 def _free(dev: str) -> None:

@@ -12,7 +12,8 @@
 #      Llama in bf16 against the same model resident on the GPU, device,device,cpu and
 #      nvme,cpu,cpu at 16x4096 with checkpointing, device,device,cpu and nvme,nvme,nvme at
 #      16x2048 (GPU_CHECK_BENCH: other arguments, one run), its figures as JSON lines;
-#   5. write what it saw under $OUT (or ./gpu-check) when that is set.
+#   5. write what it saw under $OUT (or ./gpu-check) when that is set, with a profile of one
+#      offloaded step per placement and batch (profiles/: its busiest operations).
 #
 # GPU_CHECK_TESTS="" skips step 2; other text replaces the pytest -m expression.
 #
@@ -24,6 +25,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUTDIR=${OUT:-gpu-check}
 mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)  # absolute: the benchmark runs from benchmarks/
 say() { echo "gpu-check: $*" >&2; }
 stages=()  # "name seconds" of each stage, written to $OUTDIR/stages.json at the end
 stage_start=$SECONDS
@@ -85,7 +87,7 @@ bench() {  # NAME ARGS...: one run of gpu_step.py, its JSON lines in $OUTDIR/gpu
     local name=$1 dir
     shift
     dir=$(mktemp -d /tmp/infinity-gpu-bench.XXXXXX)
-    (cd benchmarks && PYTHONUNBUFFERED=1 "$PY" gpu_step.py --dir "$dir" --json "$@") \
+    (cd benchmarks && PYTHONUNBUFFERED=1 "$PY" gpu_step.py --dir "$dir" --json --profile "$OUTDIR/profiles" "$@") \
         2> >(tee "$OUTDIR/gpu_step_$name.log" >&2) | tee "$OUTDIR/gpu_step_$name.jsonl"
     ((PIPESTATUS[0] == 0)) || status=1
     rm -rf "$dir"
