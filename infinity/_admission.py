@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, TypeVar
 
 from infinity.swap import PoolExhausted
@@ -76,8 +76,8 @@ T = TypeVar("T")
 class Plan:
     """The host budget split by class of traffic (bytes); see [Note: traffic classes]."""
 
-    budget: int
-    usable: int  # the budget less POOL_SLACK
+    budget: int = 0
+    usable: int = 0  # the budget less POOL_SLACK
     backward: int = 0  # forward and backward's own buffers at most (the activation share included)
     step: int = 0  # the optimizer step's at most
     overlap_from: int | None = None  # the smallest budget with the optimizer under backward
@@ -88,6 +88,12 @@ class Plan:
     kept: int = 0  # pool bytes in use up to which units stay kept for backward
     activation_chunk: int = 0  # bytes of one activation chunk (0: no activation tier in the pool)
     needs: dict = field(default_factory=dict)  # what initialize checked: what -> bytes
+
+    def reset(self, budget: int, usable: int) -> None:
+        """Every share back to its default, for a budget of ``budget`` (``usable`` of it)."""
+        fresh = Plan(budget=budget, usable=usable)
+        for f in fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
 
     @property
     def activations(self) -> int:
@@ -108,12 +114,14 @@ def activation_chunk(usable: int) -> int:
     return max(_PAGE, min(ACTIVATION_CHUNK, usable // (4 * ACTIVATION_CHUNKS)) // _PAGE * _PAGE)
 
 
-def make_plan(engine, cfg, units, *, activations_in_pool: bool) -> Plan:
+def make_plan(engine, cfg, units, *, activations_in_pool: bool, into: Plan | None = None) -> Plan:
     """The plan for ``engine``'s model and config, checked: a budget smaller than forward and
     backward's or the step's need is a `_resources.HostBudgetError`. The disk may still turn
-    the overlap off (``plan.overlap = 0``), after which `finish` sets the limits that depend on it."""
+    the overlap off (``plan.overlap = 0``), after which `finish` sets the limits that depend on it.
+    ``into``: the plan to fill (the engine's, which its components were built with), else a new one."""
     budget = cfg.memory.host_budget
-    plan = Plan(budget=budget, usable=int(budget * (1 - POOL_SLACK)))
+    plan = into if into is not None else Plan()
+    plan.reset(budget, int(budget * (1 - POOL_SLACK)))
     largest = max(u.padded_numel for u in units)
     opt = engine.optimizer
     needs = {"optimizer step": opt.fit_read_ahead(budget)}

@@ -60,8 +60,12 @@ from ._units import ParamUnit
 
 
 class GradAccumulator:
-    def __init__(self, store: Store, transport=None, grads_full: bool = False, max_writes: int = 2, copier=None):
+    def __init__(self, store: Store, transport=None, grads_full: bool = False, max_writes: int = 2, copier=None,
+                 plan=None):  # fmt: skip
         self.store = store
+        # `_admission.Plan`, the engine's: its ``held`` bounds the gradients held (filled in at
+        # initialize, once the plan is made; None or 0: none held)
+        self.plan = plan
         self.transport = transport  # _transport.Transport; collectives only when it has several ranks
         self.dist = transport.dist if transport is not None else None
         self.grads_full = grads_full  # ZeRO stage 1: every rank keeps the whole (averaged) gradient
@@ -69,12 +73,8 @@ class GradAccumulator:
         self.has_grad: set[int] = set()  # units with a gradient this step
         self.norms: dict[int, torch.Tensor] = {}  # 0-d fp32 per unit, read once at the step: see `_note`
         self.version: dict[int, int] = {}  # unit -> gradients stored for it this step
-        # The overlap's: keep(unit, nbytes) says whether to keep a stored gradient's buffer
-        # for an early update (which then reads it from memory, not back from nvme).
-        self.keep = None
         self._kept: dict[int, tuple[torch.Tensor, object]] = {}  # unit -> (gradient, its buffer)
         # Gradients held in memory, not written: see [Note: gradients held]. Oldest first.
-        self.hold_limit = 0  # bytes; set by the engine's plan (0: none held)
         self._held: collections.OrderedDict[int, tuple[ParamUnit, torch.Tensor, object]] = collections.OrderedDict()
         self._held_bytes = 0
         self._borrowed: set[int] = set()  # held ones an early update is reading: see borrow_held
@@ -84,9 +84,16 @@ class GradAccumulator:
         self._landing: collections.OrderedDict[int, _Landing] = collections.OrderedDict()
         self._norm: float | None = None  # global_norm of the gradients as they are now
 
-    def add(self, unit: ParamUnit, grad: torch.Tensor, lease=None) -> None:
+    @property
+    def hold_limit(self) -> int:
+        """Bytes of gradients held, not written, at most: the plan's ``held``."""
+        return self.plan.held if self.plan is not None else 0
+
+    def add(self, unit: ParamUnit, grad: torch.Tensor, lease=None, keep=None) -> None:
         """Accumulate ``grad`` (1-D fp32, the unit's padded length; in ``lease``, a pool buffer,
-        when given) into the unit's shard. Owns ``lease`` from here, failing or not."""
+        when given) into the unit's shard. Owns ``lease`` from here, failing or not. ``keep``:
+        the overlap's ``keep(unit, nbytes)``, whether to keep the stored gradient's buffer for
+        an early update (which then reads it from memory, not back from nvme), or None."""
         if self.dist is not None and self.dist.active:
             grad, lease = self.transport.reduce_grad(unit, grad, lease, keep_full=self.grads_full)
         # ``grad`` is now what this rank keeps: its slice (stages 2, 3) or all of it (stage 1)
@@ -99,7 +106,7 @@ class GradAccumulator:
                     lease.release()
                 raise
             if self.copier is not None and lease is None and not self.store.in_place_on(grad.device):
-                self._copy_back(unit, grad)
+                self._copy_back(unit, grad, keep)
                 return
             try:
                 self._writes.settle(unit.index)  # its previous write, before reading it back
@@ -109,7 +116,7 @@ class GradAccumulator:
                 if lease is not None:
                     lease.release()
                 raise
-            self._store(unit, acc, hold)
+            self._store(unit, acc, hold, keep=keep)
 
     def in_place(self, unit: ParamUnit, device: torch.device) -> torch.Tensor | None:
         """The tier's own tensor for ``unit``'s gradient, for backward to gather it in on
@@ -124,7 +131,7 @@ class GradAccumulator:
         return dst
 
     # -- copies from the device: see [Note: gradients copied back] ----------------------------
-    def _copy_back(self, unit: ParamUnit, grad: torch.Tensor) -> None:
+    def _copy_back(self, unit: ParamUnit, grad: torch.Tensor, keep) -> None:
         """Start copying ``grad`` (on the device) to the host; the rest of `add` runs when it lands."""
         first = unit.index not in self.has_grad
         pool = self.transport.pool if self.transport is not None else None
@@ -146,7 +153,7 @@ class GradAccumulator:
             raise
         if first:
             self._note(unit, grad)  # on the device, as a blocking copy's caller took it
-        self._landing[unit.index] = _Landing(unit, copy, dst, buffer, first)
+        self._landing[unit.index] = _Landing(unit, copy, dst, buffer, first, keep)
 
     def _make_room(self) -> None:
         """Before a copy into a pool buffer: at most ``max_writes`` gradients in pool buffers
@@ -175,7 +182,7 @@ class GradAccumulator:
         if landing.first:
             if buffer is None:
                 return  # in the tier's own tensor: stored
-            self._store(unit, dst, buffer, noted=True)  # (a pool buffer: the tier is nvme)
+            self._store(unit, dst, buffer, noted=True, keep=landing.keep)  # (a pool buffer: the tier is nvme)
             return
         try:
             self._writes.settle(index)
@@ -185,7 +192,7 @@ class GradAccumulator:
                 buffer.release()
             self.has_grad.discard(index)
             raise
-        self._store(unit, acc, hold)
+        self._store(unit, acc, hold, keep=landing.keep)
 
     def _land_finished(self) -> None:
         """Store the gradients whose copies have finished, oldest first (never waits)."""
@@ -247,7 +254,7 @@ class GradAccumulator:
             lease.release()
         return held.tensor, held
 
-    def _store(self, unit: ParamUnit, acc: torch.Tensor, hold, noted: bool = False) -> None:
+    def _store(self, unit: ParamUnit, acc: torch.Tensor, hold, noted: bool = False, keep=None) -> None:
         """``acc`` is the unit's gradient now: held in ``hold`` (its pool buffer), or written
         from it; ``noted``: its norm was taken already (a first micro-batch's, on the device)."""
         nbytes = acc.numel() * acc.element_size()
@@ -267,17 +274,17 @@ class GradAccumulator:
             raise
         if not noted:
             self._note(unit, acc)
-        self._behind(unit, acc, hold, pending)
+        self._behind(unit, acc, hold, pending, keep)
 
     def _hold(self, unit: ParamUnit, acc: torch.Tensor, hold) -> None:
         self._held[unit.index] = (unit, acc, hold)  # see [Note: gradients held]
         self._held_bytes += acc.numel() * acc.element_size()
         self._write_held_down_to(self.hold_limit)
 
-    def _behind(self, unit: ParamUnit, acc: torch.Tensor, hold, pending) -> None:
+    def _behind(self, unit: ParamUnit, acc: torch.Tensor, hold, pending, keep=None) -> None:
         """``acc``'s write ``pending`` is in flight from ``hold`` (or from its own copy)."""
         nbytes = acc.numel() * acc.element_size()
-        if hold is not None and self.keep is not None and self.keep(unit, nbytes):
+        if hold is not None and keep is not None and keep(unit, nbytes):
             self._kept[unit.index] = (acc, hold)
             hold = None
         if hold is None and not self.store.uses_pool:
@@ -461,14 +468,15 @@ class GradAccumulator:
 class _Landing:
     """A gradient on its way from the device: see [Note: gradients copied back]."""
 
-    __slots__ = ("unit", "copy", "dst", "buffer", "first")
+    __slots__ = ("unit", "copy", "dst", "buffer", "first", "keep")
 
-    def __init__(self, unit: ParamUnit, copy, dst: torch.Tensor, buffer, first: bool):
+    def __init__(self, unit: ParamUnit, copy, dst: torch.Tensor, buffer, first: bool, keep=None):
         self.unit = unit
         self.copy = copy  # `_transport.Copy`
         self.dst = dst  # host tensor it lands in
         self.buffer = buffer  # pool buffer behind ``dst``, or None (the tier's own tensor, a temporary)
         self.first = first  # the step's first gradient of the unit (else added to the sum on landing)
+        self.keep = keep  # the overlap's keep, as `GradAccumulator.add` was given it
 
 
 class _Return:

@@ -33,7 +33,7 @@ class Optimizer(torch.optim.Optimizer):
     def __init__(self, algorithm: Algorithm, param_groups: list[dict], defaults: dict, *, units, groups,
                  states: dict[str, Store], param_store: Store, grads: GradAccumulator, max_grad_norm,
                  param_dtype: torch.dtype, engine_step, engine_zero_grad, dist=None, params_sharded: bool = True,
-                 foreign=None, one_copy: bool = False):  # fmt: skip
+                 foreign=None, one_copy: bool = False, plan=None):  # fmt: skip
         self._ready = False
         if foreign is not None and dist is not None and dist.active:
             raise ValueError(f"optimizer {type(foreign).__name__}: the engine runs a torch optimizer it does not "
@@ -43,7 +43,7 @@ class Optimizer(torch.optim.Optimizer):
         self.substates = SubGroupStates(algorithm, self.param_groups, units=units, groups=groups, stores=states,
                                         param_store=param_store, param_dtype=param_dtype, dist=dist,
                                         params_sharded=params_sharded, foreign=foreign, one_copy=one_copy)  # fmt: skip
-        self.updater = StreamedUpdate(self.substates, self.param_groups, grads, max_grad_norm)
+        self.updater = StreamedUpdate(self.substates, self.param_groups, grads, max_grad_norm, plan)
         # What the rest of the engine reads of them, fixed at initialize (the objects are shared).
         sub = self.substates
         self.units, self.frozen = sub.units, sub.frozen

@@ -105,7 +105,6 @@ class Overlap:
         self.committed = 0  # sub-groups committed at the last step (for tests and stats)
         # Gradients kept in memory for sub-groups not started yet: at most one sub-group's.
         self.keep_bytes = 4 * max(sg.numel for sg in optimizer.groups)
-        optimizer.grads.keep = self._keep
 
     # -- backward ---------------------------------------------------------------------------
     def arm(self, expected) -> None:
@@ -118,8 +117,9 @@ class Overlap:
             if g is not None and g not in self._early and all(r.index != g for r in self._reading):
                 self._waiting.setdefault(g, set()).add(u.index)
 
-    def _keep(self, unit, nbytes: int) -> bool:
-        """Keep ``unit``'s stored gradient in memory for its sub-group's early update?"""
+    def keep_grad(self, unit, nbytes: int) -> bool:
+        """Keep ``unit``'s stored gradient in memory for its sub-group's early update? (The
+        scheduler asks, for each gradient it hands to the grads tier.)"""
         return (self.armed and self.group_of.get(unit.index) in self._waiting
                 and self.opt.grads.kept_bytes + nbytes <= self.keep_bytes)  # fmt: skip
 

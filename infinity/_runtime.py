@@ -87,7 +87,8 @@ class UnitRuntime:
     """Fetches, binds and releases units, and gathers their gradients in backward."""
 
     def __init__(self, units: list[ParamUnit], store: Store, grads: GradAccumulator, stats: Stats,
-                 transport: Transport, *, gather: bool, admission: Admission, on_unit_final=None):  # fmt: skip
+                 transport: Transport, *, gather: bool, admission: Admission, on_unit_final=None,
+                 keep_grad=None):  # fmt: skip
         self.units = units
         self.store = store
         self.grads = grads
@@ -107,6 +108,7 @@ class UnitRuntime:
         self.kept = Kept(transport.dtype.itemsize)
         # The engine's overlap (see _overlap): told when a unit's gradient is stored.
         self.on_unit_final = on_unit_final
+        self.keep_grad = keep_grad  # ... and asked whether to keep a gradient in memory for it
         self._by_storage: dict[int, ParamUnit] = {}  # storage address -> READY unit (released-able)
 
     # -- fetch and release ------------------------------------------------------------------
@@ -334,7 +336,7 @@ class UnitRuntime:
             unit.uses = 0
         if grad is not None:
             with traffic(self.pool, GRAD):
-                self.grads.add(unit, grad, lease)  # owns the lease from here, failing or not
+                self.grads.add(unit, grad, lease, keep=self.keep_grad)  # owns the lease from here, failing or not
         self.release(unit)
         if grad is not None and self.on_unit_final is not None:
             with traffic(self.pool, OVERLAP):  # the optimizer's early updates: see `_overlap`

@@ -167,6 +167,7 @@ class Scheduler:
         activations=None,
         on_backward_due=None,
         on_unit_final=None,
+        keep_grad=None,
     ):
         self.units = units
         self.module_units = module_units
@@ -174,7 +175,7 @@ class Scheduler:
         # tiles one by one; the hooks here only count their uses and prefetch their first tile.
         self.tiled = tiled or {}
         self.runtime = UnitRuntime(units, store, grads, stats, transport, gather=gather, admission=admission,
-                                   on_unit_final=on_unit_final)  # fmt: skip
+                                   on_unit_final=on_unit_final, keep_grad=keep_grad)  # fmt: skip
         self.prefetcher = Prefetcher(self.runtime, module_units, self.tiled, depth=depth, prefetch_bytes=prefetch_bytes,
                                      keep=keep, keep_limit=keep_limit, device_budget=device_budget)  # fmt: skip
         self.always_ready = self.runtime.always_ready

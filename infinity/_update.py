@@ -57,8 +57,10 @@ class StreamedUpdate:
     """The update of every sub-group with a gradient, streamed (see the module's docstring).
     ``param_groups`` is the optimizer's own list: its hyperparameters as they are now."""
 
-    def __init__(self, substates: SubGroupStates, param_groups: list[dict], grads: GradAccumulator, max_grad_norm):
+    def __init__(self, substates: SubGroupStates, param_groups: list[dict], grads: GradAccumulator, max_grad_norm,
+                 plan=None):  # fmt: skip
         self.substates = substates
+        self.plan = plan  # `_admission.Plan`, the engine's: ``step_holds``, the gradients the stream leaves held
         self.algorithm = substates.algorithm
         self.param_groups = param_groups
         self.grads = grads
@@ -67,7 +69,6 @@ class StreamedUpdate:
         self.clipped_last = False  # the last step clipped (early updates would be discarded)
         self.ahead = READ_AHEAD
         self.ahead_bytes: int | None = None  # read-ahead by bytes too (see fit_read_ahead)
-        self.hold_room: int | None = None  # gradients the stream leaves held (the engine's plan)
         self.transport = grads.transport  # `_transport.Transport`: the copies ([Note: every copy counted])
         self.stats = getattr(self.transport, "stats", None)  # `_stats.Stats`, or None (nothing counted)
 
@@ -119,8 +120,8 @@ class StreamedUpdate:
         # Held gradients ([Note: gradients held] in `_grads`): those of committed sub-groups go
         # back, and what the stream has no room for beside its own buffers is written.
         self.grads.release_held(u.index for g in st.groups if g.index in committed for u in g.units)
-        if self.hold_room is not None:
-            self.grads.spill(keep=self.hold_room)
+        if self.plan is not None:
+            self.grads.spill(keep=self.plan.step_holds)
         grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=st.device)
         grads_now = grads_next = None
         try:

@@ -136,13 +136,17 @@ class Engine:
             states["master"] = _onecopy.MasterView(self.param_store, groups, stats)
         self.units = units
         self.transport = Transport(dev, self.dtype, self.pool, self.dist, stats)
+        # The host budget's plan, filled in by `_check_memory` below: the gradients and the step
+        # read their shares from it ([Note: traffic classes] in `_admission`).
+        self.plan = _admission.Plan()
         self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full,
-                                     copier=self.transport.copy_back)  # on a GPU: [Note: gradients copied back]
+                                     copier=self.transport.copy_back,  # on a GPU: [Note: gradients copied back]
+                                     plan=self.plan)  # fmt: skip
         self.optimizer = Optimizer(
             algorithm, param_groups, defaults, units=units, groups=groups, states=states,
             param_store=self.param_store, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
             param_dtype=self.dtype, engine_step=self._step, engine_zero_grad=self.zero_grad, dist=self.dist,
-            params_sharded=self.params_sharded, foreign=foreign, one_copy=one_copy,
+            params_sharded=self.params_sharded, foreign=foreign, one_copy=one_copy, plan=self.plan,
         )  # fmt: skip
         # Everything that can refuse the user's arguments, before the module's weights move.
         self.lr_scheduler = self._make_scheduler(scheduler_spec)
@@ -174,8 +178,6 @@ class Engine:
         self._managed = {id(p) for u in units for p in u.params}  # see _check_training
         plan = self.plan
         _admission.finish(plan, self)
-        self.grads.hold_limit = plan.held
-        self.optimizer.updater.hold_room = plan.step_holds  # what the step leaves held
         self.admission = _admission.Admission(self.pool, plan)
         if plan.overlap:
             self.overlap = Overlap(self.optimizer, plan.overlap, self._loss_scale,
@@ -194,7 +196,8 @@ class Engine:
                                    gather=self.params_sharded and self.dist.active, tiled=tiled,
                                    admission=self.admission, activations=self.activations,
                                    on_backward_due=self._backward_due if overlap is not None else None,
-                                   on_unit_final=overlap.unit_final if overlap is not None else None)  # fmt: skip
+                                   on_unit_final=overlap.unit_final if overlap is not None else None,
+                                   keep_grad=overlap.keep_grad if overlap is not None else None)  # fmt: skip
         if self.scheduler.always_ready:
             for unit in units:
                 self.scheduler.runtime.materialize(unit)
@@ -222,7 +225,7 @@ class Engine:
         machine's memory cannot hold (see `_resources`); plan the budget's shares
         ([Note: traffic classes] in `_admission`). Called before anything is written: the
         estimate stops here ([Note: estimate from the engine's own plan] in `_estimate`)."""
-        self.plan = _admission.make_plan(self, cfg, units, activations_in_pool=_activations.in_pool(cfg))
+        _admission.make_plan(self, cfg, units, activations_in_pool=_activations.in_pool(cfg), into=self.plan)
         self.overlap_from = self.plan.overlap_from
         # State the resident tiers keep in host memory: the cpu tier, and the device tier on a
         # machine without a GPU.

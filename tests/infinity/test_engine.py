@@ -333,7 +333,7 @@ def test_stats_split_the_traffic_by_kind_of_state(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
     engine = infinity.initialize(model, _config(tmp_path, ("nvme",) * 3, optimizer={"overlap": False}))
-    engine.grads.hold_limit = 0
+    engine.plan.held = 0
     try:
         for _ in range(2):
             engine.backward(engine(torch.randn(8, 16)).pow(2).mean())

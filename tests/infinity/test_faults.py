@@ -330,7 +330,7 @@ def _grads_on_full_drive(tmp_path, drive, engines) -> infinity.Engine:
     grow it; the drive fills up between initialize and that backward."""
     engine = infinity.initialize(_model(), _config(tmp_path, nvme={"grow_step": "4KiB"}))
     engines.append(engine)
-    engine.grads.hold_limit = 0  # every gradient written in backward, none held for the step
+    engine.plan.held = 0  # every gradient written in backward, none held for the step
     drive.full = True
     return engine
 

@@ -80,7 +80,7 @@ def test_initialize_refuses_a_state_larger_than_the_disk_budget_and_leaves_nothi
 
 def test_footprint_counts_the_state_as_written(tmp_path):
     engine = infinity.initialize(_mlp(), _cfg(tmp_path, True))
-    engine.grads.hold_limit = 0  # every gradient on disk, as the footprint plans for
+    engine.plan.held = 0  # every gradient on disk, as the footprint plans for
     try:
         _step(engine, 0)
         engine.space.flush()
@@ -178,7 +178,7 @@ def test_footprint_per_drive_follows_the_stripes(tmp_path):
     cfg = _cfg(tmp_path / "a", False, stripe_threshold=0, stripe_size="4KiB")
     cfg["nvme"]["paths"] = [str(tmp_path / "a"), str(tmp_path / "b")]
     engine = infinity.initialize(_mlp(), cfg)
-    engine.grads.hold_limit = 0  # every gradient on disk, as the footprint plans for
+    engine.plan.held = 0  # every gradient on disk, as the footprint plans for
     try:
         _step(engine, 0)
         space = engine.space

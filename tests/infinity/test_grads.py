@@ -36,7 +36,7 @@ def _run(path, budget: str, hold_limit: int | None = None, steps: int = 3, layer
     engine = infinity.initialize(_layers(layers), cfg)
     try:
         if hold_limit is not None:
-            engine.grads.hold_limit = hold_limit
+            engine.plan.held = hold_limit
         losses, held, committed = [], 0, []
         for step in range(steps):
             for micro in range(MICRO):
@@ -135,7 +135,7 @@ def _hf_llama(path, dtype: str, hold: float | None):
                                                optimizer={"overlap": False, "gradient_accumulation_steps": MICRO}))  # fmt: skip
     try:
         if hold is not None:
-            engine.grads.hold_limit = int(hold * 4 * sum(u.shard_numel for u in engine.units))
+            engine.plan.held = int(hold * 4 * sum(u.shard_numel for u in engine.units))
         losses = []
         for step in range(3):
             for micro in range(MICRO):

@@ -33,7 +33,7 @@ def _run(path, monkeypatch, one_copy: bool, overlap: bool, steps: int = 3, ckpt=
                                             "max_grad_norm": 1e9})  # fmt: skip
         engine = infinity.initialize(_model(), cfg)
     try:
-        engine.grads.hold_limit = 0  # every gradient written: the kinds' bytes below are exact
+        engine.plan.held = 0  # every gradient written: the kinds' bytes below are exact
         losses = train(engine, steps)
         if ckpt is not None:
             engine.save_checkpoint(ckpt)

@@ -78,7 +78,7 @@ def test_a_flipped_gradient_byte_raises_in_the_step(tmp_path):
     # No gradient held in memory ([Note: gradients held]) and no update under backward: each
     # is written in backward and read in the step.
     with _engine(tmp_path, memory={"host_budget": "4MiB"}, optimizer={"overlap": False}) as engine:
-        engine.grads.hold_limit = 0
+        engine.plan.held = 0
         x, y = _batch()
         engine.backward(((engine(x) - y) ** 2).mean())
         engine.space.flush()  # the gradients' writes go on behind backward

@@ -45,7 +45,7 @@ def test_lora_on_a_frozen_nvme_base_matches_plain_peft_and_never_writes_the_base
     names = set(engine.space.names())
     assert not any(f"{u.name}/master" in names or f"{u.name}/grad" in names for u in frozen)
     n = sum(u.shard_numel for u in trainable)
-    engine.grads.hold_limit = 0  # every gradient written: the count below is exact
+    engine.plan.held = 0  # every gradient written: the count below is exact
     # grads, master + moments, params (none beside the master weights with one copy of fp32)
     per_step = 4 * n + 3 * 4 * n + (0 if engine.optimizer.one_copy else engine.dtype.itemsize * n)
     for step in range(5):
