@@ -32,7 +32,7 @@ Each placement starts both sides again from the same initial weights.
 
     python benchmarks/gpu_step.py [--pairs 3] [--dir bench-data/] [--batches 1x64,4x512,16x2048]
         [--placements "device,device,cpu;device,device,nvme;nvme,cpu,cpu;nvme,nvme,nvme"]
-        [--host-budget 4GiB] [--checkpointing] [--json] [--profile DIR] [--device cuda|cpu]
+        [--host-budget 4GiB] [--overlap-disk 1.0] [--checkpointing] [--json] [--profile DIR] [--device cuda|cpu]
         [--hidden 2048 --layers 16 --intermediate 5632 --vocab 32000]
 """
 
@@ -120,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--host-budget", default="4GiB")
+    p.add_argument("--overlap-disk", type=float, default=1.0,
+                   help="optimizer.overlap_disk: with nvme,cpu,cpu the state on nvme is the parameters alone, and "
+                        "1.0 lets every sub-group's new parameters be written under backward")  # fmt: skip
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on both sides")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--json", action="store_true")
@@ -210,7 +213,7 @@ def main(argv=None) -> int:
             os.makedirs(swap)
             cfg = {"tiers": {"params": params, "grads": grads, "optimizer": optimizer}, "nvme": {"paths": [swap]},
                    "memory": {"host_budget": args.host_budget}, "precision": {"param_dtype": "bf16"},
-                   "optimizer": {"lr": args.lr}}  # fmt: skip
+                   "optimizer": {"lr": args.lr, "overlap_disk": args.overlap_disk}}  # fmt: skip
             model.load_state_dict(initial)  # both sides from the same weights, on the same batches
             opt = [torch.optim.AdamW(model.parameters(), lr=args.lr, fused=dev == "cuda")]
             t = time.perf_counter()

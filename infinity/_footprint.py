@@ -140,18 +140,22 @@ class Footprint:
                 for p, s, k, c, a in zip(self.paths, self.state, self.peak, self.caps, arenas)}  # fmt: skip
 
 
-def plan(engine, cfg, overlap: bool) -> Footprint:
+def plan(engine, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
     """The footprint of ``engine``'s run on its swap space (``overlap``: the optimizer may run
-    under backward), with each drive's room now."""
+    under backward with its states on nvme; ``staged_params``: with them in host memory, and the
+    new parameters written under backward under staged names, [Note: parameters written under
+    backward] in `_overlap_host`), with each drive's room now."""
     space = engine.space
     layout = Layout(len(space.rank_dirs), cfg.nvme.stripe_size, cfg.nvme.stripe_threshold)
     state = [0] * layout.members
     for n in (n for sizes in state_tensors(engine).values() for n in sizes):
         state = [a + b for a, b in zip(state, layout.add(n))]
     staging = [0] * layout.members
-    if overlap:
-        for sg in engine.optimizer.groups:
-            for n in staged_tensors(engine.optimizer, sg):
+    if overlap or staged_params:
+        opt = engine.optimizer
+        for sg in opt.groups:
+            sizes = staged_tensors(opt, sg) if overlap else [opt.record(u).nbytes("param") for u in sg.units]
+            for n in sizes:
                 staging = [a + b for a, b in zip(staging, layout.add(n))]
     arenas = space.arena_sizes()
     available = [(disk_free(d) + a) // ALIGNMENT * ALIGNMENT for d, a in zip(space.rank_dirs, arenas)]
@@ -228,11 +232,11 @@ def staged_bytes(opt, sg, members: int) -> int:
     return sum(round_up(n, ALIGNMENT) + (members - 1) * ALIGNMENT for n in staged_tensors(opt, sg))
 
 
-def fit(engine, cfg, overlap: bool) -> Footprint:
+def fit(engine, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
     """`plan`, `share` and `check` ``engine``'s footprint, then cap each arena at what was checked."""
-    fp = plan(engine, cfg, overlap)
+    fp = plan(engine, cfg, overlap, staged_params)
     share(fp, engine.dist, engine.space)
-    check(fp, overlap)
+    check(fp, overlap or staged_params)
     if fp.staging_room:
         room, total = distinct_sizes(fp.staging_room, sum(fp.staging))
         logger.info("optimizer.overlap: the disk (optimizer.overlap_disk=%g of the state, free space, "

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _build, _checkpoint, _ddp, _deepspeed, _footprint, _gather, _onecopy, _resources, _sizes, _wrap
+from . import _activations, _admission, _build, _checkpoint, _ddp, _deepspeed, _footprint, _gather, _onecopy, _overlap_host, _resources, _sizes, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -184,7 +184,9 @@ class Engine:
                                              disk_room=self.footprint.staging_room, space=self.space,
                                              on_disk_full=self._refuse)  # fmt: skip
         elif plan.staging:  # the states in host memory: see [Note: staged in host memory]
-            self.overlap = HostOverlap(self.optimizer, plan.staging, self._loss_scale)
+            fp = self.footprint
+            self.overlap = HostOverlap(self.optimizer, plan.staging, self._loss_scale,
+                                       disk_room=fp.staging_room if fp is not None and self._params_staged() else 0)
         overlap = self.overlap
         # [activations] tier: see [Note: activations offloaded] in `_activations`
         self.activations = _activations.build(cfg, rank=self.rank, local_rank=self.dist.local_rank, aio=self.aio,
@@ -242,11 +244,16 @@ class Engine:
         _resources.check_host_memory(resident, max(self.plan.needs.values()))
         self.footprint = None  # the disk the swap space takes ([Note: disk footprint])
         if self.space is not None:
-            self.footprint = _footprint.fit(self, cfg, bool(self.plan.overlap))
+            self.footprint = _footprint.fit(self, cfg, bool(self.plan.overlap), staged_params=self._params_staged())
             if self.footprint.staging_room == 0 and self.plan.overlap:
                 logger.info("optimizer.overlap: the disk has no room for a sub-group's staged copies beside the "
                             "state; the optimizer runs after backward")  # fmt: skip
                 self.plan.overlap = 0
+
+    def _params_staged(self) -> bool:
+        """Whether early updates in host memory write the new parameters to nvme under backward
+        ([Note: parameters written under backward] in `_overlap_host`)."""
+        return bool(self.plan.staging) and _overlap_host.stages_params(self.device, self.param_store)
 
     def _loss_scale(self) -> float:
         return self._scaler.scale if self._scaler is not None else 1.0

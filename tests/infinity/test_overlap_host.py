@@ -284,3 +284,84 @@ def test_an_early_update_that_fails_on_the_worker_is_raised_at_the_step(tmp_path
         assert free == staging.bytes > 0
         with pytest.raises(RuntimeError, match="step failed part-way.*kernel failed"):
             engine(x)
+
+
+def _staged_params(engine) -> list[str]:
+    """The parameters staged on nvme, once the writes in flight are done."""
+    for futures, _ in engine.overlap._param_writes.values():
+        for f in futures:
+            f.result()
+    return [n for n in engine.space.names() if n.endswith("~next/param")]
+
+
+@pytest.fixture
+def params_staged(monkeypatch):
+    """Parameters written under backward with the compute on the host too (on its own it
+    does so only on a GPU: `_overlap_host.stages_params`): the same code, tested here."""
+    import infinity._overlap_host as overlap_host
+
+    monkeypatch.setattr(overlap_host, "stages_params", lambda device, store: store.uses_pool)
+
+
+def test_parameters_on_nvme_are_written_under_backward_only_with_a_gpu(tmp_path):
+    os.makedirs(tmp_path / "a")
+    with infinity.initialize(_mlp(), _cfg(tmp_path / "a", True, tiers=("nvme", "cpu", "cpu"))) as engine:
+        assert isinstance(engine.overlap, HostOverlap)
+        assert engine.overlap.disk_room == 0  # the compute is on the host here
+
+
+def test_parameters_on_nvme_are_written_under_backward_and_renamed_at_the_step(tmp_path, params_staged):
+    """nvme,cpu,cpu: once a sub-group's job is done, its new parameters are written under
+    their staged names while backward goes on ([Note: parameters written under backward]); the
+    step renames them, and the run is the one without overlap, bit for bit. zero_grad deletes
+    them and changes nothing."""
+    tiers = ("nvme", "cpu", "cpu")
+    off = _train(tmp_path / "off", False, tiers=tiers, steps=2)
+    os.makedirs(tmp_path / "on")
+    with infinity.initialize(_mlp(), _cfg(tmp_path / "on", True, tiers=tiers)) as engine:
+        assert engine.overlap.disk_room is None  # overlap_disk 1.0: every sub-group's fit
+        losses = []
+        for step in range(2):
+            x, y = _batch(step, 0, torch.float32)
+            loss = ((engine(x) - y) ** 2).float().mean()
+            engine.backward(loss)
+            for job in list(engine.overlap._jobs.values()):
+                job.result()
+            engine.overlap.pump()  # what the next hook would do: the done jobs' parameters written
+            assert len(_staged_params(engine)) == 4, engine.space.names()
+            engine.step()
+            assert engine.overlap.committed == 4
+            assert _staged_params(engine) == []
+            losses.append(loss.item())
+        assert losses == off[0]
+        got = engine.gathered_weights()
+        assert all(torch.equal(off[1][k], got[k]) for k in off[1])
+        before = got
+        x, y = _batch(2, 0, torch.float32)
+        engine.backward(((engine(x) - y) ** 2).float().mean())
+        for job in list(engine.overlap._jobs.values()):
+            job.result()
+        engine.overlap.pump()
+        assert _staged_params(engine)
+        engine.zero_grad()
+        assert _staged_params(engine) == []
+        after = engine.gathered_weights()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_parameters_staged_on_nvme_stay_within_the_disk_room(tmp_path, params_staged):
+    """optimizer.overlap_disk 0 leaves no disk beside the state: no parameter is written under
+    backward, every sub-group is still updated early, and written at the step."""
+    tiers = ("nvme", "cpu", "cpu")
+    os.makedirs(tmp_path / "a")
+    cfg = _cfg(tmp_path / "a", True, tiers=tiers, optimizer={"overlap_disk": 0.0})
+    with infinity.initialize(_mlp(), cfg) as engine:
+        assert engine.overlap.disk_room == 0
+        x, y = _batch(0, 0, torch.float32)
+        engine.backward(((engine(x) - y) ** 2).float().mean())
+        for job in list(engine.overlap._jobs.values()):
+            job.result()
+        engine.overlap.pump()
+        assert _staged_params(engine) == []
+        engine.step()
+        assert engine.overlap.committed == 4
