@@ -140,11 +140,9 @@ class Copy:
         if self._end is None:
             return
         self._end.synchronize()
-        if self._stats is not None and self._start is not None:
-            seconds = self._start.elapsed_time(self._end) / 1e3
-            for c in self._stats.both():
-                c.d2h_bytes += self._nbytes
-                c.d2h_seconds += seconds
+        if self._stats is not None and self._start is not None:  # (the optimizer's worker waits too: locked)
+            self._stats.add("d2h_bytes", self._nbytes)
+            self._stats.add("d2h_seconds", self._start.elapsed_time(self._end) / 1e3)
         self._end = None
 
 

@@ -324,3 +324,35 @@ def test_whole_steps_make_no_host_synchronisation(tmp_path, tiers, dtype):
         torch.cuda.synchronize()
         assert all(torch.isfinite(v).item() for v in losses)
     assert not seen, "host synchronisations in a step:\n" + "\n".join(f"{k}\n{v}" for k, v in seen.items())
+
+
+@pytest.mark.parametrize("tiers", [("device", "device", "cpu"), ("nvme", "cpu", "cpu")])
+def test_early_updates_on_the_worker_match_the_step_after_backward_bit_for_bit(tmp_path, tiers):
+    """The optimizer under backward with its states in host memory, on a GPU: gradients copied
+    to pinned buffers on the copy-back stream, updated on the worker thread, the new parameters
+    sent back on the side stream at the step (device) or written to nvme under backward (nvme):
+    the weights of the step after backward, bit for bit, every sub-group committed early."""
+
+    def run(where, overlap):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(4)], nn.Linear(256, 8))
+        cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(where)]},
+               "precision": {"param_dtype": "bf16"},
+               "optimizer": {"lr": 1e-3, "overlap": overlap, "sub_group_size": "256KiB", "overlap_disk": 1.0}}  # fmt: skip
+        with infinity.initialize(model, cfg) as engine:
+            losses, committed = [], []
+            for step in range(3):
+                x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+                loss = engine(x.to(torch.bfloat16)).float().pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                committed.append(engine.overlap.committed if engine.overlap is not None else 0)
+            return losses, engine.gathered_weights(), committed, len(engine.optimizer.groups)
+
+    want = run(tmp_path / "off", False)
+    got = run(tmp_path / "on", True)
+    assert got[0] == want[0]
+    for k in want[1]:
+        assert torch.equal(got[1][k], want[1][k]), k
+    assert want[2] == [0, 0, 0] and all(c == got[3] for c in got[2]), got[2]
