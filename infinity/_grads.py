@@ -1,8 +1,9 @@
 """Gradients: gathered per unit as backward leaves it, reduced, accumulated in fp32 in the grads tier.
 
-Owns: which units have a gradient this step, their write-behinds, and each accumulated
-gradient's squared norm and finiteness. Touches: the grads `Store` (leases), the transport
-(reduction across ranks).
+Owns: which units have a gradient this step, their write-behinds, the copies from a GPU in
+flight, the gradients held and kept in memory. Touches: the grads `Store` (leases), the
+transport (reduction across ranks, copies back), `_grad_norms.GradNorms` (told of each
+gradient stored: its norm and finiteness).
 
 Accumulation over micro-batches: the first backward of a step writes a unit's gradient, later
 ones read, add and write it back. On nvme the write is behind (at most ``max_writes`` in
@@ -55,7 +56,7 @@ from infinity.swap import PoolExhausted, WriteBehind
 
 from ._profile import region
 from ._store import InHand, Lease, Store
-from ._transport import host_value
+from ._grad_norms import GradNorms
 from ._units import ParamUnit
 
 
@@ -71,7 +72,7 @@ class GradAccumulator:
         self.grads_full = grads_full  # ZeRO stage 1: every rank keeps the whole (averaged) gradient
         self.max_writes = max_writes
         self.has_grad: set[int] = set()  # units with a gradient this step
-        self.norms: dict[int, torch.Tensor] = {}  # 0-d fp32 per unit, read once at the step: see `_note`
+        self.norms = GradNorms(self.dist)  # of each unit's gradient as it is now: clipping, the overflow check
         self.version: dict[int, int] = {}  # unit -> gradients stored for it this step
         self._kept: dict[int, tuple[torch.Tensor, object]] = {}  # unit -> (gradient, its buffer)
         # Gradients held in memory, not written: see [Note: gradients held]. Oldest first.
@@ -82,7 +83,6 @@ class GradAccumulator:
         # Copies from the device in flight: see [Note: gradients copied back]. Oldest first.
         self.copier = copier  # `_transport.CopyBack` on a GPU
         self._landing: collections.OrderedDict[int, _Landing] = collections.OrderedDict()
-        self._norm: float | None = None  # global_norm of the gradients as they are now
 
     @property
     def hold_limit(self) -> int:
@@ -296,15 +296,7 @@ class GradAccumulator:
         whether it is finite)."""
         self.has_grad.add(unit.index)
         self.version[unit.index] = self.version.get(unit.index, 0) + 1
-        self._norm = None
-        mine = acc[unit.shard] if self.grads_full else acc  # norms of this rank's slice only
-        # Kept as a tensor: reading it (a device sync on CUDA) waits for the step, once. The
-        # norm in fp32, as torch.nn.utils.clip_grad_norm_ computes it (no fp64 copy of the
-        # gradient); squared and summed in fp64 at the step. It is finite exactly when every
-        # element is, unless the norm itself passes the fp32 range (3.4e38): that counts as an
-        # overflow too, as in clip_grad_norm_. So no second pass over the gradient checks
-        # finiteness.
-        self.norms[unit.index] = torch.linalg.vector_norm(mine)
+        self.norms.note(unit.index, acc[unit.shard] if self.grads_full else acc)  # this rank's slice
 
     # -- held gradients: see [Note: gradients held] ------------------------------------------
     def _unhold(self, index: int):
@@ -415,32 +407,6 @@ class GradAccumulator:
             for index in list(self._kept):
                 self._kept.pop(index)[1].release()
 
-    def global_norm(self) -> float:
-        """The L2 norm of every rank's accumulated gradients (an all-reduce with several ranks),
-        computed once per accumulation: clipping and the caller that logs it share it."""
-        if self._norm is None:
-            self._norm = self._global_norm()
-        return self._norm
-
-    def _global_norm(self) -> float:
-        norms = list(self.norms.values())
-        if norms:
-            local = host_value((torch.stack(norms).to(torch.float64) ** 2).sum())
-        else:
-            local = torch.zeros((), dtype=torch.float64)
-        total = local.reshape(1).to(torch.float64)
-        if self.dist is not None and self.dist.active:  # each rank holds the norm of its slices
-            self.dist.all_reduce_sum(total, "the global gradient norm")
-        return float(total) ** 0.5
-
-    def all_finite(self) -> bool:
-        norms = list(self.norms.values())
-        ok = bool(host_value(torch.isfinite(torch.stack(norms)).all())) if norms else True
-        bad = torch.tensor([0.0 if ok else 1.0])
-        if self.dist is not None and self.dist.active:  # an overflow anywhere skips everywhere
-            self.dist.all_reduce_sum(bad, "the overflow check")
-        return float(bad) == 0.0
-
     def zero(self) -> None:
         """Forget this step's gradients (the next backward writes afresh; nothing is read).
         Copies and write-behinds are finished first; one that failed does not matter: it is forgotten."""
@@ -460,7 +426,6 @@ class GradAccumulator:
             self._unhold(next(iter(self._held)))[1].release()
         self._borrowed.clear()
         self.has_grad.clear()
-        self._norm = None
         self.norms.clear()
         self.version.clear()
 

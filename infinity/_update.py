@@ -103,7 +103,7 @@ class StreamedUpdate:
         if overlap is None:  # see [Note: one copy of the fp32 weights] in `_onecopy`
             st.share_masters()
         self.grads.flush()
-        if not self.grads.all_finite():
+        if not self.grads.norms.all_finite():
             if overlap is not None:
                 overlap.discard()
             return False
@@ -111,7 +111,7 @@ class StreamedUpdate:
         clip, self.clip_next = (self.clip_next if self.clip_next is not None else self.max_grad_norm), None
         self.clipped_last = False
         if clip is not None:
-            norm = self.grads.global_norm() / loss_scale
+            norm = self.grads.norms.global_norm() / loss_scale
             coef = min(1.0, clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
             divide = loss_scale / coef
             self.clipped_last = coef < 1.0

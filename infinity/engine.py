@@ -483,7 +483,7 @@ class Engine:
         self._check_open()
         self.grads.flush()
         scale = self._scaler.scale if self._scaler is not None else 1.0
-        return self.grads.global_norm() / scale
+        return self.grads.norms.global_norm() / scale
 
     @entry("clip_grad_norm_")
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
