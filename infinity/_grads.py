@@ -15,19 +15,19 @@ optimizer knows the global norm (clipping) and an fp16 overflow before it reads 
 Backward makes the gradients in the reverse of the units' order, and the step streams the
 sub-groups in that order, so the gradients backward makes last are the ones the step needs
 first. On nvme, a gradient gathered in a pool buffer is held there, not written, as long as
-the held ones together stay within ``hold_limit`` (the engine's plan: what the host budget
+the held ones together stay within the plan's ``held`` share (what the host budget
 leaves beside the larger of the backward's and the step's own buffers); past it the one held
 longest (the one the step needs last) is written, and its buffer goes back once written. A
 later micro-batch adds into a held gradient in memory; the step first writes what it has no
-room for beside its own buffers (`spill`), then takes the held ones from memory
+room for beside its own buffers (`HeldGrads.spill`), then takes the held ones from memory
 (`take_held`); `zero` gives them back. So a gradient the step finds held is neither
 written nor read: 8 bytes a parameter less on nvme in fp32, all of them when the budget holds
 every gradient. Where backward needs pool memory that is not free, every held gradient is
-written and given back (`spill`): backward never waits on them. The values are the ones a
+written and given back (`HeldGrads.spill`): backward never waits on them. The values are the ones a
 write and a read would give. Where the optimizer runs under backward ([Note: exact overlap]),
 an early update borrows a held gradient (`borrow_held`: never written or given back while
 borrowed) and returns it once applied; the step gives back those of committed sub-groups
-(`release_held`) and takes the rest, whose early updates were discarded, from memory: a held
+(`HeldGrads.release`) and takes the rest, whose early updates were discarded, from memory: a held
 gradient is what such a redo needs, as a written one is. The overlap's room beside backward
 is then shared: its sub-groups in hand first, held gradients in the rest.
 
@@ -57,6 +57,7 @@ from infinity.swap import PoolExhausted, WriteBehind
 from ._profile import region
 from ._store import InHand, Lease, Store
 from ._grad_norms import GradNorms
+from ._grads_held import HeldGrads
 from ._units import ParamUnit
 
 
@@ -64,9 +65,6 @@ class GradAccumulator:
     def __init__(self, store: Store, transport=None, grads_full: bool = False, max_writes: int = 2, copier=None,
                  plan=None):  # fmt: skip
         self.store = store
-        # `_admission.Plan`, the engine's: its ``held`` bounds the gradients held (filled in at
-        # initialize, once the plan is made; None or 0: none held)
-        self.plan = plan
         self.transport = transport  # _transport.Transport; collectives only when it has several ranks
         self.dist = transport.dist if transport is not None else None
         self.grads_full = grads_full  # ZeRO stage 1: every rank keeps the whole (averaged) gradient
@@ -75,19 +73,13 @@ class GradAccumulator:
         self.norms = GradNorms(self.dist)  # of each unit's gradient as it is now: clipping, the overflow check
         self.version: dict[int, int] = {}  # unit -> gradients stored for it this step
         self._kept: dict[int, tuple[torch.Tensor, object]] = {}  # unit -> (gradient, its buffer)
-        # Gradients held in memory, not written: see [Note: gradients held]. Oldest first.
-        self._held: collections.OrderedDict[int, tuple[ParamUnit, torch.Tensor, object]] = collections.OrderedDict()
-        self._held_bytes = 0
-        self._borrowed: set[int] = set()  # held ones an early update is reading: see borrow_held
         self._writes = WriteBehind(max_writes)  # keyed by unit index
+        # Gradients held in memory, not written: see [Note: gradients held]. ``plan``: the
+        # engine's `_admission.Plan`, whose ``held`` bounds them (filled in at initialize).
+        self.held = HeldGrads(store, self._writes, plan, self.has_grad)
         # Copies from the device in flight: see [Note: gradients copied back]. Oldest first.
         self.copier = copier  # `_transport.CopyBack` on a GPU
         self._landing: collections.OrderedDict[int, _Landing] = collections.OrderedDict()
-
-    @property
-    def hold_limit(self) -> int:
-        """Bytes of gradients held, not written, at most: the plan's ``held``."""
-        return self.plan.held if self.plan is not None else 0
 
     def add(self, unit: ParamUnit, grad: torch.Tensor, lease=None, keep=None) -> None:
         """Accumulate ``grad`` (1-D fp32, the unit's padded length; in ``lease``, a pool buffer,
@@ -228,7 +220,7 @@ class GradAccumulator:
         """(the accumulated gradient, the buffer it lives in) for this micro-batch."""
         if unit.index not in self.has_grad:
             return grad, lease
-        held = self._unhold(unit.index)
+        held = self.held.take(unit.index)
         if held is not None:  # the sum so far is in memory: nothing to read
             acc, hold = held
             try:
@@ -242,7 +234,7 @@ class GradAccumulator:
         try:
             pending = self.store.get(unit.name, timeout=0)  # the sum so far
         except PoolExhausted:  # the pool is full of held gradients: they make room
-            self.spill()
+            self.held.spill()
             pending = self.store.get(unit.name)
         held = pending.result()
         try:
@@ -258,10 +250,10 @@ class GradAccumulator:
         """``acc`` is the unit's gradient now: held in ``hold`` (its pool buffer), or written
         from it; ``noted``: its norm was taken already (a first micro-batch's, on the device)."""
         nbytes = acc.numel() * acc.element_size()
-        if hold is not None and self.store.uses_pool and nbytes <= self.hold_limit:
+        if hold is not None and self.store.uses_pool and nbytes <= self.held.limit:
             if not noted:
                 self._note(unit, acc)
-            self._hold(unit, acc, hold)
+            self.held.hold(unit, acc, hold)
             return
         try:
             pending = self.store.put(unit.name, acc)
@@ -275,11 +267,6 @@ class GradAccumulator:
         if not noted:
             self._note(unit, acc)
         self._behind(unit, acc, hold, pending, keep)
-
-    def _hold(self, unit: ParamUnit, acc: torch.Tensor, hold) -> None:
-        self._held[unit.index] = (unit, acc, hold)  # see [Note: gradients held]
-        self._held_bytes += acc.numel() * acc.element_size()
-        self._write_held_down_to(self.hold_limit)
 
     def _behind(self, unit: ParamUnit, acc: torch.Tensor, hold, pending, keep=None) -> None:
         """``acc``'s write ``pending`` is in flight from ``hold`` (or from its own copy)."""
@@ -298,75 +285,21 @@ class GradAccumulator:
         self.version[unit.index] = self.version.get(unit.index, 0) + 1
         self.norms.note(unit.index, acc[unit.shard] if self.grads_full else acc)  # this rank's slice
 
-    # -- held gradients: see [Note: gradients held] ------------------------------------------
-    def _unhold(self, index: int):
-        """(gradient, buffer) of unit ``index`` if held, no longer counted as held; else None."""
-        held = self._held.pop(index, None)
-        if held is None:
-            return None
-        _, acc, hold = held
-        self._held_bytes -= acc.numel() * acc.element_size()
-        return acc, hold
-
-    def _write_held(self, index: int) -> None:
-        """Write unit ``index``'s held gradient; its buffer goes back once written."""
-        unit, acc, hold = self._held[index]
-        try:
-            pending = self.store.put(unit.name, acc)
-        except BaseException:
-            # Not stored: as in `_store`, this unit has no gradient this step now.
-            self._unhold(index)
-            hold.release()
-            self.has_grad.discard(index)
-            raise
-        self._unhold(index)
-        self._writes.add(pending, hold, key=index)
-
+    # -- held gradients: see [Note: gradients held] in `_grads_held` -----------------------------
     def is_held(self, index: int) -> bool:
         self._land(index)
-        return index in self._held
+        return index in self.held
 
     def take_held(self, index: int):
         """(gradient, buffer) of unit ``index`` held in memory, or None; the caller releases
         the buffer. The gradient is the step's from here (`zero` follows the step)."""
         self._land(index)
-        return self._unhold(index)
-
-    def _write_held_down_to(self, keep: int) -> None:
-        """Write held gradients, the one held longest first (not one borrowed), until at most
-        ``keep`` bytes stay held."""
-        while self._held_bytes > keep:
-            victim = next((i for i in self._held if i not in self._borrowed), None)
-            if victim is None:
-                return  # the rest are being read by early updates: they come back soon
-            self._write_held(victim)
-
-    def spill(self, keep: int = 0) -> None:
-        """Write held gradients, the one held longest first, until at most ``keep`` bytes
-        stay held, and wait for the writes: their buffers are free after."""
-        if self._held_bytes <= keep:
-            return
-        self._write_held_down_to(keep)
-        self._writes.drain()
+        return self.held.take(index)
 
     def borrow_held(self, index: int) -> Lease:
-        """Unit ``index``'s held gradient for an early update: it stays held, and is neither
-        written nor given back until the lease is released."""
+        """Unit ``index``'s held gradient for an early update (`HeldGrads.borrow`), landed first."""
         self._land(index)
-        self._borrowed.add(index)
-        return Lease(self._held[index][1], _Return(self._borrowed, index))
-
-    def release_held(self, indices) -> None:
-        """Give back the held gradients of ``indices`` (their sub-groups' early updates were
-        committed: nothing reads them again this step)."""
-        for index in indices:
-            held = self._unhold(index)
-            if held is not None:
-                held[1].release()
-
-    @property
-    def held_bytes(self) -> int:
-        return self._held_bytes
+        return self.held.borrow(index)
 
     def take_kept(self, index: int):
         """(gradient, buffer) of unit ``index`` kept in memory, its write finished, or None.
@@ -422,9 +355,7 @@ class GradAccumulator:
         self._writes.discard_errors()
         for index in list(self._kept):
             self._kept.pop(index)[1].release()
-        while self._held:
-            self._unhold(next(iter(self._held)))[1].release()
-        self._borrowed.clear()
+        self.held.clear()
         self.has_grad.clear()
         self.norms.clear()
         self.version.clear()
@@ -442,15 +373,3 @@ class _Landing:
         self.buffer = buffer  # pool buffer behind ``dst``, or None (the tier's own tensor, a temporary)
         self.first = first  # the step's first gradient of the unit (else added to the sum on landing)
         self.keep = keep  # the overlap's keep, as `GradAccumulator.add` was given it
-
-
-class _Return:
-    """Releasing a borrowed held gradient's lease returns it (`GradAccumulator.borrow_held`)."""
-
-    __slots__ = ("_borrowed", "_index")
-
-    def __init__(self, borrowed: set, index: int):
-        self._borrowed, self._index = borrowed, index
-
-    def release(self) -> None:
-        self._borrowed.discard(self._index)

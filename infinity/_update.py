@@ -119,9 +119,9 @@ class StreamedUpdate:
         groups = [g for g in st.groups if g.index not in committed]
         # Held gradients ([Note: gradients held] in `_grads`): those of committed sub-groups go
         # back, and what the stream has no room for beside its own buffers is written.
-        self.grads.release_held(u.index for g in st.groups if g.index in committed for u in g.units)
+        self.grads.held.release(u.index for g in st.groups if g.index in committed for u in g.units)
         if self.plan is not None:
-            self.grads.spill(keep=self.plan.step_holds)
+            self.grads.held.spill(keep=self.plan.step_holds)
         grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=st.device)
         grads_now = grads_next = None
         try:

@@ -220,7 +220,7 @@ class Engine:
         self.admission.give_way(_admission.KEPT, self.scheduler.prefetcher.give_back_kept)
         if self.overlap is not None:
             self.admission.give_way(_admission.OVERLAP, self.overlap.relieve)
-        self.admission.give_way(_admission.GRAD, self.grads.spill)
+        self.admission.give_way(_admission.GRAD, self.grads.held.spill)
 
     def _check_memory(self, cfg: TierConfig, units) -> None:
         """Refuse at initialize a host budget the pipelines cannot run in, or a placement the

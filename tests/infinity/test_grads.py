@@ -45,9 +45,9 @@ def _run(path, budget: str, hold_limit: int | None = None, steps: int = 3, layer
                 loss = ((engine(x) - y) ** 2).mean()
                 engine.backward(loss)
                 losses.append(loss.item())
-            held = max(held, engine.grads.held_bytes)
+            held = max(held, engine.grads.held.bytes)
             engine.step()
-            assert engine.grads.held_bytes == 0
+            assert engine.grads.held.bytes == 0
             if engine.overlap is not None:
                 committed.append(engine.overlap.committed)
         traffic = engine.stats()["step"]["nvme"]["by_kind"].get("grad", {"read_bytes": 0, "write_bytes": 0})
@@ -93,9 +93,9 @@ def test_zero_grad_gives_held_gradients_back(tmp_path):
     engine = infinity.initialize(_layers(), cfg)
     try:
         engine.backward(engine(torch.randn(8, 16)).pow(2).mean())
-        assert engine.grads.held_bytes == 4 * sum(u.shard_numel for u in engine.units)
+        assert engine.grads.held.bytes == 4 * sum(u.shard_numel for u in engine.units)
         engine.zero_grad()
-        assert engine.grads.held_bytes == 0
+        assert engine.grads.held.bytes == 0
         assert engine.scheduler.runtime.pool.in_use_bytes == 0
         engine.backward(engine(torch.randn(8, 16)).pow(2).mean())  # a fresh gradient, not added to the dropped one
         engine.step()
