@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.profiler import record_function
 
+from infinity.aio import empty_aligned
 from infinity.swap import OutOfSpace, PoolExhausted
 
 from ._overlap import Overlap, _Early
@@ -123,7 +124,11 @@ class _Staging:
         if self.bytes + nbytes > self.budget:
             return None
         self.bytes += nbytes
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        # Page-aligned (and pinned where CUDA is): a staged tensor written to nvme (the new
+        # parameters, [Note: parameters written under backward]) goes to the drive directly,
+        # with no bounce buffer taken from the pool inside a hook.
+        flat = empty_aligned(max(nbytes, dtype.itemsize), pin=True if self.pin else False)
+        return flat[: max(nbytes, dtype.itemsize)].view(dtype)[: math.prod(shape)].view(shape)
 
     def give(self, t: torch.Tensor) -> None:
         """``t`` is free again: a staged copy discarded or written, or a state's tensor that
