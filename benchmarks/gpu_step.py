@@ -32,7 +32,7 @@ Each placement starts both sides again from the same initial weights.
 
     python benchmarks/gpu_step.py [--pairs 3] [--dir bench-data/] [--batches 1x64,4x512,16x2048]
         [--placements "device,device,cpu;device,device,nvme;nvme,cpu,cpu;nvme,nvme,nvme"]
-        [--host-budget 4GiB] [--overlap-disk 1.0] [--checkpointing] [--json] [--profile DIR] [--device cuda|cpu]
+        [--host-budget 4GiB] [--overlap auto|true|false] [--overlap-disk 1.0] [--checkpointing] [--json] [--profile DIR] [--device cuda|cpu]
         [--hidden 2048 --layers 16 --intermediate 5632 --vocab 32000]
 """
 
@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--host-budget", default="4GiB")
+    p.add_argument("--overlap", default="auto", choices=("auto", "true", "false"),
+                   help="optimizer.overlap of the infinity side (backward with it on against off: run twice)")
     p.add_argument("--overlap-disk", type=float, default=1.0,
                    help="optimizer.overlap_disk: with nvme,cpu,cpu the state on nvme is the parameters alone, and "
                         "1.0 lets every sub-group's new parameters be written under backward")  # fmt: skip
@@ -213,7 +215,8 @@ def main(argv=None) -> int:
             os.makedirs(swap)
             cfg = {"tiers": {"params": params, "grads": grads, "optimizer": optimizer}, "nvme": {"paths": [swap]},
                    "memory": {"host_budget": args.host_budget}, "precision": {"param_dtype": "bf16"},
-                   "optimizer": {"lr": args.lr, "overlap_disk": args.overlap_disk}}  # fmt: skip
+                   "optimizer": {"lr": args.lr, "overlap_disk": args.overlap_disk,
+                                 "overlap": {"true": True, "false": False}.get(args.overlap, args.overlap)}}  # fmt: skip
             model.load_state_dict(initial)  # both sides from the same weights, on the same batches
             opt = [torch.optim.AdamW(model.parameters(), lr=args.lr, fused=dev == "cuda")]
             t = time.perf_counter()
@@ -264,7 +267,7 @@ def _measure(args, dev, shape, placement, resident_step, infinity_step, run_driv
     """``args.pairs`` pairs (after a warm-up) of one batch shape; the medians."""
     b, s = shape
     tokens = b * s
-    row = {"placement": placement, "batch": [b, s]}
+    row = {"placement": placement, "batch": [b, s], "overlap": args.overlap}
     pairs = []
     for step in range(args.pairs + 1):
         try:

@@ -15,7 +15,11 @@
 #   5. write what it saw under $OUT (or ./gpu-check) when that is set, with a profile of one
 #      offloaded step per placement and batch (profiles/: its busiest operations).
 #
-# GPU_CHECK_TESTS="" skips step 2; other text replaces the pytest -m expression.
+# GPU_CHECK_TESTS="" skips step 2; other text replaces the pytest -m expression. The whole runs
+# past one device call's 10 minutes where the tests are slow: then GPU_CHECK_BENCH="" GPU_CHECK_DEMO=""
+# for the tests, and GPU_CHECK_TESTS="" for the rest, in two calls. Backward with the optimizer
+# under it against without (issue 34's 1.1x): GPU_CHECK_BENCH="--pairs 2 --batches 16x2048
+# --placements device,device,cpu --overlap false", beside the sweep's row.
 #
 # To carry liburing from a Debian machine: mkdir -p .debs && (cd .debs && apt-get download
 # liburing2 liburing-dev), and take .debs along. Without it the threads backend serves.
