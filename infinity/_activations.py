@@ -226,7 +226,7 @@ class ActivationTier:
         self.admission = admission  # `_admission.Admission`: what gives way when the pool is full
         self.share = admission.plan.activations  # its chunks in the pool at most (nvme)
         self.chunk = admission.plan.activation_chunk  # bytes of a chunk through the pool (nvme)
-        self.copy_back = copy_back  # `_transport.CopyBack` on a GPU
+        self.copy_back = copy_back  # `_transport.Copies` on a GPU (its `start`)
         self.to_device = to_device  # `_transport.Transport.to_device` on a GPU
         self.drain_copies = drain_copies or (lambda: None)  # wait for those copies, their buffers back
         self.min_bytes = min_bytes
@@ -560,7 +560,7 @@ def _span(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Lease:
-    """A pool buffer's bytes as ``dtype``, as `_transport.CopyStream.to_device` takes it
+    """A pool buffer's bytes as ``dtype``, as `_transport.Copies.to_device` takes it
     (``tensor``, ``release``): released once copied."""
 
     __slots__ = ("tensor", "_buffer")
@@ -576,7 +576,7 @@ class _Lease:
 
 
 class _Pinned:
-    """A pinned host tensor as `_transport.CopyStream.to_device` takes it: let go once copied."""
+    """A pinned host tensor as `_transport.Copies.to_device` takes it: let go once copied."""
 
     __slots__ = ("tensor",)
 
@@ -602,7 +602,7 @@ def build(cfg, *, rank: int, local_rank: int, aio, pool, transport, stats, param
         return None
     space, made = open_activation_space(cfg, rank, local_rank, aio, pool) if tier == "nvme" else (None, [])
     act = ActivationTier(tier, device, pool=pool, space=space, stats=stats, admission=admission,
-                         copy_back=transport.copy_back, to_device=transport.to_device,
+                         copy_back=transport.copies, to_device=transport.to_device,
                          drain_copies=(lambda: transport.copies.drain(block=True)) if transport.copies else None,
                          min_bytes=cfg.activations.min_bytes, depth=cfg.activations.depth, params=params)  # fmt: skip
     act.made_dirs = made

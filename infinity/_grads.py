@@ -33,7 +33,7 @@ is then shared: its sub-groups in hand first, held gradients in the rest.
 
 [Note: gradients copied back]
 On a GPU, with the grads tier in host memory or on nvme, a unit's gradient leaves the device
-on a side stream (`_transport.CopyBack`), not by a blocking ``copy_``: backward goes on while
+on a side stream (`_transport.Copies.start`), not by a blocking ``copy_``: backward goes on while
 the copy runs. The first micro-batch's copy lands in the cpu tier's own (pinned) tensor, or in
 a pool buffer on nvme; a later micro-batch's lands in a pool buffer (or a pinned temporary
 without a pool) and is added to the sum on the host once there. Until it lands the gradient
@@ -78,7 +78,7 @@ class GradAccumulator:
         # engine's `_admission.Plan`, whose ``held`` bounds them (filled in at initialize).
         self.held = HeldGrads(store, self._writes, plan, self.has_grad)
         # Copies from the device in flight: see [Note: gradients copied back]. Oldest first.
-        self.copier = copier  # `_transport.CopyBack` on a GPU
+        self.copier = copier  # `_transport.Copies` on a GPU (its `start`)
         self._landing: collections.OrderedDict[int, _Landing] = collections.OrderedDict()
 
     def add(self, unit: ParamUnit, grad: torch.Tensor, lease=None, keep=None) -> None:

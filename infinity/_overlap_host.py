@@ -362,7 +362,7 @@ class HostOverlap(Overlap):
             dst = store.writable(u.name).tensor  # resident: the tier's own tensor
             if dst.device.type == "cuda" and transport is not None and transport.pipelined:
                 # From pinned staging on the side stream; the staging tensor goes back once the
-                # copy is done (`CopyStream.drain`), and the next forward waits on its event.
+                # copy is done (`Copies.drain`), and the next forward waits on its event.
                 transport.to_device(Lease(new.view(dst.shape), _Back(self.staging, new)), dst)
             else:
                 store.put(u.name, new).result()

@@ -44,24 +44,34 @@ def host_value(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class CopyStream:
-    """Host-to-device copies on a side stream: compute waits on an event, not the host.
+class Copies:
+    """Copies between the host and one GPU, each way on a side stream of its own, so that
+    neither compute nor the host waits for them where it need not:
 
-    A host buffer goes back to the pool only once its copy's event has completed
-    (`drain`), never while the DMA may still read it."""
+    - `to_device` (parameters in, the step's new parameters): compute waits on the copy's
+      event, not the host; the host buffer goes back to its pool only once that event has
+      completed (`drain`), never while the DMA may still read it;
+    - `start` (gradients, activations out): the copy runs after the work that made its source
+      (the side stream waits for the current one), the host waits only where it reads the
+      result (`Copy.wait`); the source's device memory is kept from reuse until the copy ran
+      (``record_stream``). The destination must be pinned for the copy to be asynchronous
+      (pool buffers, the cpu tier and the overlap's staging are).
+
+    Every copy is timed on its stream and counted in the stats ([Note: every copy counted])."""
 
     def __init__(self, device: torch.device, stats=None):
         self.device = device
         self.stats = stats  # `_stats.Stats`: bytes copied and the copy engine's busy seconds
-        self._stream = None  # made on first use
-        self._copies: list = []  # (start event, end event, bytes, lease) of copies that may still run
+        self._in = None  # the streams, made on first use
+        self._out = None
+        self._copies: list = []  # (start event, end event, bytes, lease) of copies in that may still run
 
     def to_device(self, lease, out: torch.Tensor | None = None) -> torch.Tensor:
         """``lease.tensor`` (host) copied to the device (into ``out``, a device tensor of its
         shape and dtype, when given); ``lease`` is released once the copy is done."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        stream = self._stream
+        if self._in is None:
+            self._in = torch.cuda.Stream(self.device)
+        stream = self._in
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
@@ -82,37 +92,21 @@ class CopyStream:
         return full
 
     def drain(self, block: bool) -> None:
-        """Give back the host buffers of finished copies (all of them, waiting, when ``block``)."""
+        """Give back the host buffers of finished copies in (all of them, waiting, when ``block``)."""
         while self._copies and (block or self._copies[0][1].query()):
             start, event, nbytes, lease = self._copies.pop(0)
             event.synchronize()
             lease.release()
             if self.stats is not None:
-                seconds = start.elapsed_time(event) / 1e3
-                for c in self.stats.both():
-                    c.h2d_bytes += nbytes
-                    c.h2d_seconds += seconds
-
-
-class CopyBack:
-    """Device-to-host copies (gradients) on their own side stream: the host waits for a copy
-    only where it reads the result (`Copy.wait`), never for the backward that made it.
-
-    The source's device memory is kept from reuse until its copy ran (``record_stream``);
-    the destination must be pinned for the copy to be asynchronous (pool buffers and the cpu
-    tier are)."""
-
-    def __init__(self, device: torch.device, stats=None):
-        self.device = device
-        self.stats = stats
-        self._stream = None  # made on first use
+                self.stats.add("h2d_bytes", nbytes)
+                self.stats.add("h2d_seconds", start.elapsed_time(event) / 1e3)
 
     def start(self, src: torch.Tensor, dst: torch.Tensor) -> "Copy":
         """Copy ``src`` (on the device, written by work queued on the current stream) into
         ``dst`` (host, same shape); returns the copy, to `Copy.wait` on before ``dst`` is read."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        stream = self._stream
+        if self._out is None:
+            self._out = torch.cuda.Stream(self.device)
+        stream = self._out
         stream.wait_stream(torch.cuda.current_stream(self.device))  # after the backward that made src
         with torch.cuda.stream(stream):
             start = torch.cuda.Event(enable_timing=True)
@@ -177,8 +171,7 @@ class Transport:
         self.pool = pool
         self.dist = dist
         self.stats = stats
-        self.copies = CopyStream(device, stats) if device.type == "cuda" else None
-        self.copy_back = CopyBack(device, stats) if device.type == "cuda" else None
+        self.copies = Copies(device, stats) if device.type == "cuda" else None  # host <-> GPU, both ways
         self._timed: list = []  # (start event, end event, bytes, counter) of `copy`'s copies not yet counted
 
     # -- the optimizer step's copies: see [Note: every copy counted] --------------------------
@@ -186,7 +179,7 @@ class Transport:
     def pipelined(self) -> bool:
         """Whether copies between the host and the compute device run on side streams into
         pinned pool memory (a CUDA device): `to_host` and `to_device_as` apply."""
-        return self.copy_back is not None and self.pool is not None
+        return self.copies is not None and self.pool is not None
 
     def to_host(self, src: torch.Tensor, timeout: float | None = None) -> "Arriving":
         """Start copying ``src`` (on the device, made by work queued on the current stream)
@@ -196,7 +189,7 @@ class Transport:
         buffer = self.pool.acquire(max(src.numel() * src.element_size(), 1), timeout=timeout)
         try:
             dst = buffer.view(src.dtype, tuple(src.shape))
-            copy = self.copy_back.start(src, dst)
+            copy = self.copies.start(src, dst)
         except BaseException:
             buffer.release()
             raise
@@ -242,7 +235,7 @@ class Transport:
 
     def settle(self, block: bool = True) -> None:
         """Count `copy`'s copies whose events are done (all of them, waiting, when ``block``)
-        and give back the step's staging buffers whose copies are done (`CopyStream.drain`)."""
+        and give back the step's staging buffers whose copies are done (`Copies.drain`)."""
         if self.copies is not None:
             self.copies.drain(block)
         while self._timed and (block or self._timed[0][1].query()):

@@ -140,7 +140,7 @@ class Engine:
         # read their shares from it ([Note: traffic classes] in `_admission`).
         self.plan = _admission.Plan()
         self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full,
-                                     copier=self.transport.copy_back,  # on a GPU: [Note: gradients copied back]
+                                     copier=self.transport.copies,  # on a GPU: [Note: gradients copied back]
                                      plan=self.plan)  # fmt: skip
         self.optimizer = Optimizer(
             algorithm, param_groups, defaults, units=units, groups=groups, states=states,

@@ -41,7 +41,7 @@ class _Late:
 
 
 class _LateCopies:
-    """Stands in for `_transport.CopyBack`: the source is read when the copy lands (as the GPU
+    """Stands in for `_transport.Copies` (its `start`): the source is read when the copy lands (as the GPU
     reads it after backward's queued work), the destination is NaN until then."""
 
     def __init__(self, polls: int = 3):
