@@ -54,10 +54,10 @@ import torch
 
 from infinity.swap import PoolExhausted, WriteBehind
 
-from ._profile import region
-from ._store import InHand, Lease, Store
 from ._grad_norms import GradNorms
 from ._grads_held import HeldGrads
+from ._profile import region
+from ._store import InHand, Lease, Store
 from ._units import ParamUnit
 
 
