@@ -55,7 +55,8 @@ from typing import Callable, TypeVar
 from infinity.swap import PoolExhausted
 
 from . import _overlap_host, _resources
-from ._overlap import MAX_IN_HAND, group_bytes
+from ._bytes import group_bytes
+from ._overlap import MAX_IN_HAND
 from ._update import POOL_SLACK, READ_AHEAD
 
 logger = logging.getLogger("infinity")

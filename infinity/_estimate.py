@@ -33,7 +33,7 @@ from torch import nn
 
 from infinity.swap import ALIGNMENT, round_up
 
-from . import _activations, _admission, _footprint, _resources
+from . import _activations, _admission, _bytes, _footprint, _resources
 from .config import TierConfig
 from .engine import Engine
 
@@ -260,7 +260,7 @@ def _floor(plan_at) -> tuple[int, str]:
 def _on_nvme(engine) -> dict[str, int]:
     """Bytes of each kind the run keeps on nvme, each tensor aligned as the swap space writes it."""
     out = dict.fromkeys(KINDS, 0)
-    for kind, sizes in _footprint.state_tensors(engine).items():
+    for kind, sizes in _bytes.state_tensors(engine).items():
         out[kind] = sum(round_up(n, ALIGNMENT) for n in sizes)
     return out
 

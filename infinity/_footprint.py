@@ -4,7 +4,8 @@ Owns: the peak bytes each drive of ``nvme.paths`` holds (the state under its rea
 overlap's staged ``~next`` copies, the arena's alignment), the comparison with the drive's free
 space and ``nvme.disk_budget``, the cap put on each arena so that it never grows past what was
 checked, and the bytes of staging the overlap may hold. Touches: the config, the engine's
-stores and sub-groups (read only), `infinity.swap.SwapSpace` (its layout and `limit`).
+stores and sub-groups (read only), `infinity.swap.SwapSpace` (its layout and `limit`), `_bytes`
+(the sizes of the tensors).
 
 [Note: disk footprint]
 A 2.7B model with every tier on nvme passed initialize and died in its first backward with
@@ -38,6 +39,7 @@ import socket
 
 from infinity.swap import ALIGNMENT, round_up
 
+from . import _bytes
 from ._resources import distinct_sizes
 
 logger = logging.getLogger("infinity")
@@ -73,30 +75,6 @@ class Layout:
         for k, n in enumerate(taken):
             self.used[k] += n
         return taken
-
-
-def state_tensors(engine) -> dict[str, list[int]]:
-    """Bytes of each tensor the run keeps on nvme under its real name, by kind of state
-    ("params", "grads", "optimizer"; the kinds not on nvme absent)."""
-    opt, sizes = engine.optimizer, {}
-    if engine.param_store.tier == "nvme":
-        whole = opt.gather_params
-        sizes["params"] = [(u.padded_numel if whole else u.shard_numel) * engine.dtype.itemsize for u in engine.units]
-    if engine.grads.store.tier == "nvme":
-        # frozen units (a LoRA's base) never get a gradient written
-        sizes["grads"] = [(u.padded_numel if engine.grads_full else u.shard_numel) * 4
-                          for u in engine.units if any(u.requires_grad)]  # fmt: skip
-    if opt.states["master"].tier == "nvme":
-        kinds = opt.kinds[1:] if opt.one_copy else opt.kinds  # one copy: the master weights are the params
-        sizes["optimizer"] = [g.record.nbytes(k) for g in opt.groups for k in kinds]
-    return sizes
-
-
-def staged_tensors(opt, sg) -> list[int]:
-    """Bytes of each tensor an early update of sub-group ``sg`` of optimizer ``opt`` stages
-    (see [Note: exact overlap]): its states, and its units' new parameters."""
-    kinds = opt.kinds[1:] if opt.one_copy else opt.kinds  # one copy: the staged params are the master weights
-    return [sg.record.nbytes(k) for k in kinds] + [opt.record(u).nbytes("param") for u in sg.units]
 
 
 @dataclasses.dataclass
@@ -148,13 +126,13 @@ def plan(engine, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
     space = engine.space
     layout = Layout(len(space.rank_dirs), cfg.nvme.stripe_size, cfg.nvme.stripe_threshold)
     state = [0] * layout.members
-    for n in (n for sizes in state_tensors(engine).values() for n in sizes):
+    for n in (n for sizes in _bytes.state_tensors(engine).values() for n in sizes):
         state = [a + b for a, b in zip(state, layout.add(n))]
     staging = [0] * layout.members
     if overlap or staged_params:
         opt = engine.optimizer
         for sg in opt.groups:
-            sizes = staged_tensors(opt, sg) if overlap else [opt.record(u).nbytes("param") for u in sg.units]
+            sizes = _bytes.staged_tensors(opt, sg) if overlap else _bytes.staged_params(opt, sg)
             for n in sizes:
                 staging = [a + b for a, b in zip(staging, layout.add(n))]
     arenas = space.arena_sizes()
@@ -224,12 +202,6 @@ def check(fp: Footprint, overlap_on: bool) -> None:
     # slack), spread as the staging spreads over the drives.
     room = min((c - s - fp.slack) * total // t for s, t, c in zip(fp.state, fp.staging, fp.caps) if t)
     fp.staging_room = None if room >= total else max(room, 0)
-
-
-def staged_bytes(opt, sg, members: int) -> int:
-    """Disk bytes an early update of ``sg`` takes at most over ``members`` drives: its staged
-    tensors, each piece aligned (a striped one is cut into a piece per drive)."""
-    return sum(round_up(n, ALIGNMENT) + (members - 1) * ALIGNMENT for n in staged_tensors(opt, sg))
 
 
 def fit(engine, cfg, overlap: bool, staged_params: bool = False) -> Footprint:

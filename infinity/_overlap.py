@@ -47,18 +47,11 @@ from torch.profiler import record_function
 
 from infinity.swap import OutOfSpace, PoolExhausted, WriteBehind
 
-from . import _footprint
+from ._bytes import group_bytes, staged_disk_bytes
 
 from ._store import release_unused
 
 MAX_IN_HAND = 4  # sub-groups being read or written at once, whatever their size
-
-
-def group_bytes(optimizer, sg) -> int:
-    """Pool bytes an early update of ``sg`` holds: its states and gradients read, the copies
-    of its new parameters written."""
-    params = 0 if optimizer.one_copy else sum(optimizer.record(u).nbytes("param") for u in sg.units)
-    return sg.record.state_bytes(optimizer.kinds) + 4 * sg.numel + params  # the gradients are fp32
 
 
 class _Early:
@@ -92,7 +85,7 @@ class Overlap:
         self.disk_room = disk_room
         self.on_disk_full = on_disk_full
         members = len(space.rank_dirs) if space is not None else 1
-        self._disk = {sg.index: _footprint.staged_bytes(optimizer, sg, members) for sg in optimizer.groups}
+        self._disk = {sg.index: staged_disk_bytes(optimizer, sg, members) for sg in optimizer.groups}
         self.loss_scale = loss_scale  # () -> the loss scale gradients are multiplied by now
         self.group_of = {u.index: sg.index for sg in optimizer.groups for u in sg.units}
         self._bytes = {sg.index: group_bytes(optimizer, sg) for sg in optimizer.groups}

@@ -40,6 +40,7 @@ from torch.profiler import record_function
 from infinity.aio import empty_aligned
 from infinity.swap import OutOfSpace, PoolExhausted
 
+from ._bytes import host_staged_bytes
 from ._overlap import Overlap, _Early
 from ._store import Lease
 from ._transport import Arriving
@@ -81,12 +82,6 @@ def stages_params(device: torch.device, param_store) -> bool:
     return device.type == "cuda" and param_store.uses_pool
 
 
-def staged_bytes(opt, sg) -> int:
-    """Host bytes an early update of ``sg`` stages: a copy of each of its states, and its
-    units' new parameters."""
-    return sg.record.state_bytes(opt.kinds) + sum(opt.record(u).nbytes("param") for u in sg.units)
-
-
 def fit(engine, cfg, room: int) -> int:
     """Host bytes the staged copies may take (0: the optimizer runs after backward): ``room``,
     what the plan leaves beside the backward's pool buffers and the step's own (the gradients it
@@ -94,7 +89,7 @@ def fit(engine, cfg, room: int) -> int:
     if not applies(engine, cfg):
         return 0
     opt = engine.optimizer
-    smallest = min(staged_bytes(opt, g) for g in opt.groups)
+    smallest = min(host_staged_bytes(opt, g) for g in opt.groups)
     if room < smallest:
         logger.info("optimizer.overlap: memory.host_budget leaves %d bytes beside the backward, less than one "
                     "sub-group's staged states (%d); the optimizer runs after backward", max(room, 0), smallest)  # fmt: skip

@@ -137,14 +137,14 @@ def test_the_parameters_change_only_at_the_step_and_zero_grad_discards(tmp_path)
 def test_staging_stays_within_its_budget_and_the_rest_is_left_to_the_step(tmp_path):
     """A budget that stages only some sub-groups: those are committed, the others updated by
     the step, the numbers the same; the staging tensors never exceed the bytes planned."""
-    from infinity import _overlap_host
+    from infinity import _bytes
 
     small = {"sub_group_size": "4KiB"}
     off = _train(tmp_path / "off", False, tiers=HOST[0], optimizer=small)
     os.makedirs(tmp_path / "on")
     engine = infinity.initialize(_mlp(), _cfg(tmp_path / "on", True, HOST[0], optimizer=small))
     opt = engine.optimizer
-    sizes = sorted(_overlap_host.staged_bytes(opt, g) for g in opt.groups)
+    sizes = sorted(_bytes.host_staged_bytes(opt, g) for g in opt.groups)
     assert len(sizes) >= 2
     engine.overlap.staging.budget = engine.overlap.budget = sizes[-1]  # room for one sub-group at a time
     losses, committed = [], []

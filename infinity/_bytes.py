@@ -1,0 +1,62 @@
+"""What the tensors of a run take, in bytes: the formulas the memory plan (`_admission`), the
+disk footprint (`_footprint`), the overlaps (`_overlap`, `_overlap_host`) and the estimate
+(`_estimate`) share, so that each asks one place.
+
+Owns: the bytes of the state a run keeps on nvme under its real names, of what an early update
+stages (on disk, in the pool, in host memory), per sub-group. Touches: the optimizer's
+sub-groups and state records, read only. (The step's own pool bytes depend on how far it reads
+ahead: `_update.StreamedUpdate.host_bytes_needed`.)
+"""
+
+from __future__ import annotations
+
+from infinity.swap import ALIGNMENT, round_up
+
+
+def state_tensors(engine) -> dict[str, list[int]]:
+    """Bytes of each tensor the run keeps on nvme under its real name, by kind of state
+    ("params", "grads", "optimizer"; the kinds not on nvme absent)."""
+    opt, sizes = engine.optimizer, {}
+    if engine.param_store.tier == "nvme":
+        whole = opt.gather_params
+        sizes["params"] = [(u.padded_numel if whole else u.shard_numel) * engine.dtype.itemsize for u in engine.units]
+    if engine.grads.store.tier == "nvme":
+        # frozen units (a LoRA's base) never get a gradient written
+        sizes["grads"] = [(u.padded_numel if engine.grads_full else u.shard_numel) * 4
+                          for u in engine.units if any(u.requires_grad)]  # fmt: skip
+    if opt.states["master"].tier == "nvme":
+        kinds = opt.kinds[1:] if opt.one_copy else opt.kinds  # one copy: the master weights are the params
+        sizes["optimizer"] = [g.record.nbytes(k) for g in opt.groups for k in kinds]
+    return sizes
+
+
+def staged_tensors(opt, sg) -> list[int]:
+    """Bytes of each tensor an early update of sub-group ``sg`` of optimizer ``opt`` stages on
+    nvme (see [Note: exact overlap] in `_overlap`): its states, and its units' new parameters."""
+    kinds = opt.kinds[1:] if opt.one_copy else opt.kinds  # one copy: the staged params are the master weights
+    return [sg.record.nbytes(k) for k in kinds] + staged_params(opt, sg)
+
+
+def staged_params(opt, sg) -> list[int]:
+    """Bytes of each new parameter of sub-group ``sg`` staged on nvme: the nvme overlap's, and
+    the host overlap's ([Note: parameters written under backward] in `_overlap_host`)."""
+    return [opt.record(u).nbytes("param") for u in sg.units]
+
+
+def staged_disk_bytes(opt, sg, members: int) -> int:
+    """Disk bytes an early update of ``sg`` takes at most over ``members`` drives: its staged
+    tensors, each piece aligned (a striped one is cut into a piece per drive)."""
+    return sum(round_up(n, ALIGNMENT) + (members - 1) * ALIGNMENT for n in staged_tensors(opt, sg))
+
+
+def group_bytes(opt, sg) -> int:
+    """Pool bytes an early update of ``sg`` holds with its states on nvme: its states and
+    gradients read, the copies of its new parameters written."""
+    params = 0 if opt.one_copy else sum(staged_params(opt, sg))
+    return sg.record.state_bytes(opt.kinds) + 4 * sg.numel + params  # the gradients are fp32
+
+
+def host_staged_bytes(opt, sg) -> int:
+    """Host bytes an early update of ``sg`` stages with its states in host memory: a copy of
+    each of its states, and its units' new parameters."""
+    return sg.record.state_bytes(opt.kinds) + sum(staged_params(opt, sg))
