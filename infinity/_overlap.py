@@ -194,18 +194,38 @@ class Overlap:
         else:
             self._writes.poll()
 
+    def _begin(self, index: int) -> "_Early | bool":
+        """A record of sub-group ``index``'s early update, or what to tell the pump without one:
+        True where none of its units has a gradient (nothing to update early; the step finds
+        it without one too), False where a gradient is still being written (read back once
+        written, not by waiting for the write here)."""
+        opt = self.opt
+        early = _Early(index)
+        early.units = [u for u in opt.groups[index].units if u.index in opt.grads.has_grad]
+        if not early.units:
+            return True
+        if any(opt.grads.writing(u.index) for u in early.units):
+            return False
+        return early
+
+    def _assume(self, early: "_Early") -> None:
+        """What ``early``'s update assumes, from now: the loss scale, the hyperparameters, the
+        step counts; the commit checks them against the step's (see [Note: exact overlap])."""
+        opt = self.opt
+        early.divide = self.loss_scale()
+        early.hyper = opt.hyperparameters()
+        early.first = {u.index for u in early.units} & opt.substates.never_stepped
+        early.steps = {u.index: opt.steps[u.index] + 1 for u in early.units}
+
     def _start(self, index: int) -> bool:
         """Issue the reads of sub-group ``index``'s states and gradients; False when the pool
         has no room now, or a gradient is still being written. Never waits: the backward's
         own buffers come first."""
         opt = self.opt
         sg = opt.groups[index]
-        early = _Early(index)
-        early.units = [u for u in sg.units if u.index in opt.grads.has_grad]
-        if not early.units:
-            return True  # nothing to update early; the step finds it without a gradient too
-        if any(opt.grads.writing(u.index) for u in early.units):
-            return False  # read back once written, not by waiting for the write here
+        early = self._begin(index)
+        if not isinstance(early, _Early):
+            return early
         try:
             for kind in opt.kinds:
                 early.reads.append(opt.states[kind].get(sg.record.name_for(), timeout=0))
@@ -244,10 +264,7 @@ class Overlap:
                 leases.append(p.result())
                 g = leases[-1].tensor  # on the GPU when the grads tier is the device: the update runs on the host
                 grads[i] = opt.grads.transport.copy_to(g, tensors[0].device)  # counted: [Note: every copy counted]
-            early.divide = self.loss_scale()
-            early.hyper = opt.hyperparameters()
-            early.first = {u.index for u in early.units} & opt.substates.never_stepped
-            early.steps = {u.index: opt.steps[u.index] + 1 for u in early.units}
+            self._assume(early)
             with record_function("infinity::optimizer.early"):
                 opt.apply(early.index, tensors[0], tensors[1:], grads, early.divide, early.steps, early.first)
             for k, t in zip(opt.kinds, tensors):

@@ -238,12 +238,9 @@ class HostOverlap(Overlap):
         False: a gradient is being written (read back once written, not by waiting here)."""
         opt = self.opt
         sg = opt.groups[index]
-        early = _Early(index)
-        early.units = [u for u in sg.units if u.index in opt.grads.has_grad]
-        if not early.units:
-            return True
-        if any(opt.grads.writing(u.index) for u in early.units):
-            return False
+        early = self._begin(index)
+        if not isinstance(early, _Early):
+            return early
         transport = opt.grads.transport
         states, copies, params, leases, grads = [], [], {}, [], {}
         try:
@@ -272,10 +269,7 @@ class HostOverlap(Overlap):
                     grads[u.index] = transport.to_host(g, timeout=0)
                 else:  # counted: [Note: every copy counted]
                     grads[u.index] = transport.copy_to(g, host) if transport is not None else g.to(host)
-            early.divide = self.loss_scale()
-            early.hyper = opt.hyperparameters()
-            early.first = {u.index for u in early.units} & opt.substates.never_stepped
-            early.steps = {u.index: opt.steps[u.index] + 1 for u in early.units}
+            self._assume(early)
         except (_NoRoom, PoolExhausted):  # the step updates it
             _drop(grads, leases, (*copies, *params.values()), self.staging)
             return True
