@@ -32,16 +32,16 @@ from __future__ import annotations
 
 import logging
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
-from torch.profiler import record_function
 
 from infinity.aio import empty_aligned
 from infinity.swap import OutOfSpace, PoolExhausted
 
 from ._bytes import host_staged_bytes
 from ._overlap import Overlap, _Early
+from ._profile import region
 from ._store import Lease
 from ._transport import Arriving
 
@@ -185,25 +185,25 @@ class HostOverlap(Overlap):
     failed is redone at the commit under the real name from the staging tensor, which stays
     until then."""
 
-    def __init__(self, optimizer, budget: int, loss_scale, *, disk_room: int | None = 0):
-        super().__init__(optimizer, budget, loss_scale)
+    def __init__(self, optimizer, budget: int, loss_scale, *, disk_room: int | None = 0, threaded: bool = False):
+        super().__init__(optimizer, budget, loss_scale, threaded=threaded)
         self.disk_room = disk_room  # staged parameter bytes on nvme at once (0: none written early)
         self._param_writes: dict[int, tuple[list, int]] = {}  # sub-group -> (its staged writes, their bytes)
         self.staging = _Staging(budget, pin=torch.cuda.is_available())
         self._staged: dict[int, tuple[list, dict]] = {}  # sub-group -> (state copies, unit -> new params)
-        self._jobs: dict[int, Future] = {}  # sub-group -> its update on the worker
-        self._worker: ThreadPoolExecutor | None = None  # made on first use
+        self._jobs: dict[int, Future] = {}  # sub-group -> its update on the worker (`Overlap._submit`)
 
     # -- backward: each sub-group is handed to the worker as soon as it is ready ------------
     def pump(self, block: bool = False) -> None:
         """Hand over the sub-groups that are ready, in order; one whose gradient is still being
         written waits for a later call, or with ``block`` (the step is due) is left to the step."""
-        while self._ready:
-            if self._update_now(self._ready[0]) or block:
-                self._ready.popleft()
-            else:
-                break
-        self._write_done()
+        with region("infinity::optimizer.early"):  # the hand-over, on this thread
+            while self._ready:
+                if self._update_now(self._ready[0]) or block:
+                    self._ready.popleft()
+                else:
+                    break
+            self._write_done()
 
     def _write_done(self) -> None:
         """Start writing the new parameters of the sub-groups whose jobs are done, under their
@@ -276,9 +276,7 @@ class HostOverlap(Overlap):
         except BaseException:
             _drop(grads, leases, (*copies, *params.values()), self.staging)
             raise
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-optimizer")
-        self._jobs[index] = self._worker.submit(self._run, early, states, copies, params, grads, leases)
+        self._jobs[index] = self._submit(self._run, early, states, copies, params, grads, leases)
         self._early[index] = early
         self._staged[index] = (copies, params)
         return True
@@ -290,17 +288,16 @@ class HostOverlap(Overlap):
         opt = self.opt
         sg = opt.groups[early.index]
         try:
-            with record_function("infinity::optimizer.early"):
-                for src, dst in zip(states, copies):
-                    dst.copy_(src)
-                here = {}
-                for i, g in grads.items():
-                    if isinstance(g, Arriving):
-                        g = g.result().tensor  # waits for its copy's event; released by `_drop`
-                    here[i] = g
-                opt.apply(early.index, copies[0], copies[1:], here, early.divide, early.steps, early.first)
-                for u in early.units:
-                    params[u.index].copy_(copies[0][sg.slices[u.index]])
+            for src, dst in zip(states, copies):
+                dst.copy_(src)
+            here = {}
+            for i, g in grads.items():
+                if isinstance(g, Arriving):
+                    g = g.result().tensor  # waits for its copy's event; released by `_drop`
+                here[i] = g
+            opt.apply(early.index, copies[0], copies[1:], here, early.divide, early.steps, early.first)
+            for u in early.units:
+                params[u.index].copy_(copies[0][sg.slices[u.index]])
         finally:
             _drop(grads, leases, (), None)
 
@@ -383,12 +380,6 @@ class HostOverlap(Overlap):
         copies, params = self._staged.pop(early.index, ([], {}))
         for t in (*copies, *params.values()):
             self.staging.give(t)
-
-    def close(self) -> None:
-        self.discard()
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
 
 
 def _settle(futures) -> BaseException | None:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _build, _checkpoint, _ddp, _deepspeed, _footprint, _gather, _onecopy, _overlap_host, _resources, _sizes, _wrap
+from . import _activations, _admission, _build, _checkpoint, _ddp, _deepspeed, _footprint, _gather, _onecopy, _overlap, _overlap_host, _resources, _sizes, _wrap
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -181,12 +181,13 @@ class Engine:
         self.admission = _admission.Admission(self.pool, plan)
         if plan.overlap:
             self.overlap = Overlap(self.optimizer, plan.overlap, self._loss_scale,
-                                             disk_room=self.footprint.staging_room, space=self.space,
-                                             on_disk_full=self._refuse)  # fmt: skip
+                                   disk_room=self.footprint.staging_room, space=self.space,
+                                   on_disk_full=self._refuse, threaded=_overlap.on_worker(dev))  # fmt: skip
         elif plan.staging:  # the states in host memory: see [Note: staged in host memory]
             fp = self.footprint
             self.overlap = HostOverlap(self.optimizer, plan.staging, self._loss_scale,
-                                       disk_room=fp.staging_room if fp is not None and self._params_staged() else 0)
+                                       disk_room=fp.staging_room if fp is not None and self._params_staged() else 0,
+                                       threaded=_overlap.on_worker(dev))
         overlap = self.overlap
         # [activations] tier: see [Note: activations offloaded] in `_activations`
         self.activations = _activations.build(cfg, rank=self.rank, local_rank=self.dist.local_rank, aio=self.aio,

@@ -229,20 +229,27 @@ def test_a_transformers_model_as_trainer_calls_it(tmp_path, dtype, tiers):
     assert on[2][0] > 0 and on[2][1] == 0, on[2]  # the clipped step discards; the first commits
 
 
-def test_backward_hands_the_updates_to_a_worker_and_does_not_wait_for_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tiers", [HOST[0], ("nvme", "nvme", "nvme")], ids=["host", "nvme"])
+def test_backward_hands_the_updates_to_a_worker_and_does_not_wait_for_them(tmp_path, monkeypatch, tiers):
     """The hooks only hand each sub-group over ([Note: early updates on a worker]): backward
     returns while every update is held back on the worker, the updates run there, and the step
-    waits for them and commits them all, with the weights of the step after backward."""
+    waits for them and commits them all, with the weights of the step after backward. (The
+    worker serves a GPU's compute, `_overlap.on_worker`: on the host too here, the same code.)"""
     import threading
+
+    import infinity._overlap as overlap_module
+
+    monkeypatch.setattr(overlap_module, "on_worker", lambda device: True)
 
     x, y = _batch(0)
     os.makedirs(tmp_path / "off")
-    with infinity.initialize(_mlp(), _cfg(tmp_path / "off", False, tiers=HOST[0])) as engine:
+    with infinity.initialize(_mlp(), _cfg(tmp_path / "off", False, tiers=tiers)) as engine:
         engine.backward(((engine(x) - y) ** 2).mean())
         engine.step()
         want = engine.gathered_weights()
     os.makedirs(tmp_path / "on")
-    with infinity.initialize(_mlp(), _cfg(tmp_path / "on", True, tiers=HOST[0])) as engine:
+    with infinity.initialize(_mlp(), _cfg(tmp_path / "on", True, tiers=tiers)) as engine:
+        assert engine.overlap.threaded
         gate, threads = threading.Event(), []
         apply = engine.optimizer.apply
 
@@ -255,6 +262,7 @@ def test_backward_hands_the_updates_to_a_worker_and_does_not_wait_for_them(tmp_p
         monkeypatch.setattr(engine.optimizer, "apply", held_back)
         engine.backward(((engine(x) - y) ** 2).mean())  # would wait 30 s and fail in a hook
         assert engine.overlap.pending == 4
+        assert all(t.startswith("infinity-optimizer") for t in threads), threads
         gate.set()
         engine.step()
         assert engine.overlap.committed == 4
@@ -303,11 +311,12 @@ def params_staged(monkeypatch):
     monkeypatch.setattr(overlap_host, "stages_params", lambda device, store: store.uses_pool)
 
 
-def test_parameters_on_nvme_are_written_under_backward_only_with_a_gpu(tmp_path):
+def test_parameters_on_nvme_are_written_under_backward_and_updates_on_a_worker_only_with_a_gpu(tmp_path):
     os.makedirs(tmp_path / "a")
     with infinity.initialize(_mlp(), _cfg(tmp_path / "a", True, tiers=("nvme", "cpu", "cpu"))) as engine:
         assert isinstance(engine.overlap, HostOverlap)
         assert engine.overlap.disk_room == 0  # the compute is on the host here
+        assert not engine.overlap.threaded
 
 
 def test_parameters_on_nvme_are_written_under_backward_and_renamed_at_the_step(tmp_path, params_staged):
