@@ -67,8 +67,11 @@ status=0
 tests_expr=${GPU_CHECK_TESTS-"gpu"}
 if [[ -n $tests_expr ]]; then
     rm -rf /tmp/infinity-gpu-tests && cp -r tests /tmp/infinity-gpu-tests
-    (cd /tmp && PYTHONUNBUFFERED=1 "$PY" -m pytest -q -m "$tests_expr" -p no:cacheprovider \
-        -o addopts="-ra --import-mode=importlib" --durations=15 /tmp/infinity-gpu-tests) 2>&1 | tee "$OUTDIR/pytest.log"
+    # At most GPU_CHECK_TEST_LIMIT seconds (300): then pytest is interrupted (SIGINT), and still
+    # prints what failed so far and the slowest tests, and the rest of the check runs.
+    (cd /tmp && PYTHONUNBUFFERED=1 timeout --signal=INT "${GPU_CHECK_TEST_LIMIT:-300}" "$PY" -m pytest -q \
+        -m "$tests_expr" -p no:cacheprovider -o addopts="-ra --import-mode=importlib" --durations=15 \
+        /tmp/infinity-gpu-tests) 2>&1 | tee "$OUTDIR/pytest.log"
     ((PIPESTATUS[0] == 0)) || status=1
     stage tests
 fi
