@@ -230,6 +230,7 @@ def main(argv=None) -> int:
                                model_flops_per_token(config, n_params, s))  # fmt: skip
                 if args.profile and "oom" not in row:
                     row["host_waits"] = _profile(args.profile, placement, (b, s), infinity_step)
+                    resident_step((b, s), 10_000)  # the same batch on the other side: neither is a step ahead
                 rows.append(row)
                 print(json.dumps(row) if args.json else _line(row), flush=True)
                 if "oom" in row:

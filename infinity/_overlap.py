@@ -260,15 +260,13 @@ class Overlap:
         try:
             for kind in opt.kinds:
                 early.reads.append(opt.states[kind].get(sg.record.name_for(), timeout=0))
-            transport = opt.grads.transport
+            transport, host = opt.grads.transport, opt.substates.device
             for u in early.units:
                 early.versions[u.index] = opt.grads.version[u.index]
                 early.grads[u.index] = pending = opt.grads.lend(u, timeout=0)
-                if opt.grads.store.device.type == "cuda" and transport is not None and transport.pipelined:
-                    # On the GPU (the device tier: lent in place, nothing to wait for): copied
-                    # to a pinned pool buffer on the copy-back stream, arrived when its event is.
+                if opt.grads.store.device != host:  # the device tier, lent in place: brought to the host
                     lease = pending.result()
-                    early.grads[u.index] = transport.to_host(lease.tensor, timeout=0)
+                    early.grads[u.index] = transport.to_reader(lease.tensor, host, timeout=0)
                     lease.release()
         except PoolExhausted:
             _give_back(early)
@@ -289,10 +287,9 @@ class Overlap:
                 early.held.append(p.result())
                 early.tensors.append(early.held[-1].tensor)
             grads = {}
-            for i, p in early.grads.items():
+            for i, p in early.grads.items():  # on the host (`_start`)
                 early.held.append(p.result())
-                g = early.held[-1].tensor  # on the GPU when the grads tier is the device: the update runs on the host
-                grads[i] = opt.grads.transport.copy_to(g, early.tensors[0].device)  # counted: [Note: every copy counted]
+                grads[i] = early.held[-1].tensor
             self._assume(early)
         except BaseException:
             self._undo(early, early.held, [])
@@ -374,11 +371,7 @@ class Overlap:
             except BaseException:  # noqa: BLE001 - dropped with the update
                 pass
             early.job = None
-        for f in futures:
-            try:
-                f.result()
-            except Exception:  # noqa: BLE001
-                pass
+        settle(futures)
         for lease in leases:
             lease.release()
         _give_back(early)
@@ -473,6 +466,17 @@ class Overlap:
     def pending(self) -> int:
         """Sub-groups updated early and not yet committed or discarded."""
         return len(self._early) + len(self._reading) + len(self._computing)
+
+
+def settle(futures) -> BaseException | None:
+    """Wait for every write of ``futures``; the first error, if one failed."""
+    error = None
+    for f in futures:
+        try:
+            f.result()
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            error = error or e
+    return error
 
 
 def _give_back(early: _Early) -> None:

@@ -40,10 +40,9 @@ from infinity.aio import empty_aligned
 from infinity.swap import OutOfSpace, PoolExhausted
 
 from ._bytes import host_staged_bytes
-from ._overlap import Overlap, _Early
+from ._overlap import Overlap, _Early, settle
 from ._profile import region
-from ._store import Lease
-from ._transport import Arriving
+from ._store import Lease, release_unused
 
 logger = logging.getLogger("infinity")
 
@@ -122,8 +121,7 @@ class _Staging:
         # Page-aligned (and pinned where CUDA is): a staged tensor written to nvme (the new
         # parameters, [Note: parameters written under backward]) goes to the drive directly,
         # with no bounce buffer taken from the pool inside a hook.
-        flat = empty_aligned(max(nbytes, dtype.itemsize), pin=True if self.pin else False)
-        return flat[: max(nbytes, dtype.itemsize)].view(dtype)[: math.prod(shape)].view(shape)
+        return empty_aligned(max(nbytes, dtype.itemsize), pin=self.pin).view(dtype)[: math.prod(shape)].view(shape)
 
     def give(self, t: torch.Tensor) -> None:
         """``t`` is free again: a staged copy discarded or written, or a state's tensor that
@@ -174,7 +172,8 @@ class HostOverlap(Overlap):
     [Note: parameters written under backward]
     With the parameters on nvme (ZeRO-Infinity's nvme,cpu,cpu), the step after backward had
     each committed sub-group's new parameters to write, and waited for them: 2 bytes a parameter
-    in bf16, 0.7 s of the 953M model's step on the H200's drive (2.8 GB/s), while the drive
+    in bf16, 1.9 GB a step of the 953M model, about 0.7 s at the 2.76 GB/s the H200 machine's
+    drive wrote between the pairs of benchmarks/gpu_step.py, while the drive
     sits idle through backward (the parameters forward read stay on the GPU for it). So once a
     sub-group's job is done, the next hook writes its new parameters under their staged names
     (``~next``, as `_overlap` stages on nvme), behind; a commit renames them (no copy), a
@@ -226,7 +225,7 @@ class HostOverlap(Overlap):
                 for u in early.units:
                     futures.append(store.put(opt.record(u).name_for(staged=True), params[u.index], timeout=0))
             except (OutOfSpace, PoolExhausted, OSError):  # no room now: the commit writes them
-                _settle(futures)
+                settle(futures)
                 for u in early.units:
                     store.discard(opt.record(u).name_for(staged=True))
                 return
@@ -262,13 +261,7 @@ class HostOverlap(Overlap):
                 early.versions[u.index] = opt.grads.version[u.index]
                 lease = opt.grads.lend(u, timeout=0).result()
                 leases.append(lease)
-                g = lease.tensor
-                if g.device == host:
-                    grads[u.index] = g
-                elif transport is not None and transport.pipelined:  # from a GPU, on the copy-back stream
-                    grads[u.index] = transport.to_host(g, timeout=0)
-                else:  # counted: [Note: every copy counted]
-                    grads[u.index] = transport.copy_to(g, host) if transport is not None else g.to(host)
+                grads[u.index] = transport.to_reader(lease.tensor, host, timeout=0)  # from a GPU: arriving
             self._assume(early)
         except (_NoRoom, PoolExhausted):  # the step updates it
             _drop(grads, leases, (*copies, *params.values()), self.staging)
@@ -290,11 +283,7 @@ class HostOverlap(Overlap):
         try:
             for src, dst in zip(states, copies):
                 dst.copy_(src)
-            here = {}
-            for i, g in grads.items():
-                if isinstance(g, Arriving):
-                    g = g.result().tensor  # waits for its copy's event; released by `_drop`
-                here[i] = g
+            here = {i: p.result().tensor for i, p in grads.items()}  # a copy from a GPU: waits for its event
             opt.apply(early.index, copies[0], copies[1:], here, early.divide, early.steps, early.first)
             for u in early.units:
                 params[u.index].copy_(copies[0][sg.slices[u.index]])
@@ -362,7 +351,7 @@ class HostOverlap(Overlap):
             return False
         store = self.opt.param_store
         names = [self.opt.record(u).name_for(staged=True) for u in early.units]
-        if _settle(written[0]) is not None:
+        if settle(written[0]) is not None:
             for name in names:
                 store.discard(name)
             return False
@@ -374,7 +363,7 @@ class HostOverlap(Overlap):
         self._wait(early.index)  # its error does not matter: it is discarded
         written = self._param_writes.pop(early.index, None)
         if written is not None:
-            _settle(written[0])
+            settle(written[0])
             for u in early.units:
                 self.opt.param_store.discard(self.opt.record(u).name_for(staged=True))
         copies, params = self._staged.pop(early.index, ([], {}))
@@ -382,26 +371,10 @@ class HostOverlap(Overlap):
             self.staging.give(t)
 
 
-def _settle(futures) -> BaseException | None:
-    """Wait for every write of ``futures``; the first error, if one failed."""
-    error = None
-    for f in futures:
-        try:
-            f.result()
-        except Exception as e:  # noqa: BLE001 - handed to the caller
-            error = error or e
-    return error
-
-
 def _drop(grads: dict, leases: list, staged, staging) -> None:
-    """Give back what a sub-group's update held: gradients on their way from a GPU (once their
-    copies are done: the DMA writes them), the gradients' leases, and staging tensors."""
-    for g in grads.values():
-        if isinstance(g, Arriving):
-            try:
-                g.result().release()
-            except Exception:  # noqa: BLE001 - a failed copy released its buffer
-                pass
+    """Give back what a sub-group's update held: its gradients on the host (a copy from a GPU
+    once it is done: the DMA writes it), the gradients' leases, and staging tensors."""
+    release_unused(grads.values())
     grads.clear()
     for lease in leases:
         lease.release()

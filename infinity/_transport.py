@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from ._store import Lease
+from ._store import InHand, Lease
 from ._units import ParamUnit
 
 
@@ -194,6 +194,19 @@ class Transport:
             buffer.release()
             raise
         return Arriving(copy, Lease(dst, buffer))
+
+    def to_reader(self, value: torch.Tensor, device: torch.device, timeout: float | None = None):
+        """``value`` for a reader on ``device`` (the host optimizer's kernel), as a `Pending` of
+        a lease: ``value`` itself where it is there; from a GPU, where copies are pipelined, into
+        a pinned pool buffer on the copy-back stream (`to_host`: the reader waits on its event;
+        at most ``timeout`` seconds for pool memory); else by a blocking copy, counted (`copy_to`).
+        The one place that decides how a gradient reaches the host optimizer: the step's, and
+        both overlaps'."""
+        if value.device == device:
+            return InHand(Lease(value))
+        if self.pipelined and value.device.type == "cuda" and device.type == "cpu":
+            return self.to_host(value, timeout=timeout)
+        return InHand(Lease(self.copy_to(value, device)))
 
     def to_device_as(self, src: torch.Tensor, out: torch.Tensor) -> None:
         """``src`` (host) into ``out`` (on the device, its dtype): converted once on the host

@@ -186,7 +186,10 @@ class StreamedUpdate:
         value = pending.result().tensor  # resident: lent in place, nothing to wait for
         if value.numel() != unit.shard_numel:  # stage 1 keeps the whole gradient
             value = value[unit.shard]
-        out = self.transport.to_host(value, timeout=timeout) if self.stages_grads else InHand(Lease(value))
+        if self.transport is None:
+            out = InHand(Lease(value))
+        else:  # on the host, or on its way there ([Note: the host step on a GPU])
+            out = self.transport.to_reader(value, self.substates.device, timeout=timeout)
         if self.stats is not None:
             self.stats.count(store.tier, "grad", False, value.numel() * value.element_size())
         return out
@@ -207,7 +210,7 @@ class StreamedUpdate:
                 value = lease.tensor
                 if value.numel() != u.shard_numel:  # stage 1 keeps the whole gradient
                     value = value[u.shard]
-                grads[u.index] = self._to(value, master.device)
+                grads[u.index] = value  # on the kernel's device: `_read_grad`
             stepped = {u.index for u in have}
             if st.foreign is not None:
                 self._step_foreign(index, grads, grad_scale)
@@ -220,14 +223,6 @@ class StreamedUpdate:
                 lease.release()
         self._count_states(index, have)
         return st.write_params(group, have, master, self.transport)
-
-    def _to(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``value`` on ``device``: itself where it is there, else a copy (counted)."""
-        if value.device == device:
-            return value
-        if self.transport is None:
-            return value.to(device)
-        return self.transport.copy_to(value, device)
 
     def _count_states(self, index: int, have: list) -> None:
         """The optimizer's reads and writes of sub-group ``index``'s states, where they are
