@@ -19,9 +19,19 @@ changes nothing: a `_store.Pending` interrupted while it waits waits again on th
 from __future__ import annotations
 
 import _signal  # the C functions `signal` wraps: no enum made per call (a section costs ~1 us, not ~25)
+import os
 import signal
 import threading
 
+_MAIN = threading.main_thread().ident  # the thread signal handlers run in (a forked child's: its own)
+
+
+def _forked() -> None:
+    global _MAIN
+    _MAIN = threading.main_thread().ident  # threading's own fork handler, registered first, has run
+
+
+os.register_at_fork(after_in_child=_forked)
 
 class _Held:
     """The context manager; reentrant (an inner section leaves the holding to the outer one)."""
@@ -38,7 +48,7 @@ class _Held:
 
     def __enter__(self):
         # Python runs signal handlers only in the main thread: elsewhere nothing can land here.
-        if threading.get_ident() != threading.main_thread().ident:
+        if threading.get_ident() != _MAIN:
             return self
         self._depth += 1
         if self._depth == 1:
@@ -51,7 +61,7 @@ class _Held:
         return self
 
     def __exit__(self, *exc) -> None:
-        if threading.get_ident() != threading.main_thread().ident:
+        if threading.get_ident() != _MAIN:
             return
         self._depth -= 1
         if self._depth or self._previous is None:

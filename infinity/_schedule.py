@@ -56,6 +56,14 @@ bytecodes run before any section is entered) is undone by `forget_backward`, whi
 tile's too: a gathered tiled parameter's gradient passes through it), every unit's gradient
 dropped, and a backward that never ended ended.
 
+A gradient that is all of its unit (a parameter alone in its unit, unpadded: a Linear without
+bias, a norm's weight) in memory of its own on the compute device is not copied at all: it
+becomes the unit's gradient as it is (`UnitRuntime._whole_grad`), and where the grads tier
+keeps gradients on that device and this is the step's first, the tier's tensor itself
+(`_store.Store.adopt`); a later micro-batch's is added to the sum from where autograd left it.
+Autograd gives ``param.grad`` a tensor of its own (it steals the one it computed, or clones a
+shared one), which the hook takes: nothing else holds it.
+
 [Note: predicted order]
 The first forward uses module registration order (so prefetch works from the first step);
 each forward records the order that really ran, and the next forward predicts it. When a

@@ -179,6 +179,19 @@ class Store:
             self._resident[name] = dst
         return dst
 
+    def adopt(self, name: str, tensor: torch.Tensor) -> bool:
+        """Make ``tensor`` itself the resident tier's tensor of ``name`` (the caller gives it
+        up, and nothing else holds its storage), where it has the shape, dtype and device the
+        tier's tensor has: a value produced where the tier keeps it is then stored without a
+        copy. False, changing nothing, otherwise (and on nvme)."""
+        if self._resident is None:
+            return False
+        dst = self._resident.get(name)
+        if dst is None or dst.shape != tensor.shape or dst.dtype != tensor.dtype or dst.device != tensor.device:
+            return False
+        self._resident[name] = tensor
+        return True
+
     def landing(self, name: str, shape, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
         """Where a copy from the device of ``name``'s new value lands: the tier's own tensor
         (resident; pinned where CUDA is) and None, or a pool buffer's view and the buffer, to

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 from torch import nn
 
 import infinity
@@ -120,3 +121,50 @@ def test_a_parameter_given_a_none_gradient_trains_as_in_plain_pytorch(tmp_path, 
         torch.testing.assert_close(got[name], p.detach(), atol=1e-6, rtol=0)
     assert torch.equal(got["1.weight"], model()[1].weight.detach())  # never updated
     engine.close()
+
+
+class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the elements ``aten.copy_`` writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.elements += args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_whole_unit_gradient_becomes_the_tier_s_tensor_without_a_copy(tmp_path):
+    """Every tier on the device, one rank: the gradient autograd gives a parameter that is all
+    of its unit (a Linear without bias) is stored as the unit's gradient itself, not copied
+    into the tier's tensor, and a later micro-batch's is added to it from where autograd left
+    it ([Note: gradient hand-over]). Two micro-batches a step, three steps: the weights are
+    plain PyTorch's."""
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64, bias=False), nn.Tanh(), nn.Linear(64, 4, bias=False))
+
+    plain = model()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
+    engine = infinity.initialize(model(), config(tmp_path, ("device",) * 3, optimizer={"overlap": False}))
+    try:
+        for step in range(3):
+            copies = _Copies()
+            for micro in range(2):
+                g = torch.Generator().manual_seed(10 * step + micro)
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+                with copies:
+                    engine.backward(((engine(x) - y) ** 2).mean())
+                ((plain(x) - y) ** 2).mean().backward()
+            assert copies.elements == 0, (step, copies.elements)
+            engine.step()
+            opt.step()
+            opt.zero_grad()
+        got = engine.gathered_weights()
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), atol=1e-6, rtol=0)
+    finally:
+        engine.close()
