@@ -378,6 +378,7 @@ class SubGroupStates:
             transport.settle()
         stats = getattr(transport, "stats", None)
         store = self.param_store
+        written = 0  # bytes written to the resident tier, counted once: the counter takes a lock
         for u in have:
             s = group.slices[u.index]
             if self.gather_params:
@@ -393,8 +394,9 @@ class SubGroupStates:
                 transport.copy(master[s], dst)
             else:
                 dst.copy_(master[s])
-            if stats is not None:
-                stats.count(store.tier, "param", True, dst.numel() * dst.element_size())
+            written += dst.numel() * dst.element_size()
+        if stats is not None and written:
+            stats.count(store.tier, "param", True, written)
         return True
 
     def _gather_new_params(self, unit: ParamUnit, master: torch.Tensor, transport=None) -> None:

@@ -161,28 +161,33 @@ class StreamedUpdate:
         without ``wait``, only if the pool has room for all of them now (None if not)."""
         pending = {}
         units = [u for u in group.units if u.index in self.grads.has_grad]
+        lent = 0  # bytes of the tier's own tensors lent in place (nvme's reads the store counts)
         try:
             for u in units:
                 if not self.grads.is_held(u.index):
-                    pending[u.index] = self._read_grad(u, timeout=None if wait else 0)
+                    pending[u.index], nbytes = self._read_grad(u, timeout=None if wait else 0)
+                    lent += nbytes
         except BaseException as e:
             release_unused(pending.values())  # the held ones stay held: a later read finds them
             if wait or not isinstance(e, PoolExhausted):
                 raise
             return None
+        if lent and self.stats is not None:  # once per sub-group: the counter takes a lock
+            self.stats.count(self.grads.store.tier, "grad", False, lent)
         for u in units:  # see [Note: gradients held] in `_grads`
             if u.index not in pending:
                 pending[u.index] = InHand(Lease(*self.grads.take_held(u.index)))
         return pending
 
     def _read_grad(self, unit, timeout: float | None):
-        """The `Pending` of ``unit``'s gradient for the step: a read from nvme (counted by the
-        store), the tier's own tensor (counted here), or that tensor on its way from a GPU to a
-        pinned buffer (`Transport.to_host`; [Note: the host step on a GPU])."""
+        """The `Pending` of ``unit``'s gradient for the step and the bytes of the tier's own
+        tensor it lends (for the caller to count): a read from nvme (counted by the store; 0),
+        the tier's own tensor, or that tensor on its way from a GPU to a pinned buffer
+        (`Transport.to_host`; [Note: the host step on a GPU])."""
         pending = self.grads.get(unit, timeout=timeout)
         store = self.grads.store
         if store.uses_pool:
-            return pending
+            return pending, 0
         value = pending.result().tensor  # resident: lent in place, nothing to wait for
         if value.numel() != unit.shard_numel:  # stage 1 keeps the whole gradient
             value = value[unit.shard]
@@ -190,9 +195,7 @@ class StreamedUpdate:
             out = InHand(Lease(value))
         else:  # on the host, or on its way there ([Note: the host step on a GPU])
             out = self.transport.to_reader(value, self.substates.device, timeout=timeout)
-        if self.stats is not None:
-            self.stats.count(store.tier, "grad", False, value.numel() * value.element_size())
-        return out
+        return out, value.numel() * value.element_size()
 
     def _update(self, index: int, tensors, grad_scale, pending: dict) -> bool:
         """Update sub-group ``index``'s parameters that have a gradient; False when none has."""

@@ -208,7 +208,8 @@ class Engine:
             for key, buf in mod._buffers.items():
                 if buf is not None and buf.device != dev:
                     mod._buffers[key] = buf.to(dev)
-        self.scheduler.install(module, before_forward=self._check_training, after_backward=self._end_backward,
+        self._forward_checked = False  # a forward's `_check_training` passed since the last step
+        self.scheduler.install(module, before_forward=self._check_forward, after_backward=self._end_backward,
                                owner=self._owner)  # fmt: skip
         self._state_hooks = StateDictHooks(self, module)
         self._backwards = 0  # backward passes since the last step
@@ -331,6 +332,7 @@ class Engine:
     @entry("step")
     def _step(self) -> bool:
         self._check_training()
+        self._forward_checked = False
         _gather.refuse_open(self, "engine.step()")
         if self.scheduler.backward_lost and not self._grads_incomplete:
             self._grads_incomplete = LOST_BACKWARD
@@ -685,10 +687,18 @@ class Engine:
     def _check_training(self) -> None:
         """Before each forward and step: usable, and the module still holds only the parameters
         its units were made of (peft applied to engine.module would train nothing), run by no
-        DistributedDataParallel ([Note: no DDP around the engine])."""
+        DistributedDataParallel ([Note: no DDP around the engine]). The walk over the module
+        runs at a step only when no forward passed it since the last step: a parameter added
+        after that forward had no part in it, and the next forward refuses it."""
         self._check_usable()
-        _wrap.refuse_changed(self.module, self._managed)
+        if not self._forward_checked:
+            _wrap.refuse_changed(self.module, self._managed)
         _ddp.refuse_wrapped(self.module)
+
+    def _check_forward(self) -> None:
+        self._forward_checked = False
+        self._check_training()
+        self._forward_checked = True
 
     def __enter__(self) -> "Engine":
         return self
