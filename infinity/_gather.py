@@ -167,7 +167,7 @@ class GatheredParameters:
 
     @staticmethod
     def _gather(stack: contextlib.ExitStack, engine, params) -> None:
-        engine._check_open()
+        engine._life.check_open()
         engine._owner.enter("GatheredParameters")
         stack.callback(engine._owner.exit)
 

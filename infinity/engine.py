@@ -1,6 +1,8 @@
 """The engine: wires the tiers, the parameter scheduler, gradients and the optimizer around a
 user's unmodified module. It owns no policy of its own; each piece lives in its module:
 
+    _lifecycle.py  whether the engine can be used (one state), the checks before each pass and step
+    _accumulation.py the backward passes since the last step, and whether they are whole
     _resources.py  what a run opens (I/O engine, host pool, swap space) and the memory checks
     _admission.py  the host budget's shares by class of traffic, and what gives way to a fetch
     _footprint.py  the disk the swap space takes, checked against free space and nvme.disk_budget
@@ -33,10 +35,12 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _build, _checkpoint, _ddp, _deepspeed, _footprint, _gather, _onecopy, _overlap, _overlap_host, _resources, _sizes, _wrap
+from . import _activations, _admission, _build, _checkpoint, _deepspeed, _footprint, _gather, _onecopy, _overlap, _overlap_host, _resources, _sizes
+from ._accumulation import Accumulation
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
+from ._lifecycle import Lifecycle, TrainingGuard
 from ._algorithms import resolve
 from ._optim import Optimizer
 from ._substates import make_groups
@@ -44,7 +48,7 @@ from ._overlap import Overlap
 from ._overlap_host import HostOverlap
 from ._owner import Owner, entry
 from ._scaler import LossScaler
-from ._schedule import LOST_BACKWARD, Scheduler
+from ._schedule import Scheduler
 from ._statedict import StateDictHooks
 from ._stats import Stats, peak_rss_bytes
 from ._store import Store
@@ -81,11 +85,9 @@ class Engine:
         self.log_every = log_every
         self._stats = Stats()
         self._scaler = LossScaler(cfg.precision) if self.dtype == torch.float16 else None
-        self._closed = True
+        self._life = Lifecycle()  # closed until everything below is made
         self._owner = Owner()  # one thread inside at a time (see `_owner`)
-        self._unusable: str | None = None  # why training cannot go on (a load that failed half-way)
         self._scaled_backward = False  # inside engine.backward (fp16: the loss is scaled)
-        self._grads_incomplete: str | None = None  # why the step's gradients are not whole
         self.aio = self.pool = self.space = None
         self.activations = None
         self.overlap = None  # the optimizer under backward, where it applies (`_overlap`, `_overlap_host`)
@@ -100,7 +102,7 @@ class Engine:
             except Exception as cleanup:  # noqa: BLE001 - the first error is the one to see
                 e.add_note(f"(closing the swap space after that also failed: {cleanup})")
             raise
-        self._closed = False
+        self._life.open()
         _resources.trim_malloc()  # what writing the initial state freed (see [Note: malloc threshold])
         self._stats.start_step()
         _resources.close_at_exit(self)
@@ -149,7 +151,7 @@ class Engine:
             params_sharded=self.params_sharded, foreign=foreign, one_copy=one_copy, plan=self.plan,
         )  # fmt: skip
         # Everything that can refuse the user's arguments, before the module's weights move.
-        self.lr_scheduler = self._make_scheduler(scheduler_spec)
+        self.lr_scheduler = _lr_scheduler(scheduler_spec, self.optimizer)
         self._check_memory(cfg, units)  # before anything is written: that needs the pool too
         # fp32 master weights from the values as the user made them; low-precision params to
         # their tier. A model made in `infinity.build` gets its values now, one unit at a time.
@@ -175,20 +177,21 @@ class Engine:
             for p in unit.params:
                 p._infinity_managed = True  # see _refuse_foreign_step
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
-        self._managed = {id(p) for u in units for p in u.params}  # see _check_training
+        self._managed = {id(p) for u in units for p in u.params}  # see `_lifecycle.TrainingGuard`
         plan = self.plan
         _admission.finish(plan, self)
         self.admission = _admission.Admission(self.pool, plan)
         if plan.overlap:
             self.overlap = Overlap(self.optimizer, plan.overlap, self._loss_scale,
                                    disk_room=self.footprint.staging_room, space=self.space,
-                                   on_disk_full=self._refuse, threaded=_overlap.on_worker(dev))  # fmt: skip
+                                   on_disk_full=self._life.refuse, threaded=_overlap.on_worker(dev))  # fmt: skip
         elif plan.staging:  # the states in host memory: see [Note: staged in host memory]
             fp = self.footprint
             self.overlap = HostOverlap(self.optimizer, plan.staging, self._loss_scale,
-                                       disk_room=fp.staging_room if fp is not None and self._params_staged() else 0,
+                                       disk_room=fp.staging_room if fp is not None and _params_staged(self) else 0,
                                        threaded=_overlap.on_worker(dev))
         overlap = self.overlap
+        self._accumulation = Accumulation(cfg.optimizer.gradient_accumulation_steps, overlap, self.optimizer)
         # [activations] tier: see [Note: activations offloaded] in `_activations`
         self.activations = _activations.build(cfg, rank=self.rank, local_rank=self.dist.local_rank, aio=self.aio,
                                               pool=self.pool, transport=self.transport, stats=stats,
@@ -198,7 +201,7 @@ class Engine:
                                    keep_limit=plan.kept, device_budget=_device_budget(cfg, dev),
                                    gather=self.params_sharded and self.dist.active, tiled=tiled,
                                    admission=self.admission, activations=self.activations,
-                                   on_backward_due=self._backward_due if overlap is not None else None,
+                                   on_backward_due=self._accumulation.backward_due if overlap is not None else None,
                                    on_unit_final=overlap.unit_final if overlap is not None else None,
                                    keep_grad=overlap.keep_grad if overlap is not None else None)  # fmt: skip
         if self.scheduler.always_ready:
@@ -208,12 +211,10 @@ class Engine:
             for key, buf in mod._buffers.items():
                 if buf is not None and buf.device != dev:
                     mod._buffers[key] = buf.to(dev)
-        self._forward_checked = False  # a forward's `_check_training` passed since the last step
-        self.scheduler.install(module, before_forward=self._check_forward, after_backward=self._end_backward,
+        self._guard = TrainingGuard(self._life, module, self._managed)
+        self.scheduler.install(module, before_forward=self._guard.before_forward, after_backward=self._end_backward,
                                owner=self._owner)  # fmt: skip
         self._state_hooks = StateDictHooks(self, module)
-        self._backwards = 0  # backward passes since the last step
-        self._told_accumulation = False
         # What waits in the pool for later gives way to a transfer needed now, in this order
         # ([Note: traffic classes] in `_admission`).
         self.admission.give_way(_admission.PREFETCH, self.scheduler.runtime.cancel_prefetches)
@@ -246,28 +247,14 @@ class Engine:
         _resources.check_host_memory(resident, max(self.plan.needs.values()))
         self.footprint = None  # the disk the swap space takes ([Note: disk footprint])
         if self.space is not None:
-            self.footprint = _footprint.fit(self, cfg, bool(self.plan.overlap), staged_params=self._params_staged())
+            self.footprint = _footprint.fit(self, cfg, bool(self.plan.overlap), staged_params=_params_staged(self))
             if self.footprint.staging_room == 0 and self.plan.overlap:
                 logger.info("optimizer.overlap: the disk has no room for a sub-group's staged copies beside the "
                             "state; the optimizer runs after backward")  # fmt: skip
                 self.plan.overlap = 0
 
-    def _params_staged(self) -> bool:
-        """Whether early updates in host memory write the new parameters to nvme under backward
-        ([Note: parameters written under backward] in `_overlap_host`)."""
-        return bool(self.plan.staging) and _overlap_host.stages_params(self.device, self.param_store)
-
     def _loss_scale(self) -> float:
         return self._scaler.scale if self._scaler is not None else 1.0
-
-    def _backward_due(self, expected) -> None:
-        """A grad-enabled forward ended: arm the overlap when this is the step's last micro-batch
-        (and the last step did not clip: an early update would then likely be discarded)."""
-        overlap = self.overlap
-        if self._backwards + 1 == self.config.optimizer.gradient_accumulation_steps and not self.optimizer.clipped_last:
-            overlap.arm(expected)
-        else:
-            overlap.disarm()
 
     # -- training ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -287,7 +274,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``; gradients accumulate over calls until `step`. A plain
         ``loss.backward()`` does the same in fp32 and bf16; fp16 needs this (loss scaling)."""
-        self._check_open()
+        self._life.check_open()
         if self._scaler is not None:
             loss = loss * self._scaler.scale
         self._scaled_backward = True
@@ -297,7 +284,7 @@ class Engine:
             self.dist.report_failure(e)
             # Some units have this backward's gradient and some not: a step on them would train
             # on part of a gradient, silently. They stay refused until zero_grad().
-            self._grads_incomplete = f"the last backward failed part-way ({type(e).__name__}: {e})"
+            self._accumulation.failed(f"the last backward failed part-way ({type(e).__name__}: {e})")
             try:
                 self.scheduler.runtime.drop_grads()
                 self.scheduler.end_backward()
@@ -319,9 +306,7 @@ class Engine:
                 "a plain loss.backward() would step on unscaled gradients (they were dropped)"
             )
         self.scheduler.end_backward()
-        self._backwards += 1
-        if self.overlap is not None:
-            self.overlap.backward_ended()
+        self._accumulation.backward_ended()
 
     def step(self) -> bool:
         """The optimizer step, then gradients cleared, then the LR scheduler given to
@@ -331,17 +316,11 @@ class Engine:
 
     @entry("step")
     def _step(self) -> bool:
-        self._check_training()
-        self._forward_checked = False
+        self._guard.before_step()
         _gather.refuse_open(self, "engine.step()")
-        if self.scheduler.backward_lost and not self._grads_incomplete:
-            self._grads_incomplete = LOST_BACKWARD
-        if self._grads_incomplete:
-            raise RuntimeError(f"{self._grads_incomplete}: the gradients accumulated since the last step are "
-                               "incomplete; call engine.zero_grad() and run this step's micro-batches again")  # fmt: skip
+        self._accumulation.check_whole(self.scheduler.backward_lost)
         self.scheduler.release_all()
         scale = self._scaler.scale if self._scaler is not None else 1.0
-        self._tell_accumulation()
         try:
             with self.pool.traffic(_admission.STEP):
                 stepped = self.optimizer.update(scale, self.overlap)
@@ -349,7 +328,7 @@ class Engine:
             self.dist.report_failure(e)
             # Part of the sub-groups may be updated and part not: training on would be silently
             # inconsistent. The optimizer's state is whole again once a checkpoint loads.
-            self._refuse(f"the optimizer step failed part-way ({type(e).__name__}: {e}); the parameters and "
+            self._life.refuse(f"the optimizer step failed part-way ({type(e).__name__}: {e}); the parameters and "
                          "optimizer states are partly updated: load the last checkpoint (engine.load_checkpoint) "
                          "to train on")  # fmt: skip
             try:  # this step's gradients are of no use now, and a load wants none
@@ -357,7 +336,7 @@ class Engine:
             except Exception as cleanup:  # noqa: BLE001 - the first error is the one to see
                 e.add_note(f"(dropping the gradients after that also failed: {cleanup})")
             raise
-        self._backwards = 0
+        self._accumulation.stepped()
         if self._scaler is not None:
             self._scaler.update(overflow=not stepped)
         if not stepped:
@@ -379,23 +358,12 @@ class Engine:
     def zero_grad(self) -> None:
         """Forget the gradients accumulated since the last step (also after a failed backward:
         the step can then be redone from its first micro-batch)."""
-        self._check_open()
+        self._life.check_open()
         self.scheduler.forget_backward()
         if self.overlap is not None:
             self.overlap.discard()
         self.grads.zero()
-        self._backwards = 0
-        self._grads_incomplete = None
-
-    def _tell_accumulation(self) -> None:
-        """Say once when steps follow another number of backward passes than configured: the
-        optimizer then runs after backward (results are the same)."""
-        want = self.config.optimizer.gradient_accumulation_steps
-        if self.overlap is not None and self._backwards != want and not self._told_accumulation:
-            self._told_accumulation = True
-            logger.warning("optimizer.gradient_accumulation_steps = %d, but this step follows %d backward passes: "
-                           "set it to the number of micro-batches per step to overlap the optimizer with the "
-                           "last one's backward", want, self._backwards)  # fmt: skip
+        self._accumulation.reset()
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -403,23 +371,6 @@ class Engine:
 
     def eval(self) -> "Engine":
         return self.train(False)
-
-    def _make_scheduler(self, spec):
-        """The LR scheduler the engine steps after each step: ``spec(engine.optimizer)`` for a
-        callable (as DeepSpeed takes it), or a scheduler already built on ``engine.optimizer``."""
-        if spec is None:
-            return None
-        if isinstance(spec, torch.optim.lr_scheduler.LRScheduler):
-            if spec.optimizer is not self.optimizer:
-                raise ValueError("lr_scheduler was built on another optimizer: pass a callable that builds it "
-                                 "from engine.optimizer, e.g. lambda opt: LambdaLR(opt, f)")  # fmt: skip
-            return _no_metric_needed(spec)
-        if not callable(spec):
-            raise TypeError(f"lr_scheduler must be a callable taking the optimizer, got {type(spec).__name__}")
-        built = spec(self.optimizer)
-        if not hasattr(built, "step") or not hasattr(built, "state_dict"):
-            raise TypeError(f"lr_scheduler(optimizer) returned a {type(built).__name__}, not an LR scheduler")
-        return _no_metric_needed(built)
 
     @property
     def components(self) -> dict:
@@ -448,7 +399,7 @@ class Engine:
             "peak_rss_bytes": peak_rss_bytes(),
             "host_budget_bytes": self.config.memory.host_budget,
             "loss_scale": self._scaler.scale if self._scaler else None,
-            "resident_bytes": self._resident_bytes(),
+            "resident_bytes": _resident_bytes((self.param_store, self.grads.store, *self.optimizer.states.values())),
             "disk": self.footprint.as_dict(self.space) if self.footprint is not None else {},
             # each traffic class's bytes held and peak, beside the plan's shares ([Note: traffic classes])
             "pool": self.admission.stats() if self.pool is not None else {},
@@ -457,33 +408,11 @@ class Engine:
             out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out
 
-    def _resident_bytes(self) -> dict[str, int]:
-        """Bytes each resident tier ("device", "cpu") holds now: memory two stores share (the
-        parameters that are the master weights) counted once, in the params tier."""
-        # storage -> (the tier of the first store that holds it, the byte ranges held): the
-        # params store first, whose tier made the memory it shares with the master weights.
-        spans: dict[tuple, tuple[str, list]] = {}
-        for store in (self.param_store, self.grads.store, *self.optimizer.states.values()):
-            if store.tier not in ("device", "cpu"):
-                continue
-            for t in store.resident_tensors():
-                storage = t.untyped_storage()
-                start = t.storage_offset() * t.element_size()
-                spans.setdefault((storage.device, storage.data_ptr()), (store.tier, []))[1].append(
-                    (start, start + t.numel() * t.element_size()))
-        out = {"device": 0, "cpu": 0}
-        for tier, ranges in spans.values():
-            end = 0
-            for lo, hi in sorted(ranges):  # their union: what overlaps counted once
-                out[tier] += max(0, hi - max(lo, end))
-                end = max(end, hi)
-        return out
-
     @entry("grad_norm")
     def grad_norm(self) -> float:
         """The global L2 norm of the gradients accumulated since the last step (all ranks,
         unscaled, before clipping), as ``torch.nn.utils.clip_grad_norm_`` returns it."""
-        self._check_open()
+        self._life.check_open()
         self.grads.flush()
         scale = self._scaler.scale if self._scaler is not None else 1.0
         return self.grads.norms.global_norm() / scale
@@ -527,7 +456,7 @@ class Engine:
         ``max_shard_size`` (transformers' sizes: "2GB", "500MB", "1GiB") with their index, each
         written atomically and streamed one unit at a time (each parameter in the dtype the
         model was made in). Every rank calls it; rank 0 writes. Returns the directory."""
-        self._check_usable()
+        self._life.check_usable()
         from ._pretrained import save_pretrained
 
         return save_pretrained(self, directory, max_shard_size)
@@ -535,7 +464,7 @@ class Engine:
     @entry("load_weights")
     def load_weights(self, values: dict) -> None:
         """New weights (``(unit index, parameter index) -> tensor``) into the tiers."""
-        self._check_usable()
+        self._life.check_usable()
         if self.grads.has_grad:
             raise RuntimeError("load_state_dict between backward and step: call step() or zero_grad() first")
         _gather.refuse_open(self, "load_state_dict")
@@ -553,7 +482,7 @@ class Engine:
             master = lease.tensor.detach()
             try:
                 for unit in group.units:
-                    full = self._whole(unit, master[group.slices[unit.index]], rank0_only)
+                    full = _whole(self.dist, unit, master[group.slices[unit.index]], rank0_only)
                     yield unit, full
                     del full  # one unit's weights alive at a time
             finally:
@@ -564,25 +493,11 @@ class Engine:
                 value = lease.tensor.reshape(-1)
                 if value.numel() == unit.padded_numel:  # stages 1, 2 keep all of it
                     value = value[unit.shard]
-                full = self._whole(unit, value.to("cpu", torch.float32), rank0_only)
+                full = _whole(self.dist, unit, value.to("cpu", torch.float32), rank0_only)
             finally:
                 lease.release()
             yield unit, full
             del full
-
-    def _whole(self, unit, shard: torch.Tensor, rank0_only: bool = False) -> torch.Tensor | None:
-        """``unit``'s weights from every rank's ``shard`` (fp32), 1-D on the CPU, a copy (None
-        on ranks other than 0 when ``rank0_only``)."""
-        if self.dist.active and rank0_only:
-            full = torch.empty(unit.padded_numel, dtype=torch.float32) if self.rank == 0 else None
-            what = f"weight gather of {unit.name} to rank 0 (every rank calls state_dict, save_pretrained, export)"
-            self.dist.gather_to_rank0(full, shard.to("cpu", torch.float32), what)
-            return full
-        if self.dist.active:
-            full = torch.empty(unit.padded_numel, dtype=torch.float32)
-            self.dist.all_gather(full, shard.to("cpu", torch.float32), f"weight gather of {unit.name}")
-            return full
-        return shard.to("cpu", torch.float32, copy=True)  # one copy, wherever the shard lives
 
     @entry("gathered_weights")
     def gathered_weights(self) -> dict[str, torch.Tensor]:
@@ -611,7 +526,7 @@ class Engine:
         hold, given back by `load_checkpoint`. ``keep_last=N`` removes all but the newest N
         checkpoints in ``path`` after a successful save. State on NVMe is streamed through pool
         buffers, checksummed (xxh3-64), never gathered whole in memory."""
-        self._check_usable()
+        self._life.check_usable()
         return _checkpoint.save(self, path, tag, client_state, keep_last)
 
     @entry("load_checkpoint")
@@ -624,10 +539,10 @@ class Engine:
         checkpoint saved with another world size, stage, tier placement, precision,
         sub-group size or tile size loads too: each rank reads the slices of every unit it now
         owns, re-cut by rows where the modules are tiled otherwise ([Note: re-cut] in `_recut`)."""
-        self._check_open()
+        self._life.check_open()
         _gather.refuse_open(self, "engine.load_checkpoint()")
-        client_state = _checkpoint.load(self, path, tag, on_partial=self._refuse)
-        self._unusable = None
+        client_state = _checkpoint.load(self, path, tag, on_partial=self._life.refuse)
+        self._life.restore()
         self._stats.start_step()
         return client_state
 
@@ -636,7 +551,7 @@ class Engine:
         """Write the consolidated weights to the safetensors file ``path`` under the model's own
         parameter names (``model.load_state_dict(safetensors.torch.load_file(path))`` loads it
         into the unwrapped model), one unit at a time. Every rank calls it; rank 0 writes."""
-        self._check_usable()
+        self._life.check_usable()
         return export_safetensors(self, path)
 
     @property
@@ -647,9 +562,8 @@ class Engine:
     # -- lifetime ---------------------------------------------------------------------------
     @entry("close")
     def close(self) -> None:
-        if self._closed:
+        if not self._life.close():
             return
-        self._closed = True
         _resources.closed(self)
         self._finalizer.detach()
         # The files are closed (and the swap directory unlocked) whatever the rest raises: a
@@ -671,40 +585,73 @@ class Engine:
             finally:
                 _resources.close_io(self.space, self.pool, self.aio)
 
-    def _refuse(self, why: str) -> None:
-        """Refuse to train (``why`` says what to do) until a checkpoint loads."""
-        self._unusable = why
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this infinity engine is closed")
-
-    def _check_usable(self) -> None:
-        self._check_open()
-        if self._unusable:
-            raise RuntimeError(self._unusable)
-
-    def _check_training(self) -> None:
-        """Before each forward and step: usable, and the module still holds only the parameters
-        its units were made of (peft applied to engine.module would train nothing), run by no
-        DistributedDataParallel ([Note: no DDP around the engine]). The walk over the module
-        runs at a step only when no forward passed it since the last step: a parameter added
-        after that forward had no part in it, and the next forward refuses it."""
-        self._check_usable()
-        if not self._forward_checked:
-            _wrap.refuse_changed(self.module, self._managed)
-        _ddp.refuse_wrapped(self.module)
-
-    def _check_forward(self) -> None:
-        self._forward_checked = False
-        self._check_training()
-        self._forward_checked = True
-
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _params_staged(engine) -> bool:
+    """Whether early updates in host memory write the new parameters to nvme under backward
+    ([Note: parameters written under backward] in `_overlap_host`)."""
+    return bool(engine.plan.staging) and _overlap_host.stages_params(engine.device, engine.param_store)
+
+
+def _lr_scheduler(spec, optimizer):
+    """The LR scheduler the engine steps after each step: ``spec(optimizer)`` for a
+    callable (as DeepSpeed takes it), or a scheduler already built on ``engine.optimizer``."""
+    if spec is None:
+        return None
+    if isinstance(spec, torch.optim.lr_scheduler.LRScheduler):
+        if spec.optimizer is not optimizer:
+            raise ValueError("lr_scheduler was built on another optimizer: pass a callable that builds it "
+                             "from engine.optimizer, e.g. lambda opt: LambdaLR(opt, f)")  # fmt: skip
+        return _no_metric_needed(spec)
+    if not callable(spec):
+        raise TypeError(f"lr_scheduler must be a callable taking the optimizer, got {type(spec).__name__}")
+    built = spec(optimizer)
+    if not hasattr(built, "step") or not hasattr(built, "state_dict"):
+        raise TypeError(f"lr_scheduler(optimizer) returned a {type(built).__name__}, not an LR scheduler")
+    return _no_metric_needed(built)
+
+
+def _resident_bytes(stores) -> dict[str, int]:
+    """Bytes each resident tier ("device", "cpu") of ``stores`` holds now: memory two stores share (the
+    parameters that are the master weights) counted once, in the params tier."""
+    # storage -> (the tier of the first store that holds it, the byte ranges held): the
+    # params store first, whose tier made the memory it shares with the master weights.
+    spans: dict[tuple, tuple[str, list]] = {}
+    for store in stores:
+        if store.tier not in ("device", "cpu"):
+            continue
+        for t in store.resident_tensors():
+            storage = t.untyped_storage()
+            start = t.storage_offset() * t.element_size()
+            spans.setdefault((storage.device, storage.data_ptr()), (store.tier, []))[1].append(
+                (start, start + t.numel() * t.element_size()))
+    out = {"device": 0, "cpu": 0}
+    for tier, ranges in spans.values():
+        end = 0
+        for lo, hi in sorted(ranges):  # their union: what overlaps counted once
+            out[tier] += max(0, hi - max(lo, end))
+            end = max(end, hi)
+    return out
+
+
+def _whole(dist, unit, shard: torch.Tensor, rank0_only: bool = False) -> torch.Tensor | None:
+    """``unit``'s weights from every rank's ``shard`` (``dist``: `_dist.Dist`) (fp32), 1-D on the CPU, a copy (None
+    on ranks other than 0 when ``rank0_only``)."""
+    if dist.active and rank0_only:
+        full = torch.empty(unit.padded_numel, dtype=torch.float32) if dist.rank == 0 else None
+        what = f"weight gather of {unit.name} to rank 0 (every rank calls state_dict, save_pretrained, export)"
+        dist.gather_to_rank0(full, shard.to("cpu", torch.float32), what)
+        return full
+    if dist.active:
+        full = torch.empty(unit.padded_numel, dtype=torch.float32)
+        dist.all_gather(full, shard.to("cpu", torch.float32), f"weight gather of {unit.name}")
+        return full
+    return shard.to("cpu", torch.float32, copy=True)  # one copy, wherever the shard lives
 
 
 def _device_budget(cfg: TierConfig, device: torch.device) -> int | None:

@@ -195,3 +195,45 @@ def test_any_thread_may_use_an_engine_no_other_is_inside(tmp_path):
     engine.close()
     again = infinity.initialize(make_model(), config(tmp_path / "a", NVME))
     again.close()
+
+
+def test_the_engine_state_goes_open_refusing_open_closed():
+    """`_lifecycle.Lifecycle`: closed until opened; refusing (saying why) until a checkpoint
+    restores it; closed for good, which a late refusal does not reopen."""
+    from infinity._lifecycle import EngineState, Lifecycle
+
+    life = Lifecycle()
+    with pytest.raises(RuntimeError, match="closed"):
+        life.check_open()
+    life.open()
+    life.check_usable()
+    life.refuse("load the last checkpoint")
+    assert life.state is EngineState.REFUSING
+    life.check_open()  # still open: closing, stats and loads work
+    with pytest.raises(RuntimeError, match="^load the last checkpoint$"):
+        life.check_usable()
+    life.restore()
+    life.check_usable()
+    assert life.close() is True and life.close() is False
+    life.refuse("too late")
+    assert life.state is EngineState.CLOSED
+    with pytest.raises(RuntimeError, match="closed"):
+        life.check_usable()
+
+
+def test_a_parameter_added_after_a_forward_is_refused_at_the_next_forward(tmp_path):
+    """The step after a forward that passed the check does not walk the module again
+    (`_lifecycle.TrainingGuard`): a parameter added after that forward had no part in it and
+    gets no update; the next forward refuses it, naming it."""
+    engine = infinity.initialize(make_model(), config(tmp_path, ("device",) * 3))
+    try:
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        engine.backward(engine(x).pow(2).mean())
+        engine.module.extra = nn.Linear(2, 2)
+        engine.step()
+        with pytest.raises(RuntimeError, match=r"parameter 'extra.weight' of engine.module is not one the engine manages"):
+            engine(x)
+        with pytest.raises(RuntimeError, match="not one the engine manages"):
+            engine.step()  # no forward passed since the last step: the step walks the module itself
+    finally:
+        engine.close()

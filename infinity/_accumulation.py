@@ -1,0 +1,72 @@
+"""The backward passes since the last step: how many, whether their gradients are whole, and
+when the optimizer may run under the last one.
+
+Owns: the count of backward passes since the last step, why the accumulated gradients are not
+whole (a backward that failed part-way), and the one-time warning when steps follow another
+number of passes than configured. Touches: the overlap (armed for the step's last micro-batch,
+told when a backward ended), the optimizer's ``clipped_last`` (read).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ._schedule import LOST_BACKWARD
+
+logger = logging.getLogger("infinity")
+
+
+class Accumulation:
+    """``want``: ``optimizer.gradient_accumulation_steps``; ``overlap``: the optimizer under
+    backward (`_overlap`, `_overlap_host`) or None; ``optimizer``: `_optim.Optimizer`."""
+
+    def __init__(self, want: int, overlap, optimizer):
+        self.want = want
+        self.overlap = overlap
+        self.optimizer = optimizer
+        self.passes = 0  # backward passes since the last step
+        self.incomplete: str | None = None  # why the step's gradients are not whole
+        self._told = False
+
+    def backward_due(self, expected) -> None:
+        """A grad-enabled forward ended: arm the overlap when this is the step's last
+        micro-batch (and the last step did not clip: an early update would then likely be
+        discarded)."""
+        if self.passes + 1 == self.want and not self.optimizer.clipped_last:
+            self.overlap.arm(expected)
+        else:
+            self.overlap.disarm()
+
+    def backward_ended(self) -> None:
+        self.passes += 1
+        if self.overlap is not None:
+            self.overlap.backward_ended()
+
+    def failed(self, why: str) -> None:
+        """A backward failed part-way: some units have its gradient and some not. A step on
+        them would train on part of a gradient, silently: refused until `reset`."""
+        self.incomplete = why
+
+    def check_whole(self, backward_lost: bool) -> None:
+        """Before a step: raise when the gradients accumulated since the last step are not
+        whole (``backward_lost``: a plain ``loss.backward()`` raised part-way, whose end never
+        ran); say once when the step follows another number of passes than configured (the
+        optimizer then runs after backward; the results are the same)."""
+        if backward_lost and not self.incomplete:
+            self.incomplete = LOST_BACKWARD
+        if self.incomplete:
+            raise RuntimeError(f"{self.incomplete}: the gradients accumulated since the last step are "
+                               "incomplete; call engine.zero_grad() and run this step's micro-batches again")  # fmt: skip
+        if self.overlap is not None and self.passes != self.want and not self._told:
+            self._told = True
+            logger.warning("optimizer.gradient_accumulation_steps = %d, but this step follows %d backward passes: "
+                           "set it to the number of micro-batches per step to overlap the optimizer with the "
+                           "last one's backward", self.want, self.passes)  # fmt: skip
+
+    def stepped(self) -> None:
+        self.passes = 0
+
+    def reset(self) -> None:
+        """The gradients were dropped (``zero_grad``): the step's micro-batches start over."""
+        self.passes = 0
+        self.incomplete = None

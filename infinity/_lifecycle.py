@@ -1,0 +1,93 @@
+"""Whether an engine can be used, and the checks before each pass and step.
+
+Owns: the engine's one state (`EngineState`: open, refusing to train until a checkpoint
+loads, closed) with why it refuses, and the guard that the module still holds only what the
+engine manages and is run by no DistributedDataParallel. Touches: the module (read only),
+`_wrap.refuse_changed`, `_ddp.refuse_wrapped`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from torch import nn
+
+from . import _ddp, _wrap
+
+
+class EngineState(enum.Enum):
+    OPEN = "open"
+    REFUSING = "refusing"  # training would be silently wrong (a step or load failed part-way)
+    CLOSED = "closed"
+
+
+class Lifecycle:
+    """One engine's state: closed until `open`, refusing after `refuse` until `restore`."""
+
+    def __init__(self):
+        self.state = EngineState.CLOSED
+        self.why: str | None = None  # what to do, while REFUSING
+
+    @property
+    def closed(self) -> bool:
+        return self.state is EngineState.CLOSED
+
+    def open(self) -> None:
+        self.state = EngineState.OPEN
+
+    def refuse(self, why: str) -> None:
+        """Refuse to train (``why`` says what to do) until a checkpoint loads (`restore`)."""
+        if self.state is not EngineState.CLOSED:
+            self.state, self.why = EngineState.REFUSING, why
+
+    def restore(self) -> None:
+        """A checkpoint loaded whole: training may go on."""
+        if self.state is EngineState.REFUSING:
+            self.state, self.why = EngineState.OPEN, None
+
+    def close(self) -> bool:
+        """Closed from here; whether it was not before (the caller then closes what it holds)."""
+        was = self.state is not EngineState.CLOSED
+        self.state = EngineState.CLOSED
+        return was
+
+    def check_open(self) -> None:
+        if self.state is EngineState.CLOSED:
+            raise RuntimeError("this infinity engine is closed")
+
+    def check_usable(self) -> None:
+        self.check_open()
+        if self.state is EngineState.REFUSING:
+            raise RuntimeError(self.why)
+
+
+class TrainingGuard:
+    """Before each forward and step: the engine usable (``lifecycle``), ``module`` still
+    holding only the parameters the engine manages (``managed``: their ids; peft applied to
+    engine.module would train nothing), run by no DistributedDataParallel ([Note: no DDP
+    around the engine] in `_ddp`).
+
+    The walk over the module runs at a step only when no forward passed it since the last
+    step: a parameter added after that forward had no part in it, and the next forward
+    refuses it."""
+
+    def __init__(self, lifecycle: Lifecycle, module: nn.Module, managed: set[int]):
+        self.lifecycle = lifecycle
+        self.module = module
+        self.managed = managed
+        self._walked = False  # a forward's check passed since the last step
+
+    def before_forward(self) -> None:
+        self._walked = False
+        self._check(walk=True)
+        self._walked = True
+
+    def before_step(self) -> None:
+        self._check(walk=not self._walked)
+        self._walked = False
+
+    def _check(self, walk: bool) -> None:
+        self.lifecycle.check_usable()
+        if walk:
+            _wrap.refuse_changed(self.module, self.managed)
+        _ddp.refuse_wrapped(self.module)
