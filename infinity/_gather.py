@@ -282,16 +282,16 @@ def _pack(scheduler, assembled, t):
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
-        return scheduler.pack(t)
+        return scheduler.saved.pack(t)
     if ptr in assembled:
         owner, pieces = assembled[ptr]
         return _Assembled(owner, pieces, t.storage_offset(), t.size(), t.stride())
-    return scheduler.pack(t)
+    return scheduler.saved.pack(t)
 
 
 def _unpack(scheduler, saved):
     if not isinstance(saved, _Assembled):
-        return scheduler.unpack(saved)
+        return scheduler.saved.unpack(saved)
     full = _assemble(saved.scheduler, saved.pieces)
     return full.as_strided(saved.size, saved.stride, saved.offset)
 

@@ -95,11 +95,15 @@ from ._transport import Transport
 from ._units import ParamUnit
 
 
-def _on_grad(t, hook):
-    """Call ``hook(grad)`` when backward computes the gradient of ``t`` (a tensor that needs one)."""
+def _on_grad(t, fn):
+    """Call ``fn()`` when backward computes the gradient of ``t`` (a tensor that needs one)."""
     if isinstance(t, torch.Tensor) and t.requires_grad:
-        t.register_hook(hook)
+        t.register_hook(functools.partial(_called, fn))
     return t
+
+
+def _called(fn, grad) -> None:
+    fn()  # and return None: the gradient goes on unchanged
 
 
 def _weak_grad_hook(runtime, unit, i: int):
@@ -176,6 +180,9 @@ class Scheduler:
         on_backward_due=None,
         on_unit_final=None,
         keep_grad=None,
+        before_forward=None,
+        after_backward=None,
+        owner=None,
     ):
         self.units = units
         self.module_units = module_units
@@ -204,21 +211,20 @@ class Scheduler:
         self.activations = activations
         if activations is not None:
             self.saved.add(activations.pack, activations.unpack)
-        self.owner = None  # the engine's `_owner.Owner`: a root call is an entry point
-        self._before_forward = None  # the engine's checks, before each pass
-        self._after_backward = None  # the engine's end of a backward pass
+        self.owner = owner  # the engine's `_owner.Owner`: a root call is an entry point (None: no check)
+        self._before_forward = before_forward  # the engine's checks, before each pass (None: none)
+        self._after_backward = after_backward  # the engine's end of a backward pass (None: none)
         # The engine's overlap (see _overlap): told when a backward is due, with the units
         # expecting gradients.
         self.on_backward_due = on_backward_due
 
     # -- hooks ------------------------------------------------------------------------------
-    def install(self, root: nn.Module, *, before_forward, after_backward, owner=None) -> None:
+    def install(self, root: nn.Module) -> None:
         """Hook ``root`` and every module that uses a unit. Calling ``root`` itself (what
-        ``engine(...)``, transformers' Trainer and accelerate do alike) runs a whole pass:
-        ``before_forward()`` first, the saved-tensor hooks around it; and a backward through
-        its outputs ends with ``after_backward()``. ``owner`` (`_owner.Owner`) is entered for
-        each root call: a second thread's is refused."""
-        self._before_forward, self._after_backward, self.owner = before_forward, after_backward, owner
+        ``engine(...)``, transformers' Trainer and accelerate do alike) runs a whole pass: the
+        constructor's ``before_forward()`` first, the saved-tensor hooks around it; and a
+        backward through its outputs ends with ``after_backward()``. ``owner``
+        (`_owner.Owner`) is entered for each root call: a second thread's is refused."""
         # Every hook on a module runs eagerly under torch.compile: [Note: hooks under torch.compile].
         self._handles.append(root.register_forward_pre_hook(eager(self._root_pre_hook), prepend=True))
         self._install_modules()
@@ -261,14 +267,15 @@ class Scheduler:
             if self.backward_lost:
                 raise RuntimeError(f"{LOST_BACKWARD}: the gradients accumulated since the last step are incomplete; "
                                    "call engine.zero_grad() and run this step's micro-batches again")  # fmt: skip
-            self._before_forward()
+            if self._before_forward is not None:
+                self._before_forward()
             self.begin_forward()
             self._began = True
             # See [Note: saved parameter views].
             # Units always bound are never placeholders nor moved: with no other handler (the
             # activation tier), nothing to do for a saved tensor.
             if not (self.always_ready and len(self.saved.handlers) == 1):
-                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack)
                 self._saved_hooks.__enter__()
 
     def _root_post_hook(self, module, args, output):
@@ -292,7 +299,7 @@ class Scheduler:
                 # The root's outputs get their gradients first in a backward pass, in its outermost
                 # graph task (also with reentrant checkpointing inside): the end of the pass is
                 # queued from there, so ``loss.backward()`` alone ends it as ``engine.backward`` does.
-                _map_tensors(output, lambda t: _on_grad(t, self._root_grad_arrives))
+                _map_tensors(output, lambda t: _on_grad(t, self.backward_started))
         finally:
             hooks, self._saved_hooks = self._saved_hooks, None
             if hooks is not None:
@@ -338,12 +345,6 @@ class Scheduler:
             unit.active = 0  # their modules' post-hooks never ran
             self.runtime.release(unit)
 
-    def _grad_arrives(self, module, grad) -> None:
-        self.pre_backward(module)
-
-    def _root_grad_arrives(self, grad) -> None:
-        self.backward_started()
-
     def backward_started(self) -> None:
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.BACKWARD
@@ -351,7 +352,8 @@ class Scheduler:
 
     def _backward_done(self) -> None:
         self.state = TrainingState.BACKWARD_DUE  # the callback ran: ended by what follows
-        self._after_backward()
+        if self._after_backward is not None:
+            self._after_backward()
 
     @property
     def backward_lost(self) -> bool:
@@ -396,7 +398,7 @@ class Scheduler:
                 # The gradient of an output arrives just before the module's own backward runs.
                 # A hook on the tensor (not an identity Function, whose output would be a view
                 # that the model may not change in place) says so.
-                _map_tensors(output, lambda t: _on_grad(t, functools.partial(self._grad_arrives, module)))
+                _map_tensors(output, lambda t: _on_grad(t, functools.partial(self.pre_backward, module)))
         for unit in units:
             self.prefetcher.after_forward(unit)
         return output
@@ -462,14 +464,6 @@ class Scheduler:
             self.end_backward()
 
     # -- saved tensors: see [Note: saved parameter views] -------------------------------------
-    def pack(self, t: torch.Tensor):
-        """The pass's saved-tensor pack hook: parameter views here, then the other handlers
-        (the activation tier: `_activations.SavedTensors`)."""
-        return self.saved.pack(t)
-
-    def unpack(self, saved):
-        return self.saved.unpack(saved)
-
     def _pack_view(self, t: torch.Tensor):
         _placeholder.refuse_placeholder(t)  # see [Note: reads outside a module]
         return self.runtime.pack_view(t)

@@ -178,6 +178,7 @@ class Engine:
                 p._infinity_managed = True  # see _refuse_foreign_step
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
         self._managed = {id(p) for u in units for p in u.params}  # see `_lifecycle.TrainingGuard`
+        self._guard = TrainingGuard(self._life, module, self._managed)
         plan = self.plan
         _admission.finish(plan, self)
         self.admission = _admission.Admission(self.pool, plan)
@@ -203,7 +204,9 @@ class Engine:
                                    admission=self.admission, activations=self.activations,
                                    on_backward_due=self._accumulation.backward_due if overlap is not None else None,
                                    on_unit_final=overlap.unit_final if overlap is not None else None,
-                                   keep_grad=overlap.keep_grad if overlap is not None else None)  # fmt: skip
+                                   keep_grad=overlap.keep_grad if overlap is not None else None,
+                                   before_forward=self._guard.before_forward, after_backward=self._end_backward,
+                                   owner=self._owner)  # fmt: skip
         if self.scheduler.always_ready:
             for unit in units:
                 self.scheduler.runtime.materialize(unit)
@@ -211,9 +214,7 @@ class Engine:
             for key, buf in mod._buffers.items():
                 if buf is not None and buf.device != dev:
                     mod._buffers[key] = buf.to(dev)
-        self._guard = TrainingGuard(self._life, module, self._managed)
-        self.scheduler.install(module, before_forward=self._guard.before_forward, after_backward=self._end_backward,
-                               owner=self._owner)  # fmt: skip
+        self.scheduler.install(module)
         self._state_hooks = StateDictHooks(self, module)
         # What waits in the pool for later gives way to a transfer needed now, in this order
         # ([Note: traffic classes] in `_admission`).

@@ -187,9 +187,9 @@ def test_a_gathered_unit_saved_for_backward_is_kept_by_position(tmp_path):
     seen = []
     engine = infinity.initialize(_model(gather=_gathered), _nvme(tmp_path))
     try:
-        sched = engine.scheduler
-        pack = sched.pack
-        sched.pack = lambda t: seen.append(pack(t)) or seen[-1]
+        saved = engine.scheduler.saved
+        pack = saved.pack
+        saved.pack = lambda t: seen.append(pack(t)) or seen[-1]
         ids, labels = _batch(0)
         engine.backward(F.cross_entropy(engine(ids).reshape(-1, 200), labels.reshape(-1)))
         assert any(isinstance(getattr(s, "value", s), _UnitView) and s.value.unit.path == "head" for s in seen)
