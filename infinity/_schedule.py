@@ -242,7 +242,8 @@ class Scheduler:
             for module, units in self.module_units.items()
         }  # fmt: skip
         for module in self.module_units:
-            self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook)))
+            if not self.always_ready:  # units always bound: nothing to fetch, hold or predict
+                self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook)))
             self._handles.append(module.register_forward_hook(eager(self._post_forward_hook)))
         for unit in self.units:
             for i, (p, needs) in enumerate(zip(unit.params, unit.requires_grad)):
@@ -377,8 +378,9 @@ class Scheduler:
 
     def _post_forward_hook(self, module, args, output):
         units = self.module_units[module]
-        for unit in self._held(module):
-            unit.active -= 1
+        if not self.always_ready:  # (its pre-hook counted the units active: none runs where they always are)
+            for unit in self._held(module):
+                unit.active -= 1
         if self.state is not TrainingState.IDLE:
             # A forward recomputed inside backward (activation checkpointing): its units stay
             # until their gradients arrive. Its uses were counted by the first forward, unless
@@ -399,8 +401,9 @@ class Scheduler:
                 # A hook on the tensor (not an identity Function, whose output would be a view
                 # that the model may not change in place) says so.
                 _map_tensors(output, lambda t: _on_grad(t, functools.partial(self.pre_backward, module)))
-        for unit in units:
-            self.prefetcher.after_forward(unit)
+        if not self.always_ready:  # kept for backward or released: never where always bound
+            for unit in units:
+                self.prefetcher.after_forward(unit)
         return output
 
     def pre_backward(self, module: nn.Module) -> None:
