@@ -87,6 +87,11 @@ class _Early:
         self.held: list = []  # the leases it holds then: the states' (in kind order), the gradients'
         self.tensors: list = []  # the states' tensors, which the kernel updates in place
 
+    @property
+    def arrived(self) -> bool:
+        """Every read it waits for (its states, its gradients) is done."""
+        return all(p.done() for p in self.reads) and all(p.done() for p in self.grads.values())
+
 
 class Overlap:
     """Early updates of one step (see [Note: exact overlap]). ``budget``: the pool bytes the
@@ -216,7 +221,7 @@ class Overlap:
         """Hand the updates whose reads arrived to the worker, and write those it has done (all
         of them with ``block``, and drain)."""
         with region("infinity::optimizer.early"):  # the hand-over and the writes, on this thread
-            while self._reading and (block or self._arrived(self._reading[0])):
+            while self._reading and (block or self._reading[0].arrived):
                 self._compute(self._reading.popleft())
             while self._computing and (block or self._computing[0].job.done()):
                 self._write(self._computing.popleft())
@@ -273,10 +278,6 @@ class Overlap:
             return False
         self._reading.append(early)
         return True
-
-    @staticmethod
-    def _arrived(early: _Early) -> bool:
-        return all(p.done() for p in early.reads) and all(p.done() for p in early.grads.values())
 
     def _compute(self, early: _Early) -> None:
         """Hand ``early``'s update on what it read to the worker ([Note: early updates on a
