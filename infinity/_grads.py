@@ -88,6 +88,9 @@ class GradAccumulator:
         an early update (which then reads it from memory, not back from nvme), or None."""
         if self.dist is not None and self.dist.active:
             grad, lease = self.transport.reduce_grad(unit, grad, lease, keep_full=self.grads_full)
+        elif lease is None and unit.index not in self.has_grad and self.store.is_own(unit.name, grad):
+            self._note(unit, grad)  # gathered in the tier's own tensor (`in_place`): stored, nothing in flight
+            return
         # ``grad`` is now what this rank keeps: its slice (stages 2, 3) or all of it (stage 1)
         with region("infinity::grad_write"):
             try:

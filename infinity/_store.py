@@ -179,6 +179,12 @@ class Store:
             self._resident[name] = dst
         return dst
 
+    def is_own(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the resident tier's own tensor of ``name`` (a `put` of it
+        copies nothing)."""
+        own = None if self._resident is None else self._resident.get(name)
+        return own is not None and own.data_ptr() == tensor.data_ptr() and own.shape == tensor.shape
+
     def adopt(self, name: str, tensor: torch.Tensor) -> bool:
         """Make ``tensor`` itself the resident tier's tensor of ``name`` (the caller gives it
         up, and nothing else holds its storage), where it has the shape, dtype and device the
