@@ -152,7 +152,7 @@ def _infinity_worker(args) -> None:
                 "pool_peak": engine.stats()["peak_host_pool_bytes"],
                 "params": sum(u.numel for u in engine.units), "sub_groups": len(engine.optimizer.groups),
                 "committed_early": engine.overlap.committed if engine.overlap else 0,
-                "overlap_budget": engine.overlap.budget if engine.overlap else 0}  # fmt: skip
+                "overlap_budget": engine.overlap.staging.budget if engine.overlap else 0}  # fmt: skip
 
     try:
         _serve(run_step)

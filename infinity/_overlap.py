@@ -33,7 +33,7 @@ parameters: a collective cannot run at a point that differs across ranks), and w
 budget has room beside the backward for what the step plans (`_admission._fit_overlap`). The
 staged copies take disk beside the state: only as many sub-groups are staged at once as the
 disk room allows, the rest are updated by the step ([Note: disk footprint] in `_footprint`).
-With the optimizer states in host memory instead, `_overlap_host.HostOverlap` runs the same
+With the optimizer states in host memory instead, `_overlap_host.InMemory` stages the same
 early updates on staged copies in host memory ([Note: staged in host memory]).
 """
 
@@ -83,7 +83,7 @@ class _Early:
         self.units: list = []  # the units updated (those with a gradient)
         self.reads: list = []  # Pendings of the state leases, in kind order
         self.grads: dict = {}  # unit -> Pending of its gradient lease
-        self.job: Future | None = None  # its kernel on the worker, once read (`Overlap._compute`)
+        self.job: Future | None = None  # its kernel on the worker, once read (`OnDisk._compute`)
         self.held: list = []  # the leases it holds then: the states' (in kind order), the gradients'
         self.tensors: list = []  # the states' tensors, which the kernel updates in place
 
@@ -94,31 +94,24 @@ class _Early:
 
 
 class Overlap:
-    """Early updates of one step (see [Note: exact overlap]). ``budget``: the pool bytes the
-    sub-groups in hand (reads issued, or written behind) may hold together; a sub-group larger
-    than that is left to the step. ``disk_room``: the staged bytes the swap ``space`` may hold
-    at once (None: all sub-groups); past it the step updates the rest. ``on_disk_full(why)`` is
-    told when a staged write finds the disk full anyway (the engine then refuses to train)."""
+    """Early updates of one step (see [Note: exact overlap]): which sub-groups wait for which
+    units' final gradients, what each update assumed, and its commit or discard at the step.
+    ``staging`` is where the results wait for the step: `OnDisk` (the states and parameters on
+    nvme: written under staged names, renamed at commit) or `_overlap_host.InMemory` (the
+    states in host memory: updated in staging copies, swapped in at commit). ``loss_scale()``:
+    the loss scale gradients are multiplied by now; ``threaded``: the updates run on a worker
+    thread (`on_worker`), else in the hooks."""
 
-    def __init__(self, optimizer, budget: int, loss_scale, *, disk_room: int | None = None, space=None,
-                 on_disk_full=None, threaded: bool = False):  # fmt: skip
+    def __init__(self, optimizer, loss_scale, staging, *, threaded: bool = False):
         self.opt = optimizer
-        self.threaded = threaded  # updates on a worker thread (`on_worker`), else in the hooks
-        self.budget = budget
-        self.disk_room = disk_room
-        self.on_disk_full = on_disk_full
-        members = len(space.rank_dirs) if space is not None else 1
-        self._disk = {sg.index: staged_disk_bytes(optimizer, sg, members) for sg in optimizer.groups}
-        self.loss_scale = loss_scale  # () -> the loss scale gradients are multiplied by now
+        self.staging = staging
+        self.threaded = threaded
+        self.loss_scale = loss_scale
         self.group_of = {u.index: sg.index for sg in optimizer.groups for u in sg.units}
-        self._bytes = {sg.index: group_bytes(optimizer, sg) for sg in optimizer.groups}
-        self._writes = WriteBehind(MAX_IN_HAND)  # keyed by sub-group
         self._waiting: dict[int, set[int]] = {}  # sub-group -> units whose final gradient is due
-        self._ready: collections.deque[int] = collections.deque()
-        self._reading: collections.deque[_Early] = collections.deque()
-        self._computing: collections.deque[_Early] = collections.deque()  # read, their kernels on the worker
+        self._ready: collections.deque[int] = collections.deque()  # sub-groups whose gradients are all final
+        self._early: dict[int, _Early] = {}  # sub-group -> its early update, staged
         self._worker: ThreadPoolExecutor | None = None  # made on first use
-        self._early: dict[int, _Early] = {}  # sub-group -> its early update, once read
         self.armed = False
         self.committed = 0  # sub-groups committed at the last step (for tests and stats)
         # Gradients kept in memory for sub-groups not started yet: at most one sub-group's.
@@ -130,10 +123,10 @@ class Overlap:
         self.armed = True
         self._waiting.clear()
         self._ready.clear()
+        started = self.staging.in_hand()
         for u in expected:
             g = self.group_of.get(u.index)
-            in_hand = (*self._reading, *self._computing)
-            if g is not None and g not in self._early and all(r.index != g for r in in_hand):
+            if g is not None and g not in self._early and g not in started:
                 self._waiting.setdefault(g, set()).add(u.index)
 
     def keep_grad(self, unit, nbytes: int) -> bool:
@@ -167,70 +160,12 @@ class Overlap:
         self._waiting.clear()
         self.pump()
 
-    def _in_hand(self) -> int:
-        """Pool bytes the sub-groups being read or written hold (finished writes are reaped)."""
-        self._writes.poll()
-        return (sum(self._bytes[e.index] for e in (*self._reading, *self._computing))
-                + sum(self._bytes[i] for i in self._writes.keys()))  # fmt: skip
-
     def pump(self, block: bool = False) -> None:
         """Start what can start and finish what has arrived; with ``block``, all of it."""
-        while self._ready:
-            need = self._bytes[self._ready[0]]
-            if need > self.budget or not self._disk_fits(self._ready[0]):  # never in hand: the step updates it
-                self._ready.popleft()
-                continue
-            in_hand = self._in_hand()  # reaps finished writes first
-            busy = bool(self._reading or self._computing or len(self._writes))
-            if busy and (in_hand + need > self.budget
-                         or len(self._reading) + len(self._computing) + len(self._writes) >= MAX_IN_HAND):  # fmt: skip
-                if not block:
-                    break
-                self._make_room()
-                continue
-            if self._start(self._ready[0]):
-                self._ready.popleft()
-                continue
-            if not block:
-                break  # no pool memory now, or a gradient still being written: later
-            if busy:
-                self._make_room()
-                continue
-            self._ready.popleft()  # no room even alone (a fragmented pool): the step updates it
-        self._finish(block)
+        self.staging.pump(self, block)
 
-    def _disk_fits(self, index: int) -> bool:
-        """Whether sub-group ``index``'s staged copies fit the disk room beside those staged."""
-        if self.disk_room is None:
-            return True
-        staged = sum(self._disk[i] for i in self._early) + sum(self._disk[e.index] for e in (*self._reading,
-                                                                                          *self._computing))
-        return staged + self._disk[index] <= self.disk_room
-
-    def _make_room(self) -> None:
-        """Finish the oldest sub-group in hand (its update, or its writes)."""
-        if self._computing:
-            self._write(self._computing.popleft())
-        elif self._reading:
-            self._compute(self._reading.popleft())
-            self._write(self._computing.popleft())
-        else:
-            self._writes.poll(keep=max(0, len(self._writes) - 1))
-
-    def _finish(self, block: bool) -> None:
-        """Hand the updates whose reads arrived to the worker, and write those it has done (all
-        of them with ``block``, and drain)."""
-        with region("infinity::optimizer.early"):  # the hand-over and the writes, on this thread
-            while self._reading and (block or self._reading[0].arrived):
-                self._compute(self._reading.popleft())
-            while self._computing and (block or self._computing[0].job.done()):
-                self._write(self._computing.popleft())
-        if block:
-            self._writes.drain()
-        else:
-            self._writes.poll()
-
-    def _begin(self, index: int) -> "_Early | bool":
+    # -- what the staging strategies share --------------------------------------------------
+    def begin(self, index: int) -> "_Early | bool":
         """A record of sub-group ``index``'s early update, or what to tell the pump without one:
         True where none of its units has a gradient (nothing to update early; the step finds
         it without one too), False where a gradient is still being written (read back once
@@ -244,7 +179,7 @@ class Overlap:
             return False
         return early
 
-    def _assume(self, early: "_Early") -> None:
+    def assume(self, early: "_Early") -> None:
         """What ``early``'s update assumes, from now: the loss scale, the hyperparameters, the
         step counts; the commit checks them against the step's (see [Note: exact overlap])."""
         opt = self.opt
@@ -253,54 +188,7 @@ class Overlap:
         early.first = {u.index for u in early.units} & opt.substates.never_stepped
         early.steps = {u.index: opt.steps[u.index] + 1 for u in early.units}
 
-    def _start(self, index: int) -> bool:
-        """Issue the reads of sub-group ``index``'s states and gradients; False when the pool
-        has no room now, or a gradient is still being written. Never waits: the backward's
-        own buffers come first."""
-        opt = self.opt
-        sg = opt.groups[index]
-        early = self._begin(index)
-        if not isinstance(early, _Early):
-            return early
-        try:
-            for kind in opt.kinds:
-                early.reads.append(opt.states[kind].get(sg.record.name_for(), timeout=0))
-            transport, host = opt.grads.transport, opt.substates.device
-            for u in early.units:
-                early.versions[u.index] = opt.grads.version[u.index]
-                early.grads[u.index] = pending = opt.grads.lend(u, timeout=0)
-                if opt.grads.store.device != host:  # the device tier, lent in place: brought to the host
-                    lease = pending.result()
-                    early.grads[u.index] = transport.to_reader(lease.tensor, host, timeout=0)
-                    lease.release()
-        except PoolExhausted:
-            _give_back(early)
-            return False
-        self._reading.append(early)
-        return True
-
-    def _compute(self, early: _Early) -> None:
-        """Hand ``early``'s update on what it read to the worker ([Note: early updates on a
-        worker] in `_overlap_host`: the hooks only hand work over); it is written by `_write`."""
-        opt = self.opt
-        try:
-            for p in early.reads:
-                early.held.append(p.result())
-                early.tensors.append(early.held[-1].tensor)
-            grads = {}
-            for i, p in early.grads.items():  # on the host (`_start`)
-                early.held.append(p.result())
-                grads[i] = early.held[-1].tensor
-            self._assume(early)
-        except BaseException:
-            self._undo(early, early.held, [])
-            raise
-        tensors = early.tensors
-        early.job = self._submit(opt.apply, early.index, tensors[0], tensors[1:], grads, early.divide, early.steps,
-                                 early.first)  # fmt: skip
-        self._computing.append(early)
-
-    def _submit(self, fn, *args) -> Future:
+    def submit(self, fn, *args) -> Future:
         """``fn(*args)`` on the worker thread, in the order handed over; or now, on this thread,
         where not ``threaded`` (its error then in the future, as the worker's)."""
         if not self.threaded:
@@ -322,87 +210,25 @@ class Overlap:
 
         return self._worker.submit(run)
 
-    def _write(self, early: _Early) -> None:
-        """Write ``early``'s results (its kernel done: waited for here) under staged names."""
-        opt = self.opt
-        sg = opt.groups[early.index]
-        leases, futures = early.held, []
-        try:
-            early.job.result()
-            for k, t in zip(opt.kinds, early.tensors):
-                futures.append(opt.states[k].put(sg.record.name_for(staged=True), t))
-            for u in early.units if not opt.one_copy else ():  # one copy: the staged master weights are them
-                s = sg.slices[u.index]
-                futures.append(opt.param_store.put(opt.record(u).name_for(staged=True), early.tensors[0][s],
-                                                   copy=True, dtype=opt.param_dtype, timeout=0))  # fmt: skip
-            self._early[early.index] = early
-        except (PoolExhausted, OutOfSpace):  # no room in the pool or the capped arena: the step updates it
-            self._undo(early, leases, futures)
-            self._delete_staged(early)
-            return
-        except OSError as e:
-            self._undo(early, leases, futures)
-            self._delete_staged(early)
-            if e.errno == errno.ENOSPC and self.on_disk_full is not None:
-                why = (f"the disk under {e.filename or 'nvme.paths'} is full (errno {e.errno}, ENOSPC): the optimizer "
-                       f"under backward could not write its staged states ({e.strerror}). The parameters and "
-                       "optimizer states are those of the last step, but this step's gradients may be incomplete; "
-                       "free space on that drive (or set a lower nvme.disk_budget, or optimizer.overlap = false), "
-                       "then call engine.zero_grad() and load a checkpoint (engine.load_checkpoint) to train on")  # fmt: skip
-                self.on_disk_full(why)
-                raise OSError(e.errno, why, e.filename) from e
-            raise
-        except BaseException:
-            self._undo(early, leases, futures)
-            raise
-        # The state buffers go back once their staged writes are done; gradients now.
-        state_leases, grad_leases = leases[: len(early.reads)], leases[len(early.reads) :]
-        for lease in grad_leases:
-            lease.release()
-        early.held, early.tensors, early.job = [], [], None
-        self._writes.add(futures, *state_leases, key=early.index)
-
-    @staticmethod
-    def _undo(early: _Early, leases, futures) -> None:
-        """Give back what an update that is not kept holds: its kernel and staged writes finish
-        first (their errors do not matter: never committed), then its buffers go back."""
-        if early.job is not None:
-            try:
-                early.job.result()
-            except BaseException:  # noqa: BLE001 - dropped with the update
-                pass
-            early.job = None
-        settle(futures)
-        for lease in leases:
-            lease.release()
-        _give_back(early)
-
     def relieve(self) -> None:
         """The backward needs pool memory that is not free: give back what the early updates
-        hold. Reads in flight are dropped (their sub-groups go to the step), staged writes
-        finish, gradients kept in memory go (they are on nvme)."""
-        while self._reading:
-            _give_back(self._reading.popleft())
-        while self._computing:  # written, so that their buffers go back once the writes are done
-            self._write(self._computing.popleft())
+        hold (what the staging holds in the pool, and the gradients kept in memory: they are
+        stored in the grads tier); the sub-groups not started go to the step."""
+        self.staging.relieve(self)
         self._ready.clear()
         self._waiting.clear()
-        self._writes.drain()
         self.opt.grads.drop_kept()
-
-    def _delete_staged(self, early: _Early) -> None:
-        opt = self.opt
-        sg = opt.groups[early.index]
-        for kind in opt.kinds:
-            opt.states[kind].discard(sg.record.name_for(staged=True))
-        for u in early.units:
-            opt.param_store.discard(opt.record(u).name_for(staged=True))
 
     # -- the step ---------------------------------------------------------------------------
     def commit(self, divide: float) -> set[int]:
         """Finish every early update, then commit those whose assumptions hold (``divide``: the
-        gradient divisor the step uses); discard the rest. Returns the committed sub-groups."""
-        self.pump(block=True)
+        gradient divisor the step uses); discard the rest. Returns the committed sub-groups.
+        An update that failed is raised here, after every early update is discarded."""
+        try:
+            self.staging.finish(self)
+        except BaseException:
+            self.discard()
+            raise
         opt = self.opt
         hyper = opt.hyperparameters()
         done = set()
@@ -417,7 +243,7 @@ class Overlap:
                 )
                 if not valid:
                     continue
-                self._commit_one(index, early)
+                self.staging.commit_one(self, index, early)
                 for u in early.units:
                     opt.steps[u.index].copy_(early.steps[u.index])
                 opt.substates.mark_stepped(early.steps)
@@ -428,32 +254,17 @@ class Overlap:
             self.committed = len(done)
         return done
 
-    def _commit_one(self, index: int, early: _Early) -> None:
-        """Sub-group ``index``'s staged states and parameters take the real names."""
-        opt = self.opt
-        sg = opt.groups[index]
-        for kind in opt.kinds:
-            opt.states[kind].rename(sg.record.name_for(staged=True), sg.record.name_for())
-        for u in early.units if not opt.one_copy else ():  # one copy: renamed with the master weights above
-            rec = opt.record(u)
-            opt.param_store.rename(rec.name_for(staged=True), rec.name_for())
-
     def discard(self) -> None:
-        """Forget every early update (their staged tensors are deleted) and the gradients kept
+        """Forget every early update (their staged results are deleted) and the gradients kept
         for them (the step reads what it needs from the grads tier)."""
         self.committed = 0
         self.armed = False
         self._waiting.clear()
         self._ready.clear()
-        while self._reading:
-            _give_back(self._reading.popleft())
-        while self._computing:
-            early = self._computing.popleft()
-            self._undo(early, early.held, [])
-        self._writes.discard_errors()
+        self.staging.discard(self)
         self.opt.grads.drop_kept()
         for early in list(self._early.values()):
-            self._delete_staged(early)
+            self.staging.delete_staged(self, early)
         self._early.clear()
 
     def close(self) -> None:
@@ -466,7 +277,235 @@ class Overlap:
     @property
     def pending(self) -> int:
         """Sub-groups updated early and not yet committed or discarded."""
-        return len(self._early) + len(self._reading) + len(self._computing)
+        return len(self._early) + len(self.staging.in_hand())
+
+
+class OnDisk:
+    """The staging of early updates on nvme (see [Note: exact overlap]): each sub-group's
+    states and gradients read into pool buffers, its kernel run, its results written under
+    staged names; renamed at commit. ``budget``: the pool bytes the sub-groups in hand (reads
+    issued, or written behind) may hold together; a sub-group larger than that is left to the
+    step. ``disk_room``: the staged bytes the swap ``space`` may hold at once (None: all
+    sub-groups); past it the step updates the rest. ``on_disk_full(why)`` is told when a staged
+    write finds the disk full anyway (the engine then refuses to train)."""
+
+    def __init__(self, optimizer, budget: int, *, disk_room: int | None = None, space=None, on_disk_full=None):
+        self.budget = budget
+        self.disk_room = disk_room
+        self.on_disk_full = on_disk_full
+        members = len(space.rank_dirs) if space is not None else 1
+        self._disk = {sg.index: staged_disk_bytes(optimizer, sg, members) for sg in optimizer.groups}
+        self._bytes = {sg.index: group_bytes(optimizer, sg) for sg in optimizer.groups}
+        self._writes = WriteBehind(MAX_IN_HAND)  # keyed by sub-group
+        self._reading: collections.deque[_Early] = collections.deque()
+        self._computing: collections.deque[_Early] = collections.deque()  # read, their kernels on the worker
+
+    def in_hand(self) -> set[int]:
+        """Sub-groups started and not yet staged (being read, or computed)."""
+        return {e.index for e in (*self._reading, *self._computing)}
+
+    def _pool_bytes(self) -> int:
+        """Pool bytes the sub-groups being read or written hold (finished writes are reaped)."""
+        self._writes.poll()
+        return (sum(self._bytes[e.index] for e in (*self._reading, *self._computing))
+                + sum(self._bytes[i] for i in self._writes.keys()))  # fmt: skip
+
+    def pump(self, ov: Overlap, block: bool) -> None:
+        ready = ov._ready
+        while ready:
+            need = self._bytes[ready[0]]
+            if need > self.budget or not self._disk_fits(ov, ready[0]):  # never in hand: the step updates it
+                ready.popleft()
+                continue
+            in_hand = self._pool_bytes()  # reaps finished writes first
+            busy = bool(self._reading or self._computing or len(self._writes))
+            if busy and (in_hand + need > self.budget
+                         or len(self._reading) + len(self._computing) + len(self._writes) >= MAX_IN_HAND):  # fmt: skip
+                if not block:
+                    break
+                self._make_room(ov)
+                continue
+            if self._start(ov, ready[0]):
+                ready.popleft()
+                continue
+            if not block:
+                break  # no pool memory now, or a gradient still being written: later
+            if busy:
+                self._make_room(ov)
+                continue
+            ready.popleft()  # no room even alone (a fragmented pool): the step updates it
+        self._finish(ov, block)
+
+    def finish(self, ov: Overlap) -> None:
+        """Before the commit: every update started is computed and staged."""
+        self.pump(ov, block=True)
+
+    def _disk_fits(self, ov: Overlap, index: int) -> bool:
+        """Whether sub-group ``index``'s staged copies fit the disk room beside those staged."""
+        if self.disk_room is None:
+            return True
+        staged = sum(self._disk[i] for i in ov._early) + sum(self._disk[i] for i in self.in_hand())
+        return staged + self._disk[index] <= self.disk_room
+
+    def _make_room(self, ov: Overlap) -> None:
+        """Finish the oldest sub-group in hand (its update, or its writes)."""
+        if self._computing:
+            self._write(ov, self._computing.popleft())
+        elif self._reading:
+            self._compute(ov, self._reading.popleft())
+            self._write(ov, self._computing.popleft())
+        else:
+            self._writes.poll(keep=max(0, len(self._writes) - 1))
+
+    def _finish(self, ov: Overlap, block: bool) -> None:
+        """Hand the updates whose reads arrived to the worker, and write those it has done (all
+        of them with ``block``, and drain)."""
+        with region("infinity::optimizer.early"):  # the hand-over and the writes, on this thread
+            while self._reading and (block or self._reading[0].arrived):
+                self._compute(ov, self._reading.popleft())
+            while self._computing and (block or self._computing[0].job.done()):
+                self._write(ov, self._computing.popleft())
+        if block:
+            self._writes.drain()
+        else:
+            self._writes.poll()
+
+    def _start(self, ov: Overlap, index: int) -> bool:
+        """Issue the reads of sub-group ``index``'s states and gradients; False when the pool
+        has no room now, or a gradient is still being written. Never waits: the backward's
+        own buffers come first."""
+        opt = ov.opt
+        sg = opt.groups[index]
+        early = ov.begin(index)
+        if not isinstance(early, _Early):
+            return early
+        try:
+            for kind in opt.kinds:
+                early.reads.append(opt.states[kind].get(sg.record.name_for(), timeout=0))
+            transport, host = opt.grads.transport, opt.substates.device
+            for u in early.units:
+                early.versions[u.index] = opt.grads.version[u.index]
+                early.grads[u.index] = pending = opt.grads.lend(u, timeout=0)
+                if opt.grads.store.device != host:  # the device tier, lent in place: brought to the host
+                    lease = pending.result()
+                    early.grads[u.index] = transport.to_reader(lease.tensor, host, timeout=0)
+                    lease.release()
+        except PoolExhausted:
+            _give_back(early)
+            return False
+        self._reading.append(early)
+        return True
+
+    def _compute(self, ov: Overlap, early: _Early) -> None:
+        """Hand ``early``'s update on what it read to the worker ([Note: early updates on a
+        worker] in `_overlap_host`: the hooks only hand work over); it is written by `_write`."""
+        opt = ov.opt
+        try:
+            for p in early.reads:
+                early.held.append(p.result())
+                early.tensors.append(early.held[-1].tensor)
+            grads = {}
+            for i, p in early.grads.items():  # on the host (`_start`)
+                early.held.append(p.result())
+                grads[i] = early.held[-1].tensor
+            ov.assume(early)
+        except BaseException:
+            _undo(early, early.held, [])
+            raise
+        tensors = early.tensors
+        early.job = ov.submit(opt.apply, early.index, tensors[0], tensors[1:], grads, early.divide, early.steps,
+                              early.first)  # fmt: skip
+        self._computing.append(early)
+
+    def _write(self, ov: Overlap, early: _Early) -> None:
+        """Write ``early``'s results (its kernel done: waited for here) under staged names."""
+        opt = ov.opt
+        sg = opt.groups[early.index]
+        leases, futures = early.held, []
+        try:
+            early.job.result()
+            for k, t in zip(opt.kinds, early.tensors):
+                futures.append(opt.states[k].put(sg.record.name_for(staged=True), t))
+            for u in early.units if not opt.one_copy else ():  # one copy: the staged master weights are them
+                s = sg.slices[u.index]
+                futures.append(opt.param_store.put(opt.record(u).name_for(staged=True), early.tensors[0][s],
+                                                   copy=True, dtype=opt.param_dtype, timeout=0))  # fmt: skip
+            ov._early[early.index] = early
+        except (PoolExhausted, OutOfSpace):  # no room in the pool or the capped arena: the step updates it
+            _undo(early, leases, futures)
+            self.delete_staged(ov, early)
+            return
+        except OSError as e:
+            _undo(early, leases, futures)
+            self.delete_staged(ov, early)
+            if e.errno == errno.ENOSPC and self.on_disk_full is not None:
+                why = (f"the disk under {e.filename or 'nvme.paths'} is full (errno {e.errno}, ENOSPC): the optimizer "
+                       f"under backward could not write its staged states ({e.strerror}). The parameters and "
+                       "optimizer states are those of the last step, but this step's gradients may be incomplete; "
+                       "free space on that drive (or set a lower nvme.disk_budget, or optimizer.overlap = false), "
+                       "then call engine.zero_grad() and load a checkpoint (engine.load_checkpoint) to train on")  # fmt: skip
+                self.on_disk_full(why)
+                raise OSError(e.errno, why, e.filename) from e
+            raise
+        except BaseException:
+            _undo(early, leases, futures)
+            raise
+        # The state buffers go back once their staged writes are done; gradients now.
+        state_leases, grad_leases = leases[: len(early.reads)], leases[len(early.reads) :]
+        for lease in grad_leases:
+            lease.release()
+        early.held, early.tensors, early.job = [], [], None
+        self._writes.add(futures, *state_leases, key=early.index)
+
+    def relieve(self, ov: Overlap) -> None:
+        """Reads in flight are dropped (their sub-groups go to the step), staged writes finish."""
+        while self._reading:
+            _give_back(self._reading.popleft())
+        while self._computing:  # written, so that their buffers go back once the writes are done
+            self._write(ov, self._computing.popleft())
+        self._writes.drain()
+
+    def commit_one(self, ov: Overlap, index: int, early: _Early) -> None:
+        """Sub-group ``index``'s staged states and parameters take the real names."""
+        opt = ov.opt
+        sg = opt.groups[index]
+        for kind in opt.kinds:
+            opt.states[kind].rename(sg.record.name_for(staged=True), sg.record.name_for())
+        for u in early.units if not opt.one_copy else ():  # one copy: renamed with the master weights above
+            rec = opt.record(u)
+            opt.param_store.rename(rec.name_for(staged=True), rec.name_for())
+
+    def discard(self, ov: Overlap) -> None:
+        """Forget the updates in hand (their kernels and writes finish first)."""
+        while self._reading:
+            _give_back(self._reading.popleft())
+        while self._computing:
+            early = self._computing.popleft()
+            _undo(early, early.held, [])
+        self._writes.discard_errors()
+
+    def delete_staged(self, ov: Overlap, early: _Early) -> None:
+        opt = ov.opt
+        sg = opt.groups[early.index]
+        for kind in opt.kinds:
+            opt.states[kind].discard(sg.record.name_for(staged=True))
+        for u in early.units:
+            opt.param_store.discard(opt.record(u).name_for(staged=True))
+
+
+def _undo(early: _Early, leases, futures) -> None:
+    """Give back what an update that is not kept holds: its kernel and staged writes finish
+    first (their errors do not matter: never committed), then its buffers go back."""
+    if early.job is not None:
+        try:
+            early.job.result()
+        except BaseException:  # noqa: BLE001 - dropped with the update
+            pass
+        early.job = None
+    settle(futures)
+    for lease in leases:
+        lease.release()
+    _give_back(early)
 
 
 def settle(futures) -> BaseException | None:

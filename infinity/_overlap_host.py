@@ -1,4 +1,5 @@
-"""The optimizer under backward with its states in host memory (the cpu tier).
+"""The optimizer under backward with its states in host memory (the cpu tier): `InMemory`,
+the staging strategy `_overlap.Overlap` is given there.
 
 Owns: where the early updates of [Note: exact overlap] (in `_overlap`) run when the optimizer
 states are resident in host memory, ZeRO-Offload's placement: the staged copies they make
@@ -40,7 +41,7 @@ from infinity.aio import empty_aligned
 from infinity.swap import OutOfSpace, PoolExhausted
 
 from ._bytes import host_staged_bytes
-from ._overlap import Overlap, _Early, settle
+from ._overlap import _Early, settle
 from ._profile import region
 from ._store import Lease, release_unused
 
@@ -155,9 +156,11 @@ class _Back:
             self._tensor = None
 
 
-class HostOverlap(Overlap):
-    """Early updates of one step with the optimizer states in host memory (see [Note: staged
-    in host memory]). ``budget``: the host bytes their staged copies may take.
+class InMemory:
+    """The staging of early updates with the optimizer states in host memory (see [Note:
+    staged in host memory]), for `_overlap.Overlap`. ``budget``: the host bytes their staged
+    copies may take; ``disk_room``: the staged parameter bytes on nvme at once (0: none written
+    early; None: every sub-group's).
 
     [Note: early updates on a worker]
     Autograd's hooks only hand the work over: `_update_now`, called from the hook that stored a
@@ -184,37 +187,43 @@ class HostOverlap(Overlap):
     failed is redone at the commit under the real name from the staging tensor, which stays
     until then."""
 
-    def __init__(self, optimizer, budget: int, loss_scale, *, disk_room: int | None = 0, threaded: bool = False):
-        super().__init__(optimizer, budget, loss_scale, threaded=threaded)
-        self.disk_room = disk_room  # staged parameter bytes on nvme at once (0: none written early)
+    def __init__(self, optimizer, budget: int, *, disk_room: int | None = 0):
+        self.disk_room = disk_room
+        self.tensors = _Staging(budget, pin=torch.cuda.is_available())
         self._param_writes: dict[int, tuple[list, int]] = {}  # sub-group -> (its staged writes, their bytes)
-        self.staging = _Staging(budget, pin=torch.cuda.is_available())
         self._staged: dict[int, tuple[list, dict]] = {}  # sub-group -> (state copies, unit -> new params)
-        self._jobs: dict[int, Future] = {}  # sub-group -> its update on the worker (`Overlap._submit`)
+        self._jobs: dict[int, Future] = {}  # sub-group -> its update on the worker (`Overlap.submit`)
+
+    @property
+    def budget(self) -> int:
+        return self.tensors.budget
+
+    def in_hand(self) -> set[int]:
+        return set()  # a sub-group is staged (`Overlap._early`) as soon as it is handed over
 
     # -- backward: each sub-group is handed to the worker as soon as it is ready ------------
-    def pump(self, block: bool = False) -> None:
+    def pump(self, ov, block: bool) -> None:
         """Hand over the sub-groups that are ready, in order; one whose gradient is still being
         written waits for a later call, or with ``block`` (the step is due) is left to the step."""
         with region("infinity::optimizer.early"):  # the hand-over, on this thread
-            while self._ready:
-                if self._update_now(self._ready[0]) or block:
-                    self._ready.popleft()
+            while ov._ready:
+                if self._update_now(ov, ov._ready[0]) or block:
+                    ov._ready.popleft()
                 else:
                     break
-            self._write_done()
+            self._write_done(ov)
 
-    def _write_done(self) -> None:
+    def _write_done(self, ov) -> None:
         """Start writing the new parameters of the sub-groups whose jobs are done, under their
         staged names, as far as ``disk_room`` goes ([Note: parameters written under backward])."""
-        if self.disk_room == 0 or not self.opt.param_store.uses_pool:
-            return
-        opt = self.opt
+        opt = ov.opt
         store = opt.param_store
+        if self.disk_room == 0 or not store.uses_pool:
+            return
         for index, job in list(self._jobs.items()):
             if index in self._param_writes or not job.done() or job.exception() is not None:
                 continue
-            early = self._early[index]
+            early = ov._early[index]
             nbytes = sum(opt.record(u).nbytes("param") for u in early.units)
             staged = sum(n for _, n in self._param_writes.values())
             if self.disk_room is not None and staged + nbytes > self.disk_room:
@@ -231,13 +240,13 @@ class HostOverlap(Overlap):
                 return
             self._param_writes[index] = (futures, nbytes)
 
-    def _update_now(self, index: int) -> bool:
+    def _update_now(self, ov, index: int) -> bool:
         """Start sub-group ``index``'s update on staged copies of its states (on the worker);
         left to the step when staging has no room or the pool none for a gradient's copy.
         False: a gradient is being written (read back once written, not by waiting here)."""
-        opt = self.opt
+        opt = ov.opt
         sg = opt.groups[index]
-        early = self._begin(index)
+        early = ov.begin(index)
         if not isinstance(early, _Early):
             return early
         transport = opt.grads.transport
@@ -245,14 +254,14 @@ class HostOverlap(Overlap):
         try:
             for kind in opt.kinds:
                 src = opt.states[kind].get(sg.record.name_for()).result().tensor  # resident: lent in place
-                dst = self.staging.take(src.shape, src.dtype)
+                dst = self.tensors.take(src.shape, src.dtype)
                 if dst is None:
                     raise _NoRoom
                 states.append(src)
                 copies.append(dst)
             for u in early.units:
                 s = sg.slices[u.index]
-                dst = self.staging.take((s.stop - s.start,), opt.param_dtype)
+                dst = self.tensors.take((s.stop - s.start,), opt.param_dtype)
                 if dst is None:
                     raise _NoRoom
                 params[u.index] = dst
@@ -262,33 +271,17 @@ class HostOverlap(Overlap):
                 lease = opt.grads.lend(u, timeout=0).result()
                 leases.append(lease)
                 grads[u.index] = transport.to_reader(lease.tensor, host, timeout=0)  # from a GPU: arriving
-            self._assume(early)
+            ov.assume(early)
         except (_NoRoom, PoolExhausted):  # the step updates it
-            _drop(grads, leases, (*copies, *params.values()), self.staging)
+            _drop(grads, leases, (*copies, *params.values()), self.tensors)
             return True
         except BaseException:
-            _drop(grads, leases, (*copies, *params.values()), self.staging)
+            _drop(grads, leases, (*copies, *params.values()), self.tensors)
             raise
-        self._jobs[index] = self._submit(self._run, early, states, copies, params, grads, leases)
-        self._early[index] = early
+        self._jobs[index] = ov.submit(_run, opt, early, states, copies, params, grads, leases)
+        ov._early[index] = early
         self._staged[index] = (copies, params)
         return True
-
-    def _run(self, early: _Early, states, copies, params, grads, leases) -> None:
-        """On the worker: sub-group ``early.index``'s update on staged copies of ``states``
-        from ``grads`` (host tensors, or copies from a GPU still arriving); the gradients'
-        leases go back when it is done, whatever happens."""
-        opt = self.opt
-        sg = opt.groups[early.index]
-        try:
-            for src, dst in zip(states, copies):
-                dst.copy_(src)
-            here = {i: p.result().tensor for i, p in grads.items()}  # a copy from a GPU: waits for its event
-            opt.apply(early.index, copies[0], copies[1:], here, early.divide, early.steps, early.first)
-            for u in early.units:
-                params[u.index].copy_(copies[0][sg.slices[u.index]])
-        finally:
-            _drop(grads, leases, (), None)
 
     def _wait(self, index: int) -> BaseException | None:
         """Wait for sub-group ``index``'s job, if one was handed over; its error, if it failed."""
@@ -301,30 +294,31 @@ class HostOverlap(Overlap):
             return e
         return None
 
+    def relieve(self, ov) -> None:
+        pass  # nothing in the pool: the staged copies are host tensors of their own
+
     # -- the step ---------------------------------------------------------------------------
-    def commit(self, divide: float) -> set[int]:
-        """See `Overlap.commit`; every job is finished first, and the first that failed is
-        raised (after every early update is discarded: the step was not taken)."""
-        self.pump(block=True)
+    def finish(self, ov) -> None:
+        """Before the commit: every sub-group ready is handed over and every job finished; the
+        first that failed is raised."""
+        self.pump(ov, block=True)
         error = None
         for index in list(self._jobs):
             e = self._wait(index)
             if e is not None and error is None:
                 error = e
         if error is not None:
-            self.discard()
             raise error
-        return super().commit(divide)
 
-    def _commit_one(self, index: int, early: _Early) -> None:
-        opt = self.opt
+    def commit_one(self, ov, index: int, early: _Early) -> None:
+        opt = ov.opt
         sg = opt.groups[index]
         copies, params = self._staged.pop(index)
         for kind, t in zip(opt.kinds, copies):
-            self.staging.give(opt.states[kind].swap(sg.record.name_for(), t))
-        if self._renamed(index, early):
+            self.tensors.give(opt.states[kind].swap(sg.record.name_for(), t))
+        if self._renamed(ov, index, early):
             for u in early.units:
-                self.staging.give(params[u.index])
+                self.tensors.give(params[u.index])
             return
         st = opt.substates
         transport = opt.grads.transport
@@ -332,43 +326,62 @@ class HostOverlap(Overlap):
             new = params[u.index]
             store = opt.param_store
             if store.uses_pool:  # nvme: written behind the step, from the staged tensor
-                st.param_writes.add(store.put(u.name, new), Lease(new, _Back(self.staging, new)))
+                st.param_writes.add(store.put(u.name, new), Lease(new, _Back(self.tensors, new)))
                 continue
             dst = store.writable(u.name).tensor  # resident: the tier's own tensor
             if dst.device.type == "cuda" and transport is not None and transport.pipelined:
                 # From pinned staging on the side stream; the staging tensor goes back once the
                 # copy is done (`Copies.drain`), and the next forward waits on its event.
-                transport.to_device(Lease(new.view(dst.shape), _Back(self.staging, new)), dst)
+                transport.to_device(Lease(new.view(dst.shape), _Back(self.tensors, new)), dst)
             else:
                 store.put(u.name, new).result()
-                self.staging.give(new)
+                self.tensors.give(new)
 
-    def _renamed(self, index: int, early: _Early) -> bool:
+    def _renamed(self, ov, index: int, early: _Early) -> bool:
         """Sub-group ``index``'s parameters written under backward take their real names; False
         where none were written, or a write failed (their staged names are deleted then)."""
         written = self._param_writes.pop(index, None)
         if written is None:
             return False
-        store = self.opt.param_store
-        names = [self.opt.record(u).name_for(staged=True) for u in early.units]
+        store = ov.opt.param_store
+        names = [ov.opt.record(u).name_for(staged=True) for u in early.units]
         if settle(written[0]) is not None:
             for name in names:
                 store.discard(name)
             return False
         for u, name in zip(early.units, names):
-            store.rename(name, self.opt.record(u).name_for())
+            store.rename(name, ov.opt.record(u).name_for())
         return True
 
-    def _delete_staged(self, early: _Early) -> None:
+    def discard(self, ov) -> None:
+        pass  # every update handed over is staged (`Overlap._early`): `delete_staged` drops each
+
+    def delete_staged(self, ov, early: _Early) -> None:
         self._wait(early.index)  # its error does not matter: it is discarded
         written = self._param_writes.pop(early.index, None)
         if written is not None:
             settle(written[0])
             for u in early.units:
-                self.opt.param_store.discard(self.opt.record(u).name_for(staged=True))
+                ov.opt.param_store.discard(ov.opt.record(u).name_for(staged=True))
         copies, params = self._staged.pop(early.index, ([], {}))
         for t in (*copies, *params.values()):
-            self.staging.give(t)
+            self.tensors.give(t)
+
+
+def _run(opt, early: _Early, states, copies, params, grads, leases) -> None:
+    """On the worker: sub-group ``early.index``'s update on staged copies of ``states`` from
+    ``grads`` (host tensors, or copies from a GPU still arriving); the gradients' leases go back
+    when it is done, whatever happens."""
+    sg = opt.groups[early.index]
+    try:
+        for src, dst in zip(states, copies):
+            dst.copy_(src)
+        here = {i: p.result().tensor for i, p in grads.items()}  # a copy from a GPU: waits for its event
+        opt.apply(early.index, copies[0], copies[1:], here, early.divide, early.steps, early.first)
+        for u in early.units:
+            params[u.index].copy_(copies[0][sg.slices[u.index]])
+    finally:
+        _drop(grads, leases, (), None)
 
 
 def _drop(grads: dict, leases: list, staged, staging) -> None:

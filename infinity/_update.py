@@ -88,7 +88,7 @@ class StreamedUpdate:
 
     def update(self, loss_scale: float = 1.0, overlap=None) -> bool:
         """One update of every parameter with a gradient; False when skipped (non-finite).
-        Sub-groups ``overlap`` (the engine's `_overlap.Overlap` or `_overlap_host.HostOverlap`,
+        Sub-groups ``overlap`` (the engine's `_overlap.Overlap`, staged on nvme or in host memory,
         where the optimizer runs under backward) updated early are committed where valid, see
         [Note: exact overlap] in `_overlap`."""
         start = time.perf_counter()

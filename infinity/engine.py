@@ -44,8 +44,8 @@ from ._lifecycle import Lifecycle, TrainingGuard
 from ._algorithms import resolve
 from ._optim import Optimizer
 from ._substates import make_groups
-from ._overlap import Overlap
-from ._overlap_host import HostOverlap
+from ._overlap import OnDisk, Overlap
+from ._overlap_host import InMemory
 from ._owner import Owner, entry
 from ._scaler import LossScaler
 from ._schedule import Scheduler
@@ -182,15 +182,16 @@ class Engine:
         plan = self.plan
         _admission.finish(plan, self)
         self.admission = _admission.Admission(self.pool, plan)
+        staging = None  # where early updates wait for the step: [Note: exact overlap] in `_overlap`
         if plan.overlap:
-            self.overlap = Overlap(self.optimizer, plan.overlap, self._loss_scale,
-                                   disk_room=self.footprint.staging_room, space=self.space,
-                                   on_disk_full=self._life.refuse, threaded=_overlap.on_worker(dev))  # fmt: skip
+            staging = OnDisk(self.optimizer, plan.overlap, disk_room=self.footprint.staging_room, space=self.space,
+                             on_disk_full=self._life.refuse)  # fmt: skip
         elif plan.staging:  # the states in host memory: see [Note: staged in host memory]
             fp = self.footprint
-            self.overlap = HostOverlap(self.optimizer, plan.staging, self._loss_scale,
-                                       disk_room=fp.staging_room if fp is not None and _params_staged(self) else 0,
-                                       threaded=_overlap.on_worker(dev))
+            staging = InMemory(self.optimizer, plan.staging,
+                               disk_room=fp.staging_room if fp is not None and _params_staged(self) else 0)
+        if staging is not None:
+            self.overlap = Overlap(self.optimizer, self._loss_scale, staging, threaded=_overlap.on_worker(dev))
         overlap = self.overlap
         self._accumulation = Accumulation(cfg.optimizer.gradient_accumulation_steps, overlap, self.optimizer)
         # [activations] tier: see [Note: activations offloaded] in `_activations`

@@ -291,15 +291,15 @@ def test_overlap_with_resident_gradients(tmp_path, grads):
     assert on[2] == [4] * 4
 
 
-@pytest.mark.parametrize("tiers, kind", [(("cpu", "nvme", "nvme"), None), (("nvme", "nvme", "cpu"), "HostOverlap"),
-                                         (("device",) * 3, "HostOverlap")])  # fmt: skip
+@pytest.mark.parametrize("tiers, kind", [(("cpu", "nvme", "nvme"), None), (("nvme", "nvme", "cpu"), "InMemory"),
+                                         (("device",) * 3, "InMemory")])  # fmt: skip
 def test_overlap_on_nvme_does_not_apply_where_the_states_or_parameters_are_resident(tmp_path, tiers, kind):
     """Parameters resident beside states on nvme: none (a forward inside backward would see
     new parameters); states in host memory: the host overlap's (tests/infinity/test_overlap_host.py)."""
     os.makedirs(tmp_path / "a")
     engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", True, tiers=tiers))
     overlap = engine.overlap
-    assert (type(overlap).__name__ if overlap is not None else None) == kind
+    assert (type(overlap.staging).__name__ if overlap is not None else None) == kind
     engine.close()
 
 
@@ -313,16 +313,16 @@ def test_config_keys(tmp_path):
 
 @pytest.mark.parametrize("tiers, overlap, kind", [
     (("device", "device", "cpu"), "auto", None),  # the host computes: early updates take its cores
-    (("device", "device", "cpu"), True, "HostOverlap"),
-    (("nvme", "cpu", "cpu"), "auto", "HostOverlap"),  # backward waits for reads: room for them
-    (NVME, "auto", "Overlap"),
+    (("device", "device", "cpu"), True, "InMemory"),
+    (("nvme", "cpu", "cpu"), "auto", "InMemory"),  # backward waits for reads: room for them
+    (NVME, "auto", "OnDisk"),
 ])  # fmt: skip
 def test_auto_overlaps_where_it_can_gain(tmp_path, tiers, overlap, kind):
     """On the host (no GPU here): "auto" leaves out the host overlap where every parameter is in
     memory; true forces it; on nvme it applies."""
     engine = infinity.initialize(_mlp(), _cfg(tmp_path, overlap, tiers=tiers))
     got = engine.overlap
-    assert (type(got).__name__ if got is not None else None) == kind
+    assert (type(got.staging).__name__ if got is not None else None) == kind
     engine.close()
 
 

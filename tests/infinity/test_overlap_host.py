@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import infinity
-from infinity._overlap_host import HostOverlap
+from infinity._overlap_host import InMemory
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_overlap import _batch, _cfg, _mlp, _same, _train  # noqa: E402
@@ -118,7 +118,7 @@ def test_the_parameters_change_only_at_the_step_and_zero_grad_discards(tmp_path)
     zero_grad drops it without a trace."""
     os.makedirs(tmp_path / "a")
     engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", True, tiers=HOST[0]))
-    assert isinstance(engine.overlap, HostOverlap)
+    assert isinstance(engine.overlap.staging, InMemory)
     before = engine.gathered_weights()
     states = {k: s._resident.copy() for k, s in engine.optimizer.states.items()}
     x, y = _batch(0)
@@ -146,13 +146,13 @@ def test_staging_stays_within_its_budget_and_the_rest_is_left_to_the_step(tmp_pa
     opt = engine.optimizer
     sizes = sorted(_bytes.host_staged_bytes(opt, g) for g in opt.groups)
     assert len(sizes) >= 2
-    engine.overlap.staging.budget = engine.overlap.budget = sizes[-1]  # room for one sub-group at a time
+    engine.overlap.staging.tensors.budget = sizes[-1]  # room for one sub-group at a time
     losses, committed = [], []
     for step in range(4):
         x, y = _batch(step)
         loss = ((engine(x) - y) ** 2).float().mean()
         engine.backward(loss)
-        assert engine.overlap.staging.bytes <= sizes[-1]
+        assert engine.overlap.staging.tensors.bytes <= sizes[-1]
         engine.step()
         losses.append(loss.item())
         committed.append(engine.overlap.committed)
@@ -287,7 +287,7 @@ def test_an_early_update_that_fails_on_the_worker_is_raised_at_the_step(tmp_path
         with pytest.raises(RuntimeError, match="kernel failed"):
             engine.step()
         assert engine.overlap.pending == 0
-        staging = engine.overlap.staging  # every staging tensor went back, for reuse
+        staging = engine.overlap.staging.tensors  # every staging tensor went back, for reuse
         free = sum(t.numel() * t.element_size() for ts in staging._free.values() for t in ts)
         assert free == staging.bytes > 0
         with pytest.raises(RuntimeError, match="step failed part-way.*kernel failed"):
@@ -296,7 +296,7 @@ def test_an_early_update_that_fails_on_the_worker_is_raised_at_the_step(tmp_path
 
 def _staged_params(engine) -> list[str]:
     """The parameters staged on nvme, once the writes in flight are done."""
-    for futures, _ in engine.overlap._param_writes.values():
+    for futures, _ in engine.overlap.staging._param_writes.values():
         for f in futures:
             f.result()
     return [n for n in engine.space.names() if n.endswith("~next/param")]
@@ -314,8 +314,8 @@ def params_staged(monkeypatch):
 def test_parameters_on_nvme_are_written_under_backward_and_updates_on_a_worker_only_with_a_gpu(tmp_path):
     os.makedirs(tmp_path / "a")
     with infinity.initialize(_mlp(), _cfg(tmp_path / "a", True, tiers=("nvme", "cpu", "cpu"))) as engine:
-        assert isinstance(engine.overlap, HostOverlap)
-        assert engine.overlap.disk_room == 0  # the compute is on the host here
+        assert isinstance(engine.overlap.staging, InMemory)
+        assert engine.overlap.staging.disk_room == 0  # the compute is on the host here
         assert not engine.overlap.threaded
 
 
@@ -328,13 +328,13 @@ def test_parameters_on_nvme_are_written_under_backward_and_renamed_at_the_step(t
     off = _train(tmp_path / "off", False, tiers=tiers, steps=2)
     os.makedirs(tmp_path / "on")
     with infinity.initialize(_mlp(), _cfg(tmp_path / "on", True, tiers=tiers)) as engine:
-        assert engine.overlap.disk_room is None  # overlap_disk 1.0: every sub-group's fit
+        assert engine.overlap.staging.disk_room is None  # overlap_disk 1.0: every sub-group's fit
         losses = []
         for step in range(2):
             x, y = _batch(step, 0, torch.float32)
             loss = ((engine(x) - y) ** 2).float().mean()
             engine.backward(loss)
-            for job in list(engine.overlap._jobs.values()):
+            for job in list(engine.overlap.staging._jobs.values()):
                 job.result()
             engine.overlap.pump()  # what the next hook would do: the done jobs' parameters written
             assert len(_staged_params(engine)) == 4, engine.space.names()
@@ -348,7 +348,7 @@ def test_parameters_on_nvme_are_written_under_backward_and_renamed_at_the_step(t
         before = got
         x, y = _batch(2, 0, torch.float32)
         engine.backward(((engine(x) - y) ** 2).float().mean())
-        for job in list(engine.overlap._jobs.values()):
+        for job in list(engine.overlap.staging._jobs.values()):
             job.result()
         engine.overlap.pump()
         assert _staged_params(engine)
@@ -365,10 +365,10 @@ def test_parameters_staged_on_nvme_stay_within_the_disk_room(tmp_path, params_st
     os.makedirs(tmp_path / "a")
     cfg = _cfg(tmp_path / "a", True, tiers=tiers, optimizer={"overlap_disk": 0.0})
     with infinity.initialize(_mlp(), cfg) as engine:
-        assert engine.overlap.disk_room == 0
+        assert engine.overlap.staging.disk_room == 0
         x, y = _batch(0, 0, torch.float32)
         engine.backward(((engine(x) - y) ** 2).float().mean())
-        for job in list(engine.overlap._jobs.values()):
+        for job in list(engine.overlap.staging._jobs.values()):
             job.result()
         engine.overlap.pump()
         assert _staged_params(engine) == []
