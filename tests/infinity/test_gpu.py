@@ -356,3 +356,41 @@ def test_early_updates_on_the_worker_match_the_step_after_backward_bit_for_bit(t
     for k in want[1]:
         assert torch.equal(got[1][k], want[1][k]), k
     assert want[2] == [0, 0, 0] and all(c == got[3] for c in got[2]), got[2]
+
+
+@pytest.mark.parametrize("tiers", [("device", "device", "device"), ("device", "device", "cpu")])
+def test_whole_unit_gradients_stay_where_autograd_made_them_on_the_gpu(tmp_path, tiers):
+    """The grads tier on the GPU: a gradient that is all of its unit becomes the tier's tensor
+    as autograd made it, and a later micro-batch's is added to it, so backward copies nothing
+    ([Note: gradient hand-over] in infinity/_schedule.py); the weights are plain PyTorch's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:
+                Copies.elements += args[0].numel()
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256, bias=False), nn.GELU(), nn.Linear(256, 8, bias=False))
+    ref = copy.deepcopy(model).cuda()
+    cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
+           "optimizer": {"lr": 1e-3, "overlap": False}}  # fmt: skip
+    engine = infinity.initialize(model, cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    for _ in range(3):
+        for _ in range(2):
+            x = torch.randn(32, 64, device="cuda")
+            with Copies():
+                engine.backward(engine(x).pow(2).mean())
+            ref(x).pow(2).mean().backward()
+        engine.step()
+        opt.step()
+        opt.zero_grad()
+    assert Copies.elements == 0
+    got = engine.gathered_weights()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach().cpu(), atol=1e-4, rtol=0)
+    engine.close()
