@@ -65,13 +65,21 @@ _IN_FLIGHT = 4  # checkpoint writes in flight per rank (each holds one pool buff
 
 
 # -- meta.json --------------------------------------------------------------------------------
+def components(engine) -> dict:
+    """The stateful pieces of ``engine`` a checkpoint saves and restores through their
+    ``state_dict()`` / ``load_state_dict()``: "optimizer", "lr_scheduler" (None unless given),
+    "loss_scaler" (None unless fp16) and "stats"."""
+    return {"optimizer": engine.optimizer, "lr_scheduler": engine.lr_scheduler, "loss_scaler": engine._scaler,
+            "stats": engine._stats}  # fmt: skip
+
+
 def _units_layout(engine) -> list[dict]:
     return [{"name": u.name, "numel": u.numel, "params": [[n, list(s)] for n, s in zip(u.param_names, u.shapes)]}
             for u in engine.units]  # fmt: skip
 
 
 def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
-    parts = engine.components
+    parts = components(engine)
     scaler = parts["loss_scaler"]
     meta = {
         "format": FORMAT,
@@ -383,7 +391,7 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
     """See `Engine.save_checkpoint`."""
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"{keep_last=} must be a positive int (or None to keep every checkpoint)")
-    steps = engine.components["stats"].state_dict()["steps"]
+    steps = components(engine)["stats"].state_dict()["steps"]
     tag = check_tag(f"step-{steps}" if tag is None else tag)
     dist = engine.dist
     dist.agree_text(tag, "checkpoint tag")
@@ -587,7 +595,7 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
                 on_partial(f"the engine's state is partly loaded from {where} ({type(e).__name__}: {e}); "
                            "load a good checkpoint or make a new engine")  # fmt: skip
             raise
-    parts = engine.components
+    parts = components(engine)
     if parts["loss_scaler"] is not None and meta["loss_scaler"] is not None:
         parts["loss_scaler"].load_state_dict(meta["loss_scaler"])
     if meta.get("optimizer") is not None:  # the groups' hyperparameters (the LR schedule's lr, say)

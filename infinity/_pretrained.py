@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from . import _resources
+from . import _resources, _statedict
 from ._hf_save import save_pretrained  # noqa: F401 - where engine.save_pretrained imports it
 from ._substates import Piece
 from ._safetensors import Shards, check_dtypes, checkpoint_files
@@ -67,7 +67,7 @@ def load_weights(engine, files: dict[str, str], where: str, names: dict[str, str
     Keys are checked first: a mis-shaped or missing parameter is an error naming every such
     key; an unexpected key is a warning. ``names``: a wrapped model's key -> the checkpoint's,
     for what the model had before wrapping; the rest is the wrapper's, not loaded."""
-    params = engine.parameter_keys()  # key -> [(unit, index)]: a tiled one's tiles
+    params = _statedict.parameter_keys(engine)  # key -> [(unit, index)]: a tiled one's tiles
     buffers = {k: v for k, v in engine.module.state_dict(keep_vars=True).items() if k not in params}
     if names is not None:  # see [Note: wrapping a built model] in _wrap
         params = {names[k]: v for k, v in params.items() if k in names}
@@ -119,7 +119,7 @@ def load_weights(engine, files: dict[str, str], where: str, names: dict[str, str
                     t = t.tensor if isinstance(t, Piece) else t
                     read += t.numel() * t.element_size()
             if values:
-                engine.load_weights(values)
+                _statedict.load_weights(engine, values)
             del values
             # safe_open maps the file, and the pages read stay in this process's RSS while it is
             # open: closed per batch, the load holds one batch's pages, not the whole checkpoint.

@@ -6,7 +6,7 @@ it into the tiers (the fp32 master weights and the low-precision parameters; opt
 are left as they are, as torch leaves an optimizer's); the rest loads as usual, and a missing,
 unexpected or mis-shaped key is reported as torch reports it. ``state_dict()`` gives every
 managed parameter's weights (the fp32 masters in the parameter's own dtype) instead of its
-empty placeholder. Touches: the units, `Engine.unit_weights`, `engine.optimizer.load_master`.
+empty placeholder. Touches: the units, `Engine.unit_weights`, `engine.optimizer.load_master` (`load_weights`).
 
 [Note: state_dict at several ranks]
 The weights are sharded over the ranks at every stage (the fp32 masters are the optimizer's
@@ -26,7 +26,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import _gather
+from ._owner import entry
 from ._units import holders
+
+
+def parameter_keys(engine) -> dict:
+    """Every state_dict key of a parameter ``engine`` manages -> its pieces, [(unit, index in
+    the unit)]: one, or a tiled parameter's tiles in row order; tied weights have several keys."""
+    return dict(engine._state_hooks.names)
+
+
+@entry("load_weights")
+def load_weights(engine, values: dict) -> None:
+    """New weights (``(unit index, parameter index) -> tensor``) into ``engine``'s tiers."""
+    engine._life.check_usable()
+    if engine.grads.has_grad:
+        raise RuntimeError("load_state_dict between backward and step: call step() or zero_grad() first")
+    _gather.refuse_open(engine, "load_state_dict")
+    engine.scheduler.release_all()
+    engine.optimizer.load_master(values)
 
 
 class StateDictHooks:
@@ -70,7 +89,7 @@ class StateDictHooks:
                 values.setdefault((unit.index, i), value)
         self._consumed = consumed
         if values and not bad:
-            self.engine.load_weights(values)
+            load_weights(self.engine, values)
 
     def _after_load(self, module, incompatible_keys) -> None:
         # The keys taken above were loaded into the tiers: they are not missing.

@@ -28,6 +28,7 @@ user's unmodified module. It owns no policy of its own; each piece lives in its 
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
@@ -191,7 +192,7 @@ class Engine:
             staging = InMemory(self.optimizer, plan.staging,
                                disk_room=fp.staging_room if fp is not None and _params_staged(self) else 0)
         if staging is not None:
-            self.overlap = Overlap(self.optimizer, self._loss_scale, staging, threaded=_overlap.on_worker(dev))
+            self.overlap = Overlap(self.optimizer, functools.partial(_scale_of, self._scaler), staging, threaded=_overlap.on_worker(dev))
         overlap = self.overlap
         self._accumulation = Accumulation(cfg.optimizer.gradient_accumulation_steps, overlap, self.optimizer)
         # [activations] tier: see [Note: activations offloaded] in `_activations`
@@ -254,9 +255,6 @@ class Engine:
                 logger.info("optimizer.overlap: the disk has no room for a sub-group's staged copies beside the "
                             "state; the optimizer runs after backward")  # fmt: skip
                 self.plan.overlap = 0
-
-    def _loss_scale(self) -> float:
-        return self._scaler.scale if self._scaler is not None else 1.0
 
     # -- training ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -322,7 +320,7 @@ class Engine:
         _gather.refuse_open(self, "engine.step()")
         self._accumulation.check_whole(self.scheduler.backward_lost)
         self.scheduler.release_all()
-        scale = self._scaler.scale if self._scaler is not None else 1.0
+        scale = _scale_of(self._scaler)
         try:
             with self.pool.traffic(_admission.STEP):
                 stepped = self.optimizer.update(scale, self.overlap)
@@ -374,14 +372,6 @@ class Engine:
     def eval(self) -> "Engine":
         return self.train(False)
 
-    @property
-    def components(self) -> dict:
-        """The stateful pieces a checkpoint saves and restores through their ``state_dict()`` /
-        ``load_state_dict()``: "optimizer", "lr_scheduler" (None unless given), "loss_scaler"
-        (None unless fp16) and "stats"."""
-        return {"optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler, "loss_scaler": self._scaler,
-                "stats": self._stats}  # fmt: skip
-
     # -- reporting --------------------------------------------------------------------------
     def stats(self) -> dict:
         """Per step (the last one) and cumulative: bytes and busy seconds per tier (nvme's
@@ -416,7 +406,7 @@ class Engine:
         unscaled, before clipping), as ``torch.nn.utils.clip_grad_norm_`` returns it."""
         self._life.check_open()
         self.grads.flush()
-        scale = self._scaler.scale if self._scaler is not None else 1.0
+        scale = _scale_of(self._scaler)
         return self.grads.norms.global_norm() / scale
 
     @entry("clip_grad_norm_")
@@ -444,12 +434,6 @@ class Engine:
         them to a file instead."""
         return self.module.state_dict()
 
-    def parameter_keys(self) -> dict:
-        """Every state_dict key of a parameter the engine manages -> its pieces, [(unit, index
-        in the unit)]: one, or a tiled parameter's tiles in row order; tied weights have several
-        keys."""
-        return dict(self._state_hooks.names)
-
     @entry("save_pretrained")
     def save_pretrained(self, directory, max_shard_size="2GB") -> str:
         """Write the weights as a Hugging Face checkpoint directory that
@@ -462,16 +446,6 @@ class Engine:
         from ._pretrained import save_pretrained
 
         return save_pretrained(self, directory, max_shard_size)
-
-    @entry("load_weights")
-    def load_weights(self, values: dict) -> None:
-        """New weights (``(unit index, parameter index) -> tensor``) into the tiers."""
-        self._life.check_usable()
-        if self.grads.has_grad:
-            raise RuntimeError("load_state_dict between backward and step: call step() or zero_grad() first")
-        _gather.refuse_open(self, "load_state_dict")
-        self.scheduler.release_all()
-        self.optimizer.load_master(values)
 
     def unit_weights(self, rank0_only: bool = False):
         """Yield ``(unit, full)`` per parameter unit in order: ``full`` is the unit's fp32 master
@@ -592,6 +566,11 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _scale_of(scaler) -> float:
+    """The loss scale gradients are multiplied by now: fp16's, else 1."""
+    return scaler.scale if scaler is not None else 1.0
 
 
 def _params_staged(engine) -> bool:
