@@ -169,8 +169,8 @@ class InMemory:
     the copy-back stream; one worker thread then copies the states into staging, waits for the
     gradients' copies (CUDA events), runs the kernel and casts the new parameters, while
     backward goes on (the copies and the kernels release the GIL). The worker touches only what
-    it was handed; the step waits for every job before it commits or discards one (`commit`,
-    `_delete_staged`), and a job's error is raised there.
+    it was handed; the step waits for every job before it commits or discards one (`finish`,
+    `delete_staged`), and a job's error is raised there.
 
     [Note: parameters written under backward]
     With the parameters on nvme (ZeRO-Infinity's nvme,cpu,cpu), the step after backward had

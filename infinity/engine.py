@@ -192,7 +192,8 @@ class Engine:
             staging = InMemory(self.optimizer, plan.staging,
                                disk_room=fp.staging_room if fp is not None and _params_staged(self) else 0)
         if staging is not None:
-            self.overlap = Overlap(self.optimizer, functools.partial(_scale_of, self._scaler), staging, threaded=_overlap.on_worker(dev))
+            self.overlap = Overlap(self.optimizer, functools.partial(_scale_of, self._scaler), staging,
+                                   threaded=_overlap.on_worker(dev))
         overlap = self.overlap
         self._accumulation = Accumulation(cfg.optimizer.gradient_accumulation_steps, overlap, self.optimizer)
         # [activations] tier: see [Note: activations offloaded] in `_activations`
