@@ -33,6 +33,7 @@ def _forked() -> None:
 
 os.register_at_fork(after_in_child=_forked)
 
+
 class _Held:
     """The context manager; reentrant (an inner section leaves the holding to the outer one)."""
 

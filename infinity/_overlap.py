@@ -109,8 +109,11 @@ class Overlap:
         self.loss_scale = loss_scale
         self.group_of = {u.index: sg.index for sg in optimizer.groups for u in sg.units}
         self._waiting: dict[int, set[int]] = {}  # sub-group -> units whose final gradient is due
-        self._ready: collections.deque[int] = collections.deque()  # sub-groups whose gradients are all final
-        self._early: dict[int, _Early] = {}  # sub-group -> its early update, staged
+        # What the staging strategy works on: the sub-groups whose gradients are all final, in
+        # order (it takes them), and the early updates it staged (it adds them; the commit and
+        # the discard take them).
+        self.ready: collections.deque[int] = collections.deque()
+        self.staged: dict[int, _Early] = {}
         self._worker: ThreadPoolExecutor | None = None  # made on first use
         self.armed = False
         self.committed = 0  # sub-groups committed at the last step (for tests and stats)
@@ -122,11 +125,11 @@ class Overlap:
         """The last micro-batch's forward ended: ``expected`` units will receive gradients."""
         self.armed = True
         self._waiting.clear()
-        self._ready.clear()
+        self.ready.clear()
         started = self.staging.in_hand()
         for u in expected:
             g = self.group_of.get(u.index)
-            if g is not None and g not in self._early and g not in started:
+            if g is not None and g not in self.staged and g not in started:
                 self._waiting.setdefault(g, set()).add(u.index)
 
     def keep_grad(self, unit, nbytes: int) -> bool:
@@ -139,7 +142,7 @@ class Overlap:
         """This backward is not the step's last: nothing is updated early in it."""
         self.armed = False
         self._waiting.clear()
-        self._ready.clear()  # their gradients are about to change
+        self.ready.clear()  # their gradients are about to change
 
     def unit_final(self, unit) -> None:
         """``unit``'s gradient of this backward is stored (it is final unless it comes again)."""
@@ -152,7 +155,7 @@ class Overlap:
         waiting.discard(unit.index)
         if not waiting:
             del self._waiting[g]
-            self._ready.append(g)
+            self.ready.append(g)
         self.pump()
 
     def backward_ended(self) -> None:
@@ -215,7 +218,7 @@ class Overlap:
         hold (what the staging holds in the pool, and the gradients kept in memory: they are
         stored in the grads tier); the sub-groups not started go to the step."""
         self.staging.relieve(self)
-        self._ready.clear()
+        self.ready.clear()
         self._waiting.clear()
         self.opt.grads.drop_kept()
 
@@ -233,7 +236,7 @@ class Overlap:
         hyper = opt.hyperparameters()
         done = set()
         try:
-            for index, early in list(self._early.items()):
+            for index, early in list(self.staged.items()):
                 sg = opt.groups[index]
                 valid = (
                     early.divide == divide
@@ -247,7 +250,7 @@ class Overlap:
                 for u in early.units:
                     opt.steps[u.index].copy_(early.steps[u.index])
                 opt.substates.mark_stepped(early.steps)
-                del self._early[index]
+                del self.staged[index]
                 done.add(index)
         finally:
             self.discard()
@@ -260,12 +263,12 @@ class Overlap:
         self.committed = 0
         self.armed = False
         self._waiting.clear()
-        self._ready.clear()
+        self.ready.clear()
         self.staging.discard(self)
         self.opt.grads.drop_kept()
-        for early in list(self._early.values()):
+        for early in list(self.staged.values()):
             self.staging.delete_staged(self, early)
-        self._early.clear()
+        self.staged.clear()
 
     def close(self) -> None:
         """The engine closes: every early update is forgotten, the worker stopped."""
@@ -277,7 +280,7 @@ class Overlap:
     @property
     def pending(self) -> int:
         """Sub-groups updated early and not yet committed or discarded."""
-        return len(self._early) + len(self.staging.in_hand())
+        return len(self.staged) + len(self.staging.in_hand())
 
 
 class OnDisk:
@@ -311,7 +314,7 @@ class OnDisk:
                 + sum(self._bytes[i] for i in self._writes.keys()))  # fmt: skip
 
     def pump(self, ov: Overlap, block: bool) -> None:
-        ready = ov._ready
+        ready = ov.ready
         while ready:
             need = self._bytes[ready[0]]
             if need > self.budget or not self._disk_fits(ov, ready[0]):  # never in hand: the step updates it
@@ -344,7 +347,7 @@ class OnDisk:
         """Whether sub-group ``index``'s staged copies fit the disk room beside those staged."""
         if self.disk_room is None:
             return True
-        staged = sum(self._disk[i] for i in ov._early) + sum(self._disk[i] for i in self.in_hand())
+        staged = sum(self._disk[i] for i in ov.staged) + sum(self._disk[i] for i in self.in_hand())
         return staged + self._disk[index] <= self.disk_room
 
     def _make_room(self, ov: Overlap) -> None:
@@ -430,7 +433,7 @@ class OnDisk:
                 s = sg.slices[u.index]
                 futures.append(opt.param_store.put(opt.record(u).name_for(staged=True), early.tensors[0][s],
                                                    copy=True, dtype=opt.param_dtype, timeout=0))  # fmt: skip
-            ov._early[early.index] = early
+            ov.staged[early.index] = early
         except (PoolExhausted, OutOfSpace):  # no room in the pool or the capped arena: the step updates it
             _undo(early, leases, futures)
             self.delete_staged(ov, early)

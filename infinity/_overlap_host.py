@@ -191,7 +191,7 @@ class InMemory:
         self.disk_room = disk_room
         self.tensors = _Staging(budget, pin=torch.cuda.is_available())
         self._param_writes: dict[int, tuple[list, int]] = {}  # sub-group -> (its staged writes, their bytes)
-        self._staged: dict[int, tuple[list, dict]] = {}  # sub-group -> (state copies, unit -> new params)
+        self._copies: dict[int, tuple[list, dict]] = {}  # sub-group -> (state copies, unit -> new params)
         self._jobs: dict[int, Future] = {}  # sub-group -> its update on the worker (`Overlap.submit`)
 
     @property
@@ -199,16 +199,16 @@ class InMemory:
         return self.tensors.budget
 
     def in_hand(self) -> set[int]:
-        return set()  # a sub-group is staged (`Overlap._early`) as soon as it is handed over
+        return set()  # a sub-group is staged (`Overlap.staged`) as soon as it is handed over
 
     # -- backward: each sub-group is handed to the worker as soon as it is ready ------------
     def pump(self, ov, block: bool) -> None:
         """Hand over the sub-groups that are ready, in order; one whose gradient is still being
         written waits for a later call, or with ``block`` (the step is due) is left to the step."""
         with region("infinity::optimizer.early"):  # the hand-over, on this thread
-            while ov._ready:
-                if self._update_now(ov, ov._ready[0]) or block:
-                    ov._ready.popleft()
+            while ov.ready:
+                if self._update_now(ov, ov.ready[0]) or block:
+                    ov.ready.popleft()
                 else:
                     break
             self._write_done(ov)
@@ -223,12 +223,12 @@ class InMemory:
         for index, job in list(self._jobs.items()):
             if index in self._param_writes or not job.done() or job.exception() is not None:
                 continue
-            early = ov._early[index]
+            early = ov.staged[index]
             nbytes = sum(opt.record(u).nbytes("param") for u in early.units)
             staged = sum(n for _, n in self._param_writes.values())
             if self.disk_room is not None and staged + nbytes > self.disk_room:
                 return  # the commit writes it and the rest
-            _, params = self._staged[index]
+            _, params = self._copies[index]
             futures = []
             try:
                 for u in early.units:
@@ -279,8 +279,8 @@ class InMemory:
             _drop(grads, leases, (*copies, *params.values()), self.tensors)
             raise
         self._jobs[index] = ov.submit(_run, opt, early, states, copies, params, grads, leases)
-        ov._early[index] = early
-        self._staged[index] = (copies, params)
+        ov.staged[index] = early
+        self._copies[index] = (copies, params)
         return True
 
     def _wait(self, index: int) -> BaseException | None:
@@ -295,7 +295,8 @@ class InMemory:
         return None
 
     def relieve(self, ov) -> None:
-        pass  # nothing in the pool: the staged copies are host tensors of their own
+        """Nothing to give back now: the staged copies are host tensors of their own, and a
+        job's pool buffers (its gradients' copies from a GPU) go back when the job is done."""
 
     # -- the step ---------------------------------------------------------------------------
     def finish(self, ov) -> None:
@@ -313,7 +314,7 @@ class InMemory:
     def commit_one(self, ov, index: int, early: _Early) -> None:
         opt = ov.opt
         sg = opt.groups[index]
-        copies, params = self._staged.pop(index)
+        copies, params = self._copies.pop(index)
         for kind, t in zip(opt.kinds, copies):
             self.tensors.give(opt.states[kind].swap(sg.record.name_for(), t))
         if self._renamed(ov, index, early):
@@ -354,7 +355,7 @@ class InMemory:
         return True
 
     def discard(self, ov) -> None:
-        pass  # every update handed over is staged (`Overlap._early`): `delete_staged` drops each
+        pass  # every update handed over is staged (`Overlap.staged`): `delete_staged` drops each
 
     def delete_staged(self, ov, early: _Early) -> None:
         self._wait(early.index)  # its error does not matter: it is discarded
@@ -363,7 +364,7 @@ class InMemory:
             settle(written[0])
             for u in early.units:
                 ov.opt.param_store.discard(ov.opt.record(u).name_for(staged=True))
-        copies, params = self._staged.pop(early.index, ([], {}))
+        copies, params = self._copies.pop(early.index, ([], {}))
         for t in (*copies, *params.values()):
             self.tensors.give(t)
 

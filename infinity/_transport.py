@@ -204,9 +204,14 @@ class Transport:
         both overlaps'."""
         if value.device == device:
             return InHand(Lease(value))
-        if self.pipelined and value.device.type == "cuda" and device.type == "cpu":
+        if self.stages(value.device, device):
             return self.to_host(value, timeout=timeout)
         return InHand(Lease(self.copy_to(value, device)))
+
+    def stages(self, src: torch.device, reader: torch.device) -> bool:
+        """Whether `to_reader` brings a value from ``src`` to a reader on ``reader`` through a
+        pinned pool buffer (what a plan of the pool counts)."""
+        return self.pipelined and src.type == "cuda" and reader.type == "cpu"
 
     def to_device_as(self, src: torch.Tensor, out: torch.Tensor) -> None:
         """``src`` (host) into ``out`` (on the device, its dtype): converted once on the host

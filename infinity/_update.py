@@ -78,8 +78,8 @@ class StreamedUpdate:
         """Whether the gradients come to the host kernel by copies from a GPU into pinned pool
         buffers ([Note: the host step on a GPU])."""
         store = self.grads.store
-        return (self.transport is not None and self.transport.pipelined and not store.uses_pool
-                and store.device.type == "cuda" and self.substates.device.type == "cpu")  # fmt: skip
+        return (self.transport is not None and not store.uses_pool
+                and self.transport.stages(store.device, self.substates.device))  # fmt: skip
 
     @property
     def stages_params(self) -> bool:
