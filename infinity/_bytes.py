@@ -23,7 +23,7 @@ def state_tensors(engine) -> dict[str, list[int]]:
     if engine.grads.store.tier == "nvme":
         # frozen units (a LoRA's base) never get a gradient written
         sizes["grads"] = [(u.padded_numel if engine.grads_full else u.shard_numel) * 4
-                          for u in engine.units if any(u.requires_grad)]  # fmt: skip
+                          for u in engine.units if u.trainable]  # fmt: skip
     if opt.states["master"].tier == "nvme":
         kinds = opt.kinds[1:] if opt.one_copy else opt.kinds  # one copy: the master weights are the params
         sizes["optimizer"] = [g.record.nbytes(k) for g in opt.groups for k in kinds]

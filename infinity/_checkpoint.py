@@ -74,7 +74,7 @@ def components(engine) -> dict:
 
 
 def _units_layout(engine) -> list[dict]:
-    return [{"name": u.name, "numel": u.numel, "params": [[n, list(s)] for n, s in zip(u.param_names, u.shapes)]}
+    return [{"name": u.name, "numel": u.numel, "params": [[r.name, list(r.shape)] for r in u.records]}
             for u in engine.units]  # fmt: skip
 
 

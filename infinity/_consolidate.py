@@ -33,6 +33,7 @@ import torch
 
 from . import _checkpoint, _dist
 from ._substates import state_key
+from ._units import ParamRecord
 from .checkpoint import LATEST_NAME, CheckpointError, load_meta, resolve
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -73,8 +74,8 @@ def state_dict_layout(engine) -> list[dict] | None:
 def _layout_of(engine) -> list[dict]:
     params: dict[int, tuple[str, tuple, torch.dtype]] = {}  # id(param) -> (qualified name, full shape, dtype)
     for u in engine.units:
-        for p, name, shape, dtype in zip(u.params, u.param_names, u.full_shapes, u.dtypes):
-            params.setdefault(id(p), (qualified(u.path, name), tuple(shape), dtype))
+        for r in u.records:
+            params.setdefault(id(r.param), (qualified(u.path, r.name), r.full_shape, r.dtype))
     out = []
     for key, value in engine.module.state_dict(keep_vars=True).items():  # placeholders: gathers nothing
         if id(value) in params:
@@ -86,15 +87,20 @@ def _layout_of(engine) -> list[dict]:
 
 
 class _Unit:
-    """A saved unit as the writers see an engine's (`ParamUnit`'s names): its parameters'
-    pieces, where each is in the unit's flat tensor and in the whole parameter."""
+    """A saved unit as the writers see an engine's `ParamUnit`: its name, its size and its
+    parameters' records (`_units.ParamRecord`, each parameter a placeholder), where each piece
+    is in the unit's flat tensor and in the whole parameter."""
 
-    def __init__(self, entry: dict, world: int, params: list[torch.Tensor], dtypes: list[torch.dtype],
-                 full_shapes: list[tuple], starts: list[int]):  # fmt: skip
+    def __init__(self, entry: dict, world: int, pieces: list[tuple[torch.Tensor, torch.dtype, tuple, int]]):
+        """``pieces``: per parameter of ``entry``, (its placeholder, its dtype, the whole
+        parameter's shape, where the piece begins in it)."""
         self.name, self.numel = entry["name"], entry["numel"]
-        self.params, self.dtypes, self.full_shapes, self.starts = params, dtypes, full_shapes, starts
-        self.numels = [math.prod(shape) for _, shape in entry["params"]]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
+        records, offset = [], 0
+        for (name, shape), (p, dtype, full_shape, start) in zip(entry["params"], pieces):
+            numel = math.prod(shape)
+            records.append(ParamRecord(name, p, full_shape, tuple(shape), start, numel, offset, False, dtype))
+            offset += numel
+        self.records = tuple(records)
         self.padded_numel = -(-self.numel // world) * world
 
 
@@ -247,8 +253,8 @@ class CheckpointWeights:
             for q, n in zip(qs, numels):
                 starts.append(names[q][2])
                 names[q][2] += n
-            unit = _Unit(u, self.world, [placeholders.get(q, _NONE) for q in qs], [names[q][1] for q in qs],
-                         [tuple(names[q][0]) for q in qs], starts)  # fmt: skip
+            unit = _Unit(u, self.world, [(placeholders.get(q, _NONE), names[q][1], tuple(names[q][0]), start)
+                                         for q, start in zip(qs, starts)])  # fmt: skip
             self.units.append(unit)
             self._kinds.append(("param", _PARAM_DTYPES[self.meta["param_dtype"]]) if k in frozen
                                else ("master", torch.float32))  # fmt: skip
@@ -315,9 +321,8 @@ def to_state_dict(weights: CheckpointWeights) -> dict[str, torch.Tensor]:
     """Every key's tensor, whole, in memory (for ``torch.save``: the model's size in RAM)."""
     tensors: dict[int, torch.Tensor] = {}
     for unit, full in weights.unit_weights():
-        for p, off, n, start, dtype, shape in zip(unit.params, unit.offsets, unit.numels, unit.starts, unit.dtypes,
-                                                  unit.full_shapes):  # fmt: skip
-            if id(p) not in tensors:
-                tensors[id(p)] = torch.empty(shape, dtype=dtype)
-            tensors[id(p)].view(-1)[start : start + n] = full[off : off + n]
+        for r in unit.records:
+            if id(r.param) not in tensors:
+                tensors[id(r.param)] = torch.empty(r.full_shape, dtype=r.dtype)
+            tensors[id(r.param)].view(-1)[r.start : r.start + r.numel] = full[r.offset : r.offset + r.numel]
     return {key: tensors[id(p)] for key, p in weights.module.state_dict().items() if id(p) in tensors}

@@ -218,7 +218,7 @@ def _measure(engine, cfg: TierConfig, units, disk_free: list[int], paths: list[s
     opt = engine.optimizer
     shard = sum(u.shard_numel for u in units)
     full = sum(u.padded_numel for u in units)
-    trainable = [u for u in units if any(u.requires_grad)]
+    trainable = [u for u in units if u.trainable]
     grad_numel = sum(u.padded_numel if engine.grads_full else u.shard_numel for u in trainable)
     params = {p for u in units for p in u.params}  # a tiled one is in each of its tiles
     # From the first step on, fp32 parameters resident beside the master weights are them
@@ -272,7 +272,7 @@ def _step_bytes(engine, units) -> dict[str, dict[str, int]]:
     "The bytes of a step"."""
     opt = engine.optimizer
     floor, most = {}, {}
-    trainable = [u for u in units if any(u.requires_grad)]
+    trainable = [u for u in units if u.trainable]
     if engine.param_store.tier == "nvme":
         param = sum(opt.record(u).nbytes("param") for u in units)
         written = sum(opt.record(u).nbytes("param") for u in trainable) if not opt.one_copy else 0

@@ -55,9 +55,9 @@ class _Entry:
 
 def _entries(engine) -> list[_Entry]:
     """Every state_dict key of the module, in order, its shape and dtype known before any
-    weight is read (a parameter's dtype is the one the model was made in: `unit.dtypes`)."""
-    dtypes = {id(p): dt for unit in engine.units for p, dt in zip(unit.params, unit.dtypes)}
-    shapes = {id(p): s for u in engine.units for p, s in zip(u.params, u.full_shapes)}
+    weight is read (a parameter's dtype is the one the model was made in: its `ParamRecord.dtype`)."""
+    dtypes = {id(r.param): r.dtype for unit in engine.units for r in unit.records}
+    shapes = {id(r.param): r.full_shape for u in engine.units for r in u.records}
     out = []
     for key, value in engine.module.state_dict(keep_vars=True).items():  # the parameters themselves
         if not isinstance(value, torch.Tensor):
@@ -164,7 +164,8 @@ def write_files(engine, files: list[tuple[str, _Layout]], what: str, *, done: st
 
 
 def _write_unit(out: "_AtomicFile", layout: _Layout, unit, full: torch.Tensor) -> None:
-    for p, off, n, start in zip(unit.params, unit.offsets, unit.numels, unit.starts):
+    for r in unit.records:
+        p, off, n, start = r.param, r.offset, r.numel, r.start
         for offset, dtype in layout.params.get(id(p), ()):  # a parameter not in this file is not written
             # 1-D, the file's dtype, cpu; a tile's rows where they are in the parameter
             out.write(full[off : off + n].to(dtype), offset + start * dtype.itemsize)

@@ -71,7 +71,7 @@ def _assemble(scheduler, pieces) -> torch.Tensor:
         try:
             piece = unit.piece(i)
             if full is None:
-                full = torch.empty(unit.full_shapes[i], dtype=piece.dtype, device=piece.device)
+                full = torch.empty(unit.records[i].full_shape, dtype=piece.dtype, device=piece.device)
             full[unit.rows[0] : unit.rows[1]].copy_(piece)
         finally:
             scheduler.runtime.release(unit, after_forward=True)
@@ -187,12 +187,12 @@ class GatheredParameters:
             else:
                 full = _hold_assembled(stack, scheduler, p, pieces)
                 assembled[full.untyped_storage().data_ptr()] = (scheduler, pieces)
-            if unit.requires_grad[i] and id(p) not in _hooked.setdefault(scheduler, set()):
+            if unit.records[i].requires_grad and id(p) not in _hooked.setdefault(scheduler, set()):
                 _hooked[scheduler].add(id(p))
                 _hook(scheduler, p, pieces)
             if counts:
                 for u, k in pieces:
-                    u.uses += int(u.requires_grad[k])
+                    u.uses += int(u.records[k].requires_grad)
         if assembled:
             hooks = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: _pack(scheduler, assembled, t), lambda s: _unpack(scheduler, s))

@@ -79,7 +79,7 @@ def load_weights(engine, files: dict[str, str], where: str, names: dict[str, str
 
     headers = {k: shards.header(k) for k in [*params, *buffers] if k in files}  # (dtype, shape): headers only
     shapes = {k: headers[k][1] for k in params if k in files}
-    here = {k: unit.full_shapes[i] for k, [(unit, i), *_] in params.items()}  # the whole parameter's shape
+    here = {k: unit.records[i].full_shape for k, [(unit, i), *_] in params.items()}  # the whole parameter's shape
     bad = [f"{k}: {list(shape)} in the checkpoint, {list(here[k])} here" for k, shape in shapes.items()
            if shape != here[k]]  # fmt: skip
     if bad:
@@ -111,7 +111,7 @@ def load_weights(engine, files: dict[str, str], where: str, names: dict[str, str
                 for k, i in by_unit.get(u.index, ()):
                     if (u.index, i) in values:
                         continue  # a tied parameter: read once
-                    if (sliced or u.is_tile) and u.shapes[i]:  # only the rows it needs
+                    if (sliced or u.is_tile) and u.records[i].shape:  # only the rows it needs
                         values[(u.index, i)] = _mine(tensor(k, full=False), u, i, sliced)
                     else:
                         values[(u.index, i)] = tensor(k)
@@ -135,7 +135,8 @@ def _mine(view, unit, i: int, sliced: bool):
     """The rows of parameter ``i`` that ``unit`` holds (a tile: its rows), only those holding
     this rank's slice of the unit when ``sliced``, as a `Piece` (a safetensors slice ``view``
     reads only what is indexed)."""
-    off, n, shape, start = unit.offsets[i], unit.numels[i], unit.shapes[i], unit.starts[i]
+    r = unit.records[i]
+    off, n, shape, start = r.offset, r.numel, r.shape, r.start
     a, b = (max(off, unit.shard.start) - off, min(off + n, unit.shard.stop) - off) if sliced else (0, n)
     if a >= b:  # none of it is this rank's
         return Piece(0, torch.empty(0))

@@ -112,8 +112,8 @@ def plan(units, meta: dict, where: str) -> Plan:
 def _runs(unit, blocks: list[tuple[int, dict, int, int]]) -> tuple[list[Run], list[int]]:
     """The runs of the saved units ``blocks`` ((index, entry, first row, end row) each, in
     row order) that make ``unit``'s flat tensor, in its order, and the saved units used."""
-    lo, hi = unit.rows if unit.is_tile else (0, unit.full_shapes[0][0])
-    row = [math.prod(s[1:]) for s in unit.full_shapes]  # elements of one row, per parameter
+    lo, hi = unit.rows if unit.is_tile else (0, unit.records[0].full_shape[0])
+    row = [math.prod(r.full_shape[1:]) for r in unit.records]  # elements of one row, per parameter
     runs: list[Run] = []
     used: list[int] = []
     for i, per_row in enumerate(row):
@@ -124,7 +124,7 @@ def _runs(unit, blocks: list[tuple[int, dict, int, int]]) -> tuple[list[Run], li
             if k not in used:
                 used.append(k)
             offset = (end - first) * sum(row[:i])  # parameter i's place in the saved unit
-            run = Run(unit.offsets[i] + (a - lo) * per_row, entry["name"], entry["numel"],
+            run = Run(unit.records[i].offset + (a - lo) * per_row, entry["name"], entry["numel"],
                       offset + (a - first) * per_row, (b - a) * per_row)  # fmt: skip
             last = runs[-1] if runs else None
             if run.n == 0:
@@ -149,11 +149,12 @@ def _block_rows(entry: dict, unit) -> int | None:
     """The rows the saved unit ``entry`` holds if it is a block of rows of ``unit``'s module
     (the same parameters, in order, with the same shapes but for the rows), else None."""
     params = entry.get("params")
-    shapes = unit.full_shapes
+    shapes = [r.full_shape for r in unit.records]
     if not (isinstance(params, list) and len(params) == len(shapes)):
         return None
     rows = set()
-    for p, name, full in zip(params, unit.param_names, shapes):
+    for p, r in zip(params, unit.records):
+        name, full = r.name, r.full_shape
         if not (isinstance(p, list) and len(p) == 2 and p[0] == name and isinstance(p[1], list)):
             return None
         shape = p[1]
@@ -178,9 +179,9 @@ def _saved_rows(where: str, unit, saved: list[tuple[int, dict]]) -> list[tuple[i
         out.append((k, entry, at, at + rows))
         at += rows
     else:
-        if unit.full_shapes and unit.full_shapes[0] and at == unit.full_shapes[0][0]:
+        if unit.records and unit.records[0].full_shape and at == unit.records[0].full_shape[0]:
             return out
-    mine = ", ".join(f"{n} {list(s)}" for n, s in zip(unit.param_names, unit.full_shapes))
+    mine = ", ".join(f"{r.name} {list(r.full_shape)}" for r in unit.records)
     first, last = saved[0][1]["name"], saved[-1][1]["name"]
     cut = repr(first) if len(saved) == 1 else f"{len(saved)} units {first!r}..{last!r}"
     raise CheckpointError(f"{where}: unit {unit.name!r} of {unit.path!r} ({mine}) was saved as {cut} of "

@@ -326,7 +326,8 @@ class UnitRuntime:
                     unit.uses -= 1
                     return unit.uses <= 0
             unit.grad_seen = set()
-        off, n = unit.offsets[i], unit.numels[i]
+        r = unit.records[i]
+        off, n = r.offset, r.numel
         if grad is None:
             pass  # a Function that gave this parameter none: as a parameter no gradient reached
         elif i in unit.grad_seen:
@@ -340,7 +341,7 @@ class UnitRuntime:
     def _whole_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """``grad`` as the unit's whole 1-D fp32 gradient, where it is one (parameter ``i`` is
         all of the unit, unpadded) in memory of its own on the compute device; else None."""
-        if grad is None or unit.numels[i] != unit.padded_numel or grad.dtype != torch.float32:
+        if grad is None or unit.records[i].numel != unit.padded_numel or grad.dtype != torch.float32:
             return None
         if grad.device != self.device or not grad.is_contiguous() or grad.storage_offset() != 0:
             return None
@@ -355,10 +356,10 @@ class UnitRuntime:
             grad, lease = unit.grad, unit.grad_lease
             unit.grad = unit.grad_lease = None  # handed on, or (if that fails) dropped: never twice
             if grad is not None:  # zeros where no gradient arrived: parameters unused, the padding
-                if len(unit.grad_seen) < len(unit.params):
-                    for i, (off, n) in enumerate(zip(unit.offsets, unit.numels)):
+                if len(unit.grad_seen) < len(unit.records):
+                    for i, r in enumerate(unit.records):
                         if i not in unit.grad_seen:
-                            grad[off : off + n].zero_()
+                            grad[r.offset : r.offset + r.numel].zero_()
                 if unit.padded_numel > unit.numel:
                     grad[unit.numel :].zero_()
             unit.uses = 0

@@ -237,8 +237,8 @@ class Scheduler:
         # Per module: for each unit, how many of its gradients one grad-enabled call will bring
         # (the parameters the module holds itself that require grad). Fixed: counted once here.
         self._uses_per_call = {
-            module: [(u, sum(1 for p, needs in zip(u.params, u.requires_grad)
-                             if needs and any(q is p for q in module._parameters.values()))) for u in units]
+            module: [(u, sum(1 for r in u.records
+                             if r.requires_grad and any(q is r.param for q in module._parameters.values()))) for u in units]
             for module, units in self.module_units.items()
         }  # fmt: skip
         for module in self.module_units:
@@ -246,9 +246,9 @@ class Scheduler:
                 self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook)))
             self._handles.append(module.register_forward_hook(eager(self._post_forward_hook)))
         for unit in self.units:
-            for i, (p, needs) in enumerate(zip(unit.params, unit.requires_grad)):
-                if needs and not unit.is_tile:  # a tile's gradients come from its Function (tile_grad)
-                    self._handles.append(p.register_post_accumulate_grad_hook(_weak_grad_hook(self.runtime, unit, i)))
+            for i, r in enumerate(unit.records):
+                if r.requires_grad and not unit.is_tile:  # a tile's gradients come from its Function (tile_grad)
+                    self._handles.append(r.param.register_post_accumulate_grad_hook(_weak_grad_hook(self.runtime, unit, i)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -296,7 +296,7 @@ class Scheduler:
             return output
         self._began = False
         try:
-            if torch.is_grad_enabled() and any(u.requires_grad for u in self.units) and output is not None:
+            if torch.is_grad_enabled() and any(u.trainable for u in self.units) and output is not None:
                 # The root's outputs get their gradients first in a backward pass, in its outermost
                 # graph task (also with reentrant checkpointing inside): the end of the pass is
                 # queued from there, so ``loss.backward()`` alone ends it as ``engine.backward`` does.
@@ -395,8 +395,9 @@ class Scheduler:
             self._calls[module] = self._calls.get(module, 0) + 1
             for unit, uses in self._uses_per_call[module]:
                 unit.uses += uses
-            if not self.always_ready and any(unit.requires_grad for unit in units):
-                # (Units always bound need no fetch in backward: no hook.)
+            if not self.always_ready and units:
+                # (Units always bound need no fetch in backward: no hook. Frozen units are
+                # fetched too: backward through their module needs their weights.)
                 # The gradient of an output arrives just before the module's own backward runs.
                 # A hook on the tensor (not an identity Function, whose output would be a view
                 # that the model may not change in place) says so.

@@ -61,8 +61,9 @@ def mark(units, engine) -> None:
     placeholders]); before they become placeholders."""
     ref = weakref.ref(engine)
     for unit in units:
-        for p, shape in zip(unit.params, unit.full_shapes):  # a tiled parameter: each tile has it whole
-            p.ds_shape = torch.Size(shape)
+        for r in unit.records:  # a tiled parameter: each tile has it whole
+            p = r.param
+            p.ds_shape = torch.Size(r.full_shape)
             p.ds_numel = p.ds_shape.numel()
             p._infinity_engine = ref
 
@@ -119,7 +120,7 @@ def _engine_of(params, call: str):
 
 def _trained(engine) -> dict[int, str]:
     """id -> name of every parameter ``engine`` trains (the gradients its norm covers)."""
-    return {id(p): u.qualified_name(i) for u in engine.units for i, p in enumerate(u.params) if u.requires_grad[i]}
+    return {id(r.param): u.qualified_name(i) for u in engine.units for i, r in enumerate(u.records) if r.requires_grad}
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,

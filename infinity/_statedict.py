@@ -79,10 +79,10 @@ class StateDictHooks:
             value = state_dict.pop(key)
             consumed.add(key)
             unit, i = pieces[0]
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != unit.full_shapes[i]:
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != unit.records[i].full_shape:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
-                                  f"the shape in current model is {torch.Size(unit.full_shapes[i])}.")  # fmt: skip
+                                  f"the shape in current model is {torch.Size(unit.records[i].full_shape)}.")  # fmt: skip
                 bad = True
                 continue
             for unit, i in pieces:
@@ -137,7 +137,7 @@ def _gathered(engine, keys):
             for n, (u, j) in enumerate(pieces):
                 if u is unit:
                     # A copy in the parameter's dtype: ``full`` is let go after this unit.
-                    got[n] = u.view(full, j).to(u.dtypes[j], copy=True)
+                    got[n] = u.view(full, j).to(u.records[j].dtype, copy=True)
             if all(part is not None for part in got):
                 whole = got[0] if len(got) == 1 else torch.cat(got)
                 for key in names[id(pieces)]:

@@ -187,9 +187,9 @@ class SubGroupStates:
             for u in sg.units:
                 lo, hi = u.shard.start, u.shard.stop
                 base = sg.slices[u.index].start
-                for i, (off, n) in enumerate(zip(u.offsets, u.numels)):
+                for i, r in enumerate(u.records):
                     gi = owner.get((u.index, i))
-                    a, b = max(off, lo), min(off + n, hi)
+                    a, b = max(r.offset, lo), min(r.offset + r.numel, hi)
                     if gi is None or a >= b:
                         continue
                     per_group.setdefault(gi, []).append((u, slice(base + a - lo, base + b - lo), slice(a - lo, b - lo), i))
@@ -262,9 +262,9 @@ class SubGroupStates:
             master = self.stores["master"].get(sg.record.name_for()).result().tensor
             for entries in per_group.values():
                 for u, s, _, i in entries:
-                    shadow = torch.nn.Parameter(master[s].view(u.shapes[i]))
+                    shadow = torch.nn.Parameter(master[s].view(u.records[i].shape))
                     self.shadows[(u.index, i)] = shadow
-                    by_param[id(u.params[i])] = shadow
+                    by_param[id(u.records[i].param)] = shadow
         old_state = dict(self.foreign.state)
         for group in self.foreign.param_groups:
             group["params"] = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
@@ -278,10 +278,10 @@ class SubGroupStates:
         or a `Piece` of it holding at least this rank's slice of the unit's part) into the master
         weights and the params tier; the optimizer states stay as they are."""
         for u in self.frozen:
-            if any((u.index, i) in values for i in range(len(u.params))):
+            if any((u.index, i) in values for i in range(len(u.records))):
                 self._load_frozen(u, values)
         for sg in self.groups:
-            units = [u for u in sg.units if any((u.index, i) in values for i in range(len(u.params)))]
+            units = [u for u in sg.units if any((u.index, i) in values for i in range(len(u.records)))]
             if not units:
                 continue
             lease = self.stores["master"].get(sg.record.name_for()).result()
@@ -289,11 +289,12 @@ class SubGroupStates:
                 master = lease.tensor
                 for u in units:
                     base, lo, hi = sg.slices[u.index].start, u.shard.start, u.shard.stop
-                    for i, (off, n, start) in enumerate(zip(u.offsets, u.numels, u.starts)):
+                    for i, r in enumerate(u.records):
                         value = values.get((u.index, i))
-                        a, b = max(off, lo), min(off + n, hi)
+                        a, b = max(r.offset, lo), min(r.offset + r.numel, hi)
                         if value is not None and a < b:
-                            master[base + a - lo : base + b - lo].copy_(_elements(value, start + a - off, start + b - off))
+                            piece = _elements(value, r.start + a - r.offset, r.start + b - r.offset)
+                            master[base + a - lo : base + b - lo].copy_(piece)
                 self.stores["master"].put(sg.record.name_for(), master).result()
                 self.write_params(sg, units, master)
                 self.param_writes.drain()
@@ -308,11 +309,11 @@ class SubGroupStates:
         try:
             flat = lease.tensor.reshape(-1)
             lo = 0 if flat.numel() == u.padded_numel else u.shard.start  # stages 1, 2 keep all of it
-            for i, (off, n, start) in enumerate(zip(u.offsets, u.numels, u.starts)):
+            for i, r in enumerate(u.records):
                 value = values.get((u.index, i))
-                a, b = max(off, lo), min(off + n, lo + flat.numel())
+                a, b = max(r.offset, lo), min(r.offset + r.numel, lo + flat.numel())
                 if value is not None and a < b:
-                    flat[a - lo : b - lo].copy_(_elements(value, start + a - off, start + b - off))
+                    flat[a - lo : b - lo].copy_(_elements(value, r.start + a - r.offset, r.start + b - r.offset))
             self.param_store.put(u.name, lease.tensor).result()
         finally:
             lease.release()

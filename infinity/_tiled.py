@@ -36,7 +36,7 @@ class _Tiles:
     def __init__(self, scheduler, tiles):
         self.scheduler = weakref.ref(scheduler)
         self.tiles = tiles
-        self.rows = tiles[0].full_shapes[0][0]
+        self.rows = tiles[0].records[0].full_shape[0]
 
     def live(self):
         s = self.scheduler()
@@ -138,7 +138,7 @@ class _EmbeddingFn(torch.autograd.Function):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= tiles.rows):
             raise IndexError(f"index out of range in self: ids span [{int(ids.min())}, {int(ids.max())}], "
                              f"the embedding has {tiles.rows} rows")  # fmt: skip
-        cols = tiles.tiles[0].full_shapes[0][1]
+        cols = tiles.tiles[0].records[0].full_shape[1]
         out = torch.empty(*ids.shape, cols, dtype=dtype, device=device)
         for k in range(len(tiles.tiles)):
             with tiles.use(scheduler, k) as unit:

@@ -14,8 +14,8 @@ fp32 weights exceed ``memory.tile_size``) gets one unit per block of rows of its
 bias): a tile. Each tile is a unit in every respect (stored, fetched, given gradients, updated
 and checkpointed on its own), so no pipeline ever holds the whole module. Its parameters stay
 placeholders: the module's forward is replaced by one that computes tile by tile (`_tiled`).
-``starts[i]`` is where the tile's piece of parameter ``i`` begins in the flattened parameter,
-``full_shapes[i]`` the parameter's own shape.
+A parameter's `ParamRecord` says where its piece lies: ``start`` where it begins in the
+flattened parameter, ``full_shape`` the parameter's own shape.
 
 [Note: unit partition]
 A unit's flat tensor is padded to a multiple of the world size and rank r keeps slice r of
@@ -25,6 +25,7 @@ kept rank-aware so that several ranks only add the collectives (`_transport`).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import torch
@@ -41,6 +42,36 @@ class UnitState(enum.Enum):
     READY = "ready"  # module params are views into the unit's full tensor on the device
 
 
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class ParamRecord:
+    """One parameter of a unit: its piece (a tile: its rows) and where that lies in the unit's
+    flat tensor. A saved unit (`_consolidate`) has the same records, its parameters placeholders."""
+
+    name: str  # in its module ("weight")
+    param: torch.Tensor
+    full_shape: tuple[int, ...]  # the whole parameter's
+    shape: tuple[int, ...]  # the piece's: the whole parameter's, or a tile's rows of it
+    start: int  # where the piece begins in the flattened parameter
+    numel: int  # the piece's elements
+    offset: int  # where the piece begins in the unit's flat tensor
+    requires_grad: bool
+    dtype: torch.dtype  # the dtype the model made it in (binding gives it param_dtype)
+
+
+def records(params: list[tuple[str, torch.Tensor]], rows: tuple[int, int] | None = None) -> tuple[ParamRecord, ...]:
+    """The records of ``params`` (name, parameter) laid out one after another, whole or (a
+    tile) their rows [start, stop)."""
+    out, offset = [], 0
+    for name, p in params:
+        full = tuple(p.shape)  # on the meta device too (`build`)
+        shape = full if rows is None else (rows[1] - rows[0], *full[1:])
+        start = 0 if rows is None else rows[0] * int(torch.Size(full[1:]).numel())
+        numel = int(torch.Size(shape).numel())
+        out.append(ParamRecord(name, p, full, shape, start, numel, offset, p.requires_grad, p.dtype))
+        offset += numel
+    return tuple(out)
+
+
 class ParamUnit:
     def __init__(self, index: int, name: str, params: list[tuple[str, nn.Parameter]], world_size: int = 1,
                  rank: int = 0, *, rows: tuple[int, int] | None = None, path: str | None = None):  # fmt: skip
@@ -49,26 +80,13 @@ class ParamUnit:
         # a tile the module path and its first row ("lm_head#4096"; see [Note: tiles]).
         self.name = name
         self.path = name if path is None else path  # the module's path
-        self.param_names = [n for n, _ in params]
-        self.params = [p for _, p in params]
-        self.full_shapes = [tuple(p.shape) for p in self.params]  # on the meta device too (`build`)
         self.rows = rows  # a tile's rows [start, stop) of every parameter, or None: whole
-        if rows is None:
-            self.shapes = list(self.full_shapes)
-            self.starts = [0] * len(self.params)
-        else:
-            self.shapes = [(rows[1] - rows[0], *s[1:]) for s in self.full_shapes]
-            self.starts = [rows[0] * int(torch.Size(s[1:]).numel()) for s in self.full_shapes]
-        self.numels = [int(torch.Size(s).numel()) for s in self.shapes]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
-        self.numel = sum(self.numels)
+        self.records = records(params, rows)
+        self.numel = sum(r.numel for r in self.records)
         self.padded_numel = -(-self.numel // world_size) * world_size
         shard = self.padded_numel // world_size
         self.shard = slice(rank * shard, (rank + 1) * shard)  # see [Note: unit partition]
-        self.requires_grad = [p.requires_grad for p in self.params]
-        # The dtypes the model was made in (binding gives the parameters param_dtype): what
-        # export writes and the unwrapped model expects.
-        self.dtypes = [p.dtype for p in self.params]
+        self.trainable = any(r.requires_grad for r in self.records)
         self.state = UnitState.RELEASED
         self.full: torch.Tensor | None = None  # 1-D, param dtype, device; while READY
         self.pending = None  # the fetch in flight (store Pending), while FETCHING
@@ -86,6 +104,11 @@ class ParamUnit:
         self.placeholder_device: torch.device | None = None
 
     @property
+    def params(self) -> list[torch.Tensor]:
+        """The unit's parameters, in the order of its records."""
+        return [r.param for r in self.records]
+
+    @property
     def shard_numel(self) -> int:
         """Elements of this rank's slice (the whole padded unit at world size 1)."""
         return self.shard.stop - self.shard.start
@@ -97,21 +120,21 @@ class ParamUnit:
     @property
     def last_tile(self) -> bool:
         """A whole unit, or the tile holding its module's last rows."""
-        return self.rows is None or self.rows[1] == self.full_shapes[0][0]
+        return self.rows is None or self.rows[1] == self.records[0].full_shape[0]
 
     def flat(self, dtype: torch.dtype) -> torch.Tensor:
         """The parameters' current values (a tile: its rows) as one padded 1-D tensor of
         ``dtype`` (on the CPU)."""
         out = torch.zeros(self.padded_numel, dtype=dtype)
-        for p, off, n, start in zip(self.params, self.offsets, self.numels, self.starts):
-            out[off : off + n].copy_(p.detach().reshape(-1)[start : start + n])
+        for r in self.records:
+            out[r.offset : r.offset + r.numel].copy_(r.param.detach().reshape(-1)[r.start : r.start + r.numel])
         return out
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s part (a tile: its rows) of ``flat``, a 1-D tensor laid out as the
         unit is, in the shape of that part."""
-        off, n = self.offsets[i], self.numels[i]
-        return flat[off : off + n].view(self.shapes[i])
+        r = self.records[i]
+        return flat[r.offset : r.offset + r.numel].view(r.shape)
 
     def piece(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s part of ``full`` (while READY)."""
@@ -122,9 +145,9 @@ class ParamUnit:
         placeholders: its module's forward reads ``full`` (see [Note: tiles])."""
         self.full = full
         if self.rows is None:
-            for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
-                p.data = full[off : off + n].view(shape)
-                _placeholder.bind_param(p)
+            for r in self.records:
+                r.param.data = full[r.offset : r.offset + r.numel].view(r.shape)
+                _placeholder.bind_param(r.param)
         self.state = UnitState.READY
 
     def unbind(self) -> None:
@@ -145,10 +168,11 @@ class ParamUnit:
 
     def qualified_name(self, i: int) -> str:
         """Parameter ``i``'s name in the model (``"lm_head.weight"``)."""
-        return self.param_names[i] if self.path == "<root>" else f"{self.path}.{self.param_names[i]}"
+        name = self.records[i].name
+        return name if self.path == "<root>" else f"{self.path}.{name}"
 
     def __repr__(self) -> str:
-        return f"ParamUnit({self.name!r}, {len(self.params)} params, {self.numel} elements, {self.state.value})"
+        return f"ParamUnit({self.name!r}, {len(self.records)} params, {self.numel} elements, {self.state.value})"
 
 
 def swap_contents(p: nn.Parameter, value: torch.Tensor) -> None:

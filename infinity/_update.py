@@ -277,7 +277,7 @@ class StreamedUpdate:
             for u, _, gs, i in entries:
                 if u.index in grads:
                     shadow = st.shadows[(u.index, i)]
-                    g = grads[u.index][gs].view(u.shapes[i])
+                    g = grads[u.index][gs].view(u.records[i].shape)
                     shadow.grad = g if grad_scale is None else g / grad_scale
                     used.append(shadow)
         for mine, theirs in zip(self.param_groups, st.foreign.param_groups):

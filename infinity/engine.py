@@ -130,7 +130,7 @@ class Engine:
         algorithm, param_groups, defaults, foreign = resolve(optimizer_spec, params,
                                                              cfg.optimizer, all_device=all_device)  # fmt: skip
         states = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in algorithm.kind_names}
-        trainable = [u for u in units if any(u.requires_grad)]  # frozen units get no optimizer state
+        trainable = [u for u in units if u.trainable]  # frozen units get no optimizer state
         # See [Note: one copy of the fp32 weights] in `_onecopy`.
         one_copy = _onecopy.applies(tiers.params, tiers.optimizer, self.dtype,
                                     not self.params_sharded and self.dist.active, algorithm)  # fmt: skip
@@ -483,7 +483,8 @@ class Engine:
         out = {}
         for unit, full in self.unit_weights():
             prefix = "" if unit.path == "<root>" else f"{unit.path}."
-            for i, (name, whole) in enumerate(zip(unit.param_names, unit.full_shapes)):
+            for i, r in enumerate(unit.records):
+                name, whole = r.name, r.full_shape
                 if unit.rows is None:
                     out[prefix + name] = unit.view(full, i).clone()
                     continue

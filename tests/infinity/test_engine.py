@@ -67,13 +67,13 @@ def _weights(engine: infinity.Engine) -> dict[str, torch.Tensor]:
         lease.release()
         for unit in group.units:
             flat = master[group.slices[unit.index]]
-            for name, off, n, shape, whole in zip(unit.param_names, unit.offsets, unit.numels, unit.shapes,
-                                                  unit.full_shapes):  # fmt: skip
-                key = f"{unit.path}.{name}"
+            for r in unit.records:
+                key = f"{unit.path}.{r.name}"
+                piece = flat[r.offset : r.offset + r.numel].view(r.shape)
                 if unit.rows is None:
-                    out[key] = flat[off : off + n].view(shape).clone()
+                    out[key] = piece.clone()
                 else:  # a tile: its rows of the parameter
-                    out.setdefault(key, torch.full(whole, float("nan")))[slice(*unit.rows)] = flat[off : off + n].view(shape)
+                    out.setdefault(key, torch.full(r.full_shape, float("nan")))[slice(*unit.rows)] = piece
     return out
 
 

@@ -23,7 +23,7 @@ def _model(vocab: int = 300) -> nn.Module:
 
 
 def _meta(units) -> dict:
-    return {"units": [{"name": u.name, "numel": u.numel, "params": [[n, list(s)] for n, s in zip(u.param_names, u.shapes)]}
+    return {"units": [{"name": u.name, "numel": u.numel, "params": [[r.name, list(r.shape)] for r in u.records]}
                       for u in units], "config": {"memory": {"tile_size": 4096}}}  # fmt: skip
 
 
