@@ -42,6 +42,21 @@ back whenever a fetch or a gradient buffer finds the pool full; one whose backwa
 is in use and never is.
 The values are the ones a second read would give (parameters change only at the step).
 
+[Note: always-ready units' uses]
+Where every unit is always bound (`UnitRuntime.always_ready`: the parameters lent where the
+model computes, one rank), modules get no hooks at all: there is nothing to fetch, hold,
+predict or release, and the post-hooks' one remaining task, counting each unit's gradient
+uses so that its gradient is handed on once the last arrives, needs no per-module call.
+Autograd runs a parameter's post-accumulate hook once per backward graph task, after every
+use of it in the graph is summed (a module called twice, a weight tied to another module's),
+so a grad-enabled pass's root pre-hook sets each unit's uses to its hooked parameters; a
+unit is then handed on when each has arrived once, earlier than counting calls did (which
+counted a tied or repeated use twice and left such a unit to the end of backward). A unit
+whose module did not run is handed on by the end of backward, as before; a reentrant
+checkpoint's inner backward, which runs a parameter's hook again, adds its gradient to the
+one handed on as a later micro-batch's would be (and an early update that assumed the first
+is discarded at the step: [Note: exact overlap] in `_overlap`).
+
 [Note: gradient hand-over]
 Autograd accumulates a parameter's gradient into ``param.grad`` and then runs the engine's
 hook, which takes it from there into the unit's fp32 gradient; a tile's Function hands its
@@ -241,14 +256,19 @@ class Scheduler:
                              if r.requires_grad and any(q is r.param for q in module._parameters.values()))) for u in units]
             for module, units in self.module_units.items()
         }  # fmt: skip
-        for module in self.module_units:
-            if not self.always_ready:  # units always bound: nothing to fetch, hold or predict
+        if not self.always_ready:  # see [Note: always-ready units' uses]
+            for module in self.module_units:
                 self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook)))
-            self._handles.append(module.register_forward_hook(eager(self._post_forward_hook)))
+                self._handles.append(module.register_forward_hook(eager(self._post_forward_hook)))
+        self._hooked_grads = []  # (unit, gradient hooks on its parameters)
         for unit in self.units:
+            hooked = 0
             for i, r in enumerate(unit.records):
                 if r.requires_grad and not unit.is_tile:  # a tile's gradients come from its Function (tile_grad)
                     self._handles.append(r.param.register_post_accumulate_grad_hook(_weak_grad_hook(self.runtime, unit, i)))
+                    hooked += 1
+            if hooked:
+                self._hooked_grads.append((unit, hooked))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -272,6 +292,9 @@ class Scheduler:
                 self._before_forward()
             self.begin_forward()
             self._began = True
+            if self.always_ready and self.state is TrainingState.IDLE and torch.is_grad_enabled():
+                for unit, hooked in self._hooked_grads:  # see [Note: always-ready units' uses]
+                    unit.uses = hooked
             # See [Note: saved parameter views].
             # Units always bound are never placeholders nor moved: with no other handler (the
             # activation tier), nothing to do for a saved tensor.
@@ -378,9 +401,8 @@ class Scheduler:
 
     def _post_forward_hook(self, module, args, output):
         units = self.module_units[module]
-        if not self.always_ready:  # (its pre-hook counted the units active: none runs where they always are)
-            for unit in self._held(module):
-                unit.active -= 1
+        for unit in self._held(module):
+            unit.active -= 1
         if self.state is not TrainingState.IDLE:
             # A forward recomputed inside backward (activation checkpointing): its units stay
             # until their gradients arrive. Its uses were counted by the first forward, unless
@@ -395,16 +417,13 @@ class Scheduler:
             self._calls[module] = self._calls.get(module, 0) + 1
             for unit, uses in self._uses_per_call[module]:
                 unit.uses += uses
-            if not self.always_ready and units:
-                # (Units always bound need no fetch in backward: no hook. Frozen units are
-                # fetched too: backward through their module needs their weights.)
+            if units:  # (frozen ones too: backward through their module needs their weights)
                 # The gradient of an output arrives just before the module's own backward runs.
                 # A hook on the tensor (not an identity Function, whose output would be a view
                 # that the model may not change in place) says so.
                 _map_tensors(output, lambda t: _on_grad(t, functools.partial(self.pre_backward, module)))
-        if not self.always_ready:  # kept for backward or released: never where always bound
-            for unit in units:
-                self.prefetcher.after_forward(unit)
+        for unit in units:  # kept for backward or released
+            self.prefetcher.after_forward(unit)
         return output
 
     def pre_backward(self, module: nn.Module) -> None:

@@ -12,6 +12,7 @@ import torch.utils._python_dispatch
 from torch import nn
 
 import infinity
+from infinity import _schedule
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import GivesNoGrad, config, train  # noqa: E402
@@ -160,6 +161,79 @@ def test_a_whole_unit_gradient_becomes_the_tier_s_tensor_without_a_copy(tmp_path
                     engine.backward(((engine(x) - y) ** 2).mean())
                 ((plain(x) - y) ** 2).mean().backward()
             assert copies.elements == 0, (step, copies.elements)
+            engine.step()
+            opt.step()
+            opt.zero_grad()
+        got = engine.gathered_weights()
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), atol=1e-6, rtol=0)
+    finally:
+        engine.close()
+
+
+class _Shared(nn.Module):
+    """A tied embedding and output, a block called twice, reentrant checkpointing around the
+    second call, and a module that runs on odd steps only."""
+
+    def __init__(self, checkpoint: bool):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.sometimes = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 32, bias=False)
+        self.out.weight = self.emb.weight
+        self.checkpoint = checkpoint
+
+    def forward(self, ids, odd: bool):
+        h = self.block(self.emb(ids))
+        if self.checkpoint:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
+        else:
+            h = self.block(h)
+        if odd:
+            h = self.sometimes(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "reentrant-checkpoint"])
+def test_always_ready_units_are_handed_on_when_each_parameter_s_gradient_arrived(tmp_path, checkpoint):
+    """Every tier on the device, one rank: no module hooks ([Note: always-ready units' uses]).
+    A unit is handed on in backward once each of its parameters' gradients arrived, the tied
+    one and the one a module called twice made included (counting calls waited for the end of
+    backward there); a module that did not run is handed on at the end. Two micro-batches a
+    step, the optimizer under backward on: the weights are plain PyTorch's."""
+
+    def model():
+        torch.manual_seed(0)
+        return _Shared(checkpoint)
+
+    plain = model()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
+    engine = infinity.initialize(model(), config(tmp_path, ("device",) * 3, optimizer={"overlap": True}))
+    handed = []  # (unit name, whether it was handed on inside backward)
+    runtime = engine.scheduler.runtime
+    finish = runtime.finish_unit_backward
+
+    def recording(unit):
+        if unit.grad is not None:
+            handed.append((unit.name, engine.scheduler.state is _schedule.TrainingState.BACKWARD))
+        finish(unit)
+
+    runtime.finish_unit_backward = recording
+    try:
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in engine.module.modules()
+                       if m is not engine.module)  # fmt: skip
+        for step in range(3):
+            for micro in range(2):
+                g = torch.Generator().manual_seed(10 * step + micro)
+                ids = torch.randint(0, 32, (4, 6), generator=g)
+                handed.clear()
+                engine.backward(engine(ids, odd=step % 2 == 1).float().logsumexp(-1).mean())
+                plain(ids, odd=step % 2 == 1).logsumexp(-1).mean().backward()
+                inside = {name for name, during in handed if during}
+                assert {"emb", "block.0"} <= inside, handed
+                if step % 2 == 0:  # it did not run: no gradient, nothing handed on
+                    assert not any(name == "sometimes" for name, _ in handed), handed
             engine.step()
             opt.step()
             opt.zero_grad()
