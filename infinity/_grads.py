@@ -113,6 +113,18 @@ class GradAccumulator:
                 raise
             self._store(unit, acc, hold, keep=keep)
 
+    def adopt(self, unit: ParamUnit, grad: torch.Tensor) -> bool:
+        """Store ``grad`` (1-D fp32, the unit's padded length, in memory the caller gives up)
+        as ``unit``'s first gradient this step by making it the tier's own tensor
+        (`Store.adopt`): where the tier keeps gradients in memory on its device and one rank
+        keeps them whole. False, changing nothing, otherwise."""
+        if (self.dist is not None and self.dist.active) or unit.index in self.has_grad:
+            return False
+        if not self.store.adopt(unit.name, grad):
+            return False
+        self._note(unit, grad)
+        return True
+
     def in_place(self, unit: ParamUnit, device: torch.device, whole: torch.Tensor | None = None) -> torch.Tensor | None:
         """The tier's own tensor for ``unit``'s gradient, for backward to gather it in on
         ``device`` (`add` then copies nothing): where the tier keeps it there, one rank keeps

@@ -108,6 +108,8 @@ class UnitRuntime:
         self.kept = Kept(transport.dtype.itemsize)
         # The engine's overlap (see _overlap): told when a unit's gradient is stored.
         self.on_unit_final = on_unit_final
+        # A whole unit's gradient may become the grads tier's tensor as autograd made it (`_adopted`).
+        self._adopts = grads.store.in_place_on(self.device)
         self.keep_grad = keep_grad  # ... and asked whether to keep a gradient in memory for it
         self._by_storage: dict[int, ParamUnit] = {}  # storage address -> READY unit (released-able)
 
@@ -260,7 +262,29 @@ class UnitRuntime:
     def grad_arrived(self, unit: ParamUnit, i: int, param: torch.Tensor) -> None:
         """Parameter ``i`` of ``unit`` has its gradient (``param.grad``) of this backward. The
         fp32 copy in the unit is the gradient from here; the parameter's goes."""
-        self._receive(unit, i, param=param)
+        if not self._adopted(unit, i, param):
+            self._receive(unit, i, param=param)
+
+    def _adopted(self, unit: ParamUnit, i: int, param: torch.Tensor) -> bool:
+        """The short way of [Note: gradient hand-over] in `_schedule`: ``param``'s gradient,
+        all of ``unit``'s and its last of this backward, stored as the step's first by becoming
+        the grads tier's tensor (`GradAccumulator.adopt`) and the unit handed on, with nothing
+        gathered. False, changing nothing, where it cannot be: `_receive` then takes it."""
+        if not self._adopts or unit.grad is not None or unit.uses > 1:
+            return False
+        whole = self._whole_grad(unit, i, param.grad)
+        if whole is None:
+            return False
+        with held_interrupts:
+            if not self.grads.adopt(unit, whole):
+                return False
+            param.grad = None
+            unit.uses = 0
+        self.release(unit)
+        if self.on_unit_final is not None:
+            with traffic(self.pool, OVERLAP):  # the optimizer's early updates: see `_overlap`
+                self.on_unit_final(unit)
+        return True
 
     def tile_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor) -> None:
         """``grad`` is the gradient of this backward of parameter ``i`` of ``unit`` (of the

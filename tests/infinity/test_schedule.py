@@ -210,16 +210,14 @@ def test_always_ready_units_are_handed_on_when_each_parameter_s_gradient_arrived
     plain = model()
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
     engine = infinity.initialize(model(), config(tmp_path, ("device",) * 3, optimizer={"overlap": True}))
-    handed = []  # (unit name, whether it was handed on inside backward)
-    runtime = engine.scheduler.runtime
-    finish = runtime.finish_unit_backward
+    handed = []  # (unit name, whether its gradient was stored inside backward)
+    note = engine.grads._note  # every gradient stored goes through it
 
-    def recording(unit):
-        if unit.grad is not None:
-            handed.append((unit.name, engine.scheduler.state is _schedule.TrainingState.BACKWARD))
-        finish(unit)
+    def recording(unit, acc):
+        handed.append((unit.name, engine.scheduler.state is _schedule.TrainingState.BACKWARD))
+        note(unit, acc)
 
-    runtime.finish_unit_backward = recording
+    engine.grads._note = recording
     try:
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in engine.module.modules()
                        if m is not engine.module)  # fmt: skip
