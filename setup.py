@@ -4,8 +4,9 @@
   with pkg-config (Debian: liburing-dev); nothing is downloaded. Without it the package
   installs without the extension and the `threads` backend serves (see infinity.aio.probe()).
   INFINITY_BUILD_URING=0 skips it on purpose.
-- `infinity._compact_native`, the int8 codec of compact optimizer states and the one-pass
-  int8 Adam update (plain C++, always built; a failed build is a warning). INFINITY_BUILD_NATIVE=0 skips it; `infinity._compact` then runs its torch reference.
+- `infinity._compact_native`, the int8 codec of compact optimizer states, the one-pass int8
+  Adam update and the gradient norms' sum of squares (plain C++, always built; a failed build
+  is a warning). INFINITY_BUILD_NATIVE=0 skips it; `infinity._compact` then runs its torch reference.
 
 Everything else is declared in pyproject.toml.
 """
@@ -45,7 +46,7 @@ def _codec():
         Pybind11Extension(
             "infinity._compact_native",
             sources=["infinity/csrc/compact.cpp"],
-            depends=["infinity/csrc/codec.h", "infinity/csrc/adam_int8.h"],
+            depends=["infinity/csrc/codec.h", "infinity/csrc/adam_int8.h", "infinity/csrc/norms.h"],
             # No contraction into FMA: the scalar code must round as the AVX2 code does
             # (infinity/csrc/codec.h), whatever the compiler's default.
             extra_compile_args=["-O3", "-Wall", "-Wextra", "-ffp-contract=off", "-Wno-psabi"],

@@ -1,5 +1,6 @@
-// infinity._compact_native: the int8 codec of infinity._compact (codec.h) and the one-pass
-// Adam update of int8 moments (adam_int8.h), for the host.
+// infinity._compact_native: the int8 codec of infinity._compact (codec.h), the one-pass Adam
+// update of int8 moments (adam_int8.h) and the sum of squares of the gradient norms
+// (norms.h, for infinity._grad_norms), for the host.
 //
 // The Python module keeps the codec's reference (torch ops: argmax, division, bucketize); the
 // C++ one computes the same bytes, bit for bit (tests/infinity/test_compact.py holds the two
@@ -14,6 +15,7 @@
 
 #include "adam_int8.h"
 #include "codec.h"
+#include "norms.h"
 
 namespace py = pybind11;
 using infinity_native::AdamSegment;
@@ -71,10 +73,15 @@ void adam_int8(const Codec& signed_codec, const Codec& unsigned_codec, uintptr_t
                              scaled ? &scale : nullptr, threads);
 }
 
+double sum_squares(uintptr_t x, int64_t n) {
+  if (n < 0) throw std::invalid_argument("sum_squares: n must be >= 0, got " + std::to_string(n));
+  return infinity_native::sum_squares(reinterpret_cast<const float*>(x), n);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_compact_native, m) {
-  m.doc() = "int8 codec and one-pass int8 Adam of infinity._compact (use infinity._compact, not this module)";
+  m.doc() = "int8 codec and one-pass int8 Adam of infinity._compact, sum of squares of infinity._grad_norms (use those, not this module)";
   // The instruction set the codec and the update run ("scalar", "avx2", "avx512"): the best the
   // CPU has; set_isa asks for less (tests hold each path to the reference), returns what runs.
   m.def("isa", [] { return kIsaNames[static_cast<int>(infinity_native::isa())]; });
@@ -91,6 +98,8 @@ PYBIND11_MODULE(_compact_native, m) {
         py::arg("block"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
   m.def("decode", &decode, py::arg("codec"), py::arg("codes"), py::arg("scales"), py::arg("out"), py::arg("n"),
         py::arg("block"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
+  // x float32: the sum of its n squares, in double (norms.h)
+  m.def("sum_squares", &sum_squares, py::arg("x"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
   // One unit's part: segments (start, len, grad address, lr, beta1, beta2, eps, weight_decay,
   // step) in order; grad_scale a float or None.
   m.def("adam_int8", &adam_int8, py::arg("signed_codec"), py::arg("unsigned_codec"), py::arg("master"),
