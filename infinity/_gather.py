@@ -209,6 +209,8 @@ def _open_names(engine) -> list[str]:
     """The parameters of ``engine`` that open GatheredParameters contexts hold."""
     names = []
     for unit in engine.units:
+        if not (unit.gathers if not unit.is_tile else _assembled_open):  # (asked before every step)
+            continue
         for i, p in enumerate(unit.params):
             if (unit.gathers if not unit.is_tile else _open_on(p)) and unit.qualified_name(i) not in names:
                 names.append(unit.qualified_name(i))

@@ -404,6 +404,6 @@ class UnitRuntime:
                     unit.grad_lease.release()
                 unit.grad = unit.grad_lease = None
                 unit.uses = 0
-                for p in unit.params:  # a tile's too: a gathered one's gradient passes through it
-                    if p.grad is not None:
-                        p.grad = None
+                for r in unit.records:  # a tile's too: a gathered one's gradient passes through it
+                    if r.param.grad is not None:
+                        r.param.grad = None
