@@ -4,6 +4,7 @@ inconsistent. Interrupts are injected at fixed points (deterministic), as Keyboa
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -402,7 +403,8 @@ _TILED = _tiled.__file__
 # From a parameter's gradient arriving (or a tile's being made) to the unit's hand-over.
 _HOOK_PATH = {
     _SCHEDULE: {"hook"},
-    _RUNTIME: {"grad_arrived", "tile_grad", "_grad_buffer", "_unclaimed", "_gather_grad", "finish_unit_backward"},
+    _RUNTIME: {"grad_arrived", "_adopted", "tile_grad", "_grad_buffer", "_unclaimed", "_gather_grad",
+               "finish_unit_backward"},
     _TILED: {"backward"},
 }  # fmt: skip
 
@@ -432,27 +434,37 @@ def _tiled_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 4))
 
 
-def _hook_cfg(path, overlap: bool, states: str, tiled: bool) -> dict:
+def _bias_free_mlp() -> nn.Module:
+    """Every module's parameters one tensor: each unit's gradient is all of it."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32, bias=False), nn.GELU(), nn.Linear(32, 32, bias=False),
+                         nn.LayerNorm(32, bias=False), nn.Linear(32, 4, bias=False))  # fmt: skip
+
+
+def _hook_cfg(path, overlap: bool, states: str, tiled: bool, tiers=NVME) -> dict:
     os.makedirs(path, exist_ok=True)
     memory = {"tile_size": "4KiB"} if tiled else {}
-    return config(path, NVME, optimizer={"overlap": overlap, "sub_group_size": "1KiB", "state_dtype": states},
+    return config(path, tiers, optimizer={"overlap": overlap, "sub_group_size": "1KiB", "state_dtype": states},
                   memory=memory)  # fmt: skip
 
 
 def _sweep_hook_path(tmp_path, *, overlap: bool, states: str, tiled: bool = False, plain: bool = False,
-                     every: bool) -> int:  # fmt: skip
+                     every: bool, tiers=NVME, model=None,
+                     expect=("hook", "grad_arrived", "_gather_grad", "finish_unit_backward")) -> int:  # fmt: skip
     """Interrupt step 1's backward at each line of the hook path in turn (``every``), or at the
     first run of each of its lines; then zero_grad, redo it and step: bit-identical to the
-    uninterrupted run each time. Returns how many points were interrupted."""
-    model = _tiled_mlp if tiled else _mlp
-    ref = infinity.initialize(model(), _hook_cfg(tmp_path / "ref", overlap, states, tiled))
+    uninterrupted run each time. ``expect``: functions the path runs. Returns how many points
+    were interrupted."""
+    model = model or (_tiled_mlp if tiled else _mlp)
+    cfg = functools.partial(_hook_cfg, overlap=overlap, states=states, tiled=tiled, tiers=tiers)
+    ref = infinity.initialize(model(), cfg(tmp_path / "ref"))
     for step in range(2):
         ref.backward(_loss(ref, step))
         ref.step()
     expected = ref.gathered_weights()
     ref.close()
 
-    engine = infinity.initialize(model(), _hook_cfg(tmp_path / "a", overlap, states, tiled))
+    engine = infinity.initialize(model(), cfg(tmp_path / "a"))
     engine.backward(_loss(engine, 0))
     engine.step()
     engine.save_checkpoint(tmp_path / "ckpt")
@@ -463,7 +475,7 @@ def _sweep_hook_path(tmp_path, *, overlap: bool, states: str, tiled: bool = Fals
     finally:
         sys.settrace(None)
     engine.zero_grad()
-    assert {name for name, _ in path} >= {"hook", "grad_arrived", "_gather_grad", "finish_unit_backward"}
+    assert {name for name, _ in path} >= set(expect), path
     if every:
         points = range(1, len(path) + 1)
     else:
@@ -508,6 +520,17 @@ def test_a_ctrl_c_in_a_tiles_gradients_then_zero_grad_redoes_the_step_exactly(tm
     """The same through a tiled Linear, whose tiles' gradients come from its Function; and
     through a plain ``loss.backward()``, which ends its pass only through its own callback."""
     assert _sweep_hook_path(tmp_path, overlap=True, states="fp32", tiled=True, plain=plain, every=False) > 15
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_ctrl_c_where_a_gradient_becomes_the_tier_s_tensor_then_zero_grad_redoes_the_step_exactly(tmp_path, overlap):
+    """The same where every gradient takes the short way (`UnitRuntime._adopted`: each unit one
+    parameter, the grads tier on the compute device, the optimizer states in host memory,
+    early updates under backward or not): nothing gathered, the tier's tensor adopted."""
+    tiers = ("device", "device", "cpu")
+    n = _sweep_hook_path(tmp_path, overlap=overlap, states="fp32", every=False, tiers=tiers, model=_bias_free_mlp,
+                         expect=("hook", "grad_arrived", "_adopted"))  # fmt: skip
+    assert n > 10
 
 
 # Every line, not only each line's first run: two opposite corners of the variants the sampled
