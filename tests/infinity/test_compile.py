@@ -52,9 +52,9 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _losses(tmp_path, name: str, prepare, steps: int = 3, **sections) -> tuple[list[float], dict]:
+def _losses(tmp_path, name: str, prepare, steps: int = 3, tiers=NVME, **sections) -> tuple[list[float], dict]:
     torch.manual_seed(0)
-    engine = infinity.initialize(Net(), config(tmp_path / name, NVME, **sections))
+    engine = infinity.initialize(Net(), config(tmp_path / name, tiers, **sections))
     try:
         call = prepare(engine.module)
         losses = []
@@ -108,3 +108,20 @@ def test_fullgraph_names_what_to_compile(tmp_path):
             compiled(torch.randn(8, 16))
     finally:
         engine.close()
+
+
+def test_always_ready_blocks_compile_whole_with_fullgraph(tmp_path):
+    """Every tier on the compute device, one rank: no module carries a hook ([Note: always-ready
+    units' uses] in infinity/_schedule.py), so each block compiles as one graph with
+    ``fullgraph=True``, and the whole model without it, both as eager."""
+
+    def compile_blocks(module):
+        for block in module.blocks:
+            block.compile(backend="aot_eager", fullgraph=True)
+        return module
+
+    device = ("device",) * 3
+    eager = _losses(tmp_path, "eager", lambda m: m, tiers=device)
+    _assert_same(eager, _losses(tmp_path, "blocks", compile_blocks, tiers=device))
+    torch._dynamo.reset()
+    _assert_same(eager, _losses(tmp_path, "whole", lambda m: torch.compile(m, backend="aot_eager"), tiers=device))
