@@ -213,6 +213,7 @@ class Scheduler:
                                      keep=keep, keep_limit=keep_limit, device_budget=device_budget)  # fmt: skip
         self.always_ready = self.runtime.always_ready
         self._handles = []
+        self._hooked_grads: list[tuple[ParamUnit, int]] = []  # (unit, gradient hooks on its parameters)
         self.state = TrainingState.IDLE
         # Per module, grad-enabled calls whose gradient uses were counted in forward, and calls
         # run again inside backward (activation checkpointing): a reentrant checkpoint's first
@@ -263,7 +264,7 @@ class Scheduler:
             for module in self.module_units:
                 self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook)))
                 self._handles.append(module.register_forward_hook(eager(self._post_forward_hook)))
-        self._hooked_grads = []  # (unit, gradient hooks on its parameters)
+        self._hooked_grads = []
         for unit in self.units:
             hooked = 0
             for i, r in enumerate(unit.records):
