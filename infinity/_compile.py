@@ -10,8 +10,8 @@ between hooks, where the parameters are materialised views of their units. Autog
 saved-tensor hooks still see what a compiled region saves for backward (it saves through one
 autograd Function), so [Note: saved parameter views] holds there too. What cannot be had is
 one graph of the whole model: ``fullgraph=True`` fails at the first hook with the reason below.
-Where every unit is always bound, modules below the root get no hooks ([Note: always-ready
-units' uses] in `_schedule`), and a block compiles as one graph.
+Where every unit is always bound, modules below the root get no hooks but a tiled module's
+([Note: always-ready units' uses] in `_schedule`), and a block compiles as one graph.
 """
 
 from __future__ import annotations

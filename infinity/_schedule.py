@@ -44,9 +44,10 @@ The values are the ones a second read would give (parameters change only at the 
 
 [Note: always-ready units' uses]
 Where every unit is always bound (`UnitRuntime.always_ready`: the parameters lent where the
-model computes, one rank), modules get no hooks at all: there is nothing to fetch, hold,
-predict or release, and the post-hooks' one remaining task, counting each unit's gradient
-uses so that its gradient is handed on once the last arrives, needs no per-module call.
+model computes, one rank), modules get no hooks (but a tiled module's post-hook, below): there
+is nothing to fetch, hold, predict or release, and the post-hooks' one remaining task, counting
+each unit's gradient uses so that its gradient is handed on once the last arrives, needs no
+per-module call.
 Autograd runs a parameter's post-accumulate hook once per backward graph task, after every
 use of it in the graph is summed (a module called twice, a weight tied to another module's),
 so a grad-enabled pass's root pre-hook sets each unit's uses to its hooked parameters; a
@@ -55,7 +56,9 @@ counted a tied or repeated use twice and left such a unit to the end of backward
 whose module did not run is handed on by the end of backward, as before; a reentrant
 checkpoint's inner backward, which runs a parameter's hook again, adds its gradient to the
 one handed on as a later micro-batch's would be (and an early update that assumed the first
-is discarded at the step: [Note: exact overlap] in `_overlap`).
+is discarded at the step: [Note: exact overlap] in `_overlap`). A tile's gradients come from
+its module's Function once per call of the module, not from autograd's accumulation: a tiled
+module keeps its post-hook, which counts its tiles' uses per call as before.
 
 [Note: gradient hand-over]
 Autograd accumulates a parameter's gradient into ``param.grad`` and then runs the engine's
@@ -260,9 +263,10 @@ class Scheduler:
                              if r.requires_grad and any(q is r.param for q in module._parameters.values()))) for u in units]
             for module, units in self.module_units.items()
         }  # fmt: skip
-        if not self.always_ready:  # see [Note: always-ready units' uses]
-            for module in self.module_units:
+        for module in self.module_units:
+            if not self.always_ready:  # see [Note: always-ready units' uses]
                 self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook)))
+            if not self.always_ready or module in self.tiled:  # (a tile's uses: counted per call)
                 self._handles.append(module.register_forward_hook(eager(self._post_forward_hook)))
         self._hooked_grads = []
         for unit in self.units:
@@ -405,8 +409,9 @@ class Scheduler:
 
     def _post_forward_hook(self, module, args, output):
         units = self.module_units[module]
-        for unit in self._held(module):
-            unit.active -= 1
+        if not self.always_ready:  # (its pre-hook counted the units active: none runs where they always are)
+            for unit in self._held(module):
+                unit.active -= 1
         if self.state is not TrainingState.IDLE:
             # A forward recomputed inside backward (activation checkpointing): its units stay
             # until their gradients arrive. Its uses were counted by the first forward, unless
@@ -421,13 +426,16 @@ class Scheduler:
             self._calls[module] = self._calls.get(module, 0) + 1
             for unit, uses in self._uses_per_call[module]:
                 unit.uses += uses
-            if units:  # (frozen ones too: backward through their module needs their weights)
+            if not self.always_ready and units:
+                # (Units always bound need no fetch in backward: no hook. Frozen units are
+                # fetched too: backward through their module needs their weights.)
                 # The gradient of an output arrives just before the module's own backward runs.
                 # A hook on the tensor (not an identity Function, whose output would be a view
                 # that the model may not change in place) says so.
                 _map_tensors(output, lambda t: _on_grad(t, functools.partial(self.pre_backward, module)))
-        for unit in units:  # kept for backward or released
-            self.prefetcher.after_forward(unit)
+        if not self.always_ready:  # kept for backward or released: never where always bound
+            for unit in units:
+                self.prefetcher.after_forward(unit)
         return output
 
     def pre_backward(self, module: nn.Module) -> None:

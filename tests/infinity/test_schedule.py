@@ -240,3 +240,43 @@ def test_always_ready_units_are_handed_on_when_each_parameter_s_gradient_arrived
             torch.testing.assert_close(got[name], p.detach(), atol=1e-6, rtol=0)
     finally:
         engine.close()
+
+
+def test_always_ready_tiles_are_handed_on_once_with_their_module_s_gradients(tmp_path):
+    """Parameters on the device with the optimizer states elsewhere: modules are tiled and units
+    always bound. A tile's gradients come from its module's Function, once per call, so the
+    tiled module keeps its post-hook counting them: each tile's gradient is stored once a
+    backward (weight and bias together), and the weights are plain PyTorch's."""
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 64))
+
+    cfg = config(tmp_path, ("device", "device", "cpu"), memory={"tile_size": "4KiB"}, optimizer={"weight_decay": 0.0})
+    engine = infinity.initialize(model(), cfg)
+    plain = model()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0)
+    stored = []
+    note = engine.grads._note
+
+    def recording(unit, acc):
+        stored.append(unit.name)
+        note(unit, acc)
+
+    engine.grads._note = recording
+    try:
+        assert engine.scheduler.always_ready and engine.scheduler.tiled
+        for step in range(3):
+            ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(step))
+            stored.clear()
+            engine.backward(engine(ids).logsumexp(-1).mean())
+            engine.step()
+            plain(ids).logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            assert sorted(stored) == sorted(u.name for u in engine.units), stored
+        got = engine.gathered_weights()
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), atol=1e-4, rtol=0)
+    finally:
+        engine.close()
