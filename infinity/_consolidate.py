@@ -98,6 +98,7 @@ class _Unit:
         records, offset = [], 0
         for (name, shape), (p, dtype, full_shape, start) in zip(entry["params"], pieces):
             numel = math.prod(shape)
+            # (requires_grad False: a saved unit trains nothing; the writers read where pieces lie)
             records.append(ParamRecord(name, p, full_shape, tuple(shape), start, numel, offset, False, dtype))
             offset += numel
         self.records = tuple(records)
