@@ -115,108 +115,109 @@ def activation_chunk(usable: int) -> int:
     return max(_PAGE, min(ACTIVATION_CHUNK, usable // (4 * ACTIVATION_CHUNKS)) // _PAGE * _PAGE)
 
 
-def make_plan(engine, cfg, units, *, activations_in_pool: bool, into: Plan | None = None) -> Plan:
-    """The plan for ``engine``'s model and config, checked: a budget smaller than forward and
-    backward's or the step's need is a `_resources.HostBudgetError`. The disk may still turn
-    the overlap off (``plan.overlap = 0``), after which `finish` sets the limits that depend on it.
-    ``into``: the plan to fill (the engine's, which its components were built with), else a new one."""
+def make_plan(layout, cfg, *, activations_in_pool: bool, into: Plan | None = None) -> Plan:
+    """The plan for the model and parts of ``layout`` (a `_layout.Layout`) and ``cfg``,
+    checked: a budget smaller than forward and backward's or the step's need is a
+    `_resources.HostBudgetError`. The disk may still turn the overlap off (``plan.overlap =
+    0``), after which `finish` sets the limits that depend on it. ``into``: the plan to fill
+    (the engine's, which its components were built with), else a new one."""
     budget = cfg.memory.host_budget
     plan = into if into is not None else Plan()
     plan.reset(budget, int(budget * (1 - POOL_SLACK)))
-    largest = max(u.padded_numel for u in units)
-    opt = engine.optimizer
+    largest = max(u.padded_numel for u in layout.units)
+    opt = layout.optimizer
     needs = {"optimizer step": opt.fit_read_ahead(budget)}
     backward = 0
-    if engine.param_store.uses_pool:  # a unit in use, `depth` prefetched, gradients gathered
-        itemsize = engine.dtype.itemsize
-        backward = ((cfg.prefetch.depth + 1) * itemsize + (engine.grads.max_writes + 1) * 4) * largest
+    if layout.param_store.uses_pool:  # a unit in use, `depth` prefetched, gradients gathered
+        itemsize = layout.dtype.itemsize
+        backward = ((cfg.prefetch.depth + 1) * itemsize + (layout.grads.max_writes + 1) * 4) * largest
     if activations_in_pool:  # see [Note: activations offloaded] in `_activations`
         plan.activation_chunk = activation_chunk(plan.usable)
         backward += plan.activations
     if backward:
         needs["forward/backward"] = backward
     plan.backward, plan.step, plan.needs = backward, needs["optimizer step"], needs
-    plan.overlap_from = _overlap_from(engine, cfg, backward)
+    plan.overlap_from = _overlap_from(layout, cfg, backward)
     _resources.check_host_budget(cfg, needs, largest * 4, overlap_from=plan.overlap_from)
-    plan.overlap = _fit_overlap(engine, cfg, plan)
+    plan.overlap = _fit_overlap(layout, cfg, plan)
     # Host bytes for the early updates' staged copies where the states are in host memory:
     # what the usable budget leaves beside the backward's buffers and the step's own.
     room = plan.usable - max(backward, opt.host_bytes_needed())
-    plan.staging = _overlap_host.fit(engine, cfg, room) if not plan.overlap else 0
+    plan.staging = _overlap_host.fit(layout, cfg, room) if not plan.overlap else 0
     return plan
 
 
-def finish(plan: Plan, engine) -> None:
+def finish(plan: Plan, layout) -> None:
     """The shares that depend on whether the optimizer runs under backward: held gradients,
     what the step leaves held, kept units."""
-    plan.held = _held(plan, engine)
-    plan.step_holds = max(0, plan.usable - engine.optimizer.host_bytes_needed())
+    plan.held = _held(plan, layout)
+    plan.step_holds = max(0, plan.usable - layout.optimizer.host_bytes_needed())
     if plan.overlap:  # kept units turn into gradients as backward uses them: the held room
         plan.kept = plan.backward + plan.held if plan.held else 0
     else:  # staged copies in host memory are beside the pool, in the same budget
         plan.kept = max(0, plan.usable - plan.backward - plan.staging)
 
 
-def _held(plan: Plan, engine) -> int:
+def _held(plan: Plan, layout) -> int:
     """Bytes of gradients held in the pool, not written, for the step ([Note: gradients held]
     in `_grads`): what the usable budget leaves beside the larger of the backward's and the
     step's own buffers (the step starts with them held); where the optimizer runs under
     backward, what its share leaves beside the most it holds at once (`MAX_IN_HAND` sub-groups).
     Nothing where the grads are not on nvme. On a GPU they are held as they land from the
     device ([Note: gradients copied back])."""
-    if not engine.grads.store.uses_pool or plan.staging:
+    if not layout.grads.store.uses_pool or plan.staging:
         return 0  # (staged copies in host memory take the room held gradients would)
-    opt = engine.optimizer
+    opt = layout.optimizer
     if plan.overlap:
         in_hand = MAX_IN_HAND * max(group_bytes(opt, g) for g in opt.groups)
         return max(0, plan.overlap - in_hand)
     return max(0, plan.usable - max(plan.backward, opt.host_bytes_needed()))
 
 
-def _overlap_applies(engine, cfg) -> bool:
+def _overlap_applies(layout, cfg) -> bool:
     """Whether the optimizer can run under backward at all, whatever the budget (see
     [Note: exact overlap] in `_overlap`)."""
-    opt = engine.optimizer
+    opt = layout.optimizer
     return bool(cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and opt.states["master"].uses_pool
-                and engine.param_store.uses_pool and not opt.gather_params)  # fmt: skip
+                and layout.param_store.uses_pool and not opt.gather_params)  # fmt: skip
 
 
-def _room_beside_backward(engine, budget: int, backward_bytes: int) -> int:
+def _room_beside_backward(layout, budget: int, backward_bytes: int) -> int:
     """Pool bytes ``budget`` leaves beside the backward: its own buffers (planned, as the
     step's read-ahead, POOL_SLACK short of the budget) and one sub-group's gradients kept
     in memory."""
-    largest = max(g.numel for g in engine.optimizer.groups)
+    largest = max(g.numel for g in layout.optimizer.groups)
     return int(budget * (1 - POOL_SLACK)) - backward_bytes - 4 * largest
 
 
-def _overlap_from(engine, cfg, backward_bytes: int) -> int | None:
+def _overlap_from(layout, cfg, backward_bytes: int) -> int | None:
     """The smallest host budget `_fit_overlap` runs the optimizer under backward with, for
     this model and config; None where overlap cannot apply. With that much the step reads
     its full `READ_AHEAD`, so that is what the room must hold."""
-    if not _overlap_applies(engine, cfg):
+    if not _overlap_applies(layout, cfg):
         return None
-    opt = engine.optimizer
+    opt = layout.optimizer
     step = max(opt.host_bytes_needed(ahead=READ_AHEAD), min(group_bytes(opt, g) for g in opt.groups))
     largest = max(g.numel for g in opt.groups)
     budget = math.ceil((step + backward_bytes + 4 * largest) / (1 - POOL_SLACK))
-    while _room_beside_backward(engine, budget, backward_bytes) < step:  # float rounding: a byte or two
+    while _room_beside_backward(layout, budget, backward_bytes) < step:  # float rounding: a byte or two
         budget += 1
     return budget
 
 
-def _fit_overlap(engine, cfg, plan: Plan) -> int:
+def _fit_overlap(layout, cfg, plan: Plan) -> int:
     """Pool bytes the optimizer may hold under backward (0: no overlap): where it applies
     (see [Note: exact overlap] in `_overlap`), what the host budget leaves beside the
     backward's own buffers and one sub-group's gradients kept in memory."""
-    if not _overlap_applies(engine, cfg):
+    if not _overlap_applies(layout, cfg):
         return 0
-    opt = engine.optimizer
+    opt = layout.optimizer
     # Only with room to spare: what the budget leaves beside the backward must hold at least
     # what the step itself plans for. The pool places buffers first-fit in slabs; early
     # updates cut them into their own sizes, and under a tight budget the backward or the
     # step then found no contiguous room (the 25M demo at 46MiB, whose step plans 39MiB:
     # waits of seconds, and once the pool's 60 s timeout).
-    room = _room_beside_backward(engine, cfg.memory.host_budget, plan.backward)
+    room = _room_beside_backward(layout, cfg.memory.host_budget, plan.backward)
     if room < plan.step or room < min(group_bytes(opt, g) for g in opt.groups):
         have, step, want = _resources.distinct_sizes(max(room, 0), plan.step, plan.overlap_from)
         logger.info("optimizer.overlap: memory.host_budget leaves %s beside the backward, less than the %s the "

@@ -13,17 +13,17 @@ from __future__ import annotations
 from infinity.swap import ALIGNMENT, round_up
 
 
-def state_tensors(engine) -> dict[str, list[int]]:
+def state_tensors(layout) -> dict[str, list[int]]:
     """Bytes of each tensor the run keeps on nvme under its real name, by kind of state
     ("params", "grads", "optimizer"; the kinds not on nvme absent)."""
-    opt, sizes = engine.optimizer, {}
-    if engine.param_store.tier == "nvme":
+    opt, sizes = layout.optimizer, {}
+    if layout.param_store.tier == "nvme":
         whole = opt.gather_params
-        sizes["params"] = [(u.padded_numel if whole else u.shard_numel) * engine.dtype.itemsize for u in engine.units]
-    if engine.grads.store.tier == "nvme":
+        sizes["params"] = [(u.padded_numel if whole else u.shard_numel) * layout.dtype.itemsize for u in layout.units]
+    if layout.grads.store.tier == "nvme":
         # frozen units (a LoRA's base) never get a gradient written
-        sizes["grads"] = [(u.padded_numel if engine.grads_full else u.shard_numel) * 4
-                          for u in engine.units if u.trainable]  # fmt: skip
+        sizes["grads"] = [(u.padded_numel if layout.grads_full else u.shard_numel) * 4
+                          for u in layout.units if u.trainable]  # fmt: skip
     if opt.states["master"].tier == "nvme":
         kinds = opt.kinds[1:] if opt.one_copy else opt.kinds  # one copy: the master weights are the params
         sizes["optimizer"] = [g.record.nbytes(k) for g in opt.groups for k in kinds]

@@ -9,7 +9,8 @@ check; `_admission`'s plan, `_footprint`'s layout and check (called, not copied)
 Figures computed a second time drift from the engine's. So the estimate builds the engine as
 `initialize` does, up to `Engine._check_memory` (units, tiles, sub-groups, stores, the
 optimizer's records: no tensor is made, a model from `infinity.build` stays on the meta
-device), and there, where `initialize` plans the host budget and checks the disk, it runs
+device), and there, given the engine's `_layout.Layout` as `initialize` plans the host budget
+and checks the disk from it, it runs
 those same functions (`_admission.make_plan` and `finish`, `_footprint.plan` and `check`)
 with the budgets it wants, then stops the engine before anything is written; the swap space it
 opened under a directory of its own is discarded with it. What the engine does not compute
@@ -169,20 +170,22 @@ def _dry_engine(disk_free: list[int], paths: list[str]) -> type:
     of each of the drives ``paths``) and stops ([Note: estimate from the engine's own plan])."""
 
     class DryEngine(Engine):
-        def _check_memory(self, cfg: TierConfig, units) -> None:
-            raise _Stop(_measure(self, cfg, units, disk_free, paths))
+        def _check_memory(self, cfg: TierConfig, layout) -> None:
+            raise _Stop(_measure(layout, cfg, disk_free, paths))
 
     return DryEngine
 
 
-def _measure(engine, cfg: TierConfig, units, disk_free: list[int], paths: list[str]) -> dict:
-    """What `Engine._check_memory` would plan and check for ``cfg`` on a machine with
-    ``disk_free`` bytes free on each drive of ``paths``, and the floor."""
+def _measure(layout, cfg: TierConfig, disk_free: list[int], paths: list[str]) -> dict:
+    """What `Engine._check_memory` would plan and check for ``cfg`` and ``layout`` (the
+    engine's `_layout.Layout`) on a machine with ``disk_free`` bytes free on each drive of
+    ``paths``, and the floor."""
     in_pool = _activations.in_pool(cfg)
+    units = layout.units
 
     def plan_at(budget: int, base: TierConfig = cfg):
         try:
-            return _admission.make_plan(engine, base.replace(memory={"host_budget": budget}), units,
+            return _admission.make_plan(layout, base.replace(memory={"host_budget": budget}),
                                         activations_in_pool=in_pool)  # fmt: skip
         except _resources.HostBudgetError as e:
             return e
@@ -194,8 +197,8 @@ def _measure(engine, cfg: TierConfig, units, disk_free: list[int], paths: list[s
         plan = plan_at(floor)
     at = cfg.replace(memory={"host_budget": plan.budget})
     fp, refused = None, None
-    if engine.space is not None:
-        fp = _footprint.plan(engine, at, bool(plan.overlap))
+    if layout.space is not None:
+        fp = _footprint.plan(layout, at, bool(plan.overlap))
         fp.available = [f // ALIGNMENT * ALIGNMENT for f in disk_free]  # the machine's, not the scratch's
         fp.paths = list(paths)  # what a refusal names: the user's directories, not the scratch ones
         try:
@@ -204,7 +207,7 @@ def _measure(engine, cfg: TierConfig, units, disk_free: list[int], paths: list[s
             refused = str(e)
         if fp.staging_room == 0 and plan.overlap:
             plan.overlap = 0
-    _admission.finish(plan, engine)
+    _admission.finish(plan, layout)
     # What the step moves under the overlap is what it moves after backward, where the
     # overlap's early updates leave room for held gradients (docs/config.md, optimizer.overlap:
     # 29.9 bytes a parameter against 30.1 for the 953M Llama): the plan without it says how
@@ -213,13 +216,13 @@ def _measure(engine, cfg: TierConfig, units, disk_free: list[int], paths: list[s
     moves = plan
     if plan.overlap and plan.held:
         moves = plan_at(plan.budget, cfg.replace(optimizer={"overlap": False}))
-        _admission.finish(moves, engine)
+        _admission.finish(moves, layout)
         plan_at(plan.budget)  # the optimizer's read-ahead as the run's plan set it
-    opt = engine.optimizer
+    opt = layout.optimizer
     shard = sum(u.shard_numel for u in units)
     full = sum(u.padded_numel for u in units)
     trainable = [u for u in units if u.trainable]
-    grad_numel = sum(u.padded_numel if engine.grads_full else u.shard_numel for u in trainable)
+    grad_numel = sum(u.padded_numel if layout.grads_full else u.shard_numel for u in trainable)
     params = {p for u in units for p in u.params}  # a tiled one is in each of its tiles
     # From the first step on, fp32 parameters resident beside the master weights are them
     # ([Note: one copy of the fp32 weights] in `_onecopy`; counted in the params tier), unless
@@ -229,10 +232,10 @@ def _measure(engine, cfg: TierConfig, units, disk_free: list[int], paths: list[s
     return {
         "params": sum(p.numel() for p in params), "units": len(units), "sub_groups": len(opt.groups),
         "floor": floor, "floor_what": what, "budget_ok": plan.budget == budget, "overlap_from": plan.overlap_from,
-        "plan": plan, "moves": moves, "footprint": fp, "refused": refused, "on_nvme": _on_nvme(engine),
-        "resident": {"params": (full if opt.gather_params else shard) * engine.dtype.itemsize, "grads": grad_numel * 4,
+        "plan": plan, "moves": moves, "footprint": fp, "refused": refused, "on_nvme": _on_nvme(layout),
+        "resident": {"params": (full if opt.gather_params else shard) * layout.dtype.itemsize, "grads": grad_numel * 4,
                      "optimizer": sum(g.record.state_bytes(opt.kinds) for g in opt.groups) - shared},
-        "step": _step_bytes(engine, units), "grad_bytes": grad_numel * 4,
+        "step": _step_bytes(layout, units), "grad_bytes": grad_numel * 4,
         "param_bytes": sum(opt.record(u).nbytes("param") for u in units),
     }  # fmt: skip
 
@@ -257,29 +260,29 @@ def _floor(plan_at) -> tuple[int, str]:
     return hi, max((v, k) for k, v in plan.needs.items())[1]
 
 
-def _on_nvme(engine) -> dict[str, int]:
+def _on_nvme(layout) -> dict[str, int]:
     """Bytes of each kind the run keeps on nvme, each tensor aligned as the swap space writes it."""
     out = dict.fromkeys(KINDS, 0)
-    for kind, sizes in _bytes.state_tensors(engine).items():
+    for kind, sizes in _bytes.state_tensors(layout).items():
         out[kind] = sum(round_up(n, ALIGNMENT) for n in sizes)
     return out
 
 
-def _step_bytes(engine, units) -> dict[str, dict[str, int]]:
+def _step_bytes(layout, units) -> dict[str, dict[str, int]]:
     """The nvme bytes of one step (one micro-batch) by kind, as `engine.stats()["step"]["nvme"]
     ["by_kind"]` counts them (read and written together): "floor" with every unit kept for
     backward and every gradient held for the step, "most" with none; see docs/architecture.md
     "The bytes of a step"."""
-    opt = engine.optimizer
+    opt = layout.optimizer
     floor, most = {}, {}
     trainable = [u for u in units if u.trainable]
-    if engine.param_store.tier == "nvme":
+    if layout.param_store.tier == "nvme":
         param = sum(opt.record(u).nbytes("param") for u in units)
         written = sum(opt.record(u).nbytes("param") for u in trainable) if not opt.one_copy else 0
         floor["param"] = param + written  # read for forward; the new parameters written
         most["param"] = 2 * param + written  # read again for backward
-    if engine.grads.store.tier == "nvme":
-        grads = sum(4 * (u.padded_numel if engine.grads_full else u.shard_numel) for u in trainable)
+    if layout.grads.store.tier == "nvme":
+        grads = sum(4 * (u.padded_numel if layout.grads_full else u.shard_numel) for u in trainable)
         floor["grad"], most["grad"] = 0, 2 * grads  # written in backward, read by the step
     if opt.states["master"].tier == "nvme":
         for k in opt.kinds:

@@ -4,8 +4,8 @@ Owns: the peak bytes each drive of ``nvme.paths`` holds (the state under its rea
 overlap's staged ``~next`` copies, the arena's alignment), the comparison with the drive's free
 space and ``nvme.disk_budget``, the cap put on each arena so that it never grows past what was
 checked, and the bytes of staging the overlap may hold. Touches: the config, the engine's
-stores and sub-groups (read only), `infinity.swap.SwapSpace` (its layout and `limit`), `_bytes`
-(the sizes of the tensors).
+stores and sub-groups through its `_layout.Layout` (read only), `infinity.swap.SwapSpace` (its
+layout and `limit`), `_bytes` (the sizes of the tensors).
 
 [Note: disk footprint]
 A 2.7B model with every tier on nvme passed initialize and died in its first backward with
@@ -50,7 +50,7 @@ def disk_free(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-class Layout:
+class Drives:
     """Where a swap space puts tensors, per drive, as `SwapSpace._plan` does: a tensor of
     ``stripe_threshold`` bytes or more in ``stripe_size`` pieces over every drive, a smaller
     one whole on the drive holding the least; every piece rounded up to the alignment."""
@@ -87,7 +87,7 @@ class Footprint:
     available: list[int]  # free space at initialize plus what the arena there held (this rank's share)
     budget: int | None  # nvme.disk_budget, per drive
     fraction: float = 0.0  # optimizer.overlap_disk: the staging allowed beside the state, per byte of it
-    slack: int = 0  # how far the placement of whole (unstriped) tensors may stray from `Layout`'s, per drive
+    slack: int = 0  # how far the placement of whole (unstriped) tensors may stray from `Drives`', per drive
     staging_room: int | None = None  # staged bytes the overlap may hold at once (None: all)
 
     @property
@@ -118,28 +118,29 @@ class Footprint:
                 for p, s, k, c, a in zip(self.paths, self.state, self.peak, self.caps, arenas)}  # fmt: skip
 
 
-def plan(engine, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
-    """The footprint of ``engine``'s run on its swap space (``overlap``: the optimizer may run
-    under backward with its states on nvme; ``staged_params``: with them in host memory, and the
-    new parameters written under backward under staged names, [Note: parameters written under
-    backward] in `_overlap_host`), with each drive's room now."""
-    space = engine.space
-    layout = Layout(len(space.rank_dirs), cfg.nvme.stripe_size, cfg.nvme.stripe_threshold)
-    state = [0] * layout.members
-    for n in (n for sizes in _bytes.state_tensors(engine).values() for n in sizes):
-        state = [a + b for a, b in zip(state, layout.add(n))]
-    staging = [0] * layout.members
+def plan(layout, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
+    """The footprint of the run that ``layout`` (a `_layout.Layout`) lays out on its swap space
+    (``overlap``: the optimizer may run under backward with its states on nvme;
+    ``staged_params``: with them in host memory, and the new parameters written under backward
+    under staged names, [Note: parameters written under backward] in `_overlap_host`), with
+    each drive's room now."""
+    space = layout.space
+    drives = Drives(len(space.rank_dirs), cfg.nvme.stripe_size, cfg.nvme.stripe_threshold)
+    state = [0] * drives.members
+    for n in (n for sizes in _bytes.state_tensors(layout).values() for n in sizes):
+        state = [a + b for a, b in zip(state, drives.add(n))]
+    staging = [0] * drives.members
     if overlap or staged_params:
-        opt = engine.optimizer
+        opt = layout.optimizer
         for sg in opt.groups:
             sizes = _bytes.staged_tensors(opt, sg) if overlap else _bytes.staged_params(opt, sg)
             for n in sizes:
-                staging = [a + b for a, b in zip(staging, layout.add(n))]
+                staging = [a + b for a, b in zip(staging, drives.add(n))]
     arenas = space.arena_sizes()
     available = [(disk_free(d) + a) // ALIGNMENT * ALIGNMENT for d, a in zip(space.rank_dirs, arenas)]
     # A whole tensor goes to the drive holding the least when it is written, which need not be
-    # the drive `Layout` chose: a drive may hold up to one such tensor more than planned.
-    slack = round_up(cfg.nvme.stripe_threshold, ALIGNMENT) if layout.members > 1 else 0
+    # the drive `Drives` chose: a drive may hold up to one such tensor more than planned.
+    slack = round_up(cfg.nvme.stripe_threshold, ALIGNMENT) if drives.members > 1 else 0
     return Footprint(list(space.rank_dirs), state, staging, available, cfg.nvme.disk_budget,
                      fraction=cfg.optimizer.overlap_disk, slack=slack)  # fmt: skip
 
@@ -204,10 +205,11 @@ def check(fp: Footprint, overlap_on: bool) -> None:
     fp.staging_room = None if room >= total else max(room, 0)
 
 
-def fit(engine, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
-    """`plan`, `share` and `check` ``engine``'s footprint, then cap each arena at what was checked."""
-    fp = plan(engine, cfg, overlap, staged_params)
-    share(fp, engine.dist, engine.space)
+def fit(layout, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
+    """`plan`, `share` and `check` the footprint of ``layout``'s run, then cap each arena at what
+    was checked."""
+    fp = plan(layout, cfg, overlap, staged_params)
+    share(fp, layout.dist, layout.space)
     check(fp, overlap or staged_params)
     if fp.staging_room:
         room, total = distinct_sizes(fp.staging_room, sum(fp.staging))
@@ -216,5 +218,5 @@ def fit(engine, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
                     "sub-group takes; the sub-groups past it are updated after backward",
                     fp.fraction, room, total)  # fmt: skip
     # never below what an arena holds already (a swap space reopened with its tensors)
-    engine.space.limit([max(c, a) for c, a in zip(fp.caps, engine.space.arena_sizes())])
+    layout.space.limit([max(c, a) for c, a in zip(fp.caps, layout.space.arena_sizes())])
     return fp

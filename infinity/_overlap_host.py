@@ -48,17 +48,17 @@ from ._store import Lease, release_unused
 logger = logging.getLogger("infinity")
 
 
-def applies(engine, cfg) -> bool:
+def applies(layout, cfg) -> bool:
     """Whether the optimizer can run under backward with its states in host memory: a tier
     resident on the host (the cpu tier, or the device tier where the device is the CPU), an
     algorithm of ours (a torch optimizer steps all at once), and no all-gather of the new
     parameters (stages 1 and 2 over several ranks: a collective at a point that differs across
     ranks, as for nvme). With ``overlap = "auto"`` also where it can gain (`gains`)."""
-    opt = engine.optimizer
+    opt = layout.optimizer
     master = opt.states["master"]
     possible = bool(cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and not master.uses_pool
                     and master.in_place_on(torch.device("cpu")) and not opt.gather_params)  # fmt: skip
-    return possible and (cfg.optimizer.overlap is True or gains(engine.device, cfg))
+    return possible and (cfg.optimizer.overlap is True or gains(layout.device, cfg))
 
 
 def gains(device: torch.device, cfg) -> bool:
@@ -82,13 +82,13 @@ def stages_params(device: torch.device, param_store) -> bool:
     return device.type == "cuda" and param_store.uses_pool
 
 
-def fit(engine, cfg, room: int) -> int:
+def fit(layout, cfg, room: int) -> int:
     """Host bytes the staged copies may take (0: the optimizer runs after backward): ``room``,
     what the plan leaves beside the backward's pool buffers and the step's own (the gradients it
     reads, where they are on nvme; `_admission.make_plan`), if it holds one sub-group's."""
-    if not applies(engine, cfg):
+    if not applies(layout, cfg):
         return 0
-    opt = engine.optimizer
+    opt = layout.optimizer
     smallest = min(host_staged_bytes(opt, g) for g in opt.groups)
     if room < smallest:
         logger.info("optimizer.overlap: memory.host_budget leaves %d bytes beside the backward, less than one "

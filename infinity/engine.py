@@ -41,6 +41,7 @@ from ._accumulation import Accumulation
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
+from ._layout import Layout
 from ._lifecycle import Lifecycle, TrainingGuard
 from ._algorithms import resolve
 from ._optim import Optimizer
@@ -151,9 +152,12 @@ class Engine:
             param_dtype=self.dtype, engine_step=self._step, engine_zero_grad=self.zero_grad, dist=self.dist,
             params_sharded=self.params_sharded, foreign=foreign, one_copy=one_copy, plan=self.plan,
         )  # fmt: skip
+        # What the host budget's plan and the disk's footprint are computed from (`_layout`).
+        layout = Layout(units, dev, self.dtype, self.param_store, self.grads, self.optimizer, space, self.dist,
+                        self.grads_full)  # fmt: skip
         # Everything that can refuse the user's arguments, before the module's weights move.
         self.lr_scheduler = _lr_scheduler(scheduler_spec, self.optimizer)
-        self._check_memory(cfg, units)  # before anything is written: that needs the pool too
+        self._check_memory(cfg, layout)  # before anything is written: that needs the pool too
         # fp32 master weights from the values as the user made them; low-precision params to
         # their tier. A model made in `infinity.build` gets its values now, one unit at a time.
         built = {u.index for u in units if _build.on_meta(u)}
@@ -181,7 +185,7 @@ class Engine:
         self._managed = {id(p) for u in units for p in u.params}  # see `_lifecycle.TrainingGuard`
         self._guard = TrainingGuard(self._life, module, self._managed)
         plan = self.plan
-        _admission.finish(plan, self)
+        _admission.finish(plan, layout)
         self.admission = _admission.Admission(self.pool, plan)
         staging = None  # where early updates wait for the step: [Note: exact overlap] in `_overlap`
         if plan.overlap:
@@ -229,12 +233,13 @@ class Engine:
             self.admission.give_way(_admission.OVERLAP, self.overlap.relieve)
         self.admission.give_way(_admission.GRAD, self.grads.held.spill)
 
-    def _check_memory(self, cfg: TierConfig, units) -> None:
+    def _check_memory(self, cfg: TierConfig, layout: Layout) -> None:
         """Refuse at initialize a host budget the pipelines cannot run in, or a placement the
         machine's memory cannot hold (see `_resources`); plan the budget's shares
         ([Note: traffic classes] in `_admission`). Called before anything is written: the
         estimate stops here ([Note: estimate from the engine's own plan] in `_estimate`)."""
-        _admission.make_plan(self, cfg, units, activations_in_pool=_activations.in_pool(cfg), into=self.plan)
+        _admission.make_plan(layout, cfg, activations_in_pool=_activations.in_pool(cfg), into=self.plan)
+        units = layout.units
         self.overlap_from = self.plan.overlap_from
         # State the resident tiers keep in host memory: the cpu tier, and the device tier on a
         # machine without a GPU.
@@ -251,7 +256,7 @@ class Engine:
         _resources.check_host_memory(resident, max(self.plan.needs.values()))
         self.footprint = None  # the disk the swap space takes ([Note: disk footprint])
         if self.space is not None:
-            self.footprint = _footprint.fit(self, cfg, bool(self.plan.overlap), staged_params=_params_staged(self))
+            self.footprint = _footprint.fit(layout, cfg, bool(self.plan.overlap), staged_params=_params_staged(self))
             if self.footprint.staging_room == 0 and self.plan.overlap:
                 logger.info("optimizer.overlap: the disk has no room for a sub-group's staged copies beside the "
                             "state; the optimizer runs after backward")  # fmt: skip
