@@ -12,7 +12,9 @@ One process trains the same Llama-shaped model (``--layers`` 24 of hidden 256, i
 ``--batch`` x ``--tokens`` (1 x 32):
 
 - plain: the model in fp32, ``torch.optim.AdamW(fused=True)`` (the engine's kernel, and the
-  fastest torch step on the host), ``zero_grad()`` after each step;
+  fastest torch step on the host), ``zero_grad()`` after each step; with ``--precision bf16``
+  the model in bf16 and the update on fp32 master copies (the gradients cast into them, the
+  new values copied back), as mixed precision does and the engine does;
 - infinity: ``infinity.initialize`` of a copy, with each placement of ``--placements`` in turn
   (params,grads,optimizer; ``device`` is the compute device, here the host), the optimizer
   under backward as ``--overlap`` says (the default's "auto"), same learning rate and weight
@@ -58,14 +60,41 @@ def _timed_step(model, backward, step, zero, batch) -> tuple[float, float, float
     return t1 - t0, t2 - t1, t3 - t2, loss.detach().item()
 
 
+def _plain_optimizer(model, lr: float, mixed: bool):
+    """(step, zero_grad) of plain torch's fused AdamW on ``model`` (fp32). ``mixed``: as mixed
+    precision does, and the engine with bf16 parameters: fp32 master copies of the parameters
+    as the model made them, the parameters themselves cast to bf16 (the buffers, the rotary
+    frequencies, stay fp32); each step casts the gradients into the masters', updates them,
+    and copies the new values back into the bf16 parameters."""
+    params = list(model.parameters())
+    if not mixed:
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True)
+        return opt.step, opt.zero_grad
+    masters = [p.detach().clone().requires_grad_() for p in params]
+    for p in params:
+        p.data = p.data.to(torch.bfloat16)
+    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=0.01, fused=True)
+
+    def step():
+        for p, m in zip(params, masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(params, masters)
+
+    def zero():
+        opt.zero_grad()
+        model.zero_grad()
+
+    return step, zero
+
+
 def _placement(args, base, placement: str, batches) -> dict:
     import infinity
 
     params, grads, optimizer = placement.split(",")
     plain = copy.deepcopy(base)
-    if args.precision == "bf16":
-        plain = plain.to(torch.bfloat16)  # the engine's bf16 parameters; fp32 states in both
-    opt = torch.optim.AdamW(plain.parameters(), lr=args.lr, weight_decay=0.01, fused=True)
+    plain_step, plain_zero = _plain_optimizer(plain, args.lr, args.precision == "bf16")
     cfg = infinity.TierConfig.from_dict({
         "tiers": {"params": params, "grads": grads, "optimizer": optimizer},
         "precision": {"param_dtype": args.precision},
@@ -74,7 +103,7 @@ def _placement(args, base, placement: str, batches) -> dict:
     })  # fmt: skip
     engine = infinity.initialize(copy.deepcopy(base), cfg)
     sides = {
-        "plain": lambda b: _timed_step(plain, lambda loss: loss.backward(), opt.step, opt.zero_grad, b),
+        "plain": lambda b: _timed_step(plain, lambda loss: loss.backward(), plain_step, plain_zero, b),
         "infinity": lambda b: _timed_step(engine, engine.backward, engine.step, engine.zero_grad, b),
     }
     times = {side: [] for side in sides}  # per pair: (fwd, bwd, step) medians over the repeat
