@@ -161,8 +161,8 @@ def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
         for i, p in enumerate(unit.params):
             if any(p is q for q in empty) and _init_record.lost(p):
                 raise ValueError(
-                    f"parameter {unit.qualified_name(i)!r} {tuple(p.shape)} was registered inside infinity.build with values "
-                    f"its module's constructor computed (more than {_init_record.KEEP_BYTES} bytes, not kept) and "
+                    f"parameter {unit.qualified_name(i)!r} {tuple(p.shape)} was registered inside infinity.build "
+                    f"with values its module's constructor computed (more than {_init_record.KEEP_BYTES} bytes, not kept) and "
                     "nothing in the block initialised it again: initialise it with a torch.nn.init call (or an "
                     "in-place normal_/fill_/copy_) in the model's code, or construct the model outside build()"
                 )
@@ -191,8 +191,8 @@ def _refuse_foreign_meta(unit, modules) -> None:
     for i, p in enumerate(unit.params):
         if p.is_meta and not hasattr(p, "_infinity_init") and _built_model(modules):
             raise ValueError(
-                f"parameter {unit.qualified_name(i)!r} is on the meta device but infinity.build did not put it there (a "
-                "wrapper such as peft.get_peft_model applied to a built model moves what it adds to the meta "
+                f"parameter {unit.qualified_name(i)!r} is on the meta device but infinity.build did not put it "
+                "there (a wrapper such as peft.get_peft_model applied to a built model moves what it adds to the meta "
                 "device, losing its initialisation): pass the wrapper to infinity.from_pretrained(ModelClass, "
                 "path, config, wrap=fn), which streams the base in and keeps the wrapper's values, or apply it "
                 "to a model constructed outside infinity.build()"

@@ -260,7 +260,8 @@ class Scheduler:
         # (the parameters the module holds itself that require grad). Fixed: counted once here.
         self._uses_per_call = {
             module: [(u, sum(1 for r in u.records
-                             if r.requires_grad and any(q is r.param for q in module._parameters.values()))) for u in units]
+                             if r.requires_grad and any(q is r.param for q in module._parameters.values())))
+                     for u in units]
             for module, units in self.module_units.items()
         }  # fmt: skip
         for module in self.module_units:
@@ -273,7 +274,8 @@ class Scheduler:
             hooked = 0
             for i, r in enumerate(unit.records):
                 if r.requires_grad and not unit.is_tile:  # a tile's gradients come from its Function (tile_grad)
-                    self._handles.append(r.param.register_post_accumulate_grad_hook(_weak_grad_hook(self.runtime, unit, i)))
+                    hook = _weak_grad_hook(self.runtime, unit, i)
+                    self._handles.append(r.param.register_post_accumulate_grad_hook(hook))
                     hooked += 1
             if hooked:
                 self._hooked_grads.append((unit, hooked))
