@@ -162,9 +162,9 @@ def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
             if any(p is q for q in empty) and _init_record.lost(p):
                 raise ValueError(
                     f"parameter {unit.qualified_name(i)!r} {tuple(p.shape)} was registered inside infinity.build "
-                    f"with values its module's constructor computed (more than {_init_record.KEEP_BYTES} bytes, not kept) and "
-                    "nothing in the block initialised it again: initialise it with a torch.nn.init call (or an "
-                    "in-place normal_/fill_/copy_) in the model's code, or construct the model outside build()"
+                    f"with values its module's constructor computed (more than {_init_record.KEEP_BYTES} bytes, not "
+                    "kept) and nothing in the block initialised it again: initialise it with a torch.nn.init call "
+                    "(or an in-place normal_/fill_/copy_) in the model's code, or construct the model outside build()"
                 )
     filling = {id(p) for p in empty}
     with torch.no_grad(), _guard(), _hidden(modules, filling):
