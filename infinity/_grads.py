@@ -113,16 +113,25 @@ class GradAccumulator:
                 raise
             self._store(unit, acc, hold, keep=keep)
 
-    def adopt(self, unit: ParamUnit, grad: torch.Tensor) -> bool:
-        """Store ``grad`` (1-D fp32, the unit's padded length, in memory the caller gives up)
-        as ``unit``'s first gradient this step by making it the tier's own tensor
-        (`Store.adopt`): where the tier keeps gradients in memory on its device and one rank
-        keeps them whole. False, changing nothing, otherwise."""
-        if (self.dist is not None and self.dist.active) or unit.index in self.has_grad:
+    def take_whole(self, unit: ParamUnit, grad: torch.Tensor, whole: torch.Tensor | None = None) -> bool:
+        """Store ``grad`` (1-D, the unit's padded length, any float dtype) as ``unit``'s
+        gradient where the tier keeps gradients in memory on ``grad``'s device and one rank
+        keeps them whole: the step's first becomes the tier's tensor where it is ``whole`` (fp32
+        in memory the caller gives up: `Store.adopt`), or is cast into it; a later one is added
+        to the sum there (the values a gathered copy's `add` gives). Nothing is in flight for a
+        resident tier (no write, landing, hold or keep). False, changing nothing, otherwise."""
+        if (self.dist is not None and self.dist.active) or not self.store.in_place_on(grad.device):
             return False
-        if not self.store.adopt(unit.name, grad):
-            return False
-        self._note(unit, grad)
+        if unit.index in self.has_grad:
+            acc = self.store.get(unit.name).result().tensor  # resident: the tier's own tensor
+            acc.add_(grad)
+        else:  # the tier's tensor (made on the first step), or ``whole`` in its place
+            acc, _ = self.store.landing(unit.name, torch.Size((unit.padded_numel,)), torch.float32)
+            if whole is not None and self.store.adopt(unit.name, whole):
+                acc = whole
+            else:
+                acc.copy_(grad)
+        self._note(unit, acc)
         return True
 
     def in_place(self, unit: ParamUnit, device: torch.device, whole: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -108,8 +108,8 @@ class UnitRuntime:
         self.kept = Kept(transport.dtype.itemsize)
         # The engine's overlap (see _overlap): told when a unit's gradient is stored.
         self.on_unit_final = on_unit_final
-        # A whole unit's gradient may become the grads tier's tensor as autograd made it (`_adopted`).
-        self._adopts = grads.store.in_place_on(self.device)
+        # A whole unit's gradient goes straight into the grads tier's tensor on this device (`_took_whole`).
+        self._in_place = grads.store.in_place_on(self.device)
         self.keep_grad = keep_grad  # ... and asked whether to keep a gradient in memory for it
         self._by_storage: dict[int, ParamUnit] = {}  # storage address -> READY unit (released-able)
 
@@ -262,21 +262,24 @@ class UnitRuntime:
     def grad_arrived(self, unit: ParamUnit, i: int, param: torch.Tensor) -> None:
         """Parameter ``i`` of ``unit`` has its gradient (``param.grad``) of this backward. The
         fp32 copy in the unit is the gradient from here; the parameter's goes."""
-        if not self._adopted(unit, i, param):
+        if not self._took_whole(unit, i, param):
             self._receive(unit, i, param=param)
 
-    def _adopted(self, unit: ParamUnit, i: int, param: torch.Tensor) -> bool:
+    def _took_whole(self, unit: ParamUnit, i: int, param: torch.Tensor) -> bool:
         """The short way of [Note: gradient hand-over] in `_schedule`: ``param``'s gradient,
-        all of ``unit``'s and its last of this backward, stored as the step's first by becoming
-        the grads tier's tensor (`GradAccumulator.adopt`) and the unit handed on, with nothing
-        gathered. False, changing nothing, where it cannot be: `_receive` then takes it."""
-        if not self._adopts or unit.grad is not None or unit.uses > 1:
+        all of ``unit``'s and its last of this backward, on this device where the grads tier
+        keeps it, stored by the accumulator in one call (`GradAccumulator.take_whole`: adopted
+        as the tier's tensor, cast into it, or added to the sum there) and the unit handed on,
+        with nothing gathered. False, changing nothing, where it cannot be: `_receive` then
+        takes it."""
+        if not self._in_place or unit.grad is not None or unit.uses > 1:
             return False
-        whole = self._whole_grad(unit, i, param.grad)
-        if whole is None:
+        grad = param.grad
+        if grad is None or unit.records[i].numel != unit.padded_numel or grad.device != self.device:
             return False
+        whole = self._whole_grad(unit, i, grad)
         with held_interrupts:
-            if not self.grads.adopt(unit, whole):
+            if not self.grads.take_whole(unit, grad.reshape(-1), whole):
                 return False
             param.grad = None
             unit.uses = 0

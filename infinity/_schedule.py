@@ -79,9 +79,11 @@ bias, a norm's weight) in memory of its own on the compute device is not copied 
 becomes the unit's gradient as it is (`UnitRuntime._whole_grad`), and where the grads tier
 keeps gradients on that device and this is the step's first, the tier's tensor itself
 (`_store.Store.adopt`); a later micro-batch's is added to the sum from where autograd left it.
-Where it is also the unit's last gradient of the backward (a unit of one parameter, always),
-the hook does only that (`UnitRuntime._adopted`): the tensor stored, its norm noted, the unit
-handed on, with nothing gathered in the unit.
+Where a gradient is all of its unit and its last of the backward (a unit of one parameter,
+always) and the grads tier keeps gradients on its device, the hook takes the short way
+(`UnitRuntime._took_whole`): the tensor adopted as above, or cast into the tier's tensor (a
+bf16 gradient), or a later micro-batch's added to the sum there, its norm noted and the unit
+handed on, with nothing gathered in the unit: the values the long way gives, bit for bit.
 Autograd gives ``param.grad`` a tensor of its own (it steals the one it computed, or clones a
 shared one), which the hook takes: nothing else holds it.
 

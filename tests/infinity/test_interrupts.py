@@ -403,7 +403,7 @@ _TILED = _tiled.__file__
 # From a parameter's gradient arriving (or a tile's being made) to the unit's hand-over.
 _HOOK_PATH = {
     _SCHEDULE: {"hook"},
-    _RUNTIME: {"grad_arrived", "_adopted", "tile_grad", "_grad_buffer", "_unclaimed", "_gather_grad",
+    _RUNTIME: {"grad_arrived", "_took_whole", "tile_grad", "_grad_buffer", "_unclaimed", "_gather_grad",
                "finish_unit_backward"},
     _TILED: {"backward"},
 }  # fmt: skip
@@ -524,12 +524,12 @@ def test_a_ctrl_c_in_a_tiles_gradients_then_zero_grad_redoes_the_step_exactly(tm
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_ctrl_c_where_a_gradient_becomes_the_tier_s_tensor_then_zero_grad_redoes_the_step_exactly(tmp_path, overlap):
-    """The same where every gradient takes the short way (`UnitRuntime._adopted`: each unit one
-    parameter, the grads tier on the compute device, the optimizer states in host memory,
+    """The same where every gradient takes the short way (`UnitRuntime._took_whole`: each unit
+    one parameter, the grads tier on the compute device, the optimizer states in host memory,
     early updates under backward or not): nothing gathered, the tier's tensor adopted."""
     tiers = ("device", "device", "cpu")
     n = _sweep_hook_path(tmp_path, overlap=overlap, states="fp32", every=False, tiers=tiers, model=_bias_free_mlp,
-                         expect=("hook", "grad_arrived", "_adopted"))  # fmt: skip
+                         expect=("hook", "grad_arrived", "_took_whole"))  # fmt: skip
     assert n > 10
 
 
