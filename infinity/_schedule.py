@@ -44,7 +44,7 @@ The values are the ones a second read would give (parameters change only at the 
 
 [Note: always-ready units' uses]
 Where every unit is always bound (`UnitRuntime.always_ready`: the parameters lent where the
-model computes, one rank), modules get no hooks (but a tiled module's post-hook, below): there
+model computes, and no all-gather: one rank, or stages 1 and 2), modules get no hooks (but a tiled module's post-hook, below): there
 is nothing to fetch, hold, predict or release, and the post-hooks' one remaining task, counting
 each unit's gradient uses so that its gradient is handed on once the last arrives, needs no
 per-module call.
