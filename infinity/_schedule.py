@@ -47,8 +47,8 @@ Where every unit is always bound (`UnitRuntime.always_ready`: the parameters len
 model computes, and no all-gather: one rank, or stages 1 and 2), modules get no hooks (but a
 tiled module's post-hook, below): there is nothing to fetch, hold, predict or release, and the
 post-hooks' one remaining task, counting each unit's gradient uses so that its gradient is
-handed on once the last arrives, needs no per-module call. Every rank runs the same graph, so
-each hands its units on in the same order, and their reductions across ranks meet.
+handed on once the last arrives, needs no per-module call. Ranks that run the same graph hand
+their units on in the same order, so their reductions meet, as with counting calls.
 Autograd runs a parameter's post-accumulate hook once per backward graph task, after every
 use of it in the graph is summed (a module called twice, a weight tied to another module's),
 so a grad-enabled pass's root pre-hook sets each unit's uses to its hooked parameters; a
