@@ -134,20 +134,16 @@ class GradAccumulator:
         self._note(unit, acc)
         return True
 
-    def in_place(self, unit: ParamUnit, device: torch.device, whole: torch.Tensor | None = None) -> torch.Tensor | None:
+    def in_place(self, unit: ParamUnit, device: torch.device) -> torch.Tensor | None:
         """The tier's own tensor for ``unit``'s gradient, for backward to gather it in on
         ``device`` (`add` then copies nothing): where the tier keeps it there, one rank keeps
         it whole, and this is the step's first gradient of ``unit`` (a later one is added to
-        the sum there); else None. ``whole``: the unit's whole gradient (1-D fp32, padded
-        length) in a tensor the caller gives up, which then becomes the tier's tensor where
-        it can ([Note: gradient hand-over] in `_schedule`); the tensor to gather in either way."""
+        the sum there); else None."""
         if (self.dist is not None and self.dist.active) or unit.index in self.has_grad:
             return None
         if not self.store.in_place_on(device):
             return None
         dst, _ = self.store.landing(unit.name, torch.Size((unit.padded_numel,)), torch.float32)
-        if whole is not None and self.store.adopt(unit.name, whole):
-            return whole
         return dst
 
     # -- copies from the device: see [Note: gradients copied back] ----------------------------

@@ -39,6 +39,14 @@ def traffic(pool, name: str):
     return pool.traffic(name) if pool is not None else contextlib.nullcontext()
 
 
+def _own_fp32(grad: torch.Tensor, numel: int) -> bool:
+    """Whether ``grad`` is fp32 and all of its own memory, ``numel`` elements (not a view of a
+    larger tensor): the tensor a grads tier can take in place of its own ([Note: gradient
+    hand-over] in `_schedule`)."""
+    return (grad.dtype == torch.float32 and grad.is_contiguous() and grad.storage_offset() == 0
+            and grad.untyped_storage().nbytes() == numel * 4)  # fmt: skip
+
+
 class _UnitView:
     """A saved tensor that is a view of a unit's memory, kept by position, not by memory."""
 
@@ -277,7 +285,7 @@ class UnitRuntime:
         grad = param.grad
         if grad is None or unit.records[i].numel != unit.padded_numel or grad.device != self.device:
             return False
-        whole = self._whole_grad(unit, i, grad)
+        whole = grad.view(-1) if _own_fp32(grad, unit.padded_numel) else None
         with held_interrupts:
             if not self.grads.take_whole(unit, grad.reshape(-1), whole):
                 return False
@@ -297,31 +305,24 @@ class UnitRuntime:
     def _receive(self, unit: ParamUnit, i: int, *, grad: torch.Tensor | None = None, param=None) -> None:
         """``grad``, or ``param``'s ``.grad`` (taken from it), into the unit's gradient; the
         unit handed on when it was its last."""
-        # The parameter's gradient itself, where it can be the unit's (nothing else holds it)
-        whole = self._whole_grad(unit, i, param.grad) if param is not None else None
-        lease = self._grad_buffer(unit, whole)
+        lease = self._grad_buffer(unit)
         try:
             with held_interrupts:
                 if param is not None:
                     grad, param.grad = param.grad, None
-                final = self._gather_grad(unit, i, grad, lease, whole)
+                final = self._gather_grad(unit, i, grad, lease)
         except BaseException:
             self._unclaimed(unit, lease)
             raise
         if final:
             self.finish_unit_backward(unit)
 
-    def _grad_buffer(self, unit: ParamUnit, whole: torch.Tensor | None = None):
+    def _grad_buffer(self, unit: ParamUnit):
         """The pool buffer ``unit``'s gradient is gathered in, when it has none yet and one is
         needed (a CPU device with a pool: budgeted, and aligned so its write-behind is
-        direct; not where the tier is in memory and ``whole``, the unit's whole gradient, is
-        added to it from where it is); else None. It may wait for room: taken before anything
-        changes, so that an interrupt here leaves the gradient where it was."""
-        if unit.grad is not None or not self.grads_in_pool:
-            return None
-        if whole is not None and self.grads.store.in_place_on(self.device):
-            return None
-        if self.grads.in_place(unit, self.device) is None:
+        direct); else None. It may wait for room: taken before anything changes, so that an
+        interrupt here leaves the gradient where it was."""
+        if unit.grad is None and self.grads_in_pool and self.grads.in_place(unit, self.device) is None:
             return self.acquire(unit.padded_numel * 4)
         return None
 
@@ -331,11 +332,9 @@ class UnitRuntime:
         if lease is not None and unit.grad_lease is not lease:
             lease.release()
 
-    def _gather_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor | None, lease, whole=None) -> bool:
+    def _gather_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor | None, lease) -> bool:
         """Copy (the first) or add (the next ones) ``grad`` into the unit's gradient and count
-        the use; whether it was the unit's last. ``whole``: ``grad`` as the unit's whole
-        gradient, taken as it is where the unit has none yet and ``lease`` is None (see
-        `_whole_grad`). Runs with interrupts held: it never waits."""
+        the use; whether it was the unit's last. Runs with interrupts held: it never waits."""
         if unit.grad is None:
             # Not zeroed: each parameter's first gradient is copied in, later ones added,
             # and what none arrived for is zeroed when the unit is handed on.
@@ -343,15 +342,9 @@ class UnitRuntime:
                 unit.grad_lease = lease
                 unit.grad = lease.view(torch.float32, (unit.padded_numel,))
             else:  # the tier's own tensor where it can be (then `add` copies nothing), else a new one
-                unit.grad = self.grads.in_place(unit, self.device, whole)
-                if unit.grad is None:  # the gradient itself, where it is the unit's whole
-                    unit.grad = whole
+                unit.grad = self.grads.in_place(unit, self.device)
                 if unit.grad is None:
                     unit.grad = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
-                elif unit.grad is whole:  # taken as it is: nothing to copy
-                    unit.grad_seen = {i}
-                    unit.uses -= 1
-                    return unit.uses <= 0
             unit.grad_seen = set()
         r = unit.records[i]
         off, n = r.offset, r.numel
@@ -364,17 +357,6 @@ class UnitRuntime:
             unit.grad_seen.add(i)
         unit.uses -= 1
         return unit.uses <= 0
-
-    def _whole_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """``grad`` as the unit's whole 1-D fp32 gradient, where it is one (parameter ``i`` is
-        all of the unit, unpadded) in memory of its own on the compute device; else None."""
-        if grad is None or unit.records[i].numel != unit.padded_numel or grad.dtype != torch.float32:
-            return None
-        if grad.device != self.device or not grad.is_contiguous() or grad.storage_offset() != 0:
-            return None
-        if grad.untyped_storage().nbytes() != unit.padded_numel * 4:
-            return None  # a view of a larger tensor
-        return grad.view(-1)
 
     def finish_unit_backward(self, unit: ParamUnit) -> None:
         """``unit``'s gradient of this backward is whole (or the pass ends): handed on to the

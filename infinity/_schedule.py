@@ -76,15 +76,13 @@ tile's too: a gathered tiled parameter's gradient passes through it), every unit
 dropped, and a backward that never ended ended.
 
 A gradient that is all of its unit (a parameter alone in its unit, unpadded: a Linear without
-bias, a norm's weight) in memory of its own on the compute device is not copied at all: it
-becomes the unit's gradient as it is (`UnitRuntime._whole_grad`), and where the grads tier
-keeps gradients on that device and this is the step's first, the tier's tensor itself
-(`_store.Store.adopt`); a later micro-batch's is added to the sum from where autograd left it.
-Where a gradient is all of its unit and its last of the backward (a unit of one parameter,
-always) and the grads tier keeps gradients on its device, the hook takes the short way
-(`UnitRuntime._took_whole`): the tensor adopted as above, or cast into the tier's tensor (a
-bf16 gradient), or a later micro-batch's added to the sum there, its norm noted and the unit
-handed on, with nothing gathered in the unit: the values the long way gives, bit for bit.
+bias, a norm's weight) and its last of the backward (always, but where a unit's uses count a
+module twice), where the grads tier keeps gradients on its device, takes the short way
+(`UnitRuntime._took_whole`, `GradAccumulator.take_whole`): as the step's first, the tensor
+itself becomes the tier's tensor where it is fp32 in memory of its own (`_store.Store.adopt`:
+no copy), or is cast into the tier's tensor (a bf16 gradient); a later micro-batch's is added
+to the sum there from where autograd left it. Its norm is noted and the unit handed on, with
+nothing gathered in the unit: the values the long way gives, bit for bit.
 Autograd gives ``param.grad`` a tensor of its own (it steals the one it computed, or clones a
 shared one), which the hook takes: nothing else holds it.
 

@@ -164,11 +164,29 @@ def test_a_whole_unit_gradient_becomes_the_tier_s_tensor_without_a_copy(tmp_path
             engine.step()
             opt.step()
             opt.zero_grad()
-        got = engine.gathered_weights()
-        for name, p in plain.named_parameters():
-            torch.testing.assert_close(got[name], p.detach(), atol=1e-6, rtol=0)
+        _assert_weights_of(plain, engine, atol=1e-6)
     finally:
         engine.close()
+
+
+def _record_stored(engine) -> list[tuple[str, bool]]:
+    """(unit name, whether inside backward) of each gradient ``engine`` stores from here on:
+    every one goes through `GradAccumulator._note`."""
+    stored = []
+    note = engine.grads._note
+
+    def recording(unit, acc):
+        stored.append((unit.name, engine.scheduler.state is _schedule.TrainingState.BACKWARD))
+        note(unit, acc)
+
+    engine.grads._note = recording
+    return stored
+
+
+def _assert_weights_of(plain: nn.Module, engine, atol: float) -> None:
+    got = engine.gathered_weights()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), atol=atol, rtol=0)
 
 
 class _Shared(nn.Module):
@@ -210,14 +228,7 @@ def test_always_ready_units_are_handed_on_when_each_parameter_s_gradient_arrived
     plain = model()
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
     engine = infinity.initialize(model(), config(tmp_path, ("device",) * 3, optimizer={"overlap": True}))
-    handed = []  # (unit name, whether its gradient was stored inside backward)
-    note = engine.grads._note  # every gradient stored goes through it
-
-    def recording(unit, acc):
-        handed.append((unit.name, engine.scheduler.state is _schedule.TrainingState.BACKWARD))
-        note(unit, acc)
-
-    engine.grads._note = recording
+    handed = _record_stored(engine)
     try:
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in engine.module.modules()
                        if m is not engine.module)  # fmt: skip
@@ -235,9 +246,7 @@ def test_always_ready_units_are_handed_on_when_each_parameter_s_gradient_arrived
             engine.step()
             opt.step()
             opt.zero_grad()
-        got = engine.gathered_weights()
-        for name, p in plain.named_parameters():
-            torch.testing.assert_close(got[name], p.detach(), atol=1e-6, rtol=0)
+        _assert_weights_of(plain, engine, atol=1e-6)
     finally:
         engine.close()
 
@@ -256,14 +265,7 @@ def test_always_ready_tiles_are_handed_on_once_with_their_module_s_gradients(tmp
     engine = infinity.initialize(model(), cfg)
     plain = model()
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0)
-    stored = []
-    note = engine.grads._note
-
-    def recording(unit, acc):
-        stored.append(unit.name)
-        note(unit, acc)
-
-    engine.grads._note = recording
+    stored = _record_stored(engine)
     try:
         assert engine.scheduler.always_ready and engine.scheduler.tiled
         for step in range(3):
@@ -274,9 +276,7 @@ def test_always_ready_tiles_are_handed_on_once_with_their_module_s_gradients(tmp
             plain(ids).logsumexp(-1).mean().backward()
             opt.step()
             opt.zero_grad()
-            assert sorted(stored) == sorted(u.name for u in engine.units), stored
-        got = engine.gathered_weights()
-        for name, p in plain.named_parameters():
-            torch.testing.assert_close(got[name], p.detach(), atol=1e-4, rtol=0)
+            assert sorted(name for name, _ in stored) == sorted(u.name for u in engine.units), stored
+        _assert_weights_of(plain, engine, atol=1e-4)
     finally:
         engine.close()
