@@ -15,7 +15,7 @@ engine want it at once, for reasons of unequal urgency. The classes, as the pool
 - ``prefetch``: parameters of the next modules of the predicted order. Takes only room that
   is free now; given back first when a fetch finds none.
 - ``step``: the optimizer's sub-groups streamed through the update (read ahead, written behind).
-  The step runs alone; it plans its read-ahead to fit (`_update.fit_read_ahead`).
+  The step runs alone; the plan fits its read-ahead to the budget (`_update.fit_read_ahead`).
 - ``overlap``: the optimizer's early updates under backward ([Note: exact overlap]), within the
   plan's ``overlap`` share; they give way before held gradients.
 - ``grad``: backward's gradient buffers (needed now, as a fetch, but prefetches stay), the
@@ -49,15 +49,16 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 from infinity.swap import PoolExhausted
 
 from . import _overlap_host, _resources
 from ._bytes import group_bytes
+from ._grads import MAX_WRITES
 from ._overlap import MAX_IN_HAND
-from ._update import POOL_SLACK, READ_AHEAD
+from ._update import POOL_SLACK, READ_AHEAD, ReadAhead, fit_read_ahead, step_bytes
 
 logger = logging.getLogger("infinity")
 
@@ -80,7 +81,9 @@ class Plan:
     budget: int = 0
     usable: int = 0  # the budget less POOL_SLACK
     backward: int = 0  # forward and backward's own buffers at most (the activation share included)
-    step: int = 0  # the optimizer step's at most
+    step: int = 0  # what the optimizer step needs of the budget (its buffers, and the slack where tight)
+    read_ahead: ReadAhead = field(default_factory=ReadAhead)  # how far the step reads ahead
+    step_buffers: int = 0  # the step's own pool buffers at that read-ahead
     overlap_from: int | None = None  # the smallest budget with the optimizer under backward
     overlap: int = 0  # pool bytes the optimizer's early updates may hold (states on nvme)
     staging: int = 0  # host bytes of their staged copies (states in host memory), beside the pool
@@ -89,12 +92,6 @@ class Plan:
     kept: int = 0  # pool bytes in use up to which units stay kept for backward
     activation_chunk: int = 0  # bytes of one activation chunk (0: no activation tier in the pool)
     needs: dict = field(default_factory=dict)  # what initialize checked: what -> bytes
-
-    def reset(self, budget: int, usable: int) -> None:
-        """Every share back to its default, for a budget of ``budget`` (``usable`` of it)."""
-        fresh = Plan(budget=budget, usable=usable)
-        for f in fields(self):
-            setattr(self, f.name, getattr(fresh, f.name))
 
     @property
     def activations(self) -> int:
@@ -115,22 +112,22 @@ def activation_chunk(usable: int) -> int:
     return max(_PAGE, min(ACTIVATION_CHUNK, usable // (4 * ACTIVATION_CHUNKS)) // _PAGE * _PAGE)
 
 
-def make_plan(layout, cfg, *, activations_in_pool: bool, into: Plan | None = None) -> Plan:
+def make_plan(layout, cfg, *, activations_in_pool: bool) -> Plan:
     """The plan for the model and parts of ``layout`` (a `_layout.Layout`) and ``cfg``,
     checked: a budget smaller than forward and backward's or the step's need is a
     `_resources.HostBudgetError`. The disk may still turn the overlap off (``plan.overlap =
-    0``), after which `finish` sets the limits that depend on it. ``into``: the plan to fill
-    (the engine's, which its components were built with), else a new one."""
+    0``), after which `finish` sets the limits that depend on it. Reads ``layout``, changes
+    nothing of it: the components are made after, with the finished plan."""
     budget = cfg.memory.host_budget
-    plan = into if into is not None else Plan()
-    plan.reset(budget, int(budget * (1 - POOL_SLACK)))
+    plan = Plan(budget=budget, usable=int(budget * (1 - POOL_SLACK)))
     largest = max(u.padded_numel for u in layout.units)
-    opt = layout.optimizer
-    needs = {"optimizer step": opt.fit_read_ahead(budget)}
+    plan.read_ahead, step_need = fit_read_ahead(layout, budget)
+    plan.step_buffers = step_bytes(layout, plan.read_ahead)
+    needs = {"optimizer step": step_need}
     backward = 0
     if layout.param_store.uses_pool:  # a unit in use, `depth` prefetched, gradients gathered
         itemsize = layout.dtype.itemsize
-        backward = ((cfg.prefetch.depth + 1) * itemsize + (layout.grads.max_writes + 1) * 4) * largest
+        backward = ((cfg.prefetch.depth + 1) * itemsize + (MAX_WRITES + 1) * 4) * largest
     if activations_in_pool:  # see [Note: activations offloaded] in `_activations`
         plan.activation_chunk = activation_chunk(plan.usable)
         backward += plan.activations
@@ -142,7 +139,7 @@ def make_plan(layout, cfg, *, activations_in_pool: bool, into: Plan | None = Non
     plan.overlap = _fit_overlap(layout, cfg, plan)
     # Host bytes for the early updates' staged copies where the states are in host memory:
     # what the usable budget leaves beside the backward's buffers and the step's own.
-    room = plan.usable - max(backward, opt.host_bytes_needed())
+    room = plan.usable - max(backward, plan.step_buffers)
     plan.staging = _overlap_host.fit(layout, cfg, room) if not plan.overlap else 0
     return plan
 
@@ -151,7 +148,7 @@ def finish(plan: Plan, layout) -> None:
     """The shares that depend on whether the optimizer runs under backward: held gradients,
     what the step leaves held, kept units."""
     plan.held = _held(plan, layout)
-    plan.step_holds = max(0, plan.usable - layout.optimizer.host_bytes_needed())
+    plan.step_holds = max(0, plan.usable - plan.step_buffers)
     if plan.overlap:  # kept units turn into gradients as backward uses them: the held room
         plan.kept = plan.backward + plan.held if plan.held else 0
     else:  # staged copies in host memory are beside the pool, in the same budget
@@ -165,28 +162,28 @@ def _held(plan: Plan, layout) -> int:
     backward, what its share leaves beside the most it holds at once (`MAX_IN_HAND` sub-groups).
     Nothing where the grads are not on nvme. On a GPU they are held as they land from the
     device ([Note: gradients copied back])."""
-    if not layout.grads.store.uses_pool or plan.staging:
+    if not layout.grad_store.uses_pool or plan.staging:
         return 0  # (staged copies in host memory take the room held gradients would)
-    opt = layout.optimizer
+    st = layout.states
     if plan.overlap:
-        in_hand = MAX_IN_HAND * max(group_bytes(opt, g) for g in opt.groups)
+        in_hand = MAX_IN_HAND * max(group_bytes(st, g) for g in st.groups)
         return max(0, plan.overlap - in_hand)
-    return max(0, plan.usable - max(plan.backward, opt.host_bytes_needed()))
+    return max(0, plan.usable - max(plan.backward, plan.step_buffers))
 
 
 def _overlap_applies(layout, cfg) -> bool:
     """Whether the optimizer can run under backward at all, whatever the budget (see
     [Note: exact overlap] in `_overlap`)."""
-    opt = layout.optimizer
-    return bool(cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and opt.states["master"].uses_pool
-                and layout.param_store.uses_pool and not opt.gather_params)  # fmt: skip
+    st = layout.states
+    return bool(cfg.optimizer.overlap and st.groups and st.algorithm.name != "torch" and st.stores["master"].uses_pool
+                and layout.param_store.uses_pool and not st.gather_params)  # fmt: skip
 
 
 def _room_beside_backward(layout, budget: int, backward_bytes: int) -> int:
     """Pool bytes ``budget`` leaves beside the backward: its own buffers (planned, as the
     step's read-ahead, POOL_SLACK short of the budget) and one sub-group's gradients kept
     in memory."""
-    largest = max(g.numel for g in layout.optimizer.groups)
+    largest = max(g.numel for g in layout.states.groups)
     return int(budget * (1 - POOL_SLACK)) - backward_bytes - 4 * largest
 
 
@@ -196,9 +193,9 @@ def _overlap_from(layout, cfg, backward_bytes: int) -> int | None:
     its full `READ_AHEAD`, so that is what the room must hold."""
     if not _overlap_applies(layout, cfg):
         return None
-    opt = layout.optimizer
-    step = max(opt.host_bytes_needed(ahead=READ_AHEAD), min(group_bytes(opt, g) for g in opt.groups))
-    largest = max(g.numel for g in opt.groups)
+    st = layout.states
+    step = max(step_bytes(layout, READ_AHEAD), min(group_bytes(st, g) for g in st.groups))
+    largest = max(g.numel for g in st.groups)
     budget = math.ceil((step + backward_bytes + 4 * largest) / (1 - POOL_SLACK))
     while _room_beside_backward(layout, budget, backward_bytes) < step:  # float rounding: a byte or two
         budget += 1
@@ -211,14 +208,14 @@ def _fit_overlap(layout, cfg, plan: Plan) -> int:
     backward's own buffers and one sub-group's gradients kept in memory."""
     if not _overlap_applies(layout, cfg):
         return 0
-    opt = layout.optimizer
+    st = layout.states
     # Only with room to spare: what the budget leaves beside the backward must hold at least
     # what the step itself plans for. The pool places buffers first-fit in slabs; early
     # updates cut them into their own sizes, and under a tight budget the backward or the
     # step then found no contiguous room (the 25M demo at 46MiB, whose step plans 39MiB:
     # waits of seconds, and once the pool's 60 s timeout).
     room = _room_beside_backward(layout, cfg.memory.host_budget, plan.backward)
-    if room < plan.step or room < min(group_bytes(opt, g) for g in opt.groups):
+    if room < plan.step or room < min(group_bytes(st, g) for g in st.groups):
         have, step, want = _resources.distinct_sizes(max(room, 0), plan.step, plan.overlap_from)
         logger.info("optimizer.overlap: memory.host_budget leaves %s beside the backward, less than the %s the "
                     "optimizer step plans for; the optimizer runs after backward (a host_budget of %s or more "

@@ -217,8 +217,7 @@ def _measure(layout, cfg: TierConfig, disk_free: list[int], paths: list[str]) ->
     if plan.overlap and plan.held:
         moves = plan_at(plan.budget, cfg.replace(optimizer={"overlap": False}))
         _admission.finish(moves, layout)
-        plan_at(plan.budget)  # the optimizer's read-ahead as the run's plan set it
-    opt = layout.optimizer
+    st = layout.states
     shard = sum(u.shard_numel for u in units)
     full = sum(u.padded_numel for u in units)
     trainable = [u for u in units if u.trainable]
@@ -227,16 +226,16 @@ def _measure(layout, cfg: TierConfig, disk_free: list[int], paths: list[str]) ->
     # From the first step on, fp32 parameters resident beside the master weights are them
     # ([Note: one copy of the fp32 weights] in `_onecopy`; counted in the params tier), unless
     # the overlap stages copies in host memory.
-    shares = opt.substates.may_share() and not plan.staging
-    shared = sum(g.record.nbytes("master") for g in opt.groups) if shares else 0
+    shares = st.may_share() and not plan.staging
+    shared = sum(g.record.nbytes("master") for g in st.groups) if shares else 0
     return {
-        "params": sum(p.numel() for p in params), "units": len(units), "sub_groups": len(opt.groups),
+        "params": sum(p.numel() for p in params), "units": len(units), "sub_groups": len(st.groups),
         "floor": floor, "floor_what": what, "budget_ok": plan.budget == budget, "overlap_from": plan.overlap_from,
         "plan": plan, "moves": moves, "footprint": fp, "refused": refused, "on_nvme": _on_nvme(layout),
-        "resident": {"params": (full if opt.gather_params else shard) * layout.dtype.itemsize, "grads": grad_numel * 4,
-                     "optimizer": sum(g.record.state_bytes(opt.kinds) for g in opt.groups) - shared},
+        "resident": {"params": (full if st.gather_params else shard) * layout.dtype.itemsize, "grads": grad_numel * 4,
+                     "optimizer": sum(g.record.state_bytes(st.kinds) for g in st.groups) - shared},
         "step": _step_bytes(layout, units), "grad_bytes": grad_numel * 4,
-        "param_bytes": sum(opt.record(u).nbytes("param") for u in units),
+        "param_bytes": sum(st.record(u).nbytes("param") for u in units),
     }  # fmt: skip
 
 
@@ -273,23 +272,23 @@ def _step_bytes(layout, units) -> dict[str, dict[str, int]]:
     ["by_kind"]` counts them (read and written together): "floor" with every unit kept for
     backward and every gradient held for the step, "most" with none; see docs/architecture.md
     "The bytes of a step"."""
-    opt = layout.optimizer
+    st = layout.states
     floor, most = {}, {}
     trainable = [u for u in units if u.trainable]
     if layout.param_store.tier == "nvme":
-        param = sum(opt.record(u).nbytes("param") for u in units)
-        written = sum(opt.record(u).nbytes("param") for u in trainable) if not opt.one_copy else 0
+        param = sum(st.record(u).nbytes("param") for u in units)
+        written = sum(st.record(u).nbytes("param") for u in trainable) if not st.one_copy else 0
         floor["param"] = param + written  # read for forward; the new parameters written
         most["param"] = 2 * param + written  # read again for backward
-    if layout.grads.store.tier == "nvme":
+    if layout.grad_store.tier == "nvme":
         grads = sum(4 * (u.padded_numel if layout.grads_full else u.shard_numel) for u in trainable)
         floor["grad"], most["grad"] = 0, 2 * grads  # written in backward, read by the step
-    if opt.states["master"].tier == "nvme":
-        for k in opt.kinds:
-            if k == "master" and opt.one_copy:  # the parameters: read for the update, written once
-                n = 2 * sum(opt.record(u).nbytes("param") for u in trainable)
+    if st.stores["master"].tier == "nvme":
+        for k in st.kinds:
+            if k == "master" and st.one_copy:  # the parameters: read for the update, written once
+                n = 2 * sum(st.record(u).nbytes("param") for u in trainable)
             else:
-                n = 2 * sum(g.record.nbytes(k) for g in opt.groups)
+                n = 2 * sum(g.record.nbytes(k) for g in st.groups)
             floor[k] = most[k] = n
     return {"floor": floor, "most": most}
 

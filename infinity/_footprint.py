@@ -131,9 +131,9 @@ def plan(layout, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
         state = [a + b for a, b in zip(state, drives.add(n))]
     staging = [0] * drives.members
     if overlap or staged_params:
-        opt = layout.optimizer
-        for sg in opt.groups:
-            sizes = _bytes.staged_tensors(opt, sg) if overlap else _bytes.staged_params(opt, sg)
+        st = layout.states
+        for sg in st.groups:
+            sizes = _bytes.staged_tensors(st, sg) if overlap else _bytes.staged_params(st, sg)
             for n in sizes:
                 staging = [a + b for a, b in zip(staging, drives.add(n))]
     arenas = space.arena_sizes()

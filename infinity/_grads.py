@@ -61,8 +61,11 @@ from ._store import InHand, Lease, Store
 from ._units import ParamUnit
 
 
+MAX_WRITES = 2  # gradients written behind at once (the memory plan counts their buffers: `_admission`)
+
+
 class GradAccumulator:
-    def __init__(self, store: Store, transport=None, grads_full: bool = False, max_writes: int = 2, copier=None,
+    def __init__(self, store: Store, transport=None, grads_full: bool = False, max_writes: int = MAX_WRITES, copier=None,
                  plan=None):  # fmt: skip
         self.store = store
         self.transport = transport  # _transport.Transport; collectives only when it has several ranks
@@ -75,7 +78,7 @@ class GradAccumulator:
         self._kept: dict[int, tuple[torch.Tensor, object]] = {}  # unit -> (gradient, its buffer)
         self._writes = WriteBehind(max_writes)  # keyed by unit index
         # Gradients held in memory, not written: see [Note: gradients held]. ``plan``: the
-        # engine's `_admission.Plan`, whose ``held`` bounds them (filled in at initialize).
+        # engine's `_admission.Plan`, whose ``held`` bounds them.
         self.held = HeldGrads(store, self._writes, plan, self.has_grad)
         # Copies from the device in flight: see [Note: gradients copied back]. Oldest first.
         self.copier = copier  # `_transport.Copies` on a GPU (its `start`)

@@ -1,12 +1,13 @@
 """What the host budget's plan, the disk footprint and the estimate are computed from.
 
 Owns nothing: `Layout` names the parts of an engine that exist before any tensor is written
-(its units, the stores, the gradient accumulator, the optimizer with its sub-groups and state
-records, the swap space, the ranks), so that `_admission.make_plan` and `finish`,
-`_footprint.plan` and `fit`, `_overlap_host.fit`, `_bytes.state_tensors` and the estimate read
-those and nothing else, not an `Engine` still being built. `Engine._setup` makes it once,
-after the optimizer, and hands it to `Engine._check_memory`, which the estimate's dry engine
-replaces ([Note: estimate from the engine's own plan] in `_estimate`).
+and before the components that run with the plan are made: its units, the stores, the
+sub-groups and their state records (`_substates.SubGroupStates`), the transport, the swap
+space, the ranks. `_admission.make_plan` and `finish`, `_footprint.plan` and `fit`,
+`_overlap_host.fit`, `_update.step_bytes`, `_bytes.state_tensors` and the estimate read those
+and nothing else. `Engine._setup` makes it once and hands it to `Engine._check_memory` (which
+the estimate's dry engine replaces: [Note: estimate from the engine's own plan] in
+`_estimate`), then makes the gradient accumulator and the optimizer with the plan it returns.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ if TYPE_CHECKING:
     from infinity.swap import SwapSpace
 
     from ._dist import Dist
-    from ._grads import GradAccumulator
-    from ._optim import Optimizer
     from ._store import Store
+    from ._substates import SubGroupStates
+    from ._transport import Transport
     from ._units import ParamUnit
 
 
@@ -32,8 +33,9 @@ class Layout:
     device: torch.device  # where the model computes
     dtype: torch.dtype  # precision.param_dtype
     param_store: Store
-    grads: GradAccumulator
-    optimizer: Optimizer
+    grad_store: Store
+    states: SubGroupStates  # the optimizer's sub-groups, state stores and records
+    transport: Transport  # what says whether the step stages its copies (`_update.step_bytes`)
     space: SwapSpace | None  # the swap space, where a tier is on nvme
     dist: Dist
     grads_full: bool  # ZeRO stage 1 over several ranks: each rank keeps the whole gradient

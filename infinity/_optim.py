@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._algorithms import Algorithm
 from ._grads import GradAccumulator
-from ._store import Store
 from ._substates import SubGroupStates
 from ._update import StreamedUpdate
 
@@ -30,20 +28,19 @@ class Optimizer(torch.optim.Optimizer):
 
     _infinity_engine_optimizer = True  # its step is the engine's (see engine._refuse_foreign_step)
 
-    def __init__(self, algorithm: Algorithm, param_groups: list[dict], defaults: dict, *, units, groups,
-                 states: dict[str, Store], param_store: Store, grads: GradAccumulator, max_grad_norm,
-                 param_dtype: torch.dtype, engine_step, engine_zero_grad, dist=None, params_sharded: bool = True,
-                 foreign=None, one_copy: bool = False, plan=None):  # fmt: skip
+    def __init__(self, substates: SubGroupStates, defaults: dict, *, grads: GradAccumulator, max_grad_norm,
+                 engine_step, engine_zero_grad, plan=None):  # fmt: skip
+        """``substates``: the sub-groups' states, made with this optimizer's parameter groups
+        (`_algorithms.resolve`'s), which torch's constructor completes in place; ``plan``: the
+        engine's `_admission.Plan`, made before this (the step's read-ahead, its held gradients)."""
         self._ready = False
-        if foreign is not None and dist is not None and dist.active:
-            raise ValueError(f"optimizer {type(foreign).__name__}: the engine runs a torch optimizer it does not "
-                             "implement itself only with one rank (every tier on the device)")  # fmt: skip
-        super().__init__(param_groups, defaults)
-        self.algorithm = algorithm
-        self.substates = SubGroupStates(algorithm, self.param_groups, units=units, groups=groups, stores=states,
-                                        param_store=param_store, param_dtype=param_dtype, dist=dist,
-                                        params_sharded=params_sharded, foreign=foreign, one_copy=one_copy)  # fmt: skip
-        self.updater = StreamedUpdate(self.substates, self.param_groups, grads, max_grad_norm, plan)
+        super().__init__(substates.param_groups, defaults)
+        # One list of groups: torch's constructor filled in each of the same dicts (LR
+        # schedulers change them in place) but keeps them in a list of its own.
+        self.param_groups = substates.param_groups
+        self.algorithm = substates.algorithm
+        self.substates = substates
+        self.updater = StreamedUpdate(substates, self.param_groups, grads, max_grad_norm, plan)
         # What the rest of the engine reads of them, fixed at initialize (the objects are shared).
         sub = self.substates
         self.units, self.frozen = sub.units, sub.frozen
@@ -51,7 +48,7 @@ class Optimizer(torch.optim.Optimizer):
         self.states = sub.stores  # kind -> Store, all in the optimizer tier: algorithm.kind_names
         self.param_store, self.param_dtype, self.device = sub.param_store, sub.param_dtype, sub.device
         self.gather_params, self.steps, self.foreign = sub.gather_params, sub.steps, sub.foreign
-        self.one_copy = one_copy  # the parameters are the master weights: [Note: one copy of the fp32 weights]
+        self.one_copy = sub.one_copy  # the parameters are the master weights: [Note: one copy of the fp32 weights]
         self.grads = grads
         self._engine_step = engine_step  # the engine's: what step() and zero_grad() run
         self._engine_zero_grad = engine_zero_grad
@@ -139,7 +136,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def record(self, unit):
         """``unit``'s `_substates.StateRecord`: its keys and byte sizes ([Note: state keys])."""
-        return self.substates.records[unit.index]
+        return self.substates.record(unit)
 
     def init_state(self, prepare=None, done=None) -> None:
         """See `SubGroupStates.init_state`."""
@@ -157,21 +154,13 @@ class Optimizer(torch.optim.Optimizer):
         """See `StreamedUpdate.apply` (what the overlap runs early)."""
         self.updater.apply(index, master, states, grads, divide, steps, first)
 
-    def host_bytes_needed(self, ahead: int | None = None) -> int:
-        """See `StreamedUpdate.host_bytes_needed`."""
-        return self.updater.host_bytes_needed(ahead)
-
-    def fit_read_ahead(self, budget: int) -> int:
-        """See `StreamedUpdate.fit_read_ahead`."""
-        return self.updater.fit_read_ahead(budget)
-
     # What the engine sets and reads between steps, kept by the update.
     clip_next = property(lambda self: self.updater.clip_next, lambda self, v: setattr(self.updater, "clip_next", v),
                          doc="Clip the next step to this (`Engine.clip_grad_norm_`), then forget it.")  # fmt: skip
     clipped_last = property(lambda self: self.updater.clipped_last, doc="Whether the last step clipped.")
     max_grad_norm = property(lambda self: self.updater.max_grad_norm, doc="Clip every step to this (the config's).")
-    ahead = property(lambda self: self.updater.ahead, doc="Sub-groups the step reads ahead.")
-    ahead_bytes = property(lambda self: self.updater.ahead_bytes, doc="Bytes the step reads ahead (None: by count).")
+    read_ahead = property(lambda self: self.updater.plan.read_ahead,
+                          doc="How far the step reads ahead (`_update.ReadAhead`), as the memory plan fitted it.")  # fmt: skip
 
 
 def _json_group(group: dict) -> dict:

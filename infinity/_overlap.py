@@ -297,8 +297,8 @@ class OnDisk:
         self.disk_room = disk_room
         self.on_disk_full = on_disk_full
         members = len(space.rank_dirs) if space is not None else 1
-        self._disk = {sg.index: staged_disk_bytes(optimizer, sg, members) for sg in optimizer.groups}
-        self._bytes = {sg.index: group_bytes(optimizer, sg) for sg in optimizer.groups}
+        self._disk = {sg.index: staged_disk_bytes(optimizer.substates, sg, members) for sg in optimizer.groups}
+        self._bytes = {sg.index: group_bytes(optimizer.substates, sg) for sg in optimizer.groups}
         self._writes = WriteBehind(MAX_IN_HAND)  # keyed by sub-group
         self._reading: collections.deque[_Early] = collections.deque()
         self._computing: collections.deque[_Early] = collections.deque()  # read, their kernels on the worker

@@ -54,10 +54,10 @@ def applies(layout, cfg) -> bool:
     algorithm of ours (a torch optimizer steps all at once), and no all-gather of the new
     parameters (stages 1 and 2 over several ranks: a collective at a point that differs across
     ranks, as for nvme). With ``overlap = "auto"`` also where it can gain (`gains`)."""
-    opt = layout.optimizer
-    master = opt.states["master"]
-    possible = bool(cfg.optimizer.overlap and opt.groups and opt.kind != "torch" and not master.uses_pool
-                    and master.in_place_on(torch.device("cpu")) and not opt.gather_params)  # fmt: skip
+    st = layout.states
+    master = st.stores["master"]
+    possible = bool(cfg.optimizer.overlap and st.groups and st.algorithm.name != "torch" and not master.uses_pool
+                    and master.in_place_on(torch.device("cpu")) and not st.gather_params)  # fmt: skip
     return possible and (cfg.optimizer.overlap is True or gains(layout.device, cfg))
 
 
@@ -88,8 +88,8 @@ def fit(layout, cfg, room: int) -> int:
     reads, where they are on nvme; `_admission.make_plan`), if it holds one sub-group's."""
     if not applies(layout, cfg):
         return 0
-    opt = layout.optimizer
-    smallest = min(host_staged_bytes(opt, g) for g in opt.groups)
+    st = layout.states
+    smallest = min(host_staged_bytes(st, g) for g in st.groups)
     if room < smallest:
         logger.info("optimizer.overlap: memory.host_budget leaves %d bytes beside the backward, less than one "
                     "sub-group's staged states (%d); the optimizer runs after backward", max(room, 0), smallest)  # fmt: skip

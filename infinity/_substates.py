@@ -130,6 +130,9 @@ class SubGroupStates:
     def __init__(self, algorithm: Algorithm, param_groups: list[dict], *, units, groups, stores: dict[str, Store],
                  param_store: Store, param_dtype: torch.dtype, dist=None, params_sharded: bool = True,
                  foreign=None, one_copy: bool = False):  # fmt: skip
+        if foreign is not None and dist is not None and dist.active:
+            raise ValueError(f"optimizer {type(foreign).__name__}: the engine runs a torch optimizer it does not "
+                             "implement itself only with one rank (every tier on the device)")  # fmt: skip
         self.algorithm = algorithm
         self.param_groups = param_groups
         self.units = units
@@ -170,6 +173,10 @@ class SubGroupStates:
     def kinds(self) -> tuple[str, ...]:
         """The state kinds stored per sub-group: "master" and the algorithm's own."""
         return self.algorithm.kind_names
+
+    def record(self, unit) -> StateRecord:
+        """``unit``'s state record: its keys and byte sizes ([Note: state keys])."""
+        return self.records[unit.index]
 
     def _map_slices(self) -> list[dict[int, list]]:
         where = holders(self.units)  # id(param) -> [(unit, index in the unit)]: a tiled one's every tile

@@ -3,7 +3,8 @@
 Owns: the update of one step (clipping, the commit of the overlap's early updates, the stream
 of the sub-groups that are left), the read of each sub-group's gradients ahead of its update,
 the kernel calls (one per parameter group, with that group's hyperparameters as they are now),
-and how far the stream reads ahead in the host budget (`StreamedUpdate.fit_read_ahead`).
+and the pool bytes it holds (`step_bytes`) at the read-ahead the host budget allows (`fit_read_ahead`,
+which the memory plan calls: `_admission`).
 Touches: the grads (their norm, their reads), the sub-group states (`_substates`: stores, step
 counts, new parameters), the algorithm (`_algorithms`: its kernel), the overlap (`_overlap`).
 
@@ -25,7 +26,7 @@ an event: the next forward's kernels run after the copies, and the host waits fo
 staging buffer goes back to the pool only once its copy's event is done; before a sub-group's
 parameters are staged the previous one's copies are drained (done by then: the kernel ran in
 between), so the step holds at most two sub-groups' gradients and one's parameters in the pool
-(`host_bytes_needed`). On the host (no GPU) the kernel reads the gradients where they are and
+(`step_bytes`). On the host (no GPU) the kernel reads the gradients where they are and
 nothing is staged. Every copy is counted ([Note: every copy counted] in `_transport`), and the
 resident tiers' bytes the update reads and writes are counted by kind in their tier.
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
@@ -49,8 +51,17 @@ from ._grads import GradAccumulator
 from ._store import InHand, Lease, release_unused, stream_together
 from ._substates import SubGroup, SubGroupStates
 
-READ_AHEAD = 3  # sub-groups; see StreamedUpdate.fit_read_ahead
+READ_AHEAD = 3  # sub-groups; see fit_read_ahead
 POOL_SLACK = 0.15  # of the host budget the read-ahead does not plan for; see fit_read_ahead
+
+
+@dataclass(frozen=True)
+class ReadAhead:
+    """How far the step's stream reads ahead: ``count`` sub-groups, and (where not None) at
+    most ``bytes`` of them, so that one large sub-group holds back only itself."""
+
+    count: int = READ_AHEAD
+    bytes: int | None = None
 
 
 class StreamedUpdate:
@@ -60,15 +71,15 @@ class StreamedUpdate:
     def __init__(self, substates: SubGroupStates, param_groups: list[dict], grads: GradAccumulator, max_grad_norm,
                  plan=None):  # fmt: skip
         self.substates = substates
-        self.plan = plan  # `_admission.Plan`, the engine's: ``step_holds``, the gradients the stream leaves held
+        # `_admission.Plan`, the engine's: its ``read_ahead``, and ``step_holds``, the gradients
+        # the stream leaves held (None: the default read-ahead, nothing held)
+        self.plan = plan
         self.algorithm = substates.algorithm
         self.param_groups = param_groups
         self.grads = grads
         self.max_grad_norm = max_grad_norm  # clip every step to this (the config's)
         self.clip_next: float | None = None  # clip the next step to this (Engine.clip_grad_norm_)
         self.clipped_last = False  # the last step clipped (early updates would be discarded)
-        self.ahead = READ_AHEAD
-        self.ahead_bytes: int | None = None  # read-ahead by bytes too (see fit_read_ahead)
         self.transport = grads.transport  # `_transport.Transport`: the copies ([Note: every copy counted])
         self.stats = getattr(self.transport, "stats", None)  # `_stats.Stats`, or None (nothing counted)
 
@@ -77,9 +88,7 @@ class StreamedUpdate:
     def stages_grads(self) -> bool:
         """Whether the gradients come to the host kernel by copies from a GPU into pinned pool
         buffers ([Note: the host step on a GPU])."""
-        store = self.grads.store
-        return (self.transport is not None and not store.uses_pool
-                and self.transport.stages(store.device, self.substates.device))  # fmt: skip
+        return stages_grads(self.transport, self.grads.store, self.substates)
 
     @property
     def stages_params(self) -> bool:
@@ -128,8 +137,9 @@ class StreamedUpdate:
             # The next sub-group's gradients are read while this one is updated.
             grads_next = self._read_grads(groups[0]) if groups else None
             stores = [st.stores[k] for k in st.kinds]
-            items = stream_together(stores, [g.record.name_for() for g in groups], ahead=self.ahead,
-                                    ahead_bytes=self.ahead_bytes)  # fmt: skip
+            ahead = self.plan.read_ahead if self.plan is not None else ReadAhead()
+            items = stream_together(stores, [g.record.name_for() for g in groups], ahead=ahead.count,
+                                    ahead_bytes=ahead.bytes)  # fmt: skip
             # Iterate the stream itself (not a zip with the groups, which would stop without
             # resuming the generator after its last item, and so skip that item's write-back).
             for i, item in enumerate(items):
@@ -288,62 +298,70 @@ class StreamedUpdate:
             for shadow in used:
                 shadow.grad = None
 
-    # -- host memory ------------------------------------------------------------------------
-    def _largest_state(self, rounded: bool) -> int:
-        """Bytes of the largest sub-group's state, every kind (each rounded to whole pages of
-        the pool where ``rounded``)."""
-        st = self.substates
-        size = round_up if rounded else int
-        return max(sum(size(g.record.nbytes(k)) for k in st.kinds) for g in st.groups)
 
-    def host_bytes_needed(self, ahead: int | None = None) -> int:
-        """Pool bytes the update holds at most: the stream's sub-groups (read ahead: ``ahead``
-        of the largest, the one given or else this optimizer's, or ``ahead_bytes``; one in hand,
-        one written behind), the gradients of one sub-group and the next one's, and three
-        parameter write-behinds (copies; none with one copy of the fp32 weights, where the
-        master weights' write is theirs); each only where its store uses the pool. On a GPU
-        with the states on the host, the gradients staged from the device (two sub-groups') and
-        one sub-group's new parameters staged to it ([Note: the host step on a GPU])."""
-        st = self.substates
-        if not st.groups:
-            return 0
-        # Each buffer takes whole pages of the pool: counted so, small units are not free.
-        need = 0
-        if st.stores["master"].uses_pool:
-            state = self._largest_state(rounded=True)
-            if ahead is None and self.ahead_bytes is not None:
-                need += 2 * state + self.ahead_bytes
-            else:
-                need += (2 + (self.ahead if ahead is None else ahead)) * state
-        if self.grads.store.uses_pool or self.stages_grads:  # one buffer per unit
-            need += 2 * max(sum(round_up(4 * u.shard_numel) for u in g.units) for g in st.groups)
-        if st.param_store.uses_pool and not st.one_copy:
-            need += 3 * max(round_up(st.param_dtype.itemsize * u.shard_numel) for u in st.units)
-        if self.stages_params:  # one sub-group's staged parameters ([Note: the host step on a GPU])
-            need += max(sum(round_up(st.param_dtype.itemsize * u.shard_numel) for u in g.units) for g in st.groups)
-        return need
+def stages_grads(transport, grad_store, states: SubGroupStates) -> bool:
+    """Whether the gradients come to the host kernel by copies from a GPU into pinned pool
+    buffers ([Note: the host step on a GPU])."""
+    return transport is not None and not grad_store.uses_pool and transport.stages(grad_store.device, states.device)
 
-    def fit_read_ahead(self, budget: int) -> int:
-        """Read as many sub-groups ahead as ``budget`` allows, up to `READ_AHEAD` (3 measured
-        best here: step time over the I/O floor 1.3 at 1, 1.2 at 2, 1.0-1.1 at 3;
-        benchmarks/engine_bench.py), counted in bytes when the sub-groups differ in size: one
-        vocabulary-sized sub-group (an embedding alone) then holds back only itself, not the
-        read-ahead of every other. At least one ahead; returns the pool bytes the update then
-        needs."""
-        # The read-ahead leaves POOL_SLACK of the budget unplanned: the pool places buffers
-        # first-fit in slabs, and a stream planned to the last byte found no contiguous room
-        # for its next read once other users had cut the slabs (the 25M demo at 46MiB, planned
-        # at 45.1MiB, waited out the pool's timeout). At least one ahead whatever the slack.
-        usable = int(budget * (1 - POOL_SLACK))
-        self.ahead, self.ahead_bytes = READ_AHEAD, None
-        if self.host_bytes_needed() <= usable or not self.substates.groups:
-            return self.host_bytes_needed()
-        largest_state = self._largest_state(rounded=False)
-        self.ahead_bytes = largest_state  # one of the largest ahead, at least
-        spare = usable - self.host_bytes_needed()
-        if spare > 0:
-            self.ahead_bytes += min(spare, (READ_AHEAD - 1) * largest_state)
-        # The slack is part of what the budget must hold: planned to the last byte, the pool
-        # ran out of contiguous room (a step at exactly this figure without it waited out the
-        # pool's timeout: tests/infinity/test_resources.py).
-        return math.ceil(self.host_bytes_needed() / (1 - POOL_SLACK))
+
+# -- host memory: what the memory plan reads (`_admission.make_plan`) ------------------------
+def _largest_state(states: SubGroupStates, rounded: bool) -> int:
+    """Bytes of the largest sub-group's state, every kind (each rounded to whole pages of the
+    pool where ``rounded``)."""
+    size = round_up if rounded else int
+    return max(sum(size(g.record.nbytes(k)) for k in states.kinds) for g in states.groups)
+
+
+def step_bytes(layout, ahead: ReadAhead | int) -> int:
+    """Pool bytes the update of ``layout`` (a `_layout.Layout`) holds at most, reading
+    ``ahead`` (a `ReadAhead`, or a count of the largest sub-group): the stream's sub-groups
+    (read ahead, one in hand, one written behind), the gradients of one sub-group and the
+    next one's, and three parameter write-behinds (copies; none with one copy of the fp32
+    weights, where the master weights' write is theirs); each only where its store uses the
+    pool. On a GPU with the states on the host, the gradients staged from the device (two
+    sub-groups') and one sub-group's new parameters staged to it ([Note: the host step on a
+    GPU])."""
+    st = layout.states
+    if not st.groups:
+        return 0
+    if isinstance(ahead, int):
+        ahead = ReadAhead(ahead)
+    # Each buffer takes whole pages of the pool: counted so, small units are not free.
+    need = 0
+    if st.stores["master"].uses_pool:
+        state = _largest_state(st, rounded=True)
+        need += 2 * state + (ahead.bytes if ahead.bytes is not None else ahead.count * state)
+    if layout.grad_store.uses_pool or stages_grads(layout.transport, layout.grad_store, st):  # one buffer per unit
+        need += 2 * max(sum(round_up(4 * u.shard_numel) for u in g.units) for g in st.groups)
+    if st.param_store.uses_pool and not st.one_copy:
+        need += 3 * max(round_up(st.param_dtype.itemsize * u.shard_numel) for u in st.units)
+    if st.stages_params(layout.transport):  # one sub-group's staged parameters ([Note: the host step on a GPU])
+        need += max(sum(round_up(st.param_dtype.itemsize * u.shard_numel) for u in g.units) for g in st.groups)
+    return need
+
+
+def fit_read_ahead(layout, budget: int) -> tuple[ReadAhead, int]:
+    """How far the step of ``layout`` reads ahead in ``budget``, and the pool bytes it then
+    needs: as many sub-groups as ``budget`` allows, up to `READ_AHEAD` (3 measured best here:
+    step time over the I/O floor 1.3 at 1, 1.2 at 2, 1.0-1.1 at 3; benchmarks/engine_bench.py),
+    counted in bytes when the sub-groups differ in size: one vocabulary-sized sub-group (an
+    embedding alone) then holds back only itself, not the read-ahead of every other. At least
+    one ahead."""
+    # The read-ahead leaves POOL_SLACK of the budget unplanned: the pool places buffers
+    # first-fit in slabs, and a stream planned to the last byte found no contiguous room
+    # for its next read once other users had cut the slabs (the 25M demo at 46MiB, planned
+    # at 45.1MiB, waited out the pool's timeout). At least one ahead whatever the slack.
+    usable = int(budget * (1 - POOL_SLACK))
+    full = ReadAhead()
+    need = step_bytes(layout, full)
+    if need <= usable or not layout.states.groups:
+        return full, need
+    largest_state = _largest_state(layout.states, rounded=False)
+    one = ReadAhead(READ_AHEAD, largest_state)  # one of the largest ahead, at least
+    spare = usable - step_bytes(layout, one)
+    fitted = ReadAhead(READ_AHEAD, largest_state + min(spare, (READ_AHEAD - 1) * largest_state)) if spare > 0 else one
+    # The slack is part of what the budget must hold: planned to the last byte, the pool
+    # ran out of contiguous room (a step at exactly this figure without it waited out the
+    # pool's timeout: tests/infinity/test_resources.py).
+    return fitted, math.ceil(step_bytes(layout, fitted) / (1 - POOL_SLACK))

@@ -45,7 +45,7 @@ from ._layout import Layout
 from ._lifecycle import Lifecycle, TrainingGuard
 from ._algorithms import resolve
 from ._optim import Optimizer
-from ._substates import make_groups
+from ._substates import SubGroupStates, make_groups
 from ._overlap import OnDisk, Overlap
 from ._overlap_host import InMemory
 from ._owner import Owner, entry
@@ -140,24 +140,21 @@ class Engine:
             states["master"] = _onecopy.MasterView(self.param_store, groups, stats)
         self.units = units
         self.transport = Transport(dev, self.dtype, self.pool, self.dist, stats)
-        # The host budget's plan, filled in by `_check_memory` below: the gradients and the step
-        # read their shares from it ([Note: traffic classes] in `_admission`).
-        self.plan = _admission.Plan()
+        substates = SubGroupStates(algorithm, param_groups, units=units, groups=groups, stores=states,
+                                   param_store=self.param_store, param_dtype=self.dtype, dist=self.dist,
+                                   params_sharded=self.params_sharded, foreign=foreign, one_copy=one_copy)  # fmt: skip
+        # What the host budget's plan and the disk's footprint are computed from (`_layout`),
+        # before the parts that run with the plan: they are made with it, finished.
+        layout = Layout(units, dev, self.dtype, self.param_store, grad_store, substates, self.transport, space,
+                        self.dist, self.grads_full)  # fmt: skip
+        self.plan = self._check_memory(cfg, layout)  # before anything is written: that needs the pool too
         self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full,
                                      copier=self.transport.copies,  # on a GPU: [Note: gradients copied back]
                                      plan=self.plan)  # fmt: skip
-        self.optimizer = Optimizer(
-            algorithm, param_groups, defaults, units=units, groups=groups, states=states,
-            param_store=self.param_store, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
-            param_dtype=self.dtype, engine_step=self._step, engine_zero_grad=self.zero_grad, dist=self.dist,
-            params_sharded=self.params_sharded, foreign=foreign, one_copy=one_copy, plan=self.plan,
-        )  # fmt: skip
-        # What the host budget's plan and the disk's footprint are computed from (`_layout`).
-        layout = Layout(units, dev, self.dtype, self.param_store, self.grads, self.optimizer, space, self.dist,
-                        self.grads_full)  # fmt: skip
-        # Everything that can refuse the user's arguments, before the module's weights move.
+        self.optimizer = Optimizer(substates, defaults, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
+                                   engine_step=self._step, engine_zero_grad=self.zero_grad, plan=self.plan)  # fmt: skip
+        # Everything else that can refuse the user's arguments, before the module's weights move.
         self.lr_scheduler = _lr_scheduler(scheduler_spec, self.optimizer)
-        self._check_memory(cfg, layout)  # before anything is written: that needs the pool too
         # fp32 master weights from the values as the user made them; low-precision params to
         # their tier. A model made in `infinity.build` gets its values now, one unit at a time.
         built = {u.index for u in units if _build.on_meta(u)}
@@ -185,7 +182,6 @@ class Engine:
         self._managed = {id(p) for u in units for p in u.params}  # see `_lifecycle.TrainingGuard`
         self._guard = TrainingGuard(self._life, module, self._managed)
         plan = self.plan
-        _admission.finish(plan, layout)
         self.admission = _admission.Admission(self.pool, plan)
         staging = None  # where early updates wait for the step: [Note: exact overlap] in `_overlap`
         if plan.overlap:
@@ -194,7 +190,7 @@ class Engine:
         elif plan.staging:  # the states in host memory: see [Note: staged in host memory]
             fp = self.footprint
             staging = InMemory(self.optimizer, plan.staging,
-                               disk_room=fp.staging_room if fp is not None and _params_staged(self) else 0)
+                               disk_room=fp.staging_room if fp is not None and _params_staged(plan, layout) else 0)
         if staging is not None:
             self.overlap = Overlap(self.optimizer, functools.partial(_scale_of, self._scaler), staging,
                                    threaded=_overlap.on_worker(dev))
@@ -233,34 +229,37 @@ class Engine:
             self.admission.give_way(_admission.OVERLAP, self.overlap.relieve)
         self.admission.give_way(_admission.GRAD, self.grads.held.spill)
 
-    def _check_memory(self, cfg: TierConfig, layout: Layout) -> None:
+    def _check_memory(self, cfg: TierConfig, layout: Layout) -> _admission.Plan:
         """Refuse at initialize a host budget the pipelines cannot run in, or a placement the
         machine's memory cannot hold (see `_resources`); plan the budget's shares
-        ([Note: traffic classes] in `_admission`). Called before anything is written: the
-        estimate stops here ([Note: estimate from the engine's own plan] in `_estimate`)."""
-        _admission.make_plan(layout, cfg, activations_in_pool=_activations.in_pool(cfg), into=self.plan)
-        units = layout.units
-        self.overlap_from = self.plan.overlap_from
+        ([Note: traffic classes] in `_admission`) and return the plan. Called before anything
+        is written: the estimate stops here ([Note: estimate from the engine's own plan] in
+        `_estimate`)."""
+        plan = _admission.make_plan(layout, cfg, activations_in_pool=_activations.in_pool(cfg))
+        units, st = layout.units, layout.states
+        self.overlap_from = plan.overlap_from
         # State the resident tiers keep in host memory: the cpu tier, and the device tier on a
         # machine without a GPU.
         shard = sum(u.shard_numel for u in units)
         full = sum(u.padded_numel for u in units)
-        opt = self.optimizer
         kinds = {
-            "params": (self.param_store, (full if opt.gather_params else shard) * self.dtype.itemsize),
-            "grads": (self.grads.store, (full if self.grads_full else shard) * 4),
-            "optimizer": (opt.states["master"], sum(g.record.state_bytes(opt.kinds) for g in opt.groups)),
+            "params": (layout.param_store, (full if st.gather_params else shard) * self.dtype.itemsize),
+            "grads": (layout.grad_store, (full if self.grads_full else shard) * 4),
+            "optimizer": (st.stores["master"], sum(g.record.state_bytes(st.kinds) for g in st.groups)),
         }
         host = torch.device("cpu")
         resident = {k: n for k, (store, n) in kinds.items() if store.in_place_on(host)}
-        _resources.check_host_memory(resident, max(self.plan.needs.values()))
+        _resources.check_host_memory(resident, max(plan.needs.values()))
         self.footprint = None  # the disk the swap space takes ([Note: disk footprint])
         if self.space is not None:
-            self.footprint = _footprint.fit(layout, cfg, bool(self.plan.overlap), staged_params=_params_staged(self))
-            if self.footprint.staging_room == 0 and self.plan.overlap:
+            staged = _params_staged(plan, layout)
+            self.footprint = _footprint.fit(layout, cfg, bool(plan.overlap), staged_params=staged)
+            if self.footprint.staging_room == 0 and plan.overlap:
                 logger.info("optimizer.overlap: the disk has no room for a sub-group's staged copies beside the "
                             "state; the optimizer runs after backward")  # fmt: skip
-                self.plan.overlap = 0
+                plan.overlap = 0
+        _admission.finish(plan, layout)
+        return plan
 
     # -- training ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -580,10 +579,10 @@ def _scale_of(scaler) -> float:
     return scaler.scale if scaler is not None else 1.0
 
 
-def _params_staged(engine) -> bool:
+def _params_staged(plan: _admission.Plan, layout: Layout) -> bool:
     """Whether early updates in host memory write the new parameters to nvme under backward
     ([Note: parameters written under backward] in `_overlap_host`)."""
-    return bool(engine.plan.staging) and _overlap_host.stages_params(engine.device, engine.param_store)
+    return bool(plan.staging) and _overlap_host.stages_params(layout.device, layout.param_store)
 
 
 def _lr_scheduler(spec, optimizer):

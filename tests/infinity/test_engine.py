@@ -391,7 +391,7 @@ def test_a_tight_budget_reads_fewer_sub_groups_ahead(tmp_path):
     (tmp_path / "b").mkdir()
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
     roomy = infinity.initialize(model, _config(tmp_path / "a", ("nvme",) * 3, memory={"host_budget": "512MiB"}))
-    assert roomy.optimizer.ahead == 3
+    assert roomy.optimizer.read_ahead.count == 3 and roomy.optimizer.read_ahead.bytes is None
     roomy.close()
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
     # One layer per sub-group (12.6 MB of state): 3 ahead needs 79 MiB, 1 ahead 54 MiB (66 MiB
@@ -399,7 +399,8 @@ def test_a_tight_budget_reads_fewer_sub_groups_ahead(tmp_path):
     tight = infinity.initialize(model, _config(tmp_path / "b", ("nvme",) * 3, memory={"host_budget": "72MiB"},
                                                optimizer={"sub_group_size": "16MiB"}))  # fmt: skip
     state = 12 * (1024 * 1024 + 1024)
-    assert tight.optimizer.ahead_bytes is not None and state <= tight.optimizer.ahead_bytes < 3 * state
+    ahead = tight.optimizer.read_ahead.bytes
+    assert ahead is not None and state <= ahead < 3 * state
     tight.backward(tight(torch.randn(2, 1024)).sum())
     assert tight.step()
     tight.close()
@@ -415,7 +416,8 @@ def test_one_large_sub_group_does_not_hold_back_the_read_ahead_of_the_small_ones
     big = 12 * 8192 * 256  # 25 MB of fp32 state; each Linear 0.8 MB
     engine = infinity.initialize(model, _config(tmp_path, ("nvme",) * 3, memory={"host_budget": "150MiB"},
                                                 optimizer={"sub_group_size": "1MiB", "overlap": False}))  # fmt: skip
-    assert engine.optimizer.ahead == 3 and big <= engine.optimizer.ahead_bytes < 3 * big
+    ahead = engine.optimizer.read_ahead
+    assert ahead.count == 3 and big <= ahead.bytes < 3 * big
     most = []
     real = pipeline._Reads.more
 
