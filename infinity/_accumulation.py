@@ -3,20 +3,22 @@ when the optimizer may run under the last one.
 
 Owns: the count of backward passes since the last step, why the accumulated gradients are not
 whole (a backward that failed part-way), and the one-time warning when steps follow another
-number of passes than configured. Touches: the overlap (armed for the step's last micro-batch,
-told when a backward ended), the optimizer's ``clipped_last`` (read).
+number of passes than configured. Touches: the overlap (armed for the step's last micro-batch
+when the scheduler says a forward ended: a `_pass.PassListener`; told when a backward ended),
+the optimizer's ``clipped_last`` (read).
 """
 
 from __future__ import annotations
 
 import logging
 
+from ._pass import PassListener
 from ._schedule import LOST_BACKWARD
 
 logger = logging.getLogger("infinity")
 
 
-class Accumulation:
+class Accumulation(PassListener):
     """``want``: ``optimizer.gradient_accumulation_steps``; ``overlap``: the optimizer under
     backward (`_overlap`, `_overlap_host`) or None; ``optimizer``: `_optim.Optimizer`."""
 
@@ -28,10 +30,12 @@ class Accumulation:
         self.incomplete: str | None = None  # why the step's gradients are not whole
         self._told = False
 
-    def backward_due(self, expected) -> None:
-        """A grad-enabled forward ended: arm the overlap when this is the step's last
-        micro-batch (and the last step did not clip: an early update would then likely be
-        discarded)."""
+    def end_forward(self, expected) -> None:
+        """A forward ended; where a backward is due (``expected``: the units it brings gradients
+        to), arm the overlap when this is the step's last micro-batch (and the last step did not
+        clip: an early update would then likely be discarded)."""
+        if self.overlap is None or expected is None:
+            return
         if self.passes + 1 == self.want and not self.optimizer.clipped_last:
             self.overlap.arm(expected)
         else:

@@ -65,6 +65,7 @@ from infinity.aio import empty_aligned
 from infinity.swap import PoolExhausted, SwapCorruption
 
 from ._admission import ACTIVATION
+from ._pass import PassListener
 from ._profile import region
 from ._resources import open_activation_space, remove_made_dirs
 
@@ -212,7 +213,7 @@ class _Read:
         self.futures, self.out = [], None
 
 
-class ActivationTier:
+class ActivationTier(PassListener):
     """Saved tensors of ``min_bytes`` or more moved to ``tier`` ("cpu" or "nvme") and back."""
 
     def __init__(self, tier: str, device: torch.device, *, pool, space, stats, admission,
@@ -256,7 +257,7 @@ class ActivationTier:
             self._param_ptrs = {p.untyped_storage().data_ptr() for p in self._params()}
             self._order, self._index, self._dedup = [], {}, {}
 
-    def end_forward(self) -> None:
+    def end_forward(self, expected=None) -> None:
         """Forward is done: start reading the last saved (backward needs them first)."""
         with self._lock:
             self._dedup = {}

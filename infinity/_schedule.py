@@ -105,6 +105,7 @@ from torch import nn
 
 from . import _placeholder, _tiled
 from ._activations import SavedTensors
+from ._pass import PassListener
 from ._admission import Admission
 from ._compile import eager
 from ._grads import GradAccumulator
@@ -199,7 +200,7 @@ class Scheduler:
         device_budget: int | None = None,
         admission: Admission,
         activations=None,
-        on_backward_due=None,
+        listeners: tuple[PassListener, ...] = (),
         on_unit_final=None,
         keep_grad=None,
         before_forward=None,
@@ -230,16 +231,13 @@ class Scheduler:
         self.saved = SavedTensors()  # what they hand saved tensors to: parameter views first
         self.saved.add(self._pack_view, self.runtime.unpack_view)
         # `_activations.ActivationTier` (None: activations stay where autograd keeps them): the
-        # saved tensors parameter views do not take, and told when passes begin and end.
-        self.activations = activations
+        # saved tensors parameter views do not take; a listener of the passes, first.
         if activations is not None:
             self.saved.add(activations.pack, activations.unpack)
+        self.listeners = ((activations,) if activations is not None else ()) + tuple(listeners)
         self.owner = owner  # the engine's `_owner.Owner`: a root call is an entry point (None: no check)
         self._before_forward = before_forward  # the engine's checks, before each pass (None: none)
         self._after_backward = after_backward  # the engine's end of a backward pass (None: none)
-        # The engine's overlap (see _overlap): told when a backward is due, with the units
-        # expecting gradients.
-        self.on_backward_due = on_backward_due
 
     # -- hooks ------------------------------------------------------------------------------
     def install(self, root: nn.Module) -> None:
@@ -455,20 +453,19 @@ class Scheduler:
 
     # -- passes -----------------------------------------------------------------------------
     def begin_forward(self) -> None:
-        if self.activations is not None:
-            self.activations.begin_forward()
+        for listener in self.listeners:
+            listener.begin_forward()
         self.prefetcher.begin_forward()
 
     def end_forward(self) -> None:
-        if self.activations is not None:
-            self.activations.end_forward()
         due = torch.is_grad_enabled()
+        if due and self.state is TrainingState.IDLE:
+            self.state = TrainingState.BACKWARD_DUE
+        if self.listeners:
+            expected = [u for u in self.units if u.uses > 0] if due else None
+            for listener in self.listeners:
+                listener.end_forward(expected)
         self.prefetcher.end_forward(backward_due=due)
-        if due:
-            if self.state is TrainingState.IDLE:
-                self.state = TrainingState.BACKWARD_DUE
-            if self.on_backward_due is not None:
-                self.on_backward_due([u for u in self.units if u.uses > 0])
 
     def end_backward(self) -> None:
         """Gradients not yet handed on (a unit whose uses never reached zero: activation
@@ -480,8 +477,8 @@ class Scheduler:
                     self.runtime.finish_unit_backward(unit)
             self.runtime.grads.land()  # see [Note: gradients copied back] in `_grads`
         finally:
-            if self.activations is not None:
-                self.activations.end_backward()
+            for listener in self.listeners:
+                listener.end_backward()
             self.runtime.drop_grads()
             for unit in self.units:
                 unit.active = 0

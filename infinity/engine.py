@@ -205,7 +205,7 @@ class Engine:
                                    keep_limit=plan.kept, device_budget=_device_budget(cfg, dev),
                                    gather=self.params_sharded and self.dist.active, tiled=tiled,
                                    admission=self.admission, activations=self.activations,
-                                   on_backward_due=self._accumulation.backward_due if overlap is not None else None,
+                                   listeners=(self._accumulation,),
                                    on_unit_final=overlap.unit_final if overlap is not None else None,
                                    keep_grad=overlap.keep_grad if overlap is not None else None,
                                    before_forward=self._guard.before_forward, after_backward=self._end_backward,
