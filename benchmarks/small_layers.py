@@ -20,6 +20,12 @@ One process trains the same Llama-shaped model (``--layers`` 24 of hidden 256, i
   under backward as ``--overlap`` says (the default's "auto"), same learning rate and weight
   decay.
 
+With ``--clip`` both sides clip to that global norm (the engine's ``optimizer.max_grad_norm``;
+plain calls ``clip_grad_norm_`` before its step, as the Trainer does with its default 1.0).
+Without it, plain never reads a gradient outside backward and the step, while the engine reads
+each one once in its hook for the overflow check (and clipping, when set): on this project's
+2-core machine that read alone is about 15% of plain backward (`benchmarks/grad_hooks.py`).
+
 Steps are interleaved (plain, infinity, plain, infinity ...), ``--repeat`` steps of one side
 each time, ``--pairs`` pairs after a warm-up pair; reported per placement as medians: the step
 time of both sides, their ratio (the issue's bar: 1.05), the forward / backward / step split
@@ -28,7 +34,7 @@ against torch's in the tests).
 
     python benchmarks/small_layers.py [--pairs 7] [--repeat 5] [--placements
         "device,device,device;device,device,cpu"] [--precision fp32|bf16] [--overlap auto|true|false]
-        [--json]
+        [--clip 1.0] [--json]
         [--hidden 256 --layers 24 --intermediate 512 --vocab 4096] [--batch 1 --tokens 32]
 """
 
@@ -60,16 +66,24 @@ def _timed_step(model, backward, step, zero, batch) -> tuple[float, float, float
     return t1 - t0, t2 - t1, t3 - t2, loss.detach().item()
 
 
-def _plain_optimizer(model, lr: float, mixed: bool):
+def _plain_optimizer(model, lr: float, mixed: bool, clip: float | None = None):
     """(step, zero_grad) of plain torch's fused AdamW on ``model`` (fp32). ``mixed``: as mixed
     precision does, and the engine with bf16 parameters: fp32 master copies of the parameters
     as the model made them, the parameters themselves cast to bf16 (the buffers, the rotary
     frequencies, stay fp32); each step casts the gradients into the masters', updates them,
-    and copies the new values back into the bf16 parameters."""
+    and copies the new values back into the bf16 parameters. ``clip``: the step clips the
+    gradients to that global norm first (`torch.nn.utils.clip_grad_norm_`, as the Trainer does)."""
     params = list(model.parameters())
     if not mixed:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True)
-        return opt.step, opt.zero_grad
+        if clip is None:
+            return opt.step, opt.zero_grad
+
+        def clipped():
+            torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+
+        return clipped, opt.zero_grad
     masters = [p.detach().clone().requires_grad_() for p in params]
     for p in params:
         p.data = p.data.to(torch.bfloat16)
@@ -78,6 +92,8 @@ def _plain_optimizer(model, lr: float, mixed: bool):
     def step():
         for p, m in zip(params, masters):
             m.grad = None if p.grad is None else p.grad.float()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
         opt.step()
         with torch.no_grad():
             torch._foreach_copy_(params, masters)
@@ -94,11 +110,11 @@ def _placement(args, base, placement: str, batches) -> dict:
 
     params, grads, optimizer = placement.split(",")
     plain = copy.deepcopy(base)
-    plain_step, plain_zero = _plain_optimizer(plain, args.lr, args.precision == "bf16")
+    plain_step, plain_zero = _plain_optimizer(plain, args.lr, args.precision == "bf16", args.clip)
     cfg = infinity.TierConfig.from_dict({
         "tiers": {"params": params, "grads": grads, "optimizer": optimizer},
         "precision": {"param_dtype": args.precision},
-        "optimizer": {"lr": args.lr, "weight_decay": 0.01,
+        "optimizer": {"lr": args.lr, "weight_decay": 0.01, "max_grad_norm": args.clip,
                       "overlap": {"true": True, "false": False}.get(args.overlap, args.overlap)},
     })  # fmt: skip
     engine = infinity.initialize(copy.deepcopy(base), cfg)
@@ -145,6 +161,9 @@ def main(argv=None) -> int:
     p.add_argument("--overlap", choices=("auto", "true", "false"), default="auto", help="optimizer.overlap")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--clip", type=float, default=None,
+                   help="both sides clip the gradients to this global norm (optimizer.max_grad_norm; "
+                        "plain: clip_grad_norm_ before the step, as the Trainer does with its default 1.0)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -162,7 +181,8 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"parameters": n, "results": results}, indent=2))
         return 0
-    print(f"{n / 1e6:.1f}M parameters, {args.layers} layers, {args.batch}x{args.tokens} tokens, {args.precision}, "
+    clip = f", clipped to {args.clip:g}" if args.clip is not None else ""
+    print(f"{n / 1e6:.1f}M parameters, {args.layers} layers, {args.batch}x{args.tokens} tokens, {args.precision}{clip}, "
           f"{args.pairs} interleaved pairs of {args.repeat} steps a side (medians)")  # fmt: skip
     for r in results:
         pf, pb, ps = r["split_ms"]["plain"]
