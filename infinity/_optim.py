@@ -159,7 +159,7 @@ class Optimizer(torch.optim.Optimizer):
                          doc="Clip the next step to this (`Engine.clip_grad_norm_`), then forget it.")  # fmt: skip
     clipped_last = property(lambda self: self.updater.clipped_last, doc="Whether the last step clipped.")
     max_grad_norm = property(lambda self: self.updater.max_grad_norm, doc="Clip every step to this (the config's).")
-    read_ahead = property(lambda self: self.updater.plan.read_ahead,
+    read_ahead = property(lambda self: self.updater.read_ahead,
                           doc="How far the step reads ahead (`_update.ReadAhead`), as the memory plan fitted it.")  # fmt: skip
 
 

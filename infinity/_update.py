@@ -83,6 +83,11 @@ class StreamedUpdate:
         self.transport = grads.transport  # `_transport.Transport`: the copies ([Note: every copy counted])
         self.stats = getattr(self.transport, "stats", None)  # `_stats.Stats`, or None (nothing counted)
 
+    @property
+    def read_ahead(self) -> ReadAhead:
+        """How far the stream reads ahead: the plan's (the default without one)."""
+        return self.plan.read_ahead if self.plan is not None else ReadAhead()
+
     # -- where the gradients and parameters go through pinned staging ---------------------------
     @property
     def stages_grads(self) -> bool:
@@ -137,7 +142,7 @@ class StreamedUpdate:
             # The next sub-group's gradients are read while this one is updated.
             grads_next = self._read_grads(groups[0]) if groups else None
             stores = [st.stores[k] for k in st.kinds]
-            ahead = self.plan.read_ahead if self.plan is not None else ReadAhead()
+            ahead = self.read_ahead
             items = stream_together(stores, [g.record.name_for() for g in groups], ahead=ahead.count,
                                     ahead_bytes=ahead.bytes)  # fmt: skip
             # Iterate the stream itself (not a zip with the groups, which would stop without

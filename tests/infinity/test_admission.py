@@ -148,3 +148,33 @@ def test_the_smallest_budget_initialize_accepts_trains_with_activations_on_nvme(
     by = got[2]["pool"]["by_traffic"]
     assert by["activation"]["peak_bytes"] <= got[2]["pool"]["shares"]["activation"]
     assert got[2]["step"]["activation_out_bytes"] == 4 * 4096 * 512 * 4  # every block's input went
+
+
+def test_planning_at_another_budget_changes_nothing_of_a_running_engine(tmp_path):
+    """The plan is a function of the engine's layout: planned again at a budget whose step reads
+    fewer sub-groups ahead (as the estimate's bisection does), the engine keeps its own plan's
+    read-ahead and shares, and steps as before."""
+    from infinity import _admission
+    from infinity._layout import Layout
+    from infinity._update import ReadAhead
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    cfg = config(tmp_path, ("nvme",) * 3, memory={"host_budget": "256MiB"},
+                 optimizer={"sub_group_size": "1MiB", "overlap": False})  # fmt: skip
+    with infinity.initialize(model, cfg) as engine:
+        assert engine.optimizer.read_ahead == ReadAhead()
+        shares = dict(vars(engine.plan))
+        layout = Layout(engine.units, engine.device, engine.dtype, engine.param_store, engine.grads.store,
+                        engine.optimizer.substates, engine.transport, engine.space, engine.dist,
+                        engine.grads_full)  # fmt: skip
+        state = engine.optimizer.groups[0].record.state_bytes(engine.optimizer.kinds)
+        tight = _admission.make_plan(layout, _at_budget(cfg, 13 * state // 2), activations_in_pool=False)
+        assert tight.read_ahead.bytes is not None and tight.read_ahead.bytes < 3 * state  # it did plan less
+        assert engine.optimizer.read_ahead == ReadAhead() and dict(vars(engine.plan)) == shares
+        engine.backward(engine(torch.randn(4, 256)).sum())
+        assert engine.step()
+
+
+def _at_budget(cfg: dict, budget: int) -> infinity.TierConfig:
+    return infinity.TierConfig.from_dict({**cfg, "memory": {"host_budget": budget}})

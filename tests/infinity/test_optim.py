@@ -216,6 +216,21 @@ def test_an_optimizer_the_engine_cannot_run_is_a_clear_error(tmp_path, spec, mes
         pass
 
 
+def test_a_torch_optimizer_run_as_it_is_is_refused_with_several_ranks():
+    """The engine steps a torch optimizer it does not implement on whole parameters, so only
+    with one rank: several are refused before any state is laid out, naming the optimizer."""
+    from types import SimpleNamespace
+
+    from infinity._algorithms import ALGORITHMS
+    from infinity._substates import SubGroupStates
+
+    foreign = torch.optim.RMSprop([nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="optimizer RMSprop: the engine runs a torch optimizer it does not "
+                                         "implement itself only with one rank"):  # fmt: skip
+        SubGroupStates(ALGORITHMS["torch"], [], units=[], groups=[], stores={}, param_store=None,
+                       param_dtype=torch.float32, dist=SimpleNamespace(active=True), foreign=foreign)  # fmt: skip
+
+
 def test_add_param_group_after_initialize_is_refused(tmp_path):
     with infinity.initialize(_model(), config(tmp_path, NVME)) as engine:
         with pytest.raises(ValueError, match="fixed at initialize"):
