@@ -105,11 +105,11 @@ from torch import nn
 
 from . import _placeholder, _tiled
 from ._activations import SavedTensors
-from ._pass import PassListener
 from ._admission import Admission
 from ._compile import eager
 from ._grads import GradAccumulator
 from ._interrupts import held_interrupts
+from ._pass import PassListener
 from ._prefetch import Prefetcher
 from ._runtime import UnitRuntime
 from ._stats import Stats
