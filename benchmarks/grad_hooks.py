@@ -32,12 +32,13 @@ import time
 import torch
 
 from scale import add_model_args, llama_config  # this directory: the same model
+from small_layers import MODEL
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(p)
-    p.set_defaults(hidden=256, layers=24, intermediate=512, vocab=4096, tokens=32)
+    p.set_defaults(**MODEL)
     p.add_argument("--pairs", type=int, default=15)
     p.add_argument("--repeat", type=int, default=5, help="backward passes of one variant in a row")
     p.add_argument("--batch", type=int, default=1)

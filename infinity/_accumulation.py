@@ -20,7 +20,8 @@ logger = logging.getLogger("infinity")
 
 class Accumulation(PassListener):
     """``want``: ``optimizer.gradient_accumulation_steps``; ``overlap``: the optimizer under
-    backward (`_overlap`, `_overlap_host`) or None; ``optimizer``: `_optim.Optimizer`."""
+    backward (`_overlap`, `_overlap_host`) or None; ``optimizer``: `_optim.Optimizer`. A
+    listener of the passes only where there is an overlap to arm."""
 
     def __init__(self, want: int, overlap, optimizer):
         self.want = want
@@ -34,7 +35,7 @@ class Accumulation(PassListener):
         """A forward ended; where a backward is due (``expected``: the units it brings gradients
         to), arm the overlap when this is the step's last micro-batch (and the last step did not
         clip: an early update would then likely be discarded)."""
-        if self.overlap is None or expected is None:
+        if expected is None:
             return
         if self.passes + 1 == self.want and not self.optimizer.clipped_last:
             self.overlap.arm(expected)

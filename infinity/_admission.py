@@ -115,8 +115,8 @@ def activation_chunk(usable: int) -> int:
 def make_plan(layout, cfg, *, activations_in_pool: bool) -> Plan:
     """The plan for the model and parts of ``layout`` (a `_layout.Layout`) and ``cfg``,
     checked: a budget smaller than forward and backward's or the step's need is a
-    `_resources.HostBudgetError`. The disk may still turn the overlap off (``plan.overlap =
-    0``), after which `finish` sets the limits that depend on it. Reads ``layout``, changes
+    `_resources.HostBudgetError`. `finish` then turns the overlap off where the disk has no
+    room for it, and sets the limits that depend on it. Reads ``layout``, changes
     nothing of it: the components are made after, with the finished plan."""
     budget = cfg.memory.host_budget
     plan = Plan(budget=budget, usable=int(budget * (1 - POOL_SLACK)))
@@ -144,9 +144,15 @@ def make_plan(layout, cfg, *, activations_in_pool: bool) -> Plan:
     return plan
 
 
-def finish(plan: Plan, layout) -> None:
-    """The shares that depend on whether the optimizer runs under backward: held gradients,
-    what the step leaves held, kept units."""
+def finish(plan: Plan, layout, footprint=None) -> None:
+    """Turn the overlap off where ``footprint`` (the disk's, `_footprint.Footprint`, or None
+    without a swap space) leaves no room for a sub-group's staged copies; then the shares that
+    depend on whether the optimizer runs under backward: held gradients, what the step leaves
+    held, kept units."""
+    if footprint is not None and footprint.staging_room == 0 and plan.overlap:
+        logger.info("optimizer.overlap: the disk has no room for a sub-group's staged copies beside the state; "
+                    "the optimizer runs after backward")  # fmt: skip
+        plan.overlap = 0
     plan.held = _held(plan, layout)
     plan.step_holds = max(0, plan.usable - plan.step_buffers)
     if plan.overlap:  # kept units turn into gradients as backward uses them: the held room

@@ -33,7 +33,7 @@ import torch
 
 from . import _checkpoint, _dist
 from ._substates import state_key
-from ._units import ParamRecord
+from ._units import lay_out
 from .checkpoint import LATEST_NAME, CheckpointError, load_meta, resolve
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -95,13 +95,9 @@ class _Unit:
         """``pieces``: per parameter of ``entry``, (its placeholder, its dtype, the whole
         parameter's shape, where the piece begins in it)."""
         self.name, self.numel = entry["name"], entry["numel"]
-        records, offset = [], 0
-        for (name, shape), (p, dtype, full_shape, start) in zip(entry["params"], pieces):
-            numel = math.prod(shape)
-            # (requires_grad False: a saved unit trains nothing; the writers read where pieces lie)
-            records.append(ParamRecord(name, p, full_shape, tuple(shape), start, numel, offset, False, dtype))
-            offset += numel
-        self.records = tuple(records)
+        # (requires_grad False: a saved unit trains nothing; the writers read where pieces lie)
+        self.records = lay_out((name, p, full_shape, shape, start, False, dtype)
+                               for (name, shape), (p, dtype, full_shape, start) in zip(entry["params"], pieces))  # fmt: skip
         self.padded_numel = -(-self.numel // world) * world
 
 
@@ -325,5 +321,5 @@ def to_state_dict(weights: CheckpointWeights) -> dict[str, torch.Tensor]:
         for r in unit.records:
             if id(r.param) not in tensors:
                 tensors[id(r.param)] = torch.empty(r.full_shape, dtype=r.dtype)
-            tensors[id(r.param)].view(-1)[r.start : r.start + r.numel] = full[r.offset : r.offset + r.numel]
+            tensors[id(r.param)].view(-1)[r.in_param] = full[r.in_unit]
     return {key: tensors[id(p)] for key, p in weights.module.state_dict().items() if id(p) in tensors}

@@ -205,9 +205,7 @@ def _measure(layout, cfg: TierConfig, disk_free: list[int], paths: list[str]) ->
             _footprint.check(fp, bool(plan.overlap))
         except ValueError as e:
             refused = str(e)
-        if fp.staging_room == 0 and plan.overlap:
-            plan.overlap = 0
-    _admission.finish(plan, layout)
+    _admission.finish(plan, layout, fp)
     # What the step moves under the overlap is what it moves after backward, where the
     # overlap's early updates leave room for held gradients (docs/config.md, optimizer.overlap:
     # 29.9 bytes a parameter against 30.1 for the 953M Llama): the plan without it says how

@@ -165,10 +165,9 @@ def write_files(engine, files: list[tuple[str, _Layout]], what: str, *, done: st
 
 def _write_unit(out: "_AtomicFile", layout: _Layout, unit, full: torch.Tensor) -> None:
     for r in unit.records:
-        p, off, n, start = r.param, r.offset, r.numel, r.start
-        for offset, dtype in layout.params.get(id(p), ()):  # a parameter not in this file is not written
+        for offset, dtype in layout.params.get(id(r.param), ()):  # a parameter not in this file is not written
             # 1-D, the file's dtype, cpu; a tile's rows where they are in the parameter
-            out.write(full[off : off + n].to(dtype), offset + start * dtype.itemsize)
+            out.write(full[r.in_unit].to(dtype), offset + r.start * dtype.itemsize)
 
 
 class _AtomicFile:

@@ -346,14 +346,13 @@ class UnitRuntime:
                 if unit.grad is None:
                     unit.grad = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
             unit.grad_seen = set()
-        r = unit.records[i]
-        off, n = r.offset, r.numel
+        piece = unit.records[i].in_unit
         if grad is None:
             pass  # a Function that gave this parameter none: as a parameter no gradient reached
         elif i in unit.grad_seen:
-            unit.grad[off : off + n].add_(grad.reshape(-1))
+            unit.grad[piece].add_(grad.reshape(-1))
         else:
-            unit.grad[off : off + n].copy_(grad.reshape(-1))
+            unit.grad[piece].copy_(grad.reshape(-1))
             unit.grad_seen.add(i)
         unit.uses -= 1
         return unit.uses <= 0
@@ -368,7 +367,7 @@ class UnitRuntime:
                 if len(unit.grad_seen) < len(unit.records):
                     for i, r in enumerate(unit.records):
                         if i not in unit.grad_seen:
-                            grad[r.offset : r.offset + r.numel].zero_()
+                            grad[r.in_unit].zero_()
                 if unit.padded_numel > unit.numel:
                     grad[unit.numel :].zero_()
             unit.uses = 0

@@ -196,7 +196,7 @@ class SubGroupStates:
                 base = sg.slices[u.index].start
                 for i, r in enumerate(u.records):
                     gi = owner.get((u.index, i))
-                    a, b = max(r.offset, lo), min(r.offset + r.numel, hi)
+                    a, b = max(r.offset, lo), min(r.in_unit.stop, hi)
                     if gi is None or a >= b:
                         continue
                     per_group.setdefault(gi, []).append((u, slice(base + a - lo, base + b - lo), slice(a - lo, b - lo), i))
@@ -298,7 +298,7 @@ class SubGroupStates:
                     base, lo, hi = sg.slices[u.index].start, u.shard.start, u.shard.stop
                     for i, r in enumerate(u.records):
                         value = values.get((u.index, i))
-                        a, b = max(r.offset, lo), min(r.offset + r.numel, hi)
+                        a, b = max(r.offset, lo), min(r.in_unit.stop, hi)
                         if value is not None and a < b:
                             piece = _elements(value, r.start + a - r.offset, r.start + b - r.offset)
                             master[base + a - lo : base + b - lo].copy_(piece)
@@ -318,7 +318,7 @@ class SubGroupStates:
             lo = 0 if flat.numel() == u.padded_numel else u.shard.start  # stages 1, 2 keep all of it
             for i, r in enumerate(u.records):
                 value = values.get((u.index, i))
-                a, b = max(r.offset, lo), min(r.offset + r.numel, lo + flat.numel())
+                a, b = max(r.offset, lo), min(r.in_unit.stop, lo + flat.numel())
                 if value is not None and a < b:
                     flat[a - lo : b - lo].copy_(_elements(value, r.start + a - r.offset, r.start + b - r.offset))
             self.param_store.put(u.name, lease.tensor).result()

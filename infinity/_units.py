@@ -57,19 +57,39 @@ class ParamRecord:
     requires_grad: bool
     dtype: torch.dtype  # the dtype the model made it in (binding gives it param_dtype)
 
+    @property
+    def in_unit(self) -> slice:
+        """Where the piece lies in the unit's flat tensor."""
+        return slice(self.offset, self.offset + self.numel)
+
+    @property
+    def in_param(self) -> slice:
+        """Where the piece lies in the flattened parameter."""
+        return slice(self.start, self.start + self.numel)
+
+
+def lay_out(pieces) -> tuple[ParamRecord, ...]:
+    """Records of ``pieces`` (name, parameter, the whole parameter's shape, the piece's shape,
+    where it begins in the flattened parameter, requires_grad, dtype), laid out one after
+    another in a unit's flat tensor."""
+    out, offset = [], 0
+    for name, p, full, shape, start, requires_grad, dtype in pieces:
+        numel = int(torch.Size(shape).numel())
+        out.append(ParamRecord(name, p, tuple(full), tuple(shape), start, numel, offset, requires_grad, dtype))
+        offset += numel
+    return tuple(out)
+
 
 def records(params: list[tuple[str, torch.Tensor]], rows: tuple[int, int] | None = None) -> tuple[ParamRecord, ...]:
     """The records of ``params`` (name, parameter) laid out one after another, whole or (a
     tile) their rows [start, stop)."""
-    out, offset = [], 0
+    pieces = []
     for name, p in params:
         full = tuple(p.shape)  # on the meta device too (`build`)
         shape = full if rows is None else (rows[1] - rows[0], *full[1:])
         start = 0 if rows is None else rows[0] * int(torch.Size(full[1:]).numel())
-        numel = int(torch.Size(shape).numel())
-        out.append(ParamRecord(name, p, full, shape, start, numel, offset, p.requires_grad, p.dtype))
-        offset += numel
-    return tuple(out)
+        pieces.append((name, p, full, shape, start, p.requires_grad, p.dtype))
+    return lay_out(pieces)
 
 
 class ParamUnit:
@@ -127,14 +147,14 @@ class ParamUnit:
         ``dtype`` (on the CPU)."""
         out = torch.zeros(self.padded_numel, dtype=dtype)
         for r in self.records:
-            out[r.offset : r.offset + r.numel].copy_(r.param.detach().reshape(-1)[r.start : r.start + r.numel])
+            out[r.in_unit].copy_(r.param.detach().reshape(-1)[r.in_param])
         return out
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s part (a tile: its rows) of ``flat``, a 1-D tensor laid out as the
         unit is, in the shape of that part."""
         r = self.records[i]
-        return flat[r.offset : r.offset + r.numel].view(r.shape)
+        return flat[r.in_unit].view(r.shape)
 
     def piece(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s part of ``full`` (while READY)."""
@@ -146,7 +166,7 @@ class ParamUnit:
         self.full = full
         if self.rows is None:
             for r in self.records:
-                r.param.data = full[r.offset : r.offset + r.numel].view(r.shape)
+                r.param.data = full[r.in_unit].view(r.shape)
                 _placeholder.bind_param(r.param)
         self.state = UnitState.READY
 

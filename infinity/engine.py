@@ -205,7 +205,7 @@ class Engine:
                                    keep_limit=plan.kept, device_budget=_device_budget(cfg, dev),
                                    gather=self.params_sharded and self.dist.active, tiled=tiled,
                                    admission=self.admission, activations=self.activations,
-                                   listeners=(self._accumulation,),
+                                   listeners=(self._accumulation,) if overlap is not None else (),
                                    on_unit_final=overlap.unit_final if overlap is not None else None,
                                    keep_grad=overlap.keep_grad if overlap is not None else None,
                                    before_forward=self._guard.before_forward, after_backward=self._end_backward,
@@ -237,14 +237,13 @@ class Engine:
         `_estimate`)."""
         plan = _admission.make_plan(layout, cfg, activations_in_pool=_activations.in_pool(cfg))
         units, st = layout.units, layout.states
-        self.overlap_from = plan.overlap_from
         # State the resident tiers keep in host memory: the cpu tier, and the device tier on a
         # machine without a GPU.
         shard = sum(u.shard_numel for u in units)
         full = sum(u.padded_numel for u in units)
         kinds = {
-            "params": (layout.param_store, (full if st.gather_params else shard) * self.dtype.itemsize),
-            "grads": (layout.grad_store, (full if self.grads_full else shard) * 4),
+            "params": (layout.param_store, (full if st.gather_params else shard) * layout.dtype.itemsize),
+            "grads": (layout.grad_store, (full if layout.grads_full else shard) * 4),
             "optimizer": (st.stores["master"], sum(g.record.state_bytes(st.kinds) for g in st.groups)),
         }
         host = torch.device("cpu")
@@ -254,11 +253,7 @@ class Engine:
         if self.space is not None:
             staged = _params_staged(plan, layout)
             self.footprint = _footprint.fit(layout, cfg, bool(plan.overlap), staged_params=staged)
-            if self.footprint.staging_room == 0 and plan.overlap:
-                logger.info("optimizer.overlap: the disk has no room for a sub-group's staged copies beside the "
-                            "state; the optimizer runs after backward")  # fmt: skip
-                plan.overlap = 0
-        _admission.finish(plan, layout)
+        _admission.finish(plan, layout, self.footprint)
         return plan
 
     # -- training ---------------------------------------------------------------------------
@@ -535,6 +530,12 @@ class Engine:
         into the unwrapped model), one unit at a time. Every rank calls it; rank 0 writes."""
         self._life.check_usable()
         return export_safetensors(self, path)
+
+    @property
+    def overlap_from(self) -> int | None:
+        """The smallest ``memory.host_budget`` with the optimizer under backward for this model
+        and config (None: never); see ``optimizer.overlap`` in docs/config.md."""
+        return self.plan.overlap_from
 
     @property
     def swap_dirs(self) -> list[str]:

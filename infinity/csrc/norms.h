@@ -5,8 +5,9 @@
 // the chunks summed in double: at most 16 float32 roundings per lane and chunk, within about
 // 1e-8 of the exact sum for one chunk and 1e-10 for many (torch's float32 norm squared is off
 // by about 1e-5 for a million elements). A single thread reads a gradient still in cache at
-// about twice the speed of torch's norm on two (no worker to wake). The scalar path computes the same bits as the AVX2 one (the same lanes, the same
-// order, fmaf for the FMA): tests/infinity/test_grad_norms.py holds the two equal.
+// about twice the speed of torch's norm on two (no worker to wake). The scalar path computes
+// the same bits as the AVX2 one (the same lanes, the same order, fmaf for the FMA):
+// tests/infinity/test_grad_norms.py holds the two equal.
 
 #pragma once
 

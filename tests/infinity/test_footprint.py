@@ -123,6 +123,23 @@ def test_overlap_stages_only_what_the_disk_budget_allows(tmp_path):
     assert max(on[3]) <= budget, (on[3], budget)
 
 
+def test_no_disk_for_staged_copies_runs_the_optimizer_after_backward(tmp_path):
+    """optimizer.overlap_disk 0 leaves no disk beside the state for a sub-group's staged
+    copies: the plan turns the overlap off (no share of the budget is kept for it), and the
+    run is the one without it, bit for bit."""
+    off = _train(tmp_path / "off", False)
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "zero", True, overlap_disk=0.0))
+    try:
+        assert engine.footprint.staging_room == 0
+        assert engine.plan.overlap == 0 and engine.overlap is None
+        losses = [_step(engine, step) for step in range(len(off[0]))]
+        got = engine.gathered_weights()
+    finally:
+        engine.close()
+    assert losses == off[0]
+    assert all(torch.equal(got[k], off[1][k]) for k in off[1])
+
+
 def _layers() -> nn.Module:
     torch.manual_seed(0)  # five 66KiB units and two small ones, a sub-group each (1KiB sub-groups)
     hidden = [nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(5)]
