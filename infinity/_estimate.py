@@ -198,11 +198,11 @@ def _measure(layout, cfg: TierConfig, disk_free: list[int], paths: list[str]) ->
     at = cfg.replace(memory={"host_budget": plan.budget})
     fp, refused = None, None
     if layout.space is not None:
-        fp = _footprint.plan(layout, at, bool(plan.overlap))
+        fp = _footprint.plan(layout, at, plan)
         fp.available = [f // ALIGNMENT * ALIGNMENT for f in disk_free]  # the machine's, not the scratch's
         fp.paths = list(paths)  # what a refusal names: the user's directories, not the scratch ones
         try:
-            _footprint.check(fp, bool(plan.overlap))
+            _footprint.check(fp)
         except ValueError as e:
             refused = str(e)
     _admission.finish(plan, layout, fp)

@@ -39,7 +39,7 @@ import socket
 
 from infinity.swap import ALIGNMENT, round_up
 
-from . import _bytes
+from . import _bytes, _overlap_host
 from ._resources import distinct_sizes
 
 logger = logging.getLogger("infinity")
@@ -89,6 +89,7 @@ class Footprint:
     fraction: float = 0.0  # optimizer.overlap_disk: the staging allowed beside the state, per byte of it
     slack: int = 0  # how far the placement of whole (unstriped) tensors may stray from `Drives`', per drive
     staging_room: int | None = None  # staged bytes the overlap may hold at once (None: all)
+    stages: bool = False  # whether early updates stage anything on disk (`plan`)
 
     @property
     def limits(self) -> list[int]:
@@ -118,12 +119,14 @@ class Footprint:
                 for p, s, k, c, a in zip(self.paths, self.state, self.peak, self.caps, arenas)}  # fmt: skip
 
 
-def plan(layout, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
+def plan(layout, cfg, run) -> Footprint:
     """The footprint of the run that ``layout`` (a `_layout.Layout`) lays out on its swap space
-    (``overlap``: the optimizer may run under backward with its states on nvme;
-    ``staged_params``: with them in host memory, and the new parameters written under backward
-    under staged names, [Note: parameters written under backward] in `_overlap_host`), with
-    each drive's room now."""
+    under the memory plan ``run`` (an `_admission.Plan`: whether the optimizer may run under
+    backward with its states on nvme, whose staged copies then take disk; or with them in host
+    memory, where the new parameters may be written under backward under staged names,
+    [Note: parameters written under backward] in `_overlap_host`), with each drive's room now."""
+    overlap = bool(run.overlap)
+    staged_params = _overlap_host.params_staged(run, layout)
     space = layout.space
     drives = Drives(len(space.rank_dirs), cfg.nvme.stripe_size, cfg.nvme.stripe_threshold)
     state = [0] * drives.members
@@ -142,7 +145,7 @@ def plan(layout, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
     # the drive `Drives` chose: a drive may hold up to one such tensor more than planned.
     slack = round_up(cfg.nvme.stripe_threshold, ALIGNMENT) if drives.members > 1 else 0
     return Footprint(list(space.rank_dirs), state, staging, available, cfg.nvme.disk_budget,
-                     fraction=cfg.optimizer.overlap_disk, slack=slack)  # fmt: skip
+                     fraction=cfg.optimizer.overlap_disk, slack=slack, stages=overlap or staged_params)  # fmt: skip
 
 
 def share(fp: Footprint, dist, space) -> None:
@@ -176,7 +179,7 @@ def share(fp: Footprint, dist, space) -> None:
             fp.available[k] = min(fp.available[k], room * state // total // ALIGNMENT * ALIGNMENT)
 
 
-def check(fp: Footprint, overlap_on: bool) -> None:
+def check(fp: Footprint) -> None:
     """Refuse a run whose state does not fit a drive's free space or ``nvme.disk_budget``,
     naming the path, the figures and what to change; otherwise set ``fp.staging_room``."""
     for path, state, avail in zip(fp.paths, fp.state, fp.available):
@@ -196,8 +199,8 @@ def check(fp: Footprint, overlap_on: bool) -> None:
                 "or add nvme.paths (the state stripes over them)"
             )
     total = sum(fp.staging)
-    if not overlap_on or total == 0:
-        fp.staging_room = None if overlap_on else 0
+    if not fp.stages or total == 0:
+        fp.staging_room = None if fp.stages else 0
         return
     # The staged bytes the tightest drive allows (its cap, less the state and the placement's
     # slack), spread as the staging spreads over the drives.
@@ -205,12 +208,12 @@ def check(fp: Footprint, overlap_on: bool) -> None:
     fp.staging_room = None if room >= total else max(room, 0)
 
 
-def fit(layout, cfg, overlap: bool, staged_params: bool = False) -> Footprint:
-    """`plan`, `share` and `check` the footprint of ``layout``'s run, then cap each arena at what
-    was checked."""
-    fp = plan(layout, cfg, overlap, staged_params)
+def fit(layout, cfg, run) -> Footprint:
+    """`plan`, `share` and `check` the footprint of ``layout``'s run under the memory plan
+    ``run``, then cap each arena at what was checked."""
+    fp = plan(layout, cfg, run)
     share(fp, layout.dist, layout.space)
-    check(fp, overlap or staged_params)
+    check(fp)
     if fp.staging_room:
         room, total = distinct_sizes(fp.staging_room, sum(fp.staging))
         logger.info("optimizer.overlap: the disk (optimizer.overlap_disk=%g of the state, free space, "

@@ -82,6 +82,12 @@ def stages_params(device: torch.device, param_store) -> bool:
     return device.type == "cuda" and param_store.uses_pool
 
 
+def params_staged(plan, layout) -> bool:
+    """Whether early updates in host memory (``plan``, an `_admission.Plan`, stages them) write
+    the new parameters to nvme under backward ([Note: parameters written under backward])."""
+    return bool(plan.staging) and stages_params(layout.device, layout.param_store)
+
+
 def fit(layout, cfg, room: int) -> int:
     """Host bytes the staged copies may take (0: the optimizer runs after backward): ``room``,
     what the plan leaves beside the backward's pool buffers and the step's own (the gradients it

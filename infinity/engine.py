@@ -189,8 +189,8 @@ class Engine:
                              on_disk_full=self._life.refuse)  # fmt: skip
         elif plan.staging:  # the states in host memory: see [Note: staged in host memory]
             fp = self.footprint
-            staging = InMemory(self.optimizer, plan.staging,
-                               disk_room=fp.staging_room if fp is not None and _params_staged(plan, layout) else 0)
+            staged = fp is not None and _overlap_host.params_staged(plan, layout)
+            staging = InMemory(self.optimizer, plan.staging, disk_room=fp.staging_room if staged else 0)
         if staging is not None:
             self.overlap = Overlap(self.optimizer, functools.partial(_scale_of, self._scaler), staging,
                                    threaded=_overlap.on_worker(dev))
@@ -251,8 +251,7 @@ class Engine:
         _resources.check_host_memory(resident, max(plan.needs.values()))
         self.footprint = None  # the disk the swap space takes ([Note: disk footprint])
         if self.space is not None:
-            staged = _params_staged(plan, layout)
-            self.footprint = _footprint.fit(layout, cfg, bool(plan.overlap), staged_params=staged)
+            self.footprint = _footprint.fit(layout, cfg, plan)
         _admission.finish(plan, layout, self.footprint)
         return plan
 
@@ -578,12 +577,6 @@ class Engine:
 def _scale_of(scaler) -> float:
     """The loss scale gradients are multiplied by now: fp16's, else 1."""
     return scaler.scale if scaler is not None else 1.0
-
-
-def _params_staged(plan: _admission.Plan, layout: Layout) -> bool:
-    """Whether early updates in host memory write the new parameters to nvme under backward
-    ([Note: parameters written under backward] in `_overlap_host`)."""
-    return bool(plan.staging) and _overlap_host.stages_params(layout.device, layout.param_store)
 
 
 def _lr_scheduler(spec, optimizer):

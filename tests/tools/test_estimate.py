@@ -82,6 +82,22 @@ def test_every_tier_on_nvme_matches_the_engine(tmp_path, dtype):
     assert e.step_expected == e.step_floor  # 64MiB holds every gradient
 
 
+def test_parameters_written_under_backward_take_the_engine_s_disk(tmp_path, monkeypatch):
+    """Parameters on nvme, the optimizer states in host memory under backward, the new
+    parameters written under backward under staged names (what a GPU does: forced here on the
+    host): the disk the estimate plans for them (peak, cap) is the engine's."""
+    import infinity._overlap_host as overlap_host
+
+    monkeypatch.setattr(overlap_host, "stages_params", lambda device, store: store.uses_pool)
+    cfg = config(tmp_path, ("nvme", "cpu", "cpu"), optimizer={"overlap": True, "overlap_disk": 1.0})
+    e = estimated(cfg, "params-nvme")
+    stats, _ = trained(cfg, steps=1)
+    keys = ("state_bytes", "peak_bytes", "cap_bytes")
+    disk = list(stats["disk"].values())
+    assert disk[0]["peak_bytes"] > disk[0]["state_bytes"]  # the staged parameters are counted
+    assert [[d[k] for k in keys] for d in disk] == [[d[k] for k in keys] for d in e.disk]
+
+
 def test_two_drives_match_the_engine(tmp_path):
     """With two nvme paths the state spreads over both as the swap space places it: each
     drive's state, peak and cap are the engine's."""
