@@ -49,11 +49,10 @@ import torch
 from torch.profiler import record_function
 
 from infinity.swap import (
-    SpaceReader, SwapSpace, WriteBehind, fsync_dir, parse_json, read_json, round_up, write_bytes_atomic, write_json_atomic,
+    SwapSpace, WriteBehind, fsync_dir, parse_json, read_json, round_up, write_bytes_atomic, write_json_atomic,
 )  # fmt: skip
 
-from . import _algorithms, _compact, _consolidate, _recut, _rng
-from ._substates import state_key
+from . import _algorithms, _compact, _consolidate, _recut, _rng, _saved
 from .checkpoint import (
     FORMAT, LATEST_NAME, LOCK_NAME, META_NAME, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, check_tag,
     list_checkpoints, load_meta, resolve,
@@ -483,83 +482,6 @@ def _agree(dist, error: BaseException | None, what: str, cleanup: str | None = N
 
 
 # -- loading ----------------------------------------------------------------------------------
-class _Sources:
-    """The saved ranks' swap spaces (read-only, opened on first use), for one load."""
-
-    def __init__(self, where: str, world: int, engine):
-        self.where, self.world, self.aio = where, world, engine.aio
-        self.readers: dict[int, SpaceReader] = {}
-        self.cache: dict[tuple[int, str], torch.Tensor] = {}  # (saved rank, tensor) -> 1-D, CPU; see _slice
-
-    def reader(self, q: int) -> SpaceReader:
-        if q not in self.readers:
-            rank_dir = os.path.join(self.where, f"rank{q}")
-            try:
-                r = SpaceReader(rank_dir, engine=self.aio)
-            except FileNotFoundError:
-                raise CheckpointError(f"{rank_dir}: rank {q} of {self.world} is missing: the checkpoint is incomplete") from None
-            if r.manifest.rank != q:
-                r.close()
-                raise CheckpointError(f"{rank_dir}: holds rank {r.manifest.rank}, not rank {q}")
-            self.readers[q] = r
-        return self.readers[q]
-
-    def record(self, q: int, name: str, dtype: torch.dtype, numel: int):
-        r = self.reader(q)
-        try:
-            rec = r.info(name)
-        except KeyError:
-            raise CheckpointError(f"{r.rank_dir}: tensor {name!r} is missing: the checkpoint is incomplete") from None
-        if rec.dtype != str(dtype).removeprefix("torch.") or rec.shape != (numel,):
-            raise CheckpointError(f"{r.rank_dir}: tensor {name!r} is {rec.dtype} {list(rec.shape)}, expected "
-                                  f"{str(dtype).removeprefix('torch.')} [{numel}]")  # fmt: skip
-        return r
-
-    def read(self, name: str, numel: int, kind: str, dtype: torch.dtype, a: int, b: int,
-             out: torch.Tensor) -> None:  # fmt: skip
-        """``out`` = elements ``[a, b)`` (within ``numel``) of the saved unit ``name``'s flat
-        ``kind``, read from the saved ranks' slices, each verified against its checksum."""
-        shard = -(-numel // self.world)  # a saved slice's length (the unit padded to the saved world size)
-        tensor = state_key(name, kind)
-        for q in range(a // shard, -(-b // shard)) if a < b else ():
-            x, y = max(a, q * shard), min(b, (q + 1) * shard)
-            reader = self.record(q, tensor, dtype, shard)
-            if y - x == shard:
-                reader.read(tensor, verify=True, out=out[x - a : y - a])
-            else:
-                out[x - a : y - a].copy_(self._slice(q, tensor)[x - q * shard : y - q * shard])
-
-    def _slice(self, q: int, tensor: str) -> torch.Tensor:
-        """Saved rank ``q``'s ``tensor``, whole, for reading part of it. The last two are kept: a
-        re-cut unit takes its weight rows and its bias from one saved unit, and the next unit
-        takes the rows after them from the same (see [Note: re-cut] in `_recut`)."""
-        key = (q, tensor)
-        if key in self.cache:
-            self.cache[key] = self.cache.pop(key)  # the most recent last
-        else:
-            while len(self.cache) >= 2:
-                del self.cache[next(iter(self.cache))]
-            self.cache[key] = self.reader(q).read(tensor, verify=True)
-        return self.cache[key]
-
-    def close(self) -> None:
-        self.cache.clear()
-        for r in self.readers.values():
-            r.close()
-
-
-def _fill(src: _Sources, dst: torch.Tensor, runs: list, numel: int, kind: str, dtype, lo: int, hi: int) -> None:
-    """``dst`` (1-D, CPU) = elements [lo, hi) of a unit's flat ``kind`` (zero past its ``numel``),
-    made of ``runs`` of the saved units' (its `_recut.Plan` runs)."""
-    if hi > numel:
-        dst[max(numel - lo, 0) :].zero_()
-    for run in runs:
-        a, b = max(lo, run.at), min(hi, run.at + run.n)
-        if a < b:
-            at = run.start - run.at  # where the run's elements are in the saved unit, relative to the unit
-            src.read(run.name, run.numel, kind, dtype, a + at, b + at, dst[a - lo : b - lo])
-
-
 def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
     """See `Engine.load_checkpoint`. ``on_partial(why)`` is called when the load failed after
     part of the engine's state was replaced (the engine must then refuse to train)."""
@@ -578,7 +500,7 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
             where = resolve(path, tag)
             meta = load_meta(where)
             cut = _recut.plan(engine.units, meta, where)
-            src = _Sources(where, meta["world_size"], engine)
+            src = _saved.Sources(where, meta["world_size"], engine.aio)
             try:
                 _refuse_other_optimizer(engine.optimizer, meta, where)
                 steps = _unit_steps(engine, src, meta, cut)  # refused here, before any state is replaced
@@ -636,14 +558,14 @@ def _load_into(store, name: str, writes: WriteBehind, fill) -> None:
     writes.add(pending, lease)
 
 
-def _load_compact(opt, src: _Sources, cut: _recut.Plan, group, writes: WriteBehind) -> None:
+def _load_compact(opt, src: _saved.Sources, cut: _recut.Plan, group, writes: WriteBehind) -> None:
     """A sub-group's state where the own kinds are compact: every kind read in fp32 as saved
     (checkpoints keep them fp32, `_write_state`), the own kinds then encoded (to nearest)."""
 
     def read(kind: str, flat: torch.Tensor | None = None) -> torch.Tensor:
         flat = torch.empty(group.numel, dtype=torch.float32) if flat is None else flat
         for u in group.units:
-            _fill(src, flat[group.slices[u.index]], cut.runs[u.index], u.numel, kind, torch.float32,
+            _saved.fill(src, flat[group.slices[u.index]], cut.runs[u.index], u.numel, kind, torch.float32,
                   u.shard.start, u.shard.stop)  # fmt: skip
         return flat
 
@@ -679,14 +601,14 @@ def _refuse_other_optimizer(opt, meta: dict, where: str) -> None:
     )
 
 
-def _unit_steps(engine, src: _Sources, meta: dict, cut: _recut.Plan) -> torch.Tensor:
+def _unit_steps(engine, src: _saved.Sources, meta: dict, cut: _recut.Plan) -> torch.Tensor:
     """Every unit's step count from this rank's saved ones (the same on every rank; a new rank
     takes rank 0's), re-cut where the units are (see [Note: re-cut] in `_recut`)."""
     reader = src.reader(engine.rank if engine.rank < meta["world_size"] else 0)
     return cut.steps(engine.units, reader.read("optimizer/steps", verify=True), reader.rank_dir)
 
 
-def _load_rank(engine, src: _Sources, meta: dict, cut: _recut.Plan, steps: torch.Tensor) -> None:
+def _load_rank(engine, src: _saved.Sources, meta: dict, cut: _recut.Plan, steps: torch.Tensor) -> None:
     """Replace this rank's state of every unit (optimizer states, parameters, step counts) by
     the checkpoint's, each unit's elements read from the saved units ``cut`` names."""
     opt = engine.optimizer
@@ -700,7 +622,7 @@ def _load_rank(engine, src: _Sources, meta: dict, cut: _recut.Plan, steps: torch
                 def fill(flat, group=group, kind=kind):
                     for u in group.units:
                         dst = flat[group.slices[u.index]]
-                        _fill(src, dst, cut.runs[u.index], u.numel, kind.name, kind.dtype, u.shard.start, u.shard.stop)
+                        _saved.fill(src, dst, cut.runs[u.index], u.numel, kind.name, kind.dtype, u.shard.start, u.shard.stop)
 
                 _load_into(opt.states[kind.name], group.record.name_for(), writes, fill)
         same_dtype = meta["param_dtype"] == engine.config.precision.param_dtype
@@ -711,13 +633,13 @@ def _load_rank(engine, src: _Sources, meta: dict, cut: _recut.Plan, steps: torch
 
             def fill(flat, u=u, lo=lo, hi=hi):
                 if same_dtype:
-                    _fill(src, flat, cut.runs[u.index], u.numel, "param", engine.dtype, lo, hi)
+                    _saved.fill(src, flat, cut.runs[u.index], u.numel, "param", engine.dtype, lo, hi)
                     return
                 # The precision changed: the parameters are the master weights, cast (a frozen
                 # unit has no master weights: its saved parameters, cast).
                 kind, dtype = ("param", saved_dtype) if u.index in frozen else ("master", torch.float32)
                 value = torch.empty(hi - lo, dtype=dtype)
-                _fill(src, value, cut.runs[u.index], u.numel, kind, dtype, lo, hi)
+                _saved.fill(src, value, cut.runs[u.index], u.numel, kind, dtype, lo, hi)
                 flat.copy_(value)
 
             _load_into(engine.param_store, u.name, writes, fill)

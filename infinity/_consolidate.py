@@ -3,7 +3,7 @@
 Owns: the ``state_dict`` entry of a checkpoint's meta.json (what `Engine.export` would write
 under each key), and `CheckpointWeights`, which reads a checkpoint's units one at a time and
 stands in for the engine where the export's writers read weights. Touches: the checkpoint's
-readers (`_checkpoint._Sources`: every saved rank's slice, checked against its checksum) and
+readers (`_saved.Sources`: every saved rank's slice, checked against its checksum) and
 the writers (`_export.export_safetensors`, `_hf_save.save_pretrained`), reused as they are.
 
 [Note: consolidated checkpoint]
@@ -27,11 +27,11 @@ import json
 import logging
 import math
 import os
-import types
 
 import torch
 
-from . import _checkpoint, _dist
+from . import _dist
+from ._saved import Sources
 from ._substates import state_key
 from ._units import lay_out
 from .checkpoint import LATEST_NAME, CheckpointError, load_meta, resolve
@@ -163,7 +163,7 @@ class CheckpointWeights:
         self.notes: list[str] = []  # what the result lacks or how it differs from an export, for the user
         self.missing: list[str] = []  # keys of the module not written (persistent buffers)
         self.on_unit = None  # called with (units done, unit) as each unit has been handed on
-        self._src = _checkpoint._Sources(self.where, self.world, types.SimpleNamespace(aio=aio_engine))
+        self._src = Sources(self.where, self.world, aio_engine)
         try:
             self._build(dtype, buffers, exclude_frozen, config, generation_config)
         except BaseException:
