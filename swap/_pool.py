@@ -1,9 +1,13 @@
 """The host buffer pool: every host buffer the engine uses, under one byte budget.
 
-No other code allocates pinned (or otherwise long-lived I/O) host memory: swap-in targets,
-write-behind staging, optimizer sub-group buffers and checkpoint streaming all `acquire` from a
-`HostBufferPool`, so ``memory.host_budget`` bounds them together and running out is a
-`PoolExhausted` that says what holds the memory, never an OOM kill.
+Every buffer that data passes through on its way between tiers comes from here: swap-in
+targets, write-behind staging, optimizer sub-group buffers, gradients copied back from a GPU,
+activation chunks and checkpoint streaming all `acquire` from a `HostBufferPool`, so
+``memory.host_budget`` bounds them together and running out is a `PoolExhausted` that says
+what holds the memory, never an OOM kill. What lives in host memory rather than passing through
+is not a buffer and is not taken here: a cpu tier's tensors (pinned where there is a GPU),
+activations on the cpu tier, and the early updates' staged copies (infinity/_overlap_host.py,
+which the engine's plan fits beside the pool within the same budget).
 
 Memory comes in slabs from `infinity.aio.empty_aligned` (anonymous, huge-page advised, and
 registered with CUDA where there is a GPU), each registered once with the I/O engine as a fixed
