@@ -136,7 +136,8 @@ class StreamedUpdate:
         self.grads.held.release(u.index for g in st.groups if g.index in committed for u in g.units)
         if self.plan is not None:
             self.grads.held.spill(keep=self.plan.step_holds)
-        grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=st.device)
+        # (a fill on the kernel's device, not a copy from the host: nothing to wait for on a GPU)
+        grad_scale = None if divide == 1.0 else torch.full((), divide, dtype=torch.float32, device=st.device)
         grads_now = grads_next = None
         try:
             # The next sub-group's gradients are read while this one is updated.
@@ -224,11 +225,14 @@ class StreamedUpdate:
         try:
             for u in have:
                 lease = pending[u.index].result()
-                leases.append(lease)
-                value = lease.tensor
+                if lease.tensor.device == master.device:  # a resident tier's, or brought by `_read_grad`
+                    leases.append(lease)
+                    value = lease.tensor
+                else:  # read from nvme or held in the pool (host memory), for a kernel on a GPU
+                    value = self._onto(lease, master.device)
                 if value.numel() != u.shard_numel:  # stage 1 keeps the whole gradient
                     value = value[u.shard]
-                grads[u.index] = value  # on the kernel's device: `_read_grad`
+                grads[u.index] = value
             stepped = {u.index for u in have}
             if st.foreign is not None:
                 self._step_foreign(index, grads, grad_scale)
@@ -241,6 +245,21 @@ class StreamedUpdate:
                 lease.release()
         self._count_states(index, have)
         return st.write_params(group, have, master, self.transport)
+
+    def _onto(self, lease, device: torch.device) -> torch.Tensor:
+        """A gradient in host memory (``lease``, owned from here) on ``device`` for the kernel:
+        copied on the side stream, which the kernel's stream waits for, the lease given back
+        once the copy is done (`Transport.to_device`; counted)."""
+        if self.transport is None or self.transport.copies is None:
+            try:
+                return lease.tensor.to(device)
+            finally:
+                lease.release()
+        try:
+            return self.transport.to_device(lease)
+        except BaseException:
+            lease.release()
+            raise
 
     def _count_states(self, index: int, have: list) -> None:
         """The optimizer's reads and writes of sub-group ``index``'s states, where they are
