@@ -62,12 +62,14 @@ import weakref
 import torch
 
 from infinity.aio import empty_aligned
-from infinity.swap import PoolExhausted, SwapCorruption
+from infinity.swap import DTYPES, PoolExhausted, SwapCorruption
 
 from ._admission import ACTIVATION
 from ._pass import PassListener
 from ._profile import region
 from ._resources import open_activation_space, remove_made_dirs
+
+_SWAPPABLE = frozenset(DTYPES.values())  # what the nvme tier can store; other dtypes stay where they are
 
 MAX_IN_FLIGHT = 2  # tensors whose copies back to the host may be on their way at once (a GPU)
 
@@ -298,6 +300,8 @@ class ActivationTier(PassListener):
             return None
         if t.layout != torch.strided or not dense_span(t):
             return None
+        if self.tier == "nvme" and t.dtype not in _SWAPPABLE:
+            return None  # a dtype the swap space has no name for (uint16, say): left with autograd
         try:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):

@@ -279,7 +279,7 @@ class StreamedUpdate:
         """Sub-group ``index``'s update in place on ``master`` and ``states`` from ``grads``
         (unit -> its gradient shard, divided by ``divide``), with the step counts ``steps``
         (unit -> the count this update makes) and ``first`` the units stepping for the first time."""
-        grad_scale = None if divide == 1.0 else torch.tensor(divide, dtype=torch.float32, device=self.substates.device)
+        grad_scale = None if divide == 1.0 else torch.full((), divide, dtype=torch.float32, device=self.substates.device)
         if grad_scale is not None:
             # The fused kernels unscale the gradients they are given in place. An early update
             # (the overlap's, the one caller) reads gradients the step reads again when it is not

@@ -129,6 +129,50 @@ def test_a_tensor_changed_after_the_nvme_tier_copied_it_keeps_the_values_saved(t
         torch.testing.assert_close(got[name], value, rtol=0, atol=0)
 
 
+class _GatherRows(torch.autograd.Function):
+    """Rows of ``w`` at ``idx`` (uint16), the indices saved for backward as they are."""
+
+    @staticmethod
+    def forward(ctx, w, idx):
+        ctx.save_for_backward(idx)
+        ctx.rows = w.shape[0]
+        return w[idx.long()]
+
+    @staticmethod
+    def backward(ctx, g):
+        (idx,) = ctx.saved_tensors
+        return torch.zeros(ctx.rows, g.shape[1], dtype=g.dtype).index_add_(0, idx.long(), g), None
+
+
+class _Rows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 32))
+        self.lin = nn.Linear(32, 4)
+
+    def forward(self, idx):
+        return self.lin(_GatherRows.apply(self.w, idx))
+
+
+def test_a_saved_tensor_of_a_dtype_the_swap_space_cannot_store_stays_with_autograd(tmp_path):
+    """uint16 has no name in a swap space: the nvme tier leaves such a tensor where it is (the
+    forward failed in the pack with "cannot be swapped"), moves the rest, and trains as plain."""
+    torch.manual_seed(0)
+    model, idx = _Rows(), torch.randint(0, 64, (4096,)).to(torch.uint16)
+    plain = copy.deepcopy(model)
+    cfg = config(tmp_path, ("device", "device", "device"), activations={"tier": "nvme", "min_bytes": 0},
+                 optimizer={"type": "sgd", "lr": 0.1, "weight_decay": 0.0})  # fmt: skip
+    with infinity.initialize(model, cfg) as engine:
+        engine.backward(engine(idx).sum())
+        engine.step()
+        got, moved = engine.gathered_weights(), engine.stats()["total"]["activation_out_bytes"]
+    assert moved == 4096 * 32 * 4  # the gathered rows (the linear's input) went, the indices stayed
+    plain(idx).sum().backward()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+
+
 def test_names_of_activations_never_read_back_go_at_the_next_pass(tmp_path):
     """A forward with grad whose backward never runs leaves its saved tensors behind: their
     names are freed once the graph goes, by the next pass; close removes the directory's files."""
