@@ -40,9 +40,11 @@ first two (`_resources.check_host_budget`); the rest are room, never a need. `en
 gives each class's bytes held now and its peak beside the plan's shares ("pool").
 
 A transfer needed now (`Admission.take_now`) tries the pool without waiting; when it finds no
-room, the classes that wait for later give way one at a time, in the order registered
-(prefetches, activations read ahead, kept units, the overlap's early work, held gradients),
-and it tries again after each; only when all have given way does it wait (the pool's timeout).
+room, the classes that wait for later give way one at a time, in the order registered (on a
+GPU first the buffers of copies to it that are done, which go back otherwise only at the next
+copy; then prefetches, activations read ahead, kept units, the overlap's early work, held
+gradients), and it tries again after each; only when all have given way does it wait (the
+pool's timeout).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ logger = logging.getLogger("infinity")
 
 FETCH, PREFETCH, STEP, OVERLAP, GRAD, ACTIVATION = "fetch", "prefetch", "step", "overlap", "grad", "activation"
 KEPT = "kept"  # units kept for backward (fetch and prefetch buffers): what gives way, not a pool class
+COPIES = "copies"  # host buffers of copies to a GPU that are done (fetch, prefetch, step): not a pool class
 
 # The activation tier moves a tensor in chunks of at most this many bytes (fewer on a small
 # budget: `Plan.activation_chunk`), at most ACTIVATION_CHUNKS of them in the pool at once.
@@ -260,6 +263,13 @@ class Admission:
             except PoolExhausted:
                 pass
         return take(None)
+
+    def take_for_backward(self, nbytes: int):
+        """A pool buffer for backward's own use (a gradient gathered on the host, or copied back
+        from a GPU: [Note: gradients copied back] in `_grads`), counted as ``grad``: what waits
+        in the pool for later gives way first if the pool has no room (the optimizer's work
+        under backward never makes backward wait), but the prefetches, which backward needs next."""
+        return self.take_now(lambda t: self.pool.acquire(nbytes, timeout=t, traffic=GRAD), skip=(PREFETCH,))
 
     def stats(self) -> dict:
         """Each class's bytes held now and at most, and the plan's shares ("pool" in `engine.stats()`)."""

@@ -66,7 +66,7 @@ MAX_WRITES = 2  # gradients written behind at once (the memory plan counts their
 
 class GradAccumulator:
     def __init__(self, store: Store, transport=None, grads_full: bool = False, max_writes: int = MAX_WRITES, copier=None,
-                 plan=None):  # fmt: skip
+                 plan=None, admission=None):  # fmt: skip
         self.store = store
         self.transport = transport  # _transport.Transport; collectives only when it has several ranks
         self.dist = transport.dist if transport is not None else None
@@ -82,6 +82,8 @@ class GradAccumulator:
         self.held = HeldGrads(store, self._writes, plan, self.has_grad)
         # Copies from the device in flight: see [Note: gradients copied back]. Oldest first.
         self.copier = copier  # `_transport.Copies` on a GPU (its `start`)
+        # Pool buffers for the copies, taken as backward's own (`_admission.Admission.take_for_backward`)
+        self._take = admission.take_for_backward if admission is not None else None
         self._landing: collections.OrderedDict[int, _Landing] = collections.OrderedDict()
 
     def add(self, unit: ParamUnit, grad: torch.Tensor, lease=None, keep=None) -> None:
@@ -156,11 +158,12 @@ class GradAccumulator:
         pool = self.transport.pool if self.transport is not None else None
         if self.store.uses_pool or (not first and pool is not None):
             self._make_room()
+        take = self._take or (pool.acquire if pool is not None else None)
         if first:
-            dst, buffer = self.store.landing(unit.name, grad.shape, grad.dtype)
+            dst, buffer = self.store.landing(unit.name, grad.shape, grad.dtype, acquire=take)
         else:
-            if pool is not None:
-                buffer = pool.acquire(grad.numel() * grad.element_size())
+            if take is not None:
+                buffer = take(grad.numel() * grad.element_size())
                 dst = buffer.view(grad.dtype, tuple(grad.shape))
             else:  # no pool (no tier on nvme): a pinned temporary, dropped once added
                 buffer, dst = None, torch.empty(grad.shape, dtype=grad.dtype, pin_memory=torch.cuda.is_available())

@@ -111,6 +111,7 @@ class _Staging:
         self.budget = budget
         self.pin = pin
         self.bytes = 0  # staged and free together
+        self._warned = False  # an allocation failed once (said once)
         self._free: dict[tuple, list[torch.Tensor]] = {}
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
@@ -124,11 +125,19 @@ class _Staging:
             pass
         if self.bytes + nbytes > self.budget:
             return None
-        self.bytes += nbytes
         # Page-aligned (and pinned where CUDA is): a staged tensor written to nvme (the new
         # parameters, [Note: parameters written under backward]) goes to the drive directly,
         # with no bounce buffer taken from the pool inside a hook.
-        return empty_aligned(max(nbytes, dtype.itemsize), pin=self.pin).view(dtype)[: math.prod(shape)].view(shape)
+        try:
+            t = empty_aligned(max(nbytes, dtype.itemsize), pin=self.pin)
+        except (RuntimeError, OSError, MemoryError) as e:  # no memory to map, or to pin (cudaHostRegister)
+            if not self._warned:
+                self._warned = True
+                logger.warning("optimizer.overlap: %d bytes of staging could not be allocated (%s); the "
+                               "sub-groups that needed them are updated by the step instead", nbytes, e)  # fmt: skip
+            return None  # as no room: the step updates that sub-group
+        self.bytes += nbytes
+        return t.view(dtype)[: math.prod(shape)].view(shape)
 
     def give(self, t: torch.Tensor) -> None:
         """``t`` is free again: a staged copy discarded or written, or a state's tensor that

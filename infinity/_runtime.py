@@ -153,8 +153,7 @@ class UnitRuntime:
         """A pool buffer for backward's own use: what waits in the pool for later gives way
         first if the pool has no room (the optimizer's work under backward never makes backward
         wait), but the prefetches, which backward needs next."""
-        return self.admission.take_now(lambda t: self.pool.acquire(nbytes, timeout=t, traffic=GRAD),
-                                       skip=(PREFETCH,))  # fmt: skip
+        return self.admission.take_for_backward(nbytes)
 
     def cancel_prefetches(self) -> None:
         for other in self.units:

@@ -198,13 +198,14 @@ class Store:
         self._resident[name] = tensor
         return True
 
-    def landing(self, name: str, shape, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+    def landing(self, name: str, shape, dtype: torch.dtype, acquire=None) -> tuple[torch.Tensor, object]:
         """Where a copy from the device of ``name``'s new value lands: the tier's own tensor
         (resident; pinned where CUDA is) and None, or a pool buffer's view and the buffer, to
-        `put` from once the copy is done (nvme). See [Note: gradients copied back] in `_grads`."""
+        `put` from once the copy is done (nvme; the buffer from ``acquire(nbytes)``, default the
+        pool's own). See [Note: gradients copied back] in `_grads`."""
         if self._resident is not None:
             return self._resident_for(name, shape, dtype, cast=False), None
-        buffer = self._space.pool.acquire(max(shape.numel() * dtype.itemsize, 1))
+        buffer = (acquire or self._space.pool.acquire)(max(shape.numel() * dtype.itemsize, 1))
         return buffer.view(dtype, tuple(shape)), buffer
 
     def get(self, name: str, timeout: float | None = None, urgent: bool = False) -> Pending:

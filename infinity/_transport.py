@@ -69,6 +69,8 @@ class Copies:
     def to_device(self, lease, out: torch.Tensor | None = None) -> torch.Tensor:
         """``lease.tensor`` (host) copied to the device (into ``out``, a device tensor of its
         shape and dtype, when given); ``lease`` is released once the copy is done."""
+        if out is not None and out.shape != lease.tensor.shape:  # copy_ would broadcast a smaller one
+            raise ValueError(f"a copy to the device of {tuple(lease.tensor.shape)} into {tuple(out.shape)}")
         if self._in is None:
             self._in = torch.cuda.Stream(self.device)
         stream = self._in

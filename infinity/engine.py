@@ -148,9 +148,10 @@ class Engine:
         layout = Layout(units, dev, self.dtype, self.param_store, grad_store, substates, self.transport, space,
                         self.dist, self.grads_full)  # fmt: skip
         self.plan = self._check_memory(cfg, layout)  # before anything is written: that needs the pool too
+        self.admission = _admission.Admission(self.pool, self.plan)
         self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full,
                                      copier=self.transport.copies,  # on a GPU: [Note: gradients copied back]
-                                     plan=self.plan)  # fmt: skip
+                                     plan=self.plan, admission=self.admission)  # fmt: skip
         self.optimizer = Optimizer(substates, defaults, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
                                    engine_step=self._step, engine_zero_grad=self.zero_grad, plan=self.plan)  # fmt: skip
         # Everything else that can refuse the user's arguments, before the module's weights move.
@@ -182,7 +183,6 @@ class Engine:
         self._managed = {id(p) for u in units for p in u.params}  # see `_lifecycle.TrainingGuard`
         self._guard = TrainingGuard(self._life, module, self._managed)
         plan = self.plan
-        self.admission = _admission.Admission(self.pool, plan)
         staging = None  # where early updates wait for the step: [Note: exact overlap] in `_overlap`
         if plan.overlap:
             staging = OnDisk(self.optimizer, plan.overlap, disk_room=self.footprint.staging_room, space=self.space,
@@ -221,6 +221,8 @@ class Engine:
         self._state_hooks = StateDictHooks(self, module)
         # What waits in the pool for later gives way to a transfer needed now, in this order
         # ([Note: traffic classes] in `_admission`).
+        if self.transport.copies is not None:
+            self.admission.give_way(_admission.COPIES, functools.partial(self.transport.copies.drain, block=False))
         self.admission.give_way(_admission.PREFETCH, self.scheduler.runtime.cancel_prefetches)
         if self.activations is not None:
             self.admission.give_way(_admission.ACTIVATION, self.activations.drop_reads)

@@ -172,3 +172,53 @@ def test_copies_into_pool_buffers_stay_within_the_backward_plan(tmp_path):
         assert max(seen) == grads.max_writes  # the bound is reached: copies do wait for room
     finally:
         engine.close()
+
+
+def test_a_copy_back_that_finds_the_pool_full_makes_others_give_way(tmp_path):
+    """A gradient copied back into a pool buffer is backward's own transfer, needed now: when
+    the pool is full, what waits there for later gives way (`Admission.take_for_backward`), as
+    for a gradient gathered on the host, rather than the hook waiting out the pool's timeout.
+    Here the pool is filled before each backward by buffers that give way when asked."""
+    tiers = ("nvme", "nvme", "nvme")
+    want = _train(tmp_path / "a", tiers, None, overlap=False)
+    cfg = config(tmp_path / "b", tiers, optimizer={"overlap": False, "sub_group_size": "16KiB",
+                                                   "gradient_accumulation_steps": MICRO},
+                 memory={"host_budget": "1MiB"})  # fmt: skip
+    engine = infinity.initialize(_model(), cfg)
+    hog, asked = [], []
+
+    def give_back():
+        asked.append(len(hog))
+        while hog:
+            hog.pop().release()
+
+    try:
+        engine.pool.timeout = 2.0  # a hook that waits would fail the backward with PoolExhausted
+        engine.admission.give_way("test", give_back)
+        engine.scheduler.runtime.grads_in_pool = False
+        engine.grads.copier = _LateCopies(polls=1000)
+        engine.grads.store.in_place_on = lambda device: False
+        losses = []
+        for step in range(3):
+            for m in range(MICRO):
+                g = torch.Generator().manual_seed(step * MICRO + m)
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+                out = engine(x)  # the parameters fetched first: then nothing but the copies needs the pool
+                while True:
+                    try:
+                        hog.append(engine.pool.acquire(4096, timeout=0))
+                    except infinity.swap.PoolExhausted:
+                        break
+                loss = ((out - y) ** 2).mean()
+                engine.backward(loss)
+                give_back()
+                losses.append(loss.item())
+            engine.step()
+        assert losses == want[0]
+        got = engine.gathered_weights()
+        for k in want[1]:
+            assert torch.equal(got[k], want[1][k]), k
+        assert sum(1 for n in asked if n) >= 3 * MICRO  # every backward found the pool full
+    finally:
+        give_back()
+        engine.close()

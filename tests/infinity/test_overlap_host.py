@@ -162,6 +162,23 @@ def test_staging_stays_within_its_budget_and_the_rest_is_left_to_the_step(tmp_pa
     assert all(0 < c < len(sizes) for c in committed), committed
 
 
+def test_staging_that_cannot_be_allocated_leaves_the_updates_to_the_step(tmp_path, monkeypatch, caplog):
+    """Staging memory that cannot be had (on a GPU: pinning refused by cudaHostRegister) is as no
+    room: every update is the step's, said once, the numbers the same; nothing fails backward."""
+    from infinity import _overlap_host
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("cudaHostRegister(0x7f0000000000, 4096) failed with CUDA error 2")
+
+    off = _train(tmp_path / "off", False, tiers=HOST[0])
+    monkeypatch.setattr(_overlap_host, "empty_aligned", refused)
+    on = _train(tmp_path / "on", True, tiers=HOST[0])
+    _same(off, on)
+    assert on[2] == [0] * 4  # none committed early
+    said = [r for r in caplog.records if "staging could not be allocated" in r.getMessage()]
+    assert len(said) == 1 and "CUDA error 2" in said[0].getMessage()
+
+
 @pytest.mark.parametrize("opt", [{"type": "sgd", "momentum": 0.9, "lr": 0.05}, {"type": "adagrad"}],
                          ids=["sgd", "adagrad"])  # fmt: skip
 def test_other_algorithms(tmp_path, opt):
