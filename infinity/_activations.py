@@ -355,7 +355,8 @@ class ActivationTier(PassListener):
                 view = buffer.view(piece.dtype, (piece.numel(),))
                 if self.device.type == "cpu":
                     view.copy_(piece)
-                    carrier, name_after = self.space.put(name, view), None
+                    with self.pool.traffic(ACTIVATION):  # (a staged tail, where the chunk ends mid-block)
+                        carrier, name_after = self.space.put(name, view), None
                 else:
                     carrier, name_after = self.copy_back.start(piece, view), name
             except BaseException:
@@ -466,8 +467,9 @@ class ActivationTier(PassListener):
         if self.device.type == "cpu":
             out = empty_aligned(saved.nbytes, pin=False).view(saved.dtype)
             per = self.chunk // saved.dtype.itemsize
-            futures = [self.space.get(name, out=out[i * per : (i + 1) * per], urgent=not ahead)  # needed now: first
-                       for i, name in enumerate(saved.names)]  # fmt: skip
+            with self.pool.traffic(ACTIVATION):  # (a staged tail, where a chunk ends mid-block)
+                futures = [self.space.get(name, out=out[i * per : (i + 1) * per], urgent=not ahead)  # needed now: first
+                           for i, name in enumerate(saved.names)]  # fmt: skip
             return _Read(out, futures)
         futures = [None] * len(saved.names)
         if ahead:

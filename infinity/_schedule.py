@@ -105,13 +105,13 @@ from torch import nn
 
 from . import _placeholder, _tiled
 from ._activations import SavedTensors
-from ._admission import Admission
+from ._admission import GRAD, Admission
 from ._compile import eager
 from ._grads import GradAccumulator
 from ._interrupts import held_interrupts
 from ._pass import PassListener
 from ._prefetch import Prefetcher
-from ._runtime import UnitRuntime
+from ._runtime import UnitRuntime, traffic
 from ._stats import Stats
 from ._store import Store
 from ._transport import Transport
@@ -475,7 +475,8 @@ class Scheduler:
             for unit in self.units:
                 if unit.grad is not None or unit.uses:
                     self.runtime.finish_unit_backward(unit)
-            self.runtime.grads.land()  # see [Note: gradients copied back] in `_grads`
+            with traffic(self.runtime.pool, GRAD):  # what the last landings read to add to: backward's
+                self.runtime.grads.land()  # see [Note: gradients copied back] in `_grads`
         finally:
             for listener in self.listeners:
                 listener.end_backward()

@@ -307,7 +307,8 @@ class Engine:
                 "a plain loss.backward() would step on unscaled gradients (they were dropped)"
             )
         self.scheduler.end_backward()
-        self._accumulation.backward_ended()
+        with self.pool.traffic(_admission.OVERLAP):  # the early updates it starts (reads, staging)
+            self._accumulation.backward_ended()
 
     def step(self) -> bool:
         """The optimizer step, then gradients cleared, then the LR scheduler given to

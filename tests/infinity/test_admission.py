@@ -178,3 +178,48 @@ def test_planning_at_another_budget_changes_nothing_of_a_running_engine(tmp_path
 
 def _at_budget(cfg: dict, budget: int) -> infinity.TierConfig:
     return infinity.TierConfig.from_dict({**cfg, "memory": {"host_budget": budget}})
+
+
+@pytest.mark.parametrize("tiers, overlap, activations, late", [
+    (("nvme", "nvme", "nvme"), True, "nvme", False), (("nvme", "nvme", "nvme"), False, "device", False),
+    (("nvme", "nvme", "nvme"), True, "device", True), (("nvme", "cpu", "cpu"), True, "device", False),
+    (("cpu", "nvme", "cpu"), False, "nvme", False),
+], ids=["nvme-overlap-activations", "nvme", "nvme-overlap-copied-back", "host-states-overlap", "grads-on-nvme"])  # fmt: skip
+def test_every_buffer_taken_while_training_names_its_class(tmp_path, monkeypatch, tiers, overlap, activations, late):
+    """stats()["pool"] says what holds the budget by class: a buffer taken in forward, backward
+    or the step under "other" (what names none) would hide what took it. Such were the
+    activation tier's staged tails on the host, and the early updates that the end of backward
+    starts (``late``: gradients copied back as from a GPU, landing only at the end of backward,
+    by the stand-in of tests/infinity/test_copy_back.py)."""
+    from test_copy_back import _LateCopies, _model
+
+    from infinity.swap import _pool
+
+    torch.manual_seed(0)
+    model = _model()
+    cfg = config(tmp_path, tiers, optimizer={"overlap": overlap, "sub_group_size": "16KiB",
+                                             "gradient_accumulation_steps": 2},
+                 activations={"tier": activations, "min_bytes": 0},
+                 memory={"host_budget": "1MiB" if late else "256MiB"})  # fmt: skip
+    engine = infinity.initialize(model, cfg)
+    if late:
+        engine.scheduler.runtime.grads_in_pool = False
+        engine.grads.copier = _LateCopies(polls=1000)
+        engine.grads.store.in_place_on = lambda device: False
+    taken: list[str] = []
+    acquire = _pool.HostBufferPool.acquire
+
+    def named(self, nbytes, timeout=None, *, traffic=None):
+        taken.append(traffic or getattr(self._label, "name", _pool.OTHER))
+        return acquire(self, nbytes, timeout, traffic=traffic)
+
+    monkeypatch.setattr(_pool.HostBufferPool, "acquire", named)
+    try:
+        for step in range(3):
+            for m in range(2):
+                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2 * step + m))
+                engine.backward(engine(x).pow(2).mean())
+            engine.step()
+    finally:
+        engine.close()
+    assert taken and _pool.OTHER not in taken, sorted(set(taken))
