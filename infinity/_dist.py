@@ -34,11 +34,12 @@ _MET = "infinity/met/"
 _DISTS = itertools.count()
 
 
-def _own_gpu() -> int:
-    """This rank's GPU: LOCAL_RANK, which must name one of the GPUs this process sees (NCCL
-    needs a GPU per rank; without this check, torch.cuda.set_device fails with "invalid device
-    ordinal", which names neither the counts nor the way out)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+def _own_gpu(local_rank: int | None = None) -> int:
+    """This rank's GPU: ``local_rank`` (default LOCAL_RANK), which must name one of the GPUs this
+    process sees (NCCL needs a GPU per rank; without this check, torch.cuda.set_device fails
+    with "invalid device ordinal", which names neither the counts nor the way out)."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     count = torch.cuda.device_count()
     if local_rank >= count:
         raise RuntimeError(
@@ -75,6 +76,12 @@ class Dist:
             self.store = None
         # NCCL moves device memory only: CPU tensors go through the GPU (see _on_device).
         self.nccl = dist.get_backend() == "nccl"
+        if self.nccl and torch.cuda.current_device() != self.local_rank:
+            # A group the user made without torch.cuda.set_device: every rank's current GPU is
+            # the first, where NCCL finds them all ("Duplicate GPU detected") and where
+            # all_gather_object puts its tensors. The engine computes on the rank's own, as
+            # DeepSpeed's initialize sets it.
+            torch.cuda.set_device(_own_gpu(self.local_rank))
         self._install_excepthook()
 
     @property
@@ -83,7 +90,7 @@ class Dist:
 
     # -- collectives ------------------------------------------------------------------------
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> None:
-        out, src = self._on_device(full), self._on_device(shard)
+        out, src = self._on_device(full, output=True), self._on_device(shard)
         self._run(lambda: dist.all_gather_into_tensor(out, src), what)
         self._back(full, out)
 
@@ -97,13 +104,13 @@ class Dist:
         if full is None:
             self._run(lambda: dist.gather(src, None, dst=0), what)
             return
-        out = self._on_device(full)
+        out = self._on_device(full, output=True)
         self._run(lambda: dist.gather(src, list(out.view(self.world_size, -1)), dst=0), what)
         self._back(full, out)
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
         """``shard`` = this rank's slice of the mean over ranks of ``full``."""
-        out, src = self._on_device(shard), self._on_device(full)
+        out, src = self._on_device(shard, output=True), self._on_device(full)
         self._run(lambda: dist.reduce_scatter_tensor(out, src), what)
         out.div_(self.world_size)
         self._back(shard, out)
@@ -205,9 +212,12 @@ class Dist:
             texts.append(bytes(chunk[8 : 8 + n].tolist()).decode())
         return texts
 
-    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+    def _on_device(self, t: torch.Tensor, output: bool = False) -> torch.Tensor:
+        """``t`` where the backend moves it: a host tensor on this rank's GPU for NCCL (its
+        values copied there, unless it is only an ``output``), else ``t`` itself."""
         if self.nccl and t.device.type == "cpu":
-            return t.to(torch.device("cuda", torch.cuda.current_device()))
+            gpu = torch.device("cuda", self.local_rank)
+            return torch.empty(t.shape, dtype=t.dtype, device=gpu) if output else t.to(gpu)
         return t
 
     @staticmethod
