@@ -57,9 +57,14 @@ def address_of(arr: np.ndarray) -> int:
     return arr.__array_interface__["data"][0]
 
 
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
 def _cuda_register(address: int, nbytes: int) -> None:
+    # Portable: pinned for every CUDA context, not only the one current on the registering
+    # thread (a pool slab may be made on any thread; each rank copies on its own GPU).
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(address, nbytes, 0)
+    err = cudart.cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister({address:#x}, {nbytes}) failed with CUDA error {int(err)}")
 
