@@ -86,6 +86,21 @@ def test_native_int8_codec_gives_the_reference_bytes(monkeypatch, isa, signed, n
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_native_decode_gives_every_code_s_value(monkeypatch, isa, signed):
+    """Each of the 256 codes, in every position of a vector, under scales of either sign (the
+    AVX-512 path picks values by permutes over the code's bits, not by a gather)."""
+    codes = torch.arange(256, dtype=torch.uint8).roll(7).repeat(3)  # each code at several lanes
+    scales = torch.tensor([0.37, -2.5, 1e-30])
+    out = {}
+    for native in (False, True):
+        monkeypatch.setattr(_compact, "NATIVE", native)
+        decoded = torch.empty(codes.numel())
+        _compact.decode_int8(codes, scales, signed, decoded)
+        out[native] = decoded.view(torch.int32)
+    assert torch.equal(out[False], out[True])
+
+
 def test_int8_codec_refuses_mismatched_tensors():
     x = torch.zeros(300)
     with pytest.raises(ValueError, match="300 values want 300 codes and 2 scales, got 300 and 1"):
