@@ -107,13 +107,14 @@ status=0
 # From a copy of tests/ so that the installed package, not the checkout, is what runs.
 tests_expr=${GPU_CHECK_TESTS-"gpu"}
 if [[ -n $tests_expr ]] && room tests; then
-    rm -rf /tmp/infinity-gpu-tests && cp -r tests /tmp/infinity-gpu-tests
+    rm -rf /tmp/infinity-gpu-tests && cp -r tests /tmp/infinity-gpu-tests  # (the engine's GPU tests first)
     limit=${GPU_CHECK_TEST_LIMIT:-300}
     ((limit > $(left) - 30)) && limit=$(($(left) - 30))
     per_test=()
     "$PY" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=120)
     (cd /tmp && PYTHONUNBUFFERED=1 limited "$limit" "$PY" -m pytest -q -m "$tests_expr" -p no:cacheprovider \
-        -o addopts="-ra --import-mode=importlib" --durations=15 "${per_test[@]}" /tmp/infinity-gpu-tests) 2>&1 |
+        -o addopts="-ra --import-mode=importlib" --durations=15 "${per_test[@]}" \
+        /tmp/infinity-gpu-tests/infinity/test_gpu.py /tmp/infinity-gpu-tests) 2>&1 |
         tee "$OUTDIR/pytest.log"
     ((PIPESTATUS[0] == 0)) || status=1
     stage tests

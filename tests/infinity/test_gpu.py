@@ -16,6 +16,133 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("tiers", [("device", "nvme", "device"), ("cpu", "nvme", "device")])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+def test_optimizer_on_the_gpu_with_gradients_on_nvme_matches_plain_pytorch(tmp_path, tiers, clip):
+    """The step reads the gradients from nvme into host memory and its kernel runs on the GPU:
+    each gradient goes over on the side stream (counted), and a clipped step's divisor is made
+    on the GPU. The CPU suite runs the same placements with the device on the host, where
+    nothing crosses, so only here does a gradient on the wrong device show."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    ref = copy.deepcopy(model).cuda()
+    cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
+           "optimizer": {"lr": 1e-3, "max_grad_norm": clip}}  # fmt: skip
+    engine = infinity.initialize(model, cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    for _ in range(4):
+        x = torch.randn(32, 64, device="cuda")
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(x).pow(2).mean()
+        opt.zero_grad()
+        ref_loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        assert abs(loss.item() - ref_loss.item()) < 1e-4  # TF32 and kernel choice, as above
+    grads = 4 * 4 * sum(u.shard_numel for u in engine.units)
+    assert engine.stats()["total"]["h2d_bytes"] >= grads  # every gradient back to the GPU, counted
+    got = engine.gathered_weights()
+    for name, q in ref.named_parameters():
+        torch.testing.assert_close(got[name].float().cpu(), q.detach().cpu(), rtol=1e-3, atol=1e-4, msg=name)
+    engine.close()
+
+
+@pytest.mark.parametrize("tiers", [("device", "device", "device"), ("device", "device", "cpu")])
+def test_whole_unit_gradients_stay_where_autograd_made_them_on_the_gpu(tmp_path, tiers):
+    """The grads tier on the GPU: a gradient that is all of its unit becomes the tier's tensor
+    as autograd made it, and a later micro-batch's is added to it, so backward copies nothing
+    ([Note: gradient hand-over] in infinity/_schedule.py); the weights are plain PyTorch's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:
+                Copies.elements += args[0].numel()
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256, bias=False), nn.GELU(), nn.Linear(256, 8, bias=False))
+    ref = copy.deepcopy(model).cuda()
+    cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
+           "optimizer": {"lr": 1e-3, "overlap": False}}  # fmt: skip
+    engine = infinity.initialize(model, cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    for _ in range(3):
+        for _ in range(2):
+            x = torch.randn(32, 64, device="cuda")
+            with Copies():
+                engine.backward(engine(x).pow(2).mean())
+            ref(x).pow(2).mean().backward()
+        engine.step()
+        opt.step()
+        opt.zero_grad()
+    assert Copies.elements == 0
+    got = engine.gathered_weights()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach().cpu(), atol=1e-4, rtol=0)
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("tiers", [("device", "device", "cpu"), ("nvme", "cpu", "cpu"), ("nvme", "nvme", "nvme")])
+def test_whole_steps_make_no_host_synchronisation(tmp_path, tiers, dtype):
+    """Forward, backward and step of every placement under torch.cuda.set_sync_debug_mode: no
+    operation that makes the host wait for the GPU (a blocking copy, ``.item()``, a stream or
+    device synchronize) anywhere in a step. The engine's own waits are on CUDA events where a
+    result is consumed (a gradient the host kernel reads), which the mode does not count. Every
+    place that synchronised is listed with the Python stack that led to it (mode "warn",
+    recorded, so that one run names them all; the issue's "error" fails on the first)."""
+    import os
+    import traceback
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)], nn.Linear(256, 8))
+    cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
+           "precision": {"param_dtype": dtype}, "optimizer": {"lr": 1e-3}}  # fmt: skip
+    xs = [torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
+    if dtype == "bf16":
+        xs = [x.to(torch.bfloat16) for x in xs]
+    seen: dict = {}
+    package = os.path.dirname(infinity.__file__) + os.sep
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if f.filename.startswith(package)]
+        where = ours[-1] if ours else stack[-1]  # the engine's last frame: where it synchronised
+        key = f"{where.filename}:{where.lineno} ({where.name}): {message}"
+        seen.setdefault(key, "".join(traceback.format_list(stack[-10:])))
+
+    with infinity.initialize(model, cfg) as engine:
+        losses = []
+        engine.backward(engine(xs[0]).float().pow(2).mean())  # the first step: lazy setup may wait
+        engine.step()
+        old = warnings.showwarning
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for x in xs[1:]:
+                    loss = engine(x).float().pow(2).mean()
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.detach())
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                warnings.showwarning = old
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(v).item() for v in losses)
+    assert not seen, "host synchronisations in a step:\n" + "\n".join(f"{k}\n{v}" for k, v in seen.items())
+
+
 @pytest.mark.parametrize("tiers", [("nvme", "nvme", "nvme"), ("cpu", "cpu", "cpu"), ("device", "device", "device")])
 def test_gpu_training_matches_plain_pytorch(tmp_path, tiers):
     torch.manual_seed(0)
@@ -271,61 +398,6 @@ def test_bf16_on_nvme_moves_28_bytes_a_parameter_with_units_kept_on_the_gpu(tmp_
     assert per_param <= (28.0 if device_budget is None else 30.0) + 0.01, nvme["by_kind"]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("tiers", [("device", "device", "cpu"), ("nvme", "cpu", "cpu"), ("nvme", "nvme", "nvme")])
-def test_whole_steps_make_no_host_synchronisation(tmp_path, tiers, dtype):
-    """Forward, backward and step of every placement under torch.cuda.set_sync_debug_mode: no
-    operation that makes the host wait for the GPU (a blocking copy, ``.item()``, a stream or
-    device synchronize) anywhere in a step. The engine's own waits are on CUDA events where a
-    result is consumed (a gradient the host kernel reads), which the mode does not count. Every
-    place that synchronised is listed with the Python stack that led to it (mode "warn",
-    recorded, so that one run names them all; the issue's "error" fails on the first)."""
-    import os
-    import traceback
-    import warnings
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)], nn.Linear(256, 8))
-    cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
-           "precision": {"param_dtype": dtype}, "optimizer": {"lr": 1e-3}}  # fmt: skip
-    xs = [torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
-    if dtype == "bf16":
-        xs = [x.to(torch.bfloat16) for x in xs]
-    seen: dict = {}
-    package = os.path.dirname(infinity.__file__) + os.sep
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):
-            return
-        stack = traceback.extract_stack()[:-1]
-        ours = [f for f in stack if f.filename.startswith(package)]
-        where = ours[-1] if ours else stack[-1]  # the engine's last frame: where it synchronised
-        key = f"{where.filename}:{where.lineno} ({where.name}): {message}"
-        seen.setdefault(key, "".join(traceback.format_list(stack[-10:])))
-
-    with infinity.initialize(model, cfg) as engine:
-        losses = []
-        engine.backward(engine(xs[0]).float().pow(2).mean())  # the first step: lazy setup may wait
-        engine.step()
-        old = warnings.showwarning
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for x in xs[1:]:
-                    loss = engine(x).float().pow(2).mean()
-                    engine.backward(loss)
-                    engine.step()
-                    losses.append(loss.detach())
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-                warnings.showwarning = old
-        torch.cuda.synchronize()
-        assert all(torch.isfinite(v).item() for v in losses)
-    assert not seen, "host synchronisations in a step:\n" + "\n".join(f"{k}\n{v}" for k, v in seen.items())
-
-
 @pytest.mark.parametrize("tiers", [("device", "device", "cpu"), ("nvme", "cpu", "cpu")])
 def test_early_updates_on_the_worker_match_the_step_after_backward_bit_for_bit(tmp_path, tiers):
     """The optimizer under backward with its states in host memory, on a GPU: gradients copied
@@ -356,75 +428,3 @@ def test_early_updates_on_the_worker_match_the_step_after_backward_bit_for_bit(t
     for k in want[1]:
         assert torch.equal(got[1][k], want[1][k]), k
     assert want[2] == [0, 0, 0] and all(c == got[3] for c in got[2]), got[2]
-
-
-@pytest.mark.parametrize("tiers", [("device", "device", "device"), ("device", "device", "cpu")])
-def test_whole_unit_gradients_stay_where_autograd_made_them_on_the_gpu(tmp_path, tiers):
-    """The grads tier on the GPU: a gradient that is all of its unit becomes the tier's tensor
-    as autograd made it, and a later micro-batch's is added to it, so backward copies nothing
-    ([Note: gradient hand-over] in infinity/_schedule.py); the weights are plain PyTorch's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Copies(TorchDispatchMode):
-        elements = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.copy_.default:
-                Copies.elements += args[0].numel()
-            return func(*args, **(kwargs or {}))
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256, bias=False), nn.GELU(), nn.Linear(256, 8, bias=False))
-    ref = copy.deepcopy(model).cuda()
-    cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
-           "optimizer": {"lr": 1e-3, "overlap": False}}  # fmt: skip
-    engine = infinity.initialize(model, cfg)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    for _ in range(3):
-        for _ in range(2):
-            x = torch.randn(32, 64, device="cuda")
-            with Copies():
-                engine.backward(engine(x).pow(2).mean())
-            ref(x).pow(2).mean().backward()
-        engine.step()
-        opt.step()
-        opt.zero_grad()
-    assert Copies.elements == 0
-    got = engine.gathered_weights()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach().cpu(), atol=1e-4, rtol=0)
-    engine.close()
-
-
-@pytest.mark.parametrize("tiers", [("device", "nvme", "device"), ("cpu", "nvme", "device")])
-@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
-def test_optimizer_on_the_gpu_with_gradients_on_nvme_matches_plain_pytorch(tmp_path, tiers, clip):
-    """The step reads the gradients from nvme into host memory and its kernel runs on the GPU:
-    each gradient goes over on the side stream (counted), and a clipped step's divisor is made
-    on the GPU. The CPU suite runs the same placements with the device on the host, where
-    nothing crosses, so only here does a gradient on the wrong device show."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.LayerNorm(64), nn.Linear(64, 8))
-    ref = copy.deepcopy(model).cuda()
-    cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
-           "optimizer": {"lr": 1e-3, "max_grad_norm": clip}}  # fmt: skip
-    engine = infinity.initialize(model, cfg)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    for _ in range(4):
-        x = torch.randn(32, 64, device="cuda")
-        loss = engine(x).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        ref_loss = ref(x).pow(2).mean()
-        opt.zero_grad()
-        ref_loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        opt.step()
-        assert abs(loss.item() - ref_loss.item()) < 1e-4  # TF32 and kernel choice, as above
-    grads = 4 * 4 * sum(u.shard_numel for u in engine.units)
-    assert engine.stats()["total"]["h2d_bytes"] >= grads  # every gradient back to the GPU, counted
-    got = engine.gathered_weights()
-    for name, q in ref.named_parameters():
-        torch.testing.assert_close(got[name].float().cpu(), q.detach().cpu(), rtol=1e-3, atol=1e-4, msg=name)
-    engine.close()
