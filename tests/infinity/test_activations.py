@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import infinity
 from infinity.swap import SwapCorruption
