@@ -2,8 +2,9 @@
 when the optimizer may run under the last one.
 
 Owns: the count of backward passes since the last step, why the accumulated gradients are not
-whole (a backward that failed part-way), and the one-time warning when steps follow another
-number of passes than configured. Touches: the overlap (armed for the step's last micro-batch
+whole (a backward that failed part-way), the one-time warning when steps follow another
+number of passes than configured, and, where the engine counts the micro-batches (DeepSpeed's
+semantics), which step() calls update and what backward divides the loss by. Touches: the overlap (armed for the step's last micro-batch
 when the scheduler says a forward ended: a `_pass.PassListener`; told when a backward ended),
 the optimizer's ``clipped_last`` (read).
 """
@@ -23,10 +24,14 @@ class Accumulation(PassListener):
     backward (`_overlap`, `_overlap_host`) or None; ``optimizer``: `_optim.Optimizer`. A
     listener of the passes only where there is an overlap to arm."""
 
-    def __init__(self, want: int, overlap, optimizer):
+    def __init__(self, want: int, overlap, optimizer, *, counts: bool = False):
         self.want = want
         self.overlap = overlap
         self.optimizer = optimizer
+        # ``counts``: optimizer.accumulation = "engine" ([Note: DeepSpeed's accumulation] in
+        # `_deepspeed`): the loss is divided by ``want``, and a step is due every ``want`` calls.
+        self.counts = counts
+        self.calls = 0  # step() calls since the last update, where the engine counts
         self.passes = 0  # backward passes since the last step
         self.incomplete: str | None = None  # why the step's gradients are not whole
         self._told = False
@@ -41,6 +46,22 @@ class Accumulation(PassListener):
             self.overlap.arm(expected)
         else:
             self.overlap.disarm()
+
+    @property
+    def loss_divisor(self) -> int:
+        """What backward divides the loss by: the micro-batches of a step where the engine counts."""
+        return self.want if self.counts else 1
+
+    def due(self) -> bool:
+        """A step() call: whether it updates (always, unless the engine counts the
+        micro-batches and this is not the last of a step)."""
+        if not self.counts:
+            return True
+        self.calls += 1
+        if self.calls < self.want:
+            return False
+        self.calls = 0
+        return True
 
     def backward_ended(self) -> None:
         self.passes += 1

@@ -60,7 +60,6 @@ def _r(why: str, when: str = "set", allowed: tuple = (None, False, 0)) -> Rule:
     return Rule(REFUSE, why=why, when=when, allowed=allowed)
 
 
-_LOOP = "the training loop's batch size (the data loader's, or TrainingArguments')"
 _BUDGET = "host buffers are bounded as a whole by memory.host_budget"
 _PIPELINED = "reads, writes and the update are always pipelined here"
 _MONITOR = "monitoring: engine.stats(), and InfinityTrainer's logs through report_to"
@@ -69,9 +68,12 @@ _COMM = "gradients are reduced in fp32 unit by unit as backward produces them"
 
 RULES: dict[str, Rule] = {
     # -- batch -----------------------------------------------------------------------------
-    "train_batch_size": _i(_LOOP),
-    "train_micro_batch_size_per_gpu": _i(_LOOP),
-    "gradient_accumulation_steps": _m("optimizer.gradient_accumulation_steps"),
+    "train_batch_size": _m("optimizer.gradient_accumulation_steps",
+                           "with train_micro_batch_size_per_gpu and the world size, as DeepSpeed derives the steps "
+                           "(they must agree); with TrainingArguments the Trainer's"),
+    "train_micro_batch_size_per_gpu": _m("optimizer.gradient_accumulation_steps", "as train_batch_size"),
+    "gradient_accumulation_steps": _m("optimizer.gradient_accumulation_steps",
+                                      'with optimizer.accumulation = "engine": DeepSpeed\'s loop'),
     "gradient_clipping": _m("optimizer.max_grad_norm", "0: no clipping"),
     # -- precision -------------------------------------------------------------------------
     "fp16": _i("the section: its keys below"),
@@ -378,10 +380,11 @@ def _read(ds: dict, args) -> dict[str, Any]:
         if low is not None:
             out["precision.min_scale"] = _number("fp16.min_loss_scale", low)
 
-    # -- the step
-    accumulate = r.get("gradient_accumulation_steps", None, r.arg("gradient_accumulation_steps"))
+    # -- the step: DeepSpeed's engine counts the micro-batches ([Note: DeepSpeed's accumulation])
+    out["optimizer.accumulation"] = "engine"
+    accumulate = _accumulation_steps(r)
     if accumulate is not None:
-        out["optimizer.gradient_accumulation_steps"] = _number("gradient_accumulation_steps", accumulate, int)
+        out["optimizer.gradient_accumulation_steps"] = accumulate
     clip = r.get("gradient_clipping", None, r.arg("max_grad_norm"))
     if clip is not None:
         clip = _number("gradient_clipping", clip)
@@ -446,6 +449,40 @@ def _device(r: _Reader, key: str) -> str:
     if value not in ("none", "cpu", "nvme"):
         raise ValueError(f"DeepSpeed key {key!r} = {value!r}: expected none, cpu or nvme")
     return "device" if value == "none" else value
+
+
+# [Note: DeepSpeed's accumulation]
+# DeepSpeed's training loop calls engine.backward(loss) and engine.step() after every
+# micro-batch: backward divides the loss by gradient_accumulation_steps, and step updates only
+# on every gradient_accumulation_steps-th call. So a DeepSpeed config sets
+# optimizer.accumulation = "engine", which does the same here; a script written for DeepSpeed
+# then takes as many updates, of the same averaged gradients. (Left as this engine's "caller",
+# it would update after every micro-batch, on one micro-batch's gradient at full weight:
+# silently another training.) The steps come from gradient_accumulation_steps, or as DeepSpeed
+# derives them from train_batch_size = train_micro_batch_size_per_gpu x steps x world size
+# (WORLD_SIZE, as the launcher sets it), and the three must agree, as DeepSpeed asserts. With
+# transformers' arguments the Trainer counts: InfinityTrainer sets "caller" and its own steps.
+
+
+def _accumulation_steps(r: _Reader) -> int | None:
+    """The micro-batches per step a DeepSpeed config means (None: not said)."""
+    steps = r.get("gradient_accumulation_steps", None, r.arg("gradient_accumulation_steps"))
+    steps = None if steps is None else _number("gradient_accumulation_steps", steps, int)
+    if r.args is not None:  # transformers' arguments: the Trainer's loop, its batch sizes
+        return steps
+    batch, micro = r.get("train_batch_size"), r.get("train_micro_batch_size_per_gpu")
+    batch = None if batch is None else _number("train_batch_size", batch, int)
+    micro = None if micro is None else _number("train_micro_batch_size_per_gpu", micro, int)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if batch is not None and micro is not None:
+        derived = batch // (micro * world) if micro * world else 0
+        if steps is None:
+            steps = derived
+        if steps < 1 or batch != micro * steps * world:
+            raise ValueError(f"DeepSpeed keys 'train_batch_size' = {batch}, 'train_micro_batch_size_per_gpu' = {micro} "
+                             f"and 'gradient_accumulation_steps' = {steps} disagree at world size {world}: "
+                             "train_batch_size must be micro batch x accumulation steps x world size")  # fmt: skip
+    return steps
 
 
 def _read_optimizer(r: _Reader, out: dict) -> None:

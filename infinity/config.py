@@ -34,6 +34,7 @@ AIO_BACKENDS = ("auto", *BACKENDS)
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad")
 STATE_DTYPES = ("fp32", "bf16", "int8")  # infinity._compact's; here so the config loads no torch
+ACCUMULATIONS = ("caller", "engine")  # who counts the micro-batches: OptimizerConfig.accumulation
 ADAM_STATE_BYTES = 12  # fp32 master weight + exp_avg + exp_avg_sq, per parameter
 
 # The same grammar as nvme-bench's --size, so a figure it prints pastes into a config.
@@ -432,6 +433,13 @@ class OptimizerConfig:
     """Micro-batches (backward passes) per optimizer step. The last one's backward runs the
     update of each sub-group whose gradients are final (see ``overlap``); a step after more or
     fewer backward passes is still exact, only not overlapped."""
+    accumulation: str = "caller"
+    """Who counts the micro-batches: ``"caller"``, the training loop (`step` updates at every
+    call, as a torch optimizer does; the loop calls it once per ``gradient_accumulation_steps``
+    micro-batches and scales the loss itself); ``"engine"``, DeepSpeed's engine semantics
+    (`backward` divides the loss by ``gradient_accumulation_steps``, and `step`, called after
+    every micro-batch, updates on every ``gradient_accumulation_steps``-th call only). A
+    DeepSpeed config means ``"engine"``; InfinityTrainer sets ``"caller"`` (the Trainer counts)."""
     overlap: bool | str = "auto"
     """Update sub-groups during the last micro-batch's backward, as their gradients become
     final, into staged copies that the step commits, or discards when the step turns out to
@@ -473,6 +481,7 @@ class OptimizerConfig:
         _float(self, "max_grad_norm", lo=0.0, open_lo=True, none_ok=True)
         _size(self, "sub_group_size", lo=ADAM_STATE_BYTES)
         _int(self, "gradient_accumulation_steps", lo=1)
+        _choice(self, "accumulation", ACCUMULATIONS)
         if not isinstance(self.overlap, bool) and self.overlap != "auto":
             raise _type_error(self, "overlap", 'true, false or "auto"', self.overlap)
         _float(self, "overlap_disk", lo=0.0)

@@ -195,7 +195,8 @@ class Engine:
             self.overlap = Overlap(self.optimizer, functools.partial(_scale_of, self._scaler), staging,
                                    threaded=_overlap.on_worker(dev))
         overlap = self.overlap
-        self._accumulation = Accumulation(cfg.optimizer.gradient_accumulation_steps, overlap, self.optimizer)
+        self._accumulation = Accumulation(cfg.optimizer.gradient_accumulation_steps, overlap, self.optimizer,
+                                          counts=cfg.optimizer.accumulation == "engine")  # fmt: skip
         # [activations] tier: see [Note: activations offloaded] in `_activations`
         self.activations = _activations.build(cfg, rank=self.rank, local_rank=self.dist.local_rank, aio=self.aio,
                                               pool=self.pool, transport=self.transport, stats=stats,
@@ -274,8 +275,12 @@ class Engine:
     @entry("backward")
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``; gradients accumulate over calls until `step`. A plain
-        ``loss.backward()`` does the same in fp32 and bf16; fp16 needs this (loss scaling)."""
+        ``loss.backward()`` does the same in fp32 and bf16; fp16 needs this (loss scaling).
+        With ``optimizer.accumulation = "engine"`` (a DeepSpeed config) the loss is divided by
+        ``gradient_accumulation_steps`` first, as DeepSpeed's backward does."""
         self._life.check_open()
+        if self._accumulation.loss_divisor > 1:
+            loss = loss / self._accumulation.loss_divisor
         if self._scaler is not None:
             loss = loss * self._scaler.scale
         self._scaled_backward = True
@@ -313,12 +318,16 @@ class Engine:
     def step(self) -> bool:
         """The optimizer step, then gradients cleared, then the LR scheduler given to
         `initialize` stepped. False when it was skipped (fp16 overflow, or a non-finite
-        gradient in any precision). The same as ``engine.optimizer.step()``."""
+        gradient in any precision), or, with ``optimizer.accumulation = "engine"`` (a DeepSpeed
+        config), when this call is not the last micro-batch's of a step: then nothing changes
+        and the gradients go on accumulating. The same as ``engine.optimizer.step()``."""
         return self.optimizer.step()
 
     @entry("step")
     def _step(self) -> bool:
         self._guard.before_step()
+        if not self._accumulation.due():  # DeepSpeed's loop: [Note: DeepSpeed's accumulation] in `_deepspeed`
+            return False
         _gather.refuse_open(self, "engine.step()")
         self._accumulation.check_whole(self.scheduler.backward_lost)
         self.scheduler.release_all()

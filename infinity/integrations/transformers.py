@@ -114,7 +114,9 @@ class InfinityTrainer(transformers.Trainer):
                 cfg = infinity.TierConfig.from_deepspeed(ds, training_args=self.args)
             else:
                 cfg = as_config(self.infinity_config)
-            cfg = cfg.replace(optimizer={"gradient_accumulation_steps": self.args.gradient_accumulation_steps})
+            # The Trainer counts the micro-batches (and scales the loss): the engine steps when told.
+            cfg = cfg.replace(optimizer={"gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                                         "accumulation": "caller"})  # fmt: skip
             # A DeepSpeed config's optimizer section is the optimizer (its "auto" values the
             # arguments'), over the Trainer's groups (no decay on biases and norms).
             opt = self._torch_optimizer() if ds is None or "optimizer" not in ds else self._groups(cfg)

@@ -140,6 +140,8 @@ BAD = [
     ({"optimizer": {"sub_group_size": 12.0}}, "optimizer.sub_group_size: expected a size"),
     ({"optimizer": {"gradient_accumulation_steps": 0}}, "optimizer.gradient_accumulation_steps: 0 must be at least 1"),
     ({"optimizer": {"gradient_accumulation_steps": 2.0}}, "optimizer.gradient_accumulation_steps: expected an int"),
+    ({"optimizer": {"accumulation": "loop"}}, "optimizer.accumulation: 'loop' is not one of caller, engine"),
+    ({"optimizer": {"accumulation": 1}}, "optimizer.accumulation: expected a string, got int 1"),
     ({"optimizer": {"overlap": 1}}, 'optimizer.overlap: expected true, false or "auto"'),
     ({"optimizer": {"overlap": "yes"}}, 'optimizer.overlap: expected true, false or "auto", got str'),
     ({"optimizer": {"overlap_disk": -0.1}}, "optimizer.overlap_disk: -0.1 must be in [0.0, inf)"),
@@ -240,7 +242,7 @@ def test_constructors_check_too():
     "data, message",
     [({"optimizer": {"learning_rate": 1e-3}},
       "unknown key 'optimizer.learning_rate' (known: type, lr, betas, eps, weight_decay, momentum, nesterov, "
-      "max_grad_norm, sub_group_size, gradient_accumulation_steps, overlap, overlap_disk, state_dtype)"),
+      "max_grad_norm, sub_group_size, gradient_accumulation_steps, accumulation, overlap, overlap_disk, state_dtype)"),
      ({"offload": {}}, "unknown section 'offload' (known: tiers, nvme, aio, memory, prefetch, activations, precision"),
      ([1, 2], "a tier config is a table of sections, got list")],
 )  # fmt: skip

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 import infinity
 from infinity import _deepspeed
@@ -119,18 +120,19 @@ class _Args:
 
 NATIVE = {
     "zero-infinity": {"tiers": {"params": "nvme", "grads": "cpu", "optimizer": "nvme"},
-                      "partition": {"stage": 3}, "optimizer": {"sub_group_size": 128 << 20},
+                      "partition": {"stage": 3}, "optimizer": {"sub_group_size": 128 << 20, "accumulation": "engine"},
                       "prefetch": {"bytes": 4 * 10**7}},  # fmt: skip
-    "zero-offload": {"tiers": {"params": "device", "grads": "cpu", "optimizer": "cpu"}, "partition": {"stage": 2}},
+    "zero-offload": {"tiers": {"params": "device", "grads": "cpu", "optimizer": "cpu"}, "partition": {"stage": 2},
+                     "optimizer": {"accumulation": "engine"}},
     "hf-zero3-cpu": {"tiers": {"params": "cpu", "grads": "cpu", "optimizer": "cpu"}, "partition": {"stage": 3},
                      "optimizer": {"lr": 3e-3, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.05,
                                    "max_grad_norm": 0.5, "gradient_accumulation_steps": 2,
-                                   "sub_group_size": 128 << 20}},  # fmt: skip
+                                   "sub_group_size": 128 << 20, "accumulation": "engine"}},  # fmt: skip
     "hf-zero3-nvme": {"tiers": {"params": "nvme", "grads": "cpu", "optimizer": "nvme"}, "partition": {"stage": 3},
                       "aio": {"block_size": 262144, "queue_depth": 32},
                       "optimizer": {"lr": 3e-3, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.05,
                                     "max_grad_norm": 0.5, "gradient_accumulation_steps": 2,
-                                    "sub_group_size": 128 << 20}},  # fmt: skip
+                                    "sub_group_size": 128 << 20, "accumulation": "engine"}},  # fmt: skip
 }
 CONFIGS = {"zero-infinity": (ZERO_INFINITY, None), "zero-offload": (ZERO_OFFLOAD, None),
            "hf-zero3-cpu": (HF_ZERO3_CPU, _Args()), "hf-zero3-nvme": (HF_ZERO3_NVME, _Args())}  # fmt: skip
@@ -240,3 +242,50 @@ def test_a_key_twice_in_a_ds_config_json_is_refused_naming_it(tmp_path):
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3, "stage": 2}}')
     with pytest.raises(ValueError, match=r"ds.json: key 'zero_optimization.stage' appears twice"):
         infinity.TierConfig.from_deepspeed(tmp_path / "ds.json")
+
+
+def _ds_loop_config(path, **batch) -> dict:
+    return {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(path)},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "weight_decay": 0}}, **batch}  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [{"gradient_accumulation_steps": 4},
+                                   {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}],
+                         ids=["steps", "batch-sizes"])  # fmt: skip
+def test_deepspeeds_loop_takes_deepspeeds_steps(tmp_path, batch):
+    """A script written for DeepSpeed calls engine.backward and engine.step after every
+    micro-batch; DeepSpeed updates on every 4th, on the mean of the four gradients. So does a
+    DeepSpeed config here (optimizer.accumulation = "engine"): it updated on every call before,
+    on one micro-batch's gradient at full weight, 8 updates instead of 2, and said nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    plain = copy.deepcopy(model)
+    engine = infinity.initialize(model, _ds_loop_config(tmp_path, **batch))
+    assert engine.config.optimizer.gradient_accumulation_steps == 4
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)) for _ in range(8)]
+    stepped = []
+    for x, y in batches:
+        engine.backward(((engine(x) - y) ** 2).mean())
+        stepped.append(engine.step())
+    got = engine.gathered_weights()
+    engine.close()
+    assert stepped == [False, False, False, True] * 2
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for k in range(2):
+        opt.zero_grad()
+        for x, y in batches[4 * k : 4 * k + 4]:
+            (((plain(x) - y) ** 2).mean() / 4).backward()
+        opt.step()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_deepspeeds_batch_sizes_give_the_steps_at_the_world_size_and_must_agree(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds = {"zero_optimization": {"stage": 2}, "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}
+    assert infinity.TierConfig.from_deepspeed(ds).optimizer.gradient_accumulation_steps == 4
+    with pytest.raises(ValueError, match=r"'train_batch_size' = 32, 'train_micro_batch_size_per_gpu' = 4 and "
+                                         r"'gradient_accumulation_steps' = 2 disagree at world size 2"):  # fmt: skip
+        infinity.TierConfig.from_deepspeed({**ds, "gradient_accumulation_steps": 2})
