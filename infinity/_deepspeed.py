@@ -233,6 +233,15 @@ _OPAQUE = {"checkpoint", "flops_profiler", "tensorboard", "wandb", "csv_monitor"
            "amp"}  # fmt: skip
 
 _OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd", "adagrad": "adagrad"}
+# What DeepSpeed's optimizers take where the config's params leave a value out (DeepSpeedCPUAdam
+# and FusedAdam: lr 1e-3, no weight decay; torch's SGD; DeepSpeedCPUAdagrad and torch's
+# Adagrad: lr 1e-2, eps 1e-10), not this engine's own defaults (lr 1e-4, weight decay 0.01).
+_OPTIMIZER_DEFAULTS = {
+    "adamw": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
+    "adam": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
+    "sgd": {"lr": 1e-3, "weight_decay": 0.0, "momentum": 0.0},
+    "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
+}
 _PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _SUB_GROUP_CAP = 128 << 20
 
@@ -513,6 +522,8 @@ def _read_optimizer(r: _Reader, out: dict) -> None:
     nesterov = r.get("optimizer.params.nesterov")
     if nesterov is not None:
         out["optimizer.nesterov"] = nesterov
+    for key, value in _OPTIMIZER_DEFAULTS[name].items():
+        out.setdefault(f"optimizer.{key}", value)
     if r.get("optimizer.params.bias_correction", True) is False:
         raise ValueError("DeepSpeed key 'optimizer.params.bias_correction' = false is refused: Adam without bias "
                          "correction")  # fmt: skip

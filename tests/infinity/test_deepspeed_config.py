@@ -289,3 +289,18 @@ def test_deepspeeds_batch_sizes_give_the_steps_at_the_world_size_and_must_agree(
     with pytest.raises(ValueError, match=r"'train_batch_size' = 32, 'train_micro_batch_size_per_gpu' = 4 and "
                                          r"'gradient_accumulation_steps' = 2 disagree at world size 2"):  # fmt: skip
         infinity.TierConfig.from_deepspeed({**ds, "gradient_accumulation_steps": 2})
+
+
+@pytest.mark.parametrize("kind, params, want", [
+    ("AdamW", {"lr": 3e-4}, {"type": "adamw", "lr": 3e-4, "weight_decay": 0.0, "eps": 1e-8, "betas": (0.9, 0.999)}),
+    ("Adam", {}, {"type": "adamw", "lr": 1e-3, "weight_decay": 0.0}),
+    ("SGD", {"lr": 0.5}, {"type": "sgd", "lr": 0.5, "weight_decay": 0.0, "momentum": 0.0}),
+    ("Adagrad", {}, {"type": "adagrad", "lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0}),
+])  # fmt: skip
+def test_what_deepspeeds_optimizer_params_leave_out_is_deepspeeds_default(kind, params, want):
+    """DeepSpeed's optimizers have no weight decay unless asked (this engine's default is 0.01),
+    Adam's lr is 1e-3 (here 1e-4), Adagrad's eps 1e-10: a params section that leaves them out
+    trained otherwise than under DeepSpeed, with nothing said."""
+    ds = {"zero_optimization": {"stage": 2}, "optimizer": {"type": kind, "params": params}}
+    got = infinity.TierConfig.from_deepspeed(ds).optimizer
+    assert {k: getattr(got, k) for k in want} == want
