@@ -14,8 +14,9 @@ changes, when training starts:
 - the optimizer the Trainer would make (``TrainingArguments.optim``: the adamw_torch family,
   sgd or adagrad, with its ``learning_rate``, betas, eps and groups) is given to
   `infinity.initialize`, and the Trainer uses ``engine.optimizer``;
-- gradient clipping (``max_grad_norm``) is the engine's, at its step, on the gradients in the
-  tiers; the logged ``grad_norm`` is their global norm before clipping;
+- gradient clipping (``max_grad_norm``; with a DeepSpeed config its ``gradient_clipping``, as
+  under DeepSpeed) is the engine's, at its step, on the gradients in the tiers; the logged
+  ``grad_norm`` is their global norm before clipping;
 - a checkpoint's optimizer state is the engine's checkpoint in ``<checkpoint>/infinity``
   (every tensor in the tiers, checksummed, resharded on load), beside the Trainer's own files;
   ``resume_from_checkpoint`` (a path, or True: the last checkpoint in ``output_dir``) naming a
@@ -170,6 +171,13 @@ class InfinityTrainer(transformers.Trainer):
 
     # -- clipping and the logged norm: the engine's -----------------------------------------
     def _clip_grad_norm(self, model):
+        from .. import _deepspeed
+
+        if _deepspeed.is_deepspeed(self.infinity_config):
+            # As under DeepSpeed: its config's gradient_clipping clips (the engine's
+            # optimizer.max_grad_norm, at the step); max_grad_norm only fills an "auto" there
+            # (accelerate's clip_grad_norm_ returns DeepSpeed's norm and clips nothing).
+            return torch.tensor(self.engine.grad_norm())
         return self.engine.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
