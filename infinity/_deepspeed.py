@@ -82,8 +82,8 @@ RULES: dict[str, Rule] = {
     "fp16.loss_scale": _r("a static loss scale: the scaling here is dynamic (0, the default, maps)", allowed=(0,)),
     "fp16.initial_scale_power": _m("precision.initial_scale", "2 ** power"),
     "fp16.loss_scale_window": _m("precision.growth_interval"),
-    "fp16.hysteresis": _i("the scale backs off at the first overflow (DeepSpeed's hysteresis 1)"),
-    "fp16.consecutive_hysteresis": _i("as hysteresis"),
+    "fp16.hysteresis": _m("precision.hysteresis", "2 when absent, DeepSpeed's default"),
+    "fp16.consecutive_hysteresis": _m("precision.consecutive_hysteresis"),
     "fp16.min_loss_scale": _m("precision.min_scale"),
     "bf16": _i("the section: its keys below"),
     "bf16.enabled": _m("precision.param_dtype", '"bf16" when true'),
@@ -388,6 +388,11 @@ def _read(ds: dict, args) -> dict[str, Any]:
         low = r.get("fp16.min_loss_scale")
         if low is not None:
             out["precision.min_scale"] = _number("fp16.min_loss_scale", low)
+        out["precision.hysteresis"] = _number("fp16.hysteresis", r.get("fp16.hysteresis", 2), int)
+        consecutive = r.get("fp16.consecutive_hysteresis", False)
+        if not isinstance(consecutive, bool):
+            raise ValueError(f"DeepSpeed key 'fp16.consecutive_hysteresis': expected true or false, got {consecutive!r}")
+        out["precision.consecutive_hysteresis"] = consecutive
 
     # -- the step: DeepSpeed's engine counts the micro-batches ([Note: DeepSpeed's accumulation])
     out["optimizer.accumulation"] = "engine"

@@ -1,33 +1,51 @@
-"""The fp16 loss scaler: dynamic loss scaling, as torch.amp.GradScaler does it.
+"""The fp16 loss scaler: dynamic loss scaling, as torch.amp.GradScaler does it, or with
+DeepSpeed's hysteresis.
 
-Owns: the scale and the count of good steps since it last changed. Touches nothing else: the
-engine multiplies the loss by `scale` and tells `update` whether the step overflowed.
+Owns: the scale, the count of good steps since it last changed, and the overflows left before
+it backs off. Touches nothing else: the engine multiplies the loss by `scale` and tells
+`update` whether the step overflowed.
+
+With ``precision.hysteresis`` = h > 1 (DeepSpeed's ``fp16.hysteresis``, whose default there is
+2), an overflow skips the step and backs the scale off only when it is the h-th since the count
+was renewed; the count is renewed when the scale grows, or after every clean step with
+``consecutive_hysteresis``. With h = 1 (the default) every overflow backs off, as torch's
+GradScaler does.
 """
 
 from __future__ import annotations
 
 
 class LossScaler:
-    """An overflow skips the step and lowers the scale; a run of ``growth_interval`` good
-    steps raises it (``precision``: the config's [precision] section)."""
+    """An overflow skips the step and lowers the scale (after ``hysteresis`` of them); a run of
+    ``growth_interval`` good steps raises it (``precision``: the config's [precision] section)."""
 
     def __init__(self, precision):
         self.scale = float(precision.initial_scale)
         self.cfg = precision
         self.good_steps = 0
+        self.hysteresis = precision.hysteresis  # overflows left before the scale backs off
 
     def update(self, overflow: bool) -> None:
+        cfg = self.cfg
         if overflow:
-            self.scale = max(self.scale * self.cfg.backoff_factor, self.cfg.min_scale)
+            if self.hysteresis <= 1:
+                self.scale = max(self.scale * cfg.backoff_factor, cfg.min_scale)
+            else:
+                self.hysteresis -= 1
             self.good_steps = 0
-        else:
-            self.good_steps += 1
-            if self.good_steps >= self.cfg.growth_interval:
-                self.scale *= self.cfg.growth_factor
-                self.good_steps = 0
+            return
+        if cfg.consecutive_hysteresis:
+            self.hysteresis = cfg.hysteresis
+        self.good_steps += 1
+        if self.good_steps >= cfg.growth_interval:
+            self.hysteresis = cfg.hysteresis
+            self.scale *= cfg.growth_factor
+            self.good_steps = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps}
+        return {"scale": self.scale, "good_steps": self.good_steps, "hysteresis": self.hysteresis}
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        # (a checkpoint from before the count was kept: a full one, as after a growth)
+        self.hysteresis = int(state.get("hysteresis", self.cfg.hysteresis))

@@ -381,9 +381,18 @@ class PrecisionConfig:
     """fp16 only: the scale is multiplied by this on an overflow (in (0, 1))."""
     growth_factor: float = 2.0
     """fp16 only: the scale is multiplied by this after growth_interval clean steps (> 1)."""
+    hysteresis: int = 1
+    """fp16 only: the overflows (each a skipped step) it takes to back the scale off; 1, torch's
+    GradScaler: every one. DeepSpeed's ``fp16.hysteresis`` (2 by default there): the count is
+    renewed when the scale grows (or, with ``consecutive_hysteresis``, at every clean step)."""
+    consecutive_hysteresis: bool = False
+    """fp16 only: renew the hysteresis count at every clean step, not only when the scale grows."""
 
     def __post_init__(self) -> None:
         _choice(self, "param_dtype", PARAM_DTYPES)
+        _int(self, "hysteresis", 1)
+        if not isinstance(self.consecutive_hysteresis, bool):
+            raise _type_error(self, "consecutive_hysteresis", "true or false", self.consecutive_hysteresis)
         _float(self, "initial_scale", lo=0.0, open_lo=True)
         _int(self, "growth_interval", 1)
         _float(self, "min_scale", lo=0.0, hi=self.initial_scale, open_lo=True)

@@ -119,6 +119,9 @@ BAD = [
     ({"precision": {"backoff_factor": True}}, "precision.backoff_factor"),
     ({"precision": {"growth_factor": 1.0}}, "precision.growth_factor"),
     ({"precision": {"growth_factor": "2"}}, "precision.growth_factor"),
+    ({"precision": {"hysteresis": 0}}, "precision.hysteresis: 0 must be at least 1"),
+    ({"precision": {"hysteresis": 2.0}}, "precision.hysteresis: expected an int"),
+    ({"precision": {"consecutive_hysteresis": 1}}, "precision.consecutive_hysteresis: expected true or false"),
     ({"optimizer": {"lr": -1e-4}}, "optimizer.lr: -0.0001 must be in [0.0, inf)"),
     ({"optimizer": {"lr": "fast"}}, "optimizer.lr"),
     ({"optimizer": {"lr": True}}, "optimizer.lr: expected a number, got bool True"),
@@ -208,7 +211,7 @@ _RIGHT_TYPE = {
 }
 
 
-_EVERY_VALUE_IN_RANGE = {"nvme.keep", "prefetch.keep"}
+_EVERY_VALUE_IN_RANGE = {"nvme.keep", "prefetch.keep", "precision.consecutive_hysteresis"}
 
 
 def test_the_table_has_a_wrong_type_and_an_out_of_range_value_for_every_key():

@@ -1,0 +1,73 @@
+"""The fp16 loss scaler (infinity/_scaler.py) against torch's GradScaler rule and DeepSpeed's
+hysteresis, step by step."""
+
+from __future__ import annotations
+
+import pytest
+
+import infinity
+from infinity._scaler import LossScaler
+
+
+class _DeepSpeedRule:
+    """DeepSpeed's dynamic loss scale as its docs and config describe it, written out here:
+    an overflow backs off (scale / 2, at least the minimum) only when no hysteresis is left
+    (else one is used up); a clean step at a multiple of the window since the last overflow
+    grows the scale and renews the hysteresis (every clean step renews it when consecutive)."""
+
+    def __init__(self, scale, window, hysteresis, consecutive, low=1.0):
+        self.scale, self.window, self.delay, self.consecutive, self.low = scale, window, hysteresis, consecutive, low
+        self.left, self.it, self.last_overflow = hysteresis, 0, -1
+
+    def update(self, overflow):
+        if overflow:
+            if self.delay == 1 or self.left == 1:
+                self.scale = max(self.scale / 2, self.low)
+            else:
+                self.left -= 1
+            self.last_overflow = self.it
+        else:
+            if self.consecutive:
+                self.left = self.delay
+            if (self.it - self.last_overflow) % self.window == 0:
+                if not self.consecutive:
+                    self.left = self.delay
+                self.scale *= 2
+        self.it += 1
+
+
+PATTERN = [False] * 3 + [True] + [False] * 2 + [True, True] + [False] * 4 + [True, False, True, True, True] + [False] * 7
+
+
+@pytest.mark.parametrize("hysteresis, consecutive", [(1, False), (2, False), (3, False), (2, True)])
+def test_the_scale_follows_deepspeeds_rule_step_by_step(hysteresis, consecutive):
+    cfg = infinity.TierConfig.from_dict({"precision": {"param_dtype": "fp16", "initial_scale": 1024.0, "growth_interval": 3,
+                                                       "hysteresis": hysteresis, "consecutive_hysteresis": consecutive}})  # fmt: skip
+    ours, ds = LossScaler(cfg.precision), _DeepSpeedRule(1024.0, 3, hysteresis, consecutive)
+    seen = []
+    for overflow in PATTERN:
+        ours.update(overflow)
+        ds.update(overflow)
+        seen.append(ours.scale)
+        assert ours.scale == ds.scale, (len(seen), seen, ds.scale)
+    assert len(set(seen)) > 2  # it grew and backed off
+
+
+def test_a_deepspeed_fp16_config_means_deepspeeds_hysteresis_2_unless_it_says():
+    ds = {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}
+    assert infinity.TierConfig.from_deepspeed(ds).precision.hysteresis == 2
+    ds["fp16"].update(hysteresis=4, consecutive_hysteresis=True)
+    p = infinity.TierConfig.from_deepspeed(ds).precision
+    assert (p.hysteresis, p.consecutive_hysteresis) == (4, True)
+
+
+def test_the_hysteresis_left_is_saved_and_restored():
+    cfg = infinity.TierConfig.from_dict({"precision": {"param_dtype": "fp16", "hysteresis": 3}})
+    a = LossScaler(cfg.precision)
+    a.update(True)
+    b = LossScaler(cfg.precision)
+    b.load_state_dict(a.state_dict())
+    for s in (a, b):
+        s.update(True)
+        s.update(True)
+    assert a.scale == b.scale == cfg.precision.initial_scale / 2
