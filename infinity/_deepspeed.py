@@ -312,6 +312,7 @@ class _Reader:
 
     def __init__(self, ds: dict, args):
         self.ds, self.args = ds, args
+        self.mismatches: list[str] = []  # values set that disagree with the training arguments
         self._check(ds, "")
 
     def _check(self, table: dict, prefix: str) -> None:
@@ -338,9 +339,12 @@ class _Reader:
         return value != "auto" and not any(value == a and type(value) is not bool or value is a
                                            for a in rule.allowed)  # fmt: skip
 
-    def get(self, dotted: str, default=None, auto=None):
-        """The value at ``dotted``; ``"auto"`` is ``auto`` (from the training arguments) or the
-        default; an absent key is ``default``."""
+    def get(self, dotted: str, default=None, auto=None, *, arg: str | None = None):
+        """The value at ``dotted``; ``"auto"`` is ``auto`` (or the training argument ``arg``'s
+        value) or the default; an absent key is ``default``. A value set that disagrees with the
+        argument ``arg`` is noted in ``mismatches`` (transformers refuses such a config)."""
+        if arg is not None:
+            auto = self.arg(arg)
         table = self.ds
         *path, last = dotted.split(".")
         for part in path:
@@ -350,10 +354,23 @@ class _Reader:
         value = table.get(last, default)
         if value == "auto":
             return auto if auto is not None else default
+        if arg is not None and auto is not None and last in table and not _same(value, auto):
+            self.mismatches.append(f"{dotted!r} = {json.dumps(value)} but TrainingArguments' {arg} = {auto!r}")
         return value
 
     def arg(self, name: str):
         return getattr(self.args, name, None) if self.args is not None else None
+
+
+def _same(value, arg) -> bool:
+    """Whether a DeepSpeed value says what a training argument says (numbers as numbers)."""
+    if isinstance(value, (list, tuple)) and isinstance(arg, (list, tuple)):
+        return len(value) == len(arg) and all(_same(a, b) for a, b in zip(value, arg))
+    if isinstance(value, bool) or isinstance(arg, bool):
+        return bool(value) == bool(arg)
+    if isinstance(value, (int, float)) and isinstance(arg, (int, float)):
+        return float(value) == float(arg)
+    return value == arg
 
 
 def _number(key: str, value, kind=float):
@@ -372,8 +389,8 @@ def _read(ds: dict, args) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     # -- precision
-    bf16 = r.get("bf16.enabled", False, r.arg("bf16")) or r.get("bfloat16.enabled", False)
-    fp16 = r.get("fp16.enabled", False, r.arg("fp16"))
+    bf16 = r.get("bf16.enabled", False, arg="bf16") or r.get("bfloat16.enabled", False)
+    fp16 = r.get("fp16.enabled", False, arg="fp16")
     if bf16 and fp16:
         raise ValueError("DeepSpeed keys 'bf16.enabled' and 'fp16.enabled' are both true: choose one")
     dtype = "bf16" if bf16 else "fp16" if fp16 else "fp32"
@@ -399,11 +416,15 @@ def _read(ds: dict, args) -> dict[str, Any]:
     accumulate = _accumulation_steps(r)
     if accumulate is not None:
         out["optimizer.gradient_accumulation_steps"] = accumulate
-    clip = r.get("gradient_clipping", None, r.arg("max_grad_norm"))
+    clip = r.get("gradient_clipping", None, arg="max_grad_norm")
     if clip is not None:
         clip = _number("gradient_clipping", clip)
         out["optimizer.max_grad_norm"] = clip if clip > 0 else None
     _read_optimizer(r, out)
+
+    if r.mismatches:  # as transformers' HfTrainerDeepSpeedConfig refuses them
+        raise ValueError("values that disagree with the TrainingArguments (set them to \"auto\", or make them "
+                         "agree): " + "; ".join(r.mismatches))  # fmt: skip
 
     # -- ZeRO and the tiers ([Note: DeepSpeed's placements])
     stage = _number("zero_optimization.stage", r.get("zero_optimization.stage", 0), int)
@@ -480,7 +501,7 @@ def _device(r: _Reader, key: str) -> str:
 
 def _accumulation_steps(r: _Reader) -> int | None:
     """The micro-batches per step a DeepSpeed config means (None: not said)."""
-    steps = r.get("gradient_accumulation_steps", None, r.arg("gradient_accumulation_steps"))
+    steps = r.get("gradient_accumulation_steps", None, arg="gradient_accumulation_steps")
     steps = None if steps is None else _number("gradient_accumulation_steps", steps, int)
     if r.args is not None:  # transformers' arguments: the Trainer's loop, its batch sizes
         return steps
@@ -511,17 +532,21 @@ def _read_optimizer(r: _Reader, out: dict) -> None:
     if kind.lower() == "adam" and r.get("optimizer.params.adam_w_mode", True) is False:
         name = "adam"
     out["optimizer.type"] = name
-    lr = r.get("optimizer.params.lr", None, r.arg("learning_rate"))
+    lr = r.get("optimizer.params.lr", None, arg="learning_rate")
     if lr is not None:
         out["optimizer.lr"] = _number("optimizer.params.lr", lr)
     beta1, beta2 = r.arg("adam_beta1"), r.arg("adam_beta2")
-    betas = r.get("optimizer.params.betas", None, [beta1, beta2] if beta1 is not None and beta2 is not None else None)
+    both = [beta1, beta2] if beta1 is not None and beta2 is not None else None
+    betas = r.get("optimizer.params.betas", None, both)
+    if both is not None and isinstance(betas, (list, tuple)) and not _same(betas, both):
+        r.mismatches.append(f"'optimizer.params.betas' = {json.dumps(list(betas))} but TrainingArguments' "
+                            f"adam_beta1, adam_beta2 = {beta1!r}, {beta2!r}")  # fmt: skip
     if betas is not None:
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
             raise ValueError(f"DeepSpeed key 'optimizer.params.betas': expected two numbers, got {betas!r}")
         out["optimizer.betas"] = [_number("optimizer.params.betas", b) for b in betas]
     for key, arg in (("eps", "adam_epsilon"), ("weight_decay", "weight_decay"), ("momentum", None)):
-        value = r.get(f"optimizer.params.{key}", None, r.arg(arg) if arg else None)
+        value = r.get(f"optimizer.params.{key}", None, arg=arg)
         if value is not None:
             out[f"optimizer.{key}"] = _number(f"optimizer.params.{key}", value)
     nesterov = r.get("optimizer.params.nesterov")

@@ -304,3 +304,18 @@ def test_what_deepspeeds_optimizer_params_leave_out_is_deepspeeds_default(kind, 
     ds = {"zero_optimization": {"stage": 2}, "optimizer": {"type": kind, "params": params}}
     got = infinity.TierConfig.from_deepspeed(ds).optimizer
     assert {k: getattr(got, k) for k in want} == want
+
+
+def test_values_that_disagree_with_the_training_arguments_are_refused_naming_them():
+    """transformers refuses a DeepSpeed config whose set values disagree with its arguments;
+    here the config's lr won, the arguments' accumulation and clipping, with nothing said."""
+    ds = {"zero_optimization": {"stage": 2}, "gradient_clipping": 5.0, "gradient_accumulation_steps": "auto",
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": "auto"}}}  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        infinity.TierConfig.from_deepspeed(ds, training_args=_Args())
+    said = str(info.value)
+    assert "'optimizer.params.lr' = 0.01 but TrainingArguments' learning_rate = 0.003" in said
+    assert "'optimizer.params.betas' = [0.9, 0.95] but TrainingArguments' adam_beta1, adam_beta2 = 0.8, 0.99" in said
+    assert "'gradient_clipping' = 5.0 but TrainingArguments' max_grad_norm = 0.5" in said
+    agreed = {**ds, "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.8, 0.99]}}}
+    assert infinity.TierConfig.from_deepspeed(agreed, training_args=_Args()).optimizer.lr == 3e-3
