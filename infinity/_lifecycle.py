@@ -63,15 +63,16 @@ class Lifecycle:
 
 class TrainingGuard:
     """Before each forward and step: the engine usable (``lifecycle``), ``module`` still
-    holding only the parameters the engine manages (``managed``: their ids; peft applied to
-    engine.module would train nothing), run by no DistributedDataParallel ([Note: no DDP
+    holding only the parameters the engine manages, each as trainable as it was (``managed``:
+    their ids and requires_grad at initialize; peft applied to engine.module would train
+    nothing, a parameter frozen after it would still move), run by no DistributedDataParallel ([Note: no DDP
     around the engine] in `_ddp`).
 
     The walk over the module runs at a step only when no forward passed it since the last
     step: a parameter added after that forward had no part in it, and the next forward
     refuses it."""
 
-    def __init__(self, lifecycle: Lifecycle, module: nn.Module, managed: set[int]):
+    def __init__(self, lifecycle: Lifecycle, module: nn.Module, managed: dict[int, bool]):
         self.lifecycle = lifecycle
         self.module = module
         self.managed = managed

@@ -109,15 +109,16 @@ def _swap(p: nn.Parameter, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(p, new)
 
 
-def refuse_changed(module: nn.Module, managed: set[int]) -> None:
+def refuse_changed(module: nn.Module, managed: dict[int, bool]) -> None:
     """``module`` holds a parameter the engine does not manage (``managed``: the ids of its
-    units' parameters): one added or replaced after `initialize`, which the engine would never
-    give a gradient or an update. Runs before each forward and step: a plain walk of the
-    modules' own dicts (cheaper than named_parameters, which names each), named only on a find."""
+    units' parameters, each with its requires_grad at `initialize`): one added or replaced
+    after `initialize`, which the engine would never give a gradient or an update; or one whose
+    requires_grad changed since. Runs before each forward and step: a plain walk of the modules'
+    own dicts (cheaper than named_parameters, which names each), named only on a find."""
     stack = [module]
     while stack:
         m = stack.pop()
-        if any(p is not None and id(p) not in managed for p in m._parameters.values()):
+        if any(p is not None and managed.get(id(p)) is not p.requires_grad for p in m._parameters.values()):
             break
         stack.extend(c for c in m._modules.values() if c is not None)
     else:
@@ -130,4 +131,14 @@ def refuse_changed(module: nn.Module, managed: set[int]) -> None:
                 "sees, so they would never train). Wrap the model before the engine is made: "
                 "infinity.from_pretrained(ModelClass, path, config, wrap=fn) streams the base from a "
                 "checkpoint, or apply fn to a model in memory before infinity.initialize"
+            )
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if managed[id(p)] is not p.requires_grad:
+            raise RuntimeError(
+                f"parameter {name!r}: requires_grad is {p.requires_grad} now, {managed[id(p)]} at "
+                "infinity.initialize. The engine steps a module's parameters together (as DeepSpeed's ZeRO "
+                "and FSDP's flat parameters do), so one frozen after initialize would still move (a zero "
+                "gradient under momentum and weight decay), and one unfrozen would have no optimizer state: "
+                "set requires_grad before initialize, or make a new engine (save_checkpoint, then load it "
+                "into the new one)"
             )

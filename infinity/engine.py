@@ -180,7 +180,7 @@ class Engine:
             for p in unit.params:
                 p._infinity_managed = True  # see _refuse_foreign_step
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
-        self._managed = {id(p) for u in units for p in u.params}  # see `_lifecycle.TrainingGuard`
+        self._managed = {id(p): p.requires_grad for u in units for p in u.params}  # see `_lifecycle.TrainingGuard`
         self._guard = TrainingGuard(self._life, module, self._managed)
         plan = self.plan
         staging = None  # where early updates wait for the step: [Note: exact overlap] in `_overlap`
