@@ -32,6 +32,7 @@ class Accumulation(PassListener):
         # `_deepspeed`): the loss is divided by ``want``, and a step is due every ``want`` calls.
         self.counts = counts
         self.calls = 0  # step() calls since the last update, where the engine counts
+        self.plain_backward = False  # a backward since the last update was not engine.backward's
         self.passes = 0  # backward passes since the last step
         self.incomplete: str | None = None  # why the step's gradients are not whole
         self._told = False
@@ -53,18 +54,29 @@ class Accumulation(PassListener):
         return self.want if self.counts else 1
 
     def due(self) -> bool:
-        """A step() call: whether it updates (always, unless the engine counts the
-        micro-batches and this is not the last of a step)."""
+        """An engine.step() call: whether it updates (always, unless the engine counts the
+        micro-batches and this is not the last of a step). Where it counts, the micro-batches'
+        backward must be engine.backward's, which divides the loss: a plain loss.backward()
+        would make the step's gradient their sum, not their mean, silently."""
         if not self.counts:
             return True
+        if self.plain_backward:
+            raise RuntimeError(
+                "optimizer.accumulation = \"engine\" (a DeepSpeed config): engine.step() counts the micro-batches "
+                "and engine.backward(loss) divides each loss by gradient_accumulation_steps, as DeepSpeed's do, but "
+                "this step's gradients came from a plain loss.backward(), which divides nothing. Call "
+                "engine.backward(loss) (or, for a loop that counts the micro-batches itself, as accelerate's does, "
+                "step with engine.optimizer.step() and set optimizer.accumulation = \"caller\")")  # fmt: skip
         self.calls += 1
         if self.calls < self.want:
             return False
         self.calls = 0
         return True
 
-    def backward_ended(self) -> None:
+    def backward_ended(self, through_engine: bool = True) -> None:
+        """A backward pass ended (``through_engine``: inside engine.backward)."""
         self.passes += 1
+        self.plain_backward |= not through_engine
         if self.overlap is not None:
             self.overlap.backward_ended()
 
@@ -91,8 +103,10 @@ class Accumulation(PassListener):
 
     def stepped(self) -> None:
         self.passes = 0
+        self.plain_backward = False
 
     def reset(self) -> None:
         """The gradients were dropped (``zero_grad``): the step's micro-batches start over."""
         self.passes = 0
+        self.plain_backward = False
         self.incomplete = None

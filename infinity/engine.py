@@ -313,21 +313,22 @@ class Engine:
             )
         self.scheduler.end_backward()
         with self.pool.traffic(_admission.OVERLAP):  # the early updates it starts (reads, staging)
-            self._accumulation.backward_ended()
+            self._accumulation.backward_ended(through_engine=self._scaled_backward)
 
     def step(self) -> bool:
         """The optimizer step, then gradients cleared, then the LR scheduler given to
         `initialize` stepped. False when it was skipped (fp16 overflow, or a non-finite
         gradient in any precision), or, with ``optimizer.accumulation = "engine"`` (a DeepSpeed
         config), when this call is not the last micro-batch's of a step: then nothing changes
-        and the gradients go on accumulating. The same as ``engine.optimizer.step()``."""
+        and the gradients go on accumulating. ``engine.optimizer.step()`` (the torch optimizer's
+        API, which accelerate and the Trainer call once per step) updates whenever it is called."""
+        if not self._accumulation.due():  # DeepSpeed's loop: [Note: DeepSpeed's accumulation] in `_deepspeed`
+            return False
         return self.optimizer.step()
 
     @entry("step")
     def _step(self) -> bool:
         self._guard.before_step()
-        if not self._accumulation.due():  # DeepSpeed's loop: [Note: DeepSpeed's accumulation] in `_deepspeed`
-            return False
         _gather.refuse_open(self, "engine.step()")
         self._accumulation.check_whole(self.scheduler.backward_lost)
         self.scheduler.release_all()

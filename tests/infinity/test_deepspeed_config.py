@@ -319,3 +319,36 @@ def test_values_that_disagree_with_the_training_arguments_are_refused_naming_the
     assert "'gradient_clipping' = 5.0 but TrainingArguments' max_grad_norm = 0.5" in said
     agreed = {**ds, "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.8, 0.99]}}}
     assert infinity.TierConfig.from_deepspeed(agreed, training_args=_Args()).optimizer.lr == 3e-3
+
+
+def test_deepspeeds_step_after_a_plain_backward_is_refused_and_the_optimizers_step_steps(tmp_path):
+    """engine.step() counts the micro-batches for engine.backward, which divides each loss: after
+    a plain loss.backward() (nothing divided) the step would take the sum of the gradients, so it
+    is refused, naming the fix. engine.optimizer.step() (what accelerate and the Trainer call,
+    once per step, the loss divided by their own count) updates whenever it is called."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    plain = copy.deepcopy(model)
+    engine = infinity.initialize(model, _ds_loop_config(tmp_path, gradient_accumulation_steps=2))
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    ((engine(x) - y) ** 2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"came from a plain loss.backward\(\).*Call engine.backward\(loss\)"):
+        engine.step()
+    engine.zero_grad()
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)) for _ in range(4)]
+    for i, (x, y) in enumerate(batches):  # accelerate's loop: the loss divided by its count, one step per two
+        (((engine(x) - y) ** 2).mean() / 2).backward()
+        if i % 2:
+            assert engine.optimizer.step()
+            engine.optimizer.zero_grad()
+    got = engine.gathered_weights()
+    engine.close()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(batches):
+        (((plain(x) - y) ** 2).mean() / 2).backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
