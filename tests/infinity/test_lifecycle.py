@@ -237,3 +237,25 @@ def test_a_parameter_added_after_a_forward_is_refused_at_the_next_forward(tmp_pa
             engine.step()  # no forward passed since the last step: the step walks the module itself
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("tiers", [("device",) * 3, ("nvme",) * 3])
+def test_a_parameter_frozen_or_unfrozen_after_initialize_is_refused_naming_it(tmp_path, tiers):
+    """A module's parameters are stepped together: one frozen after initialize got a zero
+    gradient and still moved (momentum, weight decay), where plain PyTorch leaves it alone (a
+    review: 2e-2 in a Trainer that froze the weights mid-run, nothing said). The next forward
+    refuses it, naming it; set back, training goes on."""
+    engine = infinity.initialize(make_model(), config(tmp_path, tiers))
+    try:
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        name, p = next(iter(engine.module.named_parameters()))
+        p.requires_grad_(False)
+        with pytest.raises(RuntimeError, match=rf"parameter '{name}': requires_grad is False now, True at infinity.initialize"):
+            engine(x)
+        p.requires_grad_(True)
+        engine.backward(engine(x).pow(2).mean())
+        assert engine.step()
+    finally:
+        engine.close()
