@@ -14,6 +14,8 @@ GradScaler does.
 
 from __future__ import annotations
 
+import torch
+
 
 class LossScaler:
     """An overflow skips the step and lowers the scale (after ``hysteresis`` of them); a run of
@@ -24,8 +26,15 @@ class LossScaler:
         self.cfg = precision
         self.good_steps = 0
         self.hysteresis = precision.hysteresis  # overflows left before the scale backs off
+        self.scaled_backward = False  # a backward since the last step went through `in_backward`
+
+    def in_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss``, the same value, whose backward starts from ``scale`` instead of 1: for a loop
+        that calls ``loss.backward()`` itself on a loss it also reports (the Trainer)."""
+        return _ScaledInBackward.apply(loss, self)
 
     def update(self, overflow: bool) -> None:
+        self.scaled_backward = False
         cfg = self.cfg
         if overflow:
             if self.hysteresis <= 1:
@@ -49,3 +58,18 @@ class LossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
         # (a checkpoint from before the count was kept: a full one, as after a growth)
         self.hysteresis = int(state.get("hysteresis", self.cfg.hysteresis))
+
+
+class _ScaledInBackward(torch.autograd.Function):
+    """The identity forward; backward multiplies the incoming gradient by the scale at that
+    moment, and notes that a backward was scaled (the engine refuses an unscaled one)."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, scaler: LossScaler) -> torch.Tensor:
+        ctx.scaler = scaler
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.scaler.scaled_backward = True
+        return grad * ctx.scaler.scale, None

@@ -302,14 +302,21 @@ class Engine:
         if self.scheduler.in_backward:  # a loss that reached none of the module's outputs
             self.scheduler.end_backward()
 
+    def scale_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` (its value unchanged) whose plain ``loss.backward()`` is scaled by the fp16
+        loss scale, as `backward` scales it: for a loop that calls backward itself and reports
+        the loss (InfinityTrainer wraps the Trainer's loss so). Other precisions: ``loss``."""
+        return loss if self._scaler is None else self._scaler.in_backward(loss)
+
     def _end_backward(self) -> None:
         """The end of a backward pass (autograd calls it once the pass is done)."""
-        if self._scaler is not None and not self._scaled_backward:
+        if self._scaler is not None and not (self._scaled_backward or self._scaler.scaled_backward):
             self.scheduler.end_backward()
             self.zero_grad()
             raise RuntimeError(
-                "precision.param_dtype = \"fp16\" needs engine.backward(loss), which scales the loss; "
-                "a plain loss.backward() would step on unscaled gradients (they were dropped)"
+                "precision.param_dtype = \"fp16\" needs engine.backward(loss), which scales the loss (or "
+                "engine.scale_backward(loss).backward()); a plain loss.backward() would step on unscaled "
+                "gradients (they were dropped)"
             )
         self.scheduler.end_backward()
         with self.pool.traffic(_admission.OVERLAP):  # the early updates it starts (reads, staging)

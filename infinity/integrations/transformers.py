@@ -14,6 +14,9 @@ changes, when training starts:
 - the optimizer the Trainer would make (``TrainingArguments.optim``: the adamw_torch family,
   sgd or adagrad, with its ``learning_rate``, betas, eps and groups) is given to
   `infinity.initialize`, and the Trainer uses ``engine.optimizer``;
+- fp16 parameters (``precision.param_dtype = "fp16"``, a DeepSpeed config's ``fp16``) train with
+  the engine's loss scale, brought in by the loss the Trainer backpropagates
+  (`Engine.scale_backward`: its value, which the Trainer reports, unchanged);
 - gradient clipping (``max_grad_norm``; with a DeepSpeed config its ``gradient_clipping``, as
   under DeepSpeed) is the engine's, at its step, on the gradients in the tiers; the logged
   ``grad_norm`` is their global norm before clipping;
@@ -170,6 +173,16 @@ class InfinityTrainer(transformers.Trainer):
         return model
 
     # -- clipping and the logged norm: the engine's -----------------------------------------
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        # The Trainer calls a plain loss.backward(): in fp16 the engine's loss scale enters
+        # through the loss itself (its value, which the Trainer reports, unchanged).
+        out = super().compute_loss(model, inputs, *args, **kwargs)
+        loss = out[0] if isinstance(out, tuple) else out
+        if self.engine is None or not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            return out
+        loss = self.engine.scale_backward(loss)
+        return (loss, *out[1:]) if isinstance(out, tuple) else loss
+
     def _clip_grad_norm(self, model):
         from .. import _deepspeed
 

@@ -452,3 +452,38 @@ engine.step()
     assert done.returncode == 0, done.stderr[-2000:]
     manifest = json.load(open(tmp_path / "rank0" / "manifest.json"))
     assert {"0/param", "1/param", "optimizer.0/exp_avg"} <= set(manifest["tensors"]), sorted(manifest["tensors"])
+
+
+@pytest.mark.parametrize("tiers", [("device",) * 3, ("nvme",) * 3])
+def test_fp16_scale_backward_trains_as_engine_backward_and_a_plain_backward_is_refused(tmp_path, tiers):
+    """A loop that calls loss.backward() itself (the Trainer's) on engine.scale_backward(loss):
+    the same value, the same scaled gradients, so bit for bit engine.backward's training, an
+    overflow skipped and the scale lowered alike. A plain loss.backward() without it is refused."""
+    def run(path, scaled_loss: bool):
+        torch.manual_seed(0)
+        engine = infinity.initialize(_mlp(), _config(path, tiers, precision={"param_dtype": "fp16",
+                                                                            "initial_scale": 2.0**18}))  # fmt: skip
+        losses, stepped = [], []
+        for step in range(6):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).half()
+            loss = engine(x).float().pow(2).mean()
+            if scaled_loss:
+                wrapped = engine.scale_backward(loss)
+                assert torch.equal(wrapped, loss)  # the value reported is the loss itself
+                wrapped.backward()
+            else:
+                engine.backward(loss)
+            losses.append(loss.item())
+            stepped.append(engine.step())
+        out = losses, stepped, engine.stats()["loss_scale"], _weights(engine)
+        engine.close()
+        return out
+
+    a, b = run(tmp_path / "a", False), run(tmp_path / "b", True)
+    assert a[:3] == b[:3] and False in a[1] and True in a[1]  # an overflow skipped, then steps
+    assert all(torch.equal(a[3][k], b[3][k]) for k in a[3])
+    torch.manual_seed(0)
+    engine = infinity.initialize(_mlp(), _config(tmp_path / "c", tiers, precision={"param_dtype": "fp16"}))
+    with pytest.raises(RuntimeError, match=r"needs engine.backward\(loss\).*engine.scale_backward\(loss\)"):
+        engine(torch.randn(8, 16).half()).float().pow(2).mean().backward()
+    engine.close()

@@ -135,3 +135,17 @@ def test_a_resume_from_a_checkpoint_without_the_engines_state_is_refused_naming_
     with pytest.raises(FileNotFoundError, match=str(missing)):
         again.train(resume_from_checkpoint=str(out / "checkpoint-2") if resume == "path" else True)
     assert again.engine is None  # refused before an engine (and its swap space) was made
+
+
+def test_the_trainer_trains_fp16_parameters_with_the_engines_loss_scale(tmp_path):
+    """The Trainer calls a plain loss.backward(); in fp16 the engine needs its loss scale in the
+    gradient (it refused the first backward, naming engine.backward). InfinityTrainer passes
+    the loss through engine.scale_backward: it trains, and reports the loss, not the scaled one."""
+    trainer = InfinityTrainer(model=_llama(), args=_args(tmp_path / "a", max_steps=4, save_strategy="no"),
+                                          train_dataset=_Tokens(),
+                                          infinity_config={"precision": {"param_dtype": "fp16"}})  # fmt: skip
+    trainer.train()
+    losses = [loss for loss, _, _ in _losses(trainer).values()]
+    assert len(losses) == 4 and all(2.0 < x < 6.0 for x in losses), losses  # ln(64) ~ 4.2: not x 65536
+    assert trainer.engine.stats()["steps"] == 4
+    trainer.engine.close()
