@@ -329,6 +329,7 @@ class Engine:
         config), when this call is not the last micro-batch's of a step: then nothing changes
         and the gradients go on accumulating. ``engine.optimizer.step()`` (the torch optimizer's
         API, which accelerate and the Trainer call once per step) updates whenever it is called."""
+        self._life.check_usable()  # (a closed or refusing engine says so, on a counted call too)
         if not self._accumulation.due():  # DeepSpeed's loop: [Note: DeepSpeed's accumulation] in `_deepspeed`
             return False
         return self.optimizer.step()
