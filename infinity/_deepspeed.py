@@ -339,11 +339,16 @@ class _Reader:
         return value != "auto" and not any(value == a and type(value) is not bool or value is a
                                            for a in rule.allowed)  # fmt: skip
 
-    def get(self, dotted: str, default=None, auto=None, *, arg: str | None = None):
+    def get(self, dotted: str, default=None, auto=None, *, arg: str | tuple[str, ...] | None = None):
         """The value at ``dotted``; ``"auto"`` is ``auto`` (or the training argument ``arg``'s
-        value) or the default; an absent key is ``default``. A value set that disagrees with the
-        argument ``arg`` is noted in ``mismatches`` (transformers refuses such a config)."""
-        if arg is not None:
+        value; of several names, the list of their values, where each is set) or the default;
+        an absent key is ``default``. A value set that disagrees with the argument ``arg`` is
+        noted in ``mismatches`` (transformers refuses such a config)."""
+        if isinstance(arg, tuple):
+            values = [self.arg(a) for a in arg]
+            auto = values if all(v is not None for v in values) else None
+            arg = ", ".join(arg)
+        elif arg is not None:
             auto = self.arg(arg)
         table = self.ds
         *path, last = dotted.split(".")
@@ -355,7 +360,8 @@ class _Reader:
         if value == "auto":
             return auto if auto is not None else default
         if arg is not None and auto is not None and last in table and not _same(value, auto):
-            self.mismatches.append(f"{dotted!r} = {json.dumps(value)} but TrainingArguments' {arg} = {auto!r}")
+            shown = ", ".join(map(repr, auto)) if isinstance(auto, list) else repr(auto)
+            self.mismatches.append(f"{dotted!r} = {json.dumps(value)} but TrainingArguments' {arg} = {shown}")
         return value
 
     def arg(self, name: str):
@@ -535,12 +541,7 @@ def _read_optimizer(r: _Reader, out: dict) -> None:
     lr = r.get("optimizer.params.lr", None, arg="learning_rate")
     if lr is not None:
         out["optimizer.lr"] = _number("optimizer.params.lr", lr)
-    beta1, beta2 = r.arg("adam_beta1"), r.arg("adam_beta2")
-    both = [beta1, beta2] if beta1 is not None and beta2 is not None else None
-    betas = r.get("optimizer.params.betas", None, both)
-    if both is not None and isinstance(betas, (list, tuple)) and not _same(betas, both):
-        r.mismatches.append(f"'optimizer.params.betas' = {json.dumps(list(betas))} but TrainingArguments' "
-                            f"adam_beta1, adam_beta2 = {beta1!r}, {beta2!r}")  # fmt: skip
+    betas = r.get("optimizer.params.betas", None, arg=("adam_beta1", "adam_beta2"))
     if betas is not None:
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
             raise ValueError(f"DeepSpeed key 'optimizer.params.betas': expected two numbers, got {betas!r}")

@@ -88,18 +88,6 @@ class StreamedUpdate:
         """How far the stream reads ahead: the plan's (the default without one)."""
         return self.plan.read_ahead if self.plan is not None else ReadAhead()
 
-    # -- where the gradients and parameters go through pinned staging ---------------------------
-    @property
-    def stages_grads(self) -> bool:
-        """Whether the gradients come to the host kernel by copies from a GPU into pinned pool
-        buffers ([Note: the host step on a GPU])."""
-        return stages_grads(self.transport, self.grads.store, self.substates)
-
-    @property
-    def stages_params(self) -> bool:
-        """Whether the new parameters go from the host kernel to a GPU through pinned pool buffers."""
-        return self.substates.stages_params(self.transport)
-
     def update(self, loss_scale: float = 1.0, overlap=None) -> bool:
         """One update of every parameter with a gradient; False when skipped (non-finite).
         Sub-groups ``overlap`` (the engine's `_overlap.Overlap`, staged on nvme or in host memory,
@@ -249,12 +237,8 @@ class StreamedUpdate:
     def _onto(self, lease, device: torch.device) -> torch.Tensor:
         """A gradient in host memory (``lease``, owned from here) on ``device`` for the kernel:
         copied on the side stream, which the kernel's stream waits for, the lease given back
-        once the copy is done (`Transport.to_device`; counted)."""
-        if self.transport is None or self.transport.copies is None:
-            try:
-                return lease.tensor.to(device)
-            finally:
-                lease.release()
+        once the copy is done (`Transport.to_device`; counted). Only a GPU's kernel reads
+        gradients on another device than the store's, so the transport has its copies."""
         try:
             return self.transport.to_device(lease)
         except BaseException:

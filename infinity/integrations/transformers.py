@@ -45,6 +45,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import infinity
 
+from .. import _deepspeed
 from .._resources import as_config
 
 ENGINE_DIR = "infinity"  # inside a Trainer checkpoint directory
@@ -65,9 +66,7 @@ class TrainingArguments(transformers.TrainingArguments):
         self.infinity_deepspeed, self.deepspeed = self.deepspeed, None
         super().__post_init__()
         if self.infinity_deepspeed is not None:
-            from .._deepspeed import load
-
-            self.infinity_deepspeed = load(self.infinity_deepspeed)  # a bad file: said now, not at train()
+            self.infinity_deepspeed = _deepspeed.load(self.infinity_deepspeed)  # a bad file: said now, not at train()
 
 
 class InfinityTrainer(transformers.Trainer):
@@ -92,12 +91,12 @@ class InfinityTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         if infinity_config is None:
             self.infinity_config = getattr(self.args, "infinity_deepspeed", None)
+        # Under DeepSpeed its config's gradient_clipping clips, not max_grad_norm (`_clip_grad_norm`).
+        self._config_clips = _deepspeed.is_deepspeed(self.infinity_config)
         if log_engine_stats:
             log_stats(self, lambda: self.engine)
 
     def _deepspeed_config(self) -> dict | None:
-        from .. import _deepspeed
-
         return _deepspeed.load(self.infinity_config) if _deepspeed.is_deepspeed(self.infinity_config) else None
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -143,9 +142,7 @@ class InfinityTrainer(transformers.Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         ds = self._deepspeed_config() if self.lr_scheduler is None else None
         if ds is not None and ds.get("scheduler"):  # the DeepSpeed config's own schedule
-            from .._deepspeed import lr_scheduler
-
-            make = lr_scheduler(ds, training_args=self.args, num_training_steps=num_training_steps)
+            make = _deepspeed.lr_scheduler(ds, training_args=self.args, num_training_steps=num_training_steps)
             self.lr_scheduler = make(optimizer if optimizer is not None else self.optimizer)
             return self.lr_scheduler
         return super().create_scheduler(num_training_steps, optimizer)
@@ -184,9 +181,7 @@ class InfinityTrainer(transformers.Trainer):
         return (loss, *out[1:]) if isinstance(out, tuple) else loss
 
     def _clip_grad_norm(self, model):
-        from .. import _deepspeed
-
-        if _deepspeed.is_deepspeed(self.infinity_config):
+        if self._config_clips:
             # As under DeepSpeed: its config's gradient_clipping clips (the engine's
             # optimizer.max_grad_norm, at the step); max_grad_norm only fills an "auto" there
             # (accelerate's clip_grad_norm_ returns DeepSpeed's norm and clips nothing).

@@ -116,13 +116,25 @@ def test_a_tensor_changed_after_the_nvme_tier_copied_it_keeps_the_values_saved(t
     torch.manual_seed(0)
     model, x = _ChangesSaved(), torch.randn(128, 64)
     plain = copy.deepcopy(model)
-    cfg = config(tmp_path, ("nvme", "nvme", "nvme"), activations={"tier": "nvme", "min_bytes": 0},
+    got, _ = _one_sgd_step(tmp_path, ("nvme", "nvme", "nvme"), model, x)
+    # the same forward, nothing changed in place
+    _same_as_one_plain_sgd_step(got, plain, (plain.lin(x).exp() + 1).sum())
+
+
+def _one_sgd_step(tmp_path, tiers, model, x):
+    """One SGD step (lr 0.1) of ``model`` on ``x``, its saved tensors on nvme: the weights after
+    it and the totals of `engine.stats`."""
+    cfg = config(tmp_path, tiers, activations={"tier": "nvme", "min_bytes": 0},
                  optimizer={"type": "sgd", "lr": 0.1, "weight_decay": 0.0})  # fmt: skip
     with infinity.initialize(model, cfg) as engine:
         engine.backward(engine(x).sum())
         engine.step()
-        got = engine.gathered_weights()
-    (plain.lin(x).exp() + 1).sum().backward()  # the same forward, nothing changed in place
+        return engine.gathered_weights(), engine.stats()["total"]
+
+
+def _same_as_one_plain_sgd_step(got: dict, plain, loss) -> None:
+    """``got`` is bit for bit ``plain`` after one SGD step (lr 0.1) on ``loss``."""
+    loss.backward()
     torch.optim.SGD(plain.parameters(), lr=0.1).step()
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0)
@@ -159,17 +171,10 @@ def test_a_saved_tensor_of_a_dtype_the_swap_space_cannot_store_stays_with_autogr
     torch.manual_seed(0)
     model, idx = _Rows(), torch.randint(0, 64, (4096,)).to(torch.uint16)
     plain = copy.deepcopy(model)
-    cfg = config(tmp_path, ("device", "device", "device"), activations={"tier": "nvme", "min_bytes": 0},
-                 optimizer={"type": "sgd", "lr": 0.1, "weight_decay": 0.0})  # fmt: skip
-    with infinity.initialize(model, cfg) as engine:
-        engine.backward(engine(idx).sum())
-        engine.step()
-        got, moved = engine.gathered_weights(), engine.stats()["total"]["activation_out_bytes"]
-    assert moved == 4096 * 32 * 4  # the gathered rows (the linear's input) went, the indices stayed
-    plain(idx).sum().backward()
-    torch.optim.SGD(plain.parameters(), lr=0.1).step()
-    for name, value in plain.state_dict().items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+    got, total = _one_sgd_step(tmp_path, ("device", "device", "device"), model, idx)
+    # the gathered rows (the linear's input) went, the indices stayed
+    assert total["activation_out_bytes"] == 4096 * 32 * 4
+    _same_as_one_plain_sgd_step(got, plain, plain(idx).sum())
 
 
 def test_names_of_activations_never_read_back_go_at_the_next_pass(tmp_path):

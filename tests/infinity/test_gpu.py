@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import infinity
+from infinity import _update
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,21 +17,20 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("tiers", [("device", "nvme", "device"), ("cpu", "nvme", "device")])
-@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
-def test_optimizer_on_the_gpu_with_gradients_on_nvme_matches_plain_pytorch(tmp_path, tiers, clip):
-    """The step reads the gradients from nvme into host memory and its kernel runs on the GPU:
-    each gradient goes over on the side stream (counted), and a clipped step's divisor is made
-    on the GPU. The CPU suite runs the same placements with the device on the host, where
-    nothing crosses, so only here does a gradient on the wrong device show."""
+def _against_plain(tmp_path, tiers, steps: int, clip: float | None = None):
+    """``steps`` steps of a small MLP on the GPU, the engine with ``tiers`` against plain
+    PyTorch's AdamW (clipped to ``clip`` on both sides where given), the losses held within
+    1e-4 (TF32 and kernel choice differ between runs on the GPU: not CPU's 1e-5). Returns the
+    engine (open) and the plain model."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.LayerNorm(64), nn.Linear(64, 8))
     ref = copy.deepcopy(model).cuda()
     cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
            "optimizer": {"lr": 1e-3, "max_grad_norm": clip}}  # fmt: skip
     engine = infinity.initialize(model, cfg)
+    assert engine.device.type == "cuda"
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    for _ in range(4):
+    for _ in range(steps):
         x = torch.randn(32, 64, device="cuda")
         loss = engine(x).pow(2).mean()
         engine.backward(loss)
@@ -41,7 +41,18 @@ def test_optimizer_on_the_gpu_with_gradients_on_nvme_matches_plain_pytorch(tmp_p
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         opt.step()
-        assert abs(loss.item() - ref_loss.item()) < 1e-4  # TF32 and kernel choice, as above
+        assert abs(loss.item() - ref_loss.item()) < 1e-4
+    return engine, ref
+
+
+@pytest.mark.parametrize("tiers", [("device", "nvme", "device"), ("cpu", "nvme", "device")])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+def test_optimizer_on_the_gpu_with_gradients_on_nvme_matches_plain_pytorch(tmp_path, tiers, clip):
+    """The step reads the gradients from nvme into host memory and its kernel runs on the GPU:
+    each gradient goes over on the side stream (counted), and a clipped step's divisor is made
+    on the GPU. The CPU suite runs the same placements with the device on the host, where
+    nothing crosses, so only here does a gradient on the wrong device show."""
+    engine, ref = _against_plain(tmp_path, tiers, 4, clip)
     grads = 4 * 4 * sum(u.shard_numel for u in engine.units)
     assert engine.stats()["total"]["h2d_bytes"] >= grads  # every gradient back to the GPU, counted
     got = engine.gathered_weights()
@@ -145,25 +156,7 @@ def test_whole_steps_make_no_host_synchronisation(tmp_path, tiers, dtype):
 
 @pytest.mark.parametrize("tiers", [("nvme", "nvme", "nvme"), ("cpu", "cpu", "cpu"), ("device", "device", "device")])
 def test_gpu_training_matches_plain_pytorch(tmp_path, tiers):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.LayerNorm(64), nn.Linear(64, 8))
-    ref = copy.deepcopy(model).cuda()
-    cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
-           "optimizer": {"lr": 1e-3}}  # fmt: skip
-    engine = infinity.initialize(model, cfg)
-    assert engine.device.type == "cuda"
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    for _ in range(5):
-        x = torch.randn(32, 64, device="cuda")
-        loss = engine(x).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        ref_loss = ref(x).pow(2).mean()
-        opt.zero_grad()
-        ref_loss.backward()
-        opt.step()
-        # TF32 and kernel choice differ between runs on the GPU: 1e-4 rather than CPU's 1e-5.
-        assert abs(loss.item() - ref_loss.item()) < 1e-4
+    engine, ref = _against_plain(tmp_path, tiers, 5)
     total = engine.stats()["total"]
     if tiers[0] == "device":
         assert total["h2d_bytes"] == 0  # nothing to copy
@@ -343,8 +336,9 @@ def test_host_step_copies_are_counted_and_pipelined_bit_identically(tmp_path, mo
             if not pipelined:
                 m.setattr(Transport, "pipelined", property(lambda self: False))
             with infinity.initialize(model, cfg) as engine:
-                assert engine.optimizer.updater.stages_grads == pipelined
-                assert engine.optimizer.updater.stages_params == pipelined
+                st = engine.optimizer.substates
+                assert _update.stages_grads(engine.transport, engine.grads.store, st) == pipelined
+                assert st.stages_params(engine.transport) == pipelined
                 losses, stats = [], []
                 for step in range(3):
                     x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
