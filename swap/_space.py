@@ -530,9 +530,7 @@ class SwapSpace:
         hands out a byte); None follows the space's ``verify`` (checks under "always").
         ``urgent``: needed now, read before the reads waiting that are not (`aio.Engine.pread`)."""
         self._check_open()
-        if name in self._writes:  # the engine does not order requests: read after the write
-            self._settle([self._writes[name]])
-        record = self.info(name)
+        record = self.info(name)  # the engine does not order requests: read after the write
         dtype = DTYPES[record.dtype]
         lease: HostBuffer | None = None
         if out is None:
@@ -616,7 +614,15 @@ class SwapSpace:
         """The open arena files, one per directory, in the manifest's order (read-only)."""
         return tuple(self._files)
 
+    def _after_write(self, name: str) -> None:
+        """Finish ``name``'s write in flight, if any: until then the name has no record (its
+        error stays with the write's future and shows as the name's failed write)."""
+        if name in self._writes:
+            self._settle([self._writes[name]])
+
     def info(self, name: str) -> TensorRecord:
+        """``name``'s record, once its write in flight has finished."""
+        self._after_write(name)
         try:
             return self._records[name]
         except KeyError:
@@ -624,6 +630,7 @@ class SwapSpace:
             raise KeyError(f"no tensor {name!r} in swap space {self.rank_dirs[0]}{why}") from None
 
     def __contains__(self, name: str) -> bool:
+        self._after_write(name)
         return name in self._records
 
     def __len__(self) -> int:

@@ -313,6 +313,28 @@ def test_read_after_write_without_waiting(open_space):
     assert torch.equal(space.get("x", torch.empty_like(t)).result(), t)
 
 
+def test_a_name_whose_write_is_in_flight_is_there(open_space, monkeypatch):
+    """info and `in` finish the name's write first: a store that fills a buffer shaped from
+    info while the same name's write is behind (the one-copy master weights, written under
+    the parameters' own names, then the parameters: a checkpoint load) finds the name."""
+    space = open_space()
+    space.put("x", torch.zeros(4096)).result()
+    space.put("x", torch.ones(8192))  # not waited
+    assert "x" in space
+    assert space.info("x").shape == (8192,)
+    space.put("y", torch.ones(4096))  # the first write of a name
+    assert space.info("y").nbytes == 4 * 4096
+    real = space.engine.pwrite
+    monkeypatch.setattr(space.engine, "pwrite", lambda b, f, o: real(b, os.open("/dev/null", os.O_RDONLY), o))
+    fut = space.put("x", torch.zeros(8192))
+    monkeypatch.undo()
+    assert "x" not in space  # its write failed: gone, and info says why
+    with pytest.raises(KeyError, match="last write failed"):
+        space.info("x")
+    with pytest.raises(OSError):
+        fut.result()  # the error stays with the write's owner
+
+
 def test_manifest_lists_what_was_written(open_space, dirs):
     (path,) = dirs(1)
     space = open_space(paths=[path], verify="always")
