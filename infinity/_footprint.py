@@ -51,7 +51,7 @@ def disk_free(path: str) -> int:
 
 
 class Drives:
-    """Where a swap space puts tensors, per drive, as `SwapSpace._plan` does: a tensor of
+    """Where a swap space puts tensors, per drive, as `_arenas.Arenas.plan` does: a tensor of
     ``stripe_threshold`` bytes or more in ``stripe_size`` pieces over every drive, a smaller
     one whole on the drive holding the least; every piece rounded up to the alignment."""
 

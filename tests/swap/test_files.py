@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import infinity.swap as swap
-from infinity.swap import _space
+from infinity.swap import _arenas
 
 MiB = 1 << 20
 
@@ -102,7 +102,7 @@ def test_a_full_disk_at_the_lock_leaks_no_fd_and_names_the_file(open_space, dirs
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(_space.os, "pwrite", full)
+    monkeypatch.setattr(_arenas.os, "pwrite", full)
     before = _fds()
     for _ in range(5):
         with pytest.raises(OSError) as info:
@@ -114,18 +114,18 @@ def test_a_full_disk_at_the_lock_leaks_no_fd_and_names_the_file(open_space, dirs
 
 def test_a_full_disk_at_the_arena_leaks_no_fd_and_leaves_no_half_made_space(open_space, dirs, monkeypatch):
     (path,) = dirs(1)
-    real = _space.write_json_atomic
+    real = _arenas.write_json_atomic
 
     def full(target, data, **kw):
         raise OSError(errno.ENOSPC, "No space left on device: cannot write", target)
 
-    monkeypatch.setattr(_space, "write_json_atomic", full)
+    monkeypatch.setattr(_arenas, "write_json_atomic", full)
     before = _fds()
     for _ in range(3):
         with pytest.raises(OSError, match="No space left"):
             open_space(paths=[path])
     assert _fds() == before
-    monkeypatch.setattr(_space, "write_json_atomic", real)
+    monkeypatch.setattr(_arenas, "write_json_atomic", real)
     assert open_space(paths=[path]).names() == []  # not fresh, yet not blocked by leftovers
 
 
