@@ -284,9 +284,10 @@ class UnitRuntime:
         grad = param.grad
         if grad is None or unit.records[i].numel != unit.padded_numel or grad.device != self.device:
             return False
-        whole = grad.view(-1) if _own_fp32(grad, unit.padded_numel) else None
+        own = _own_fp32(grad, unit.padded_numel)
+        flat = grad.view(-1) if own else grad.reshape(-1)  # one view made per gradient, not two
         with held_interrupts:
-            if not self.grads.take_whole(unit, grad.reshape(-1), whole):
+            if not self.grads.take_whole(unit, flat, flat if own else None):
                 return False
             param.grad = None
             unit.uses = 0
