@@ -204,8 +204,8 @@ class Store:
 
     def forget_adopted(self) -> None:
         """Drop the resident tensors `adopt` gave the tier (their memory is freed once nothing
-        else holds it): values made afresh each time, as backward makes gradients, are not kept
-        beside the next ones. The tier's own tensors stay, to be filled again."""
+        else holds it): values made afresh each time, as backward makes gradients, need not be
+        kept until the next ones come. The tier's own tensors stay, to be filled again."""
         for name in self._adopted:
             self._resident.pop(name, None)
         self._adopted.clear()

@@ -29,8 +29,9 @@ For a model and this machine, prints for each placement of the state (params, gr
 optimizer on device, cpu or nvme; the ones DeepSpeed users pick: device, zero-offload,
 params-cpu, zero-infinity, nvme, and the --config file's own):
 
-  - the state each tier holds (device, cpu, nvme), by kind, at the end of backward (the
-    gradients backward made are dropped at the step, as zero_grad(set_to_none=True) does);
+  - the state each tier holds (device, cpu, nvme), by kind, at the end of backward (on a
+    GPU the gradients backward made are dropped at the step, as zero_grad(set_to_none=True)
+    does);
   - the smallest memory.host_budget initialize accepts, and the budget from which the
     optimizer runs under backward (optimizer.overlap);
   - the disk each swap directory takes at most: the state and optimizer.overlap_disk of it

@@ -1,6 +1,7 @@
 """Config, model and data shared by the tests in tests/infinity and their child processes."""
 
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -78,3 +79,28 @@ class GivesNoGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * 2, None
+
+
+def adopted_gradients(engine, steps: int, plain_step=None) -> list[list[bool]]:
+    """Train ``steps`` steps of a bias-free MLP (its units one parameter each: the gradients
+    backward made become the grads tier's tensors, `Store.adopt`); after each step, which of
+    every earlier step's adopted gradients are still alive. ``plain_step(x, y)``: the same
+    step of a plain model beside, for the caller to compare."""
+    store, made, alive = engine.grads.store, [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        x, y = x.to(engine.device), y.to(engine.device)
+        engine.backward(((engine(x) - y) ** 2).mean())
+        assert store._adopted == {u.name for u in engine.units}  # the short way: adopted
+        made.append([weakref.ref(store.get(u.name).result().tensor) for u in engine.units])
+        engine.step()
+        if plain_step is not None:
+            plain_step(x, y)
+        alive.append([r() is not None for refs in made for r in refs])
+    return alive
+
+
+def bias_free_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64, bias=False), nn.Tanh(), nn.Linear(64, 4, bias=False))

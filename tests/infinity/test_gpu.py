@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -11,10 +13,29 @@ from torch import nn
 import infinity
 from infinity import _update
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import adopted_gradients, bias_free_mlp  # noqa: E402
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)"),
 ]
+
+
+@pytest.mark.parametrize("tiers", [("device", "device", "device"), ("device", "device", "cpu")], ids=["ddd", "ddc"])
+def test_on_the_gpu_the_gradients_backward_made_are_dropped_at_the_step(tmp_path, tiers):
+    """The grads tier on the GPU adopts the gradients backward made (one parameter a unit); the
+    step drops them, as zero_grad(set_to_none=True) does, so none is held through the next
+    forward beside its activations (tests/infinity/test_grads.py holds the host's policy)."""
+    cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
+           "optimizer": {"overlap": False}}  # fmt: skip
+    engine = infinity.initialize(bias_free_mlp(), cfg)
+    try:
+        assert engine.device.type == "cuda"
+        alive = adopted_gradients(engine, 3)
+        assert not any(any(a) for a in alive)
+    finally:
+        engine.close()
 
 
 def _against_plain(tmp_path, tiers, steps: int, clip: float | None = None):

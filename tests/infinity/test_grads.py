@@ -13,7 +13,7 @@ from torch import nn
 import infinity
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import config  # noqa: E402
+from _common import adopted_gradients, bias_free_mlp, config  # noqa: E402
 
 NVME = ("nvme", "nvme", "nvme")
 MICRO = 2  # micro-batches a step: the second adds into what the first left
@@ -164,33 +164,23 @@ def test_a_transformers_model_trains_the_same_with_gradients_held(tmp_path, dtyp
 
 
 @pytest.mark.parametrize("tiers", [("device", "device", "device"), ("device", "device", "cpu")], ids=["ddd", "ddc"])
-def test_the_gradients_backward_made_are_not_kept_past_the_step(tmp_path, tiers):
-    """Where the grads tier adopts the gradients backward made (one parameter a unit, the tier
-    on the compute device), the step's zero drops them, as zero_grad(set_to_none=True) does:
-    none is held through the next forward and backward beside the next ones (4 bytes a
-    parameter of the device's memory). Training stays bit-identical to plain PyTorch."""
-    import weakref
-
-    def mlp():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(16, 64, bias=False), nn.Tanh(), nn.Linear(64, 4, bias=False))
-
-    plain = mlp()
+def test_on_the_host_each_adopted_gradient_goes_when_the_next_one_comes(tmp_path, tiers):
+    """On the host, the step keeps the gradients backward made (glibc then serves each new one
+    from the block the old one frees, one by one, in the next backward): never more than one
+    step's beside the next. Training stays bit-identical to plain PyTorch."""
+    plain = bias_free_mlp()
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01, fused=True)  # the engine's kernel
-    engine = infinity.initialize(mlp(), config(tmp_path, tiers, optimizer={"overlap": False}))
+
+    def plain_step(x, y):
+        ((plain(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    engine = infinity.initialize(bias_free_mlp(), config(tmp_path, tiers, optimizer={"overlap": False}))
     try:
-        store = engine.grads.store
-        for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            engine.backward(((engine(x) - y) ** 2).mean())
-            made = [weakref.ref(store.get(u.name).result().tensor) for u in engine.units]
-            assert made and store._adopted == {u.name for u in engine.units}  # the short way: adopted
-            engine.step()
-            assert all(r() is None for r in made)  # freed, not kept for the next backward
-            ((plain(x) - y) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+        alive = adopted_gradients(engine, 3, plain_step)
+        units = len(engine.units)
+        assert alive == [[True] * units, [False] * units + [True] * units, [False] * 2 * units + [True] * units]
         for (name, p), q in zip(plain.named_parameters(), engine.gathered_weights().values()):
             assert torch.equal(p.detach(), q), name
     finally:

@@ -48,7 +48,8 @@ def estimated(cfg, name="nvme"):
 def trained(cfg, steps=2):
     """engine.stats() after ``steps`` steps of the model, and the engine's overlap_from. The
     stats' resident_bytes are those at the end of the last backward, when the tiers hold the
-    most: the step drops the gradients backward made, as zero_grad(set_to_none=True) does."""
+    most (on a GPU the step drops the gradients backward made, as zero_grad(set_to_none=True)
+    does)."""
     torch.manual_seed(0)
     with infinity.build(cfg):
         model = make_model()
