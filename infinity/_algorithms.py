@@ -75,6 +75,43 @@ def _config_values(cfg) -> dict:
             "initial_accumulator_value": 0.0}  # fmt: skip
 
 
+def _part(grad: torch.Tensor, part: slice) -> torch.Tensor:
+    """``grad[part]``, or ``grad`` itself where the part is all of it (no view made)."""
+    return grad if part.start == 0 and part.stop == grad.numel() else grad[part]
+
+
+class Cut:
+    """Where one sub-group's entries (``per_group``: group index -> entries (unit, slice of the
+    sub-group, ...)) lie in its flat tensors of ``numel`` elements: `pieces` cuts a tensor at
+    every entry's ends in one `torch.split` (about half the time of one indexing a view), and
+    ``at[gi][k]`` is the piece of entry ``k`` of group ``gi``. The entries are disjoint, so each
+    is one piece."""
+
+    __slots__ = ("at", "numel", "sizes")
+
+    def __init__(self, per_group: dict[int, list], numel: int):
+        bounds = sorted({0, numel, *(b for entries in per_group.values() for _, s, _, _ in entries
+                                     for b in (s.start, s.stop))})  # fmt: skip
+        piece = {b: k for k, b in enumerate(bounds[:-1])}
+        self.numel = numel
+        self.sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        self.at = {gi: [piece[s.start] for _, s, _, _ in entries] for gi, entries in per_group.items()}
+
+    @classmethod
+    def of(cls, per_group: dict[int, list], numel: int) -> Cut | None:
+        """The cut of ``per_group``, or None where entries overlap (then no piece is one entry,
+        and `Algorithm.update` indexes each view)."""
+        cut = cls(per_group, numel)
+        for gi, entries in per_group.items():
+            if any(cut.sizes[k] != s.stop - s.start for (_, s, _, _), k in zip(entries, cut.at[gi])):
+                return None
+        return cut
+
+    def pieces(self, t: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """``t`` (flat, ``numel`` elements) cut into the pieces; None for a tensor of another length."""
+        return t.split(self.sizes) if t.dim() == 1 and t.numel() == self.numel else None
+
+
 class Algorithm:
     """What one optimizer algorithm keeps and runs. Subclasses set the class attributes and
     `step`; the instances in `ALGORITHMS` are the fp32 ones, `with_state_dtype` makes the others."""
@@ -180,25 +217,31 @@ class Algorithm:
         return self.codec.unpacked(states, group.slices, stepped, steps, base)
 
     def update(self, group, per_group: dict[int, list], param_groups: list[dict], master: torch.Tensor, states: list,
-               grads: dict, grad_scale, steps: dict, first: set) -> None:  # fmt: skip
+               grads: dict, grad_scale, steps: dict, first: set, cut: Cut | None = None) -> None:  # fmt: skip
         """One update in place of sub-group ``group``'s ``master`` weights and stored ``states``
         from ``grads`` (unit -> its gradient shard; only those units step): the kernel once per
         parameter group (``per_group``: group index -> entries (unit, slice of the sub-group,
         slice of the unit's gradient, parameter index)), on fp32 copies of compact states.
         ``steps``: unit -> its step count (this update's); ``first``: the units stepping for the
-        first time; ``grad_scale``: what the gradients are divided by (None: 1)."""
+        first time; ``grad_scale``: what the gradients are divided by (None: 1); ``cut``:
+        ``per_group``'s `Cut`, which makes the views of the flat tensors in one call each."""
         with self.unpacked(states, group, grads, steps) as fp32:
+            flat = (master, *fp32)
+            pieces = [cut.pieces(t) if cut is not None else None for t in flat]
             for gi, entries in per_group.items():
-                entries = [e for e in entries if e[0].index in grads]
-                if not entries:
+                chosen = [k for k, e in enumerate(entries) if e[0].index in grads]
+                if not chosen:
                     continue
+                at = cut.at[gi] if cut is not None else None
+                views = [[p[at[k]] for k in chosen] if p is not None else [t[entries[k][1]] for k in chosen]
+                         for t, p in zip(flat, pieces)]  # fmt: skip
                 self.step(
                     param_groups[gi],
-                    [master[s] for _, s, _, _ in entries],
-                    [grads[u.index][gs] for u, _, gs, _ in entries],
-                    [[state[s] for _, s, _, _ in entries] for state in fp32],
-                    [steps[u.index] for u, _, _, _ in entries],
-                    [u.index in first for u, _, _, _ in entries],
+                    views[0],
+                    [_part(grads[entries[k][0].index], entries[k][2]) for k in chosen],
+                    views[1:],
+                    [steps[entries[k][0].index] for k in chosen],
+                    [entries[k][0].index in first for k in chosen],
                     grad_scale,
                 )
 
@@ -222,13 +265,14 @@ class _Adam(Algorithm):
     hyperparameters = ("lr", "betas", "eps", "weight_decay")
     _kernel: ClassVar[str]
 
-    def update(self, group, per_group, param_groups, master, states, grads, grad_scale, steps, first) -> None:
+    def update(self, group, per_group, param_groups, master, states, grads, grad_scale, steps, first,
+               cut=None) -> None:  # fmt: skip
         # int8 moments: one pass over them where the extension serves (`_adam_int8`)
         if self.state_dtype == "int8" and _adam_int8.served(master, states, grads):
             _adam_int8.update(master, states, group.slices, per_group, param_groups, grads, steps, grad_scale,
                               adamw=self._kernel == "_fused_adamw_")  # fmt: skip
             return
-        super().update(group, per_group, param_groups, master, states, grads, grad_scale, steps, first)
+        super().update(group, per_group, param_groups, master, states, grads, grad_scale, steps, first, cut)
 
     def step(self, hp, params, grads, states, steps, first, grad_scale) -> None:
         beta1, beta2 = hp["betas"]

@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 from infinity.swap import WriteBehind
 
-from ._algorithms import Algorithm
+from ._algorithms import Algorithm, Cut
 from ._store import Store
 from ._units import ParamUnit, holders
 
@@ -159,6 +159,7 @@ class SubGroupStates:
         # the unit's gradient shard, index of the parameter in the unit) of every parameter in
         # that group, cut to this rank's shard.
         self.slices = self._map_slices()
+        self.cuts = [Cut.of(per_group, sg.numel) for sg, per_group in zip(self.groups, self.slices)]
         self.foreign = foreign  # algorithm "torch": the user's optimizer, stepped on views of the masters
         self.shadows: dict[tuple[int, int], torch.nn.Parameter] = {}
         # Resident fp32 parameters beside resident master weights on the same device: each

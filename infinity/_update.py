@@ -284,7 +284,7 @@ class StreamedUpdate:
     def _run_kernels(self, index, master, states, grads, grad_scale, step_of, first) -> None:
         st = self.substates
         self.algorithm.update(st.groups[index], st.slices[index], self.param_groups, master, states, grads,
-                              grad_scale, step_of, first)  # fmt: skip
+                              grad_scale, step_of, first, st.cuts[index])  # fmt: skip
 
     def _step_foreign(self, index: int, grads: dict, grad_scale) -> None:
         """The user's torch optimizer on sub-group ``index``: gradients as ``.grad`` of the

@@ -29,3 +29,33 @@ def test_adagrad_sum_starts_at_each_groups_initial_accumulator_value():
     value = sum_kind.initial(torch.zeros(6), {0: [(None, slice(0, 2), None, 0)], 1: [(None, slice(4, 6), None, 0)]},
                              [{"initial_accumulator_value": 0.5}, {"initial_accumulator_value": 2.0}])  # fmt: skip
     assert value.tolist() == [0.5, 0.5, 0.0, 0.0, 2.0, 2.0]
+
+
+def test_a_cut_gives_the_views_indexing_gives_and_none_for_overlapping_entries(tmp_path):
+    """Every entry's piece of a sub-group's flat tensor is the view its slice indexes (same
+    memory, size and stride), over a model with two parameter groups (a no-decay one, as the
+    Trainer makes), tied and untied; entries that overlap get no cut."""
+    import infinity
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() > 1]
+    rest = [p for p in model.parameters() if all(p is not q for q in decay)]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+    cfg = {"tiers": {"params": "device", "grads": "device", "optimizer": "device"},
+           "nvme": {"paths": [str(tmp_path)]}, "optimizer": {"sub_group_size": "4KiB"}}  # fmt: skip
+    with infinity.initialize(model, cfg, optimizer=optimizer) as engine:
+        st = engine.optimizer.substates
+        assert len(st.groups) > 1 and all(c is not None for c in st.cuts)
+        for sg, per_group, cut in zip(st.groups, st.slices, st.cuts):
+            flat = torch.arange(sg.numel, dtype=torch.float32)
+            pieces = cut.pieces(flat)
+            for gi, entries in per_group.items():
+                for (_, s, _, _), k in zip(entries, cut.at[gi]):
+                    want, got = flat[s], pieces[k]
+                    assert (got.data_ptr(), got.shape, got.stride()) == (want.data_ptr(), want.shape, want.stride())
+            assert cut.pieces(flat[1:]) is None  # another length: indexed instead
+        assert any(len(per_group) == 2 for per_group in st.slices)  # a sub-group in both groups
+    overlapping = {0: [(None, slice(0, 8), None, 0)], 1: [(None, slice(4, 12), None, 0)]}
+    assert _algorithms.Cut.of(overlapping, 16) is None
