@@ -42,7 +42,19 @@ class _Released:
                 if type(t) in _RELEASED_CLASSES:
                     raise _refusal(t, f"by {getattr(func, '__name__', func)}")
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if _shares_data(func) and isinstance(out, torch.Tensor) and args and type(args[0]) in _RELEASED_CLASSES:
+            # ``p.data`` and ``p.detach()`` are the placeholder's empty memory too: a read or
+            # write through them is refused as one through ``p`` is (the values are not there).
+            release_param(out, args[0]._infinity_name)
+        return out
+
+
+def _shares_data(func) -> bool:
+    """Whether ``func`` gives a tensor of the same data without a copy: ``detach`` or the
+    ``data`` property (`_META` lets both through as metadata)."""
+    name = getattr(func, "__name__", "")
+    return name == "detach" or (name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data")
 
 
 def _allowed(func) -> bool:
@@ -58,7 +70,9 @@ def _refusal(p: torch.Tensor, what: str) -> RuntimeError:
         f"parameter {name!r} was read outside the forward of the module that holds it ({what}), but an infinity "
         f"engine keeps it in its tiers and it is an empty placeholder there (shape {tuple(p.shape)}): gather it for the "
         f"read with `with infinity.GatheredParameters([param]): ...` (as deepspeed.zero.GatheredParameters), "
-        "inside the model's forward to train through it; for TRL's trainers use infinity.integrations.trl"
+        "inside the model's forward to train through it; for TRL's trainers use infinity.integrations.trl. To "
+        "change its values (an in-place write, p.data.normal_()), load them with engine.module.load_state_dict: "
+        "changes made inside GatheredParameters are not written back"
     )
 
 
@@ -66,8 +80,9 @@ _RELEASED_CLASSES: set[type] = set()
 _released_of: dict[type, type] = {}  # a parameter class -> its released subclass
 
 
-def release_param(p: nn.Parameter, name: str) -> None:
-    """``p`` is a placeholder now (its data empty): reads of its data are refused, naming it."""
+def release_param(p: torch.Tensor, name: str) -> None:
+    """``p`` is a placeholder now (its data empty): reads of its data are refused, naming it (a
+    parameter, or a plain tensor of its data: ``p.data``, ``p.detach()``)."""
     p._infinity_name = name
     cls = type(p)
     if cls in _RELEASED_CLASSES:

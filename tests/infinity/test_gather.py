@@ -119,6 +119,33 @@ def test_a_placeholder_saved_for_backward_is_refused_naming_it(tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("through", ["data", "detach"])
+def test_a_placeholder_s_data_and_detach_are_placeholders_too(tmp_path, through):
+    """``p.data`` and ``p.detach()`` of a released parameter are its empty memory: a read
+    through them (a norm) or a write (transformers' ``weight.data.normal_()``, a clamp) is
+    refused naming the parameter, as one through ``p`` is, where it read zeros and wrote
+    nowhere; their metadata stays readable, and gathered they are the values."""
+    engine = infinity.initialize(_model(), _nvme(tmp_path))
+    try:
+        w = engine.module.head.weight
+
+        def view():
+            return w.data if through == "data" else w.detach()
+
+        assert view().dtype == torch.float32 and view().device.type == "cpu"
+        for use in (lambda t: t.norm(), lambda t: t.sum(), lambda t: t.normal_(0, 0.02), lambda t: t.clamp_(-0.01, 0.01)):
+            with pytest.raises(RuntimeError, match=r"'head\.weight'.*load_state_dict"):
+                use(view())
+        with infinity.GatheredParameters([w]):
+            assert view().shape == w.shape and torch.equal(view(), w) and view().norm() > 0
+        engine.module.gather = _gathered
+        loss = _loss(engine, 0)  # nothing was written: training goes on
+        engine.backward(loss)
+        engine.step()
+    finally:
+        engine.close()
+
+
 def test_metadata_of_a_placeholder_stays_readable(tmp_path):
     engine = infinity.initialize(_model(), _nvme(tmp_path))
     try:
