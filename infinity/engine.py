@@ -539,6 +539,7 @@ class Engine:
         self._life.check_open()
         _gather.refuse_open(self, "engine.load_checkpoint()")
         client_state = _checkpoint.load(self, path, tag, on_partial=self._life.refuse)
+        self._accumulation.reset()  # a step starts over from its first micro-batch
         self._life.restore()
         self._stats.start_step()
         return client_state

@@ -282,6 +282,41 @@ def test_deepspeeds_loop_takes_deepspeeds_steps(tmp_path, batch):
         torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("how", ["zero_grad", "load_checkpoint"])
+def test_a_step_redone_from_its_first_micro_batch_takes_deepspeeds_steps(tmp_path, how, caplog):
+    """A DeepSpeed loop that drops a step part-way (one micro-batch of four, then
+    engine.zero_grad(), as the engine's own refusals advise; or a load of the checkpoint saved
+    at the last step) and runs the step again from its first micro-batch updates where the
+    uninterrupted run does: the count of micro-batches starts over with the step (it went on
+    from where the dropped one stopped: an update one micro-batch early, on part of a gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)) for _ in range(8)]
+
+    def micro(engine, x, y):
+        engine.backward(((engine(x) - y) ** 2).mean())
+        return engine.step()
+
+    with infinity.initialize(copy.deepcopy(model), _ds_loop_config(tmp_path / "a", gradient_accumulation_steps=4)) as e:
+        want_steps = [micro(e, x, y) for x, y in batches]
+        want = e.gathered_weights()
+    with infinity.initialize(model, _ds_loop_config(tmp_path / "b", gradient_accumulation_steps=4)) as e:
+        steps = [micro(e, x, y) for x, y in batches[:4]]
+        e.save_checkpoint(tmp_path / "ckpt")
+        assert micro(e, *batches[4]) is False  # one micro-batch of the second step, then dropped
+        if how == "zero_grad":
+            e.zero_grad()
+            assert "starts over from its first micro-batch" in caplog.text
+        else:  # (a load between backward and step is refused: the gradients are dropped first)
+            e.zero_grad()
+            e.load_checkpoint(tmp_path / "ckpt")
+        steps += [micro(e, x, y) for x, y in batches[4:]]
+        got = e.gathered_weights()
+    assert steps == want_steps == [False, False, False, True] * 2
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_deepspeeds_batch_sizes_give_the_steps_at_the_world_size_and_must_agree(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     ds = {"zero_optimization": {"stage": 2}, "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}
