@@ -52,7 +52,7 @@ from infinity.swap import (
     SwapSpace, WriteBehind, fsync_dir, parse_json, read_json, round_up, write_bytes_atomic, write_json_atomic,
 )  # fmt: skip
 
-from . import _algorithms, _compact, _consolidate, _recut, _rng, _saved
+from . import _algorithms, _compact, _consolidate, _jsonstate, _recut, _rng, _saved
 from .checkpoint import (
     FORMAT, LATEST_NAME, LOCK_NAME, META_NAME, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, check_tag,
     list_checkpoints, load_meta, resolve,
@@ -97,26 +97,22 @@ def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
         # into the same file ([Note: consolidated checkpoint] in `_consolidate`).
         "state_dict": _consolidate.state_dict_layout(engine),
         "rng": rng,
+        "buffers": [{"key": k, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+                    for k, b in persistent_buffers(engine.module)],  # fmt: skip
         "client_state": client_state,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "run": _run(),
     }
-    try:
-        text = json.dumps(client_state, allow_nan=True)
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            f"client_state must be JSON-serialisable (checkpoints hold no pickle): {e}; "
-            "convert tensors with .tolist() or save them yourself"
-        ) from None
-    try:  # what the load will accept: no key twice (1 and "1" are both "1" in JSON), not too deep
-        parse_json(text, "client_state")
+    # Both as JSON that loads back equal (`_jsonstate`: a Counter, int keys and tuples tagged),
+    # checked here, at the save, not found wrong at a resume.
+    meta["client_state"] = _jsonstate.round_trip(client_state, "client_state")
+    try:  # what the load will accept: not too deep
+        parse_json(json.dumps(meta["client_state"], allow_nan=True), "client_state")
     except ValueError as e:
         raise ValueError(f"client_state would not load back: {e}") from None
-    try:
-        json.dumps(meta["lr_scheduler"], allow_nan=True)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"the state_dict() of lr_scheduler {type(parts['lr_scheduler']).__name__} is not JSON "
-                        f"(checkpoints hold no pickle): {e}") from None  # fmt: skip
+    if meta["lr_scheduler"] is not None:
+        meta["lr_scheduler"] = _jsonstate.round_trip(
+            meta["lr_scheduler"], f"the state_dict() of lr_scheduler {type(parts['lr_scheduler']).__name__}")
     return meta
 
 
@@ -243,6 +239,8 @@ def _rank_bytes(engine) -> int:
     """Arena bytes one rank's checkpoint needs (every tensor rounded up to the alignment)."""
     opt = engine.optimizer
     total = round_up(len(engine.units) * 4)  # the step counts, fp32
+    if engine.rank == 0:
+        total += sum(round_up(b.numel() * b.element_size()) for _, b in persistent_buffers(engine.module))
     for u in engine.units:
         total += round_up(opt.record(u).nbytes("param"))
     for g in opt.groups:  # every kind fp32, whatever the state dtype (see _write_state)
@@ -284,6 +282,54 @@ def _write_state(engine, out: _Writer) -> None:
     out.put("optimizer/steps", opt.state_dict()["unit_steps"])
     for name, tensor in opt.foreign_tensors():  # a torch optimizer run as it is: its own state
         out.put(name, tensor.detach().reshape(-1))
+    if engine.rank == 0:  # the module's persistent buffers (BatchNorm's running statistics), rank 0's
+        for key, buf in persistent_buffers(engine.module):
+            out.put(BUFFER_PREFIX + key, buf.detach().reshape(-1))
+
+
+BUFFER_PREFIX = "buffer/"
+
+
+def persistent_buffers(module) -> list[tuple[str, torch.Tensor]]:
+    """(state_dict key, tensor) of each buffer ``module.state_dict()`` holds, once each."""
+    out, seen = [], set()
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for name, buf in m._buffers.items():
+            if buf is None or name in m._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((f"{prefix}.{name}" if prefix else name, buf))
+    return out
+
+
+def _load_buffers(engine, src: _saved.Sources, meta: dict) -> None:
+    """The saved persistent buffers into the module's (every rank reads rank 0's). A checkpoint
+    of version 1 holds none: the module keeps its own, and the load says so where it has some."""
+    mine = dict(persistent_buffers(engine.module))
+    saved = meta.get("buffers")
+    if saved is None:
+        if mine:
+            logger.warning("checkpoint %s (version %s) holds no buffer values: the module keeps its own %s",
+                           src.where, meta.get("version"), ", ".join(sorted(mine)[:5]))  # fmt: skip
+        return
+    reader = src.reader(0)
+    missing = []
+    for entry in saved:
+        key = entry["key"]
+        buf = mine.pop(key, None)
+        if buf is None:
+            missing.append(key)
+            continue
+        if list(buf.shape) != list(entry["shape"]):
+            raise CheckpointError(f"{src.where}: buffer {key!r} was saved of shape {tuple(entry['shape'])}, and the "
+                                  f"module's is {tuple(buf.shape)}")  # fmt: skip
+        value = reader.read(BUFFER_PREFIX + key, verify=True)
+        with torch.no_grad():
+            buf.copy_(value.reshape(buf.shape))
+    if missing or mine:
+        logger.warning("checkpoint %s: buffers saved that the module does not hold (%s) and of the module not "
+                       "saved (%s) are left as they are", src.where, ", ".join(missing[:5]) or "none",
+                       ", ".join(sorted(mine)[:5]) or "none")  # fmt: skip
 
 
 def _write_compact(opt, group, out: _Writer) -> None:
@@ -527,7 +573,7 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
         except (KeyError, TypeError, ValueError) as e:
             logger.warning("checkpoint %s: optimizer hyperparameters not restored (%s)", where, e)
     if parts["lr_scheduler"] is not None and meta.get("lr_scheduler") is not None:
-        parts["lr_scheduler"].load_state_dict(meta["lr_scheduler"])
+        parts["lr_scheduler"].load_state_dict(_jsonstate.decode(meta["lr_scheduler"]))
     parts["stats"].load_state_dict({"steps": meta["step"]})
     rank = engine.rank
     if rank < meta["world_size"]:
@@ -538,7 +584,7 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
         recut = f"; {', '.join(cut.recut)} re-cut into this engine's tiles" if cut.recut else ""
         logger.info("checkpoint %s loaded (step %d, saved by %d rank(s)%s) in %.2fs", where, meta["step"],
                     meta["world_size"], recut, time.perf_counter() - start)  # fmt: skip
-    return meta["client_state"]
+    return _jsonstate.decode(meta["client_state"])
 
 
 def _load_into(store, name: str, writes: WriteBehind, fill) -> None:
@@ -644,6 +690,7 @@ def _load_rank(engine, src: _saved.Sources, meta: dict, cut: _recut.Plan, steps:
 
             _load_into(engine.param_store, u.name, writes, fill)
         opt.load_state_dict({"unit_steps": steps})
+        _load_buffers(engine, src, meta)
         saved_state = (meta.get("optimizer") or {}).get("torch_state")
         if opt.foreign is not None and saved_state:
             reader = src.reader(engine.rank if engine.rank < meta["world_size"] else 0)

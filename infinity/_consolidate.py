@@ -233,13 +233,15 @@ class CheckpointWeights:
                     self.missing.append(e["key"])
             if self.missing and buffers == "refuse":
                 raise BuffersNotSaved(
-                    f"{self.where}: the model has persistent buffers, whose values a checkpoint does not hold: "
+                    f"{self.where}: the model has persistent buffers, whose values consolidation does not write "
+                    "(a checkpoint of version 1 does not hold them; one of version 2 does, for "
+                    f"engine.load_checkpoint): "
                     f"{', '.join(self.missing)}. Write the parameters alone (--skip-buffers: a model made from "
                     "its config then keeps the buffers it is made with), or export them from a live engine "
                     "(engine.export / engine.save_pretrained)"
                 )
             if self.missing:
-                self.notes.append(f"persistent buffers not written (not in a checkpoint): {', '.join(self.missing)}")
+                self.notes.append(f"persistent buffers not written: {', '.join(self.missing)}")
         self.module = _Module(entries, config, generation_config)
         self.units, self._kinds = [], []
         for k, (u, qs) in enumerate(zip(saved, pieces)):

@@ -33,7 +33,8 @@ import re
 from infinity.swap import ManifestError, read_json
 
 FORMAT = "infinity-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: persistent buffers saved, lr_scheduler and client_state tagged (`_jsonstate`); 1 is read too
+READS = (1, 2)
 META_NAME = "meta.json"
 LATEST_NAME = "latest"
 LOCK_NAME = ".lock"
@@ -101,8 +102,9 @@ def load_meta(where: str) -> dict:
         fail("(top)", "not a JSON object")
     if meta.get("format") != FORMAT:
         fail("format", f"{meta.get('format')!r} is not {FORMAT!r}: not an infinity checkpoint")
-    if meta.get("version") != VERSION:
-        fail("version", f"unknown version {meta.get('version')!r} (this infinity reads version {VERSION})")
+    if meta.get("version") not in READS:
+        fail("version", f"unknown version {meta.get('version')!r} (this infinity reads versions "
+                        f"{', '.join(map(str, READS))})")
     for key, lo in (("step", 0), ("world_size", 1), ("stage", 1)):
         v = meta.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:

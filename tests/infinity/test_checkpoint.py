@@ -3,6 +3,7 @@ of corrupt, incomplete or foreign checkpoints, pruning, file modes, no pickle on
 
 from __future__ import annotations
 
+import collections
 import errno
 import itertools
 import json
@@ -331,7 +332,7 @@ def test_adam_and_adamw_checkpoints_load_into_each_other(tmp_path):
 
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
     engine = _engine(tmp_path, ("device",) * 3)
-    with pytest.raises(TypeError, match="JSON-serialisable"):
+    with pytest.raises(TypeError, match=r"client_state\['t'\] is a torch.Tensor.*checkpoints hold no pickle"):
         engine.save_checkpoint(tmp_path / "ck", client_state={"t": torch.ones(2)})
     with pytest.raises(ValueError, match="checkpoint tag '../x'"):
         engine.save_checkpoint(tmp_path / "ck", tag="../x")
@@ -401,3 +402,74 @@ def test_tiles_and_whole_modules_of_one_tile_size_load_into_each_other(tmp_path,
         assert train(engine, 3, start=3, out=300) == pytest.approx(after, abs=1e-6)
         for name, w in engine.gathered_weights().items():
             torch.testing.assert_close(w, final[name], atol=1e-6, rtol=0, msg=name)
+
+
+def _multistep(opt):
+    return torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[4, 6], gamma=0.1)
+
+
+def test_a_scheduler_keeping_a_counter_and_a_client_state_with_int_keys_resume_as_saved(tmp_path):
+    """MultiStepLR keeps its milestones in a collections.Counter, whose int keys plain JSON
+    turned into strings: the resumed schedule never decayed (every step at the first lr).
+    Tagged now (`_jsonstate`), it resumes the learning rates and weights of the run that went
+    straight on; a client_state's int keys, tuples and Counter come back as they were saved."""
+    def run(engine, steps, start=0):
+        lrs = []
+        for _ in range(steps):
+            lrs.append(engine.optimizer.param_groups[0]["lr"])
+            train(engine, 1, start=start + len(lrs) - 1)
+        return lrs
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    cfg = config(str(swap), ("nvme",) * 3)
+    torch.manual_seed(0)
+    with infinity.initialize(make_model(), cfg, lr_scheduler=_multistep) as engine:
+        want = run(engine, 8)
+        want_w = engine.gathered_weights()
+    state = {"seen": {3: (1, 2.5), "3": None}, "counts": collections.Counter({7: 2}), "nan": float("nan")}
+    torch.manual_seed(0)
+    with infinity.initialize(make_model(), cfg, lr_scheduler=_multistep) as engine:
+        got = run(engine, 3)
+        engine.save_checkpoint(tmp_path / "ck", client_state=state)
+    with infinity.initialize(make_model(seed=1), cfg, lr_scheduler=_multistep) as engine:
+        back = engine.load_checkpoint(tmp_path / "ck")
+        got += run(engine, 5, start=3)
+        _assert_equal(engine.gathered_weights(), want_w)
+    assert want == pytest.approx([1e-2] * 4 + [1e-3] * 2 + [1e-4] * 2, rel=1e-9)  # it decays at 4 and 6
+    assert got == want
+    assert back["seen"] == {3: (1, 2.5), "3": None} and back["counts"] == state["counts"]
+    assert type(back["counts"]).__name__ == "Counter" and back["nan"] != back["nan"]
+
+
+def test_persistent_buffers_resume_as_saved(tmp_path):
+    """BatchNorm's running statistics (and its count) are in the checkpoint and come back; a
+    checkpoint of version 1, which holds none, loads too and leaves the module's own, saying so."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    cfg = config(str(swap), ("nvme",) * 3)
+    with infinity.initialize(model(), cfg) as engine:
+        train(engine, 4)
+        want_w = engine.gathered_weights()
+        want_b = {k: v.clone() for k, v in engine.module.state_dict().items() if "running" in k or "tracked" in k}
+        where = engine.save_checkpoint(tmp_path / "ck")
+    with infinity.initialize(model(), cfg) as engine:
+        engine.load_checkpoint(tmp_path / "ck")
+        _assert_equal(engine.gathered_weights(), want_w)
+        got = {k: v for k, v in engine.module.state_dict().items() if k in want_b}
+        _assert_equal(got, want_b)
+        assert int(got["1.num_batches_tracked"]) == 4
+    meta_path = os.path.join(where, "meta.json")
+    meta = json.load(open(meta_path))
+    meta["version"] = 1
+    del meta["buffers"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    with infinity.initialize(model(), cfg) as engine:
+        engine.load_checkpoint(tmp_path / "ck")
+        _assert_equal(engine.gathered_weights(), want_w)
+        assert int(engine.module.state_dict()["1.num_batches_tracked"]) == 0  # its own, as the log says
