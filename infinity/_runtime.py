@@ -379,15 +379,18 @@ class UnitRuntime:
             with traffic(self.pool, OVERLAP):  # the optimizer's early updates: see `_overlap`
                 self.on_unit_final(unit)
 
-    def drop_grads(self) -> None:
+    def drop_grads(self, keep_uses: bool = False) -> None:
         """Forget gradients still being gathered in units (after a failed backward), and any a
-        parameter still holds ([Note: gradient hand-over])."""
+        parameter still holds ([Note: gradient hand-over]); with ``keep_uses``, not the uses a
+        forward counted for a backward still due (``optimizer.zero_grad()`` between a forward
+        and its backward, as plain PyTorch allows)."""
         with held_interrupts:  # one section for all: it never waits
             for unit in self.units:
                 if unit.grad_lease is not None:
                     unit.grad_lease.release()
                 unit.grad = unit.grad_lease = None
-                unit.uses = 0
+                if not keep_uses:
+                    unit.uses = 0
                 for r in unit.records:  # a tile's too: a gathered one's gradient passes through it
                     if r.param.grad is not None:
                         r.param.grad = None

@@ -339,7 +339,9 @@ class Scheduler:
                 hooks.__exit__(None, None, None)
             self.end_forward()
             if not torch.is_grad_enabled():
-                self.release_all()
+                # What this forward fetched goes back; the uses of a backward still due stand (a
+                # no-grad forward between a forward and its backward, as in an eval inside a step).
+                self.release_all(keep_uses=self.state is TrainingState.BACKWARD_DUE)
         return output
 
     @staticmethod
@@ -495,7 +497,11 @@ class Scheduler:
         """Forget this step's gradients still in units and parameters (zero_grad, a load), and
         end a backward that began and never ended: a plain ``loss.backward()`` that raised (a
         Ctrl-C in a hook) never runs the end it queued, and the next would queue none."""
-        self.runtime.drop_grads()
+        # A backward due (its forward ended, it has not begun) still comes: the uses its forward
+        # counted stand, as zero_grad between a forward and its backward leaves that backward
+        # whole in plain PyTorch (forgotten, the first gradient of a unit of several parameters
+        # was taken for its last, and the unit released under the rest).
+        self.runtime.drop_grads(keep_uses=self.state is TrainingState.BACKWARD_DUE)
         if self.state is TrainingState.BACKWARD:
             self.end_backward()
 
@@ -505,15 +511,20 @@ class Scheduler:
         return self.runtime.pack_view(t)
 
     # -- release ----------------------------------------------------------------------------
-    def release_all(self) -> None:
+    def release_all(self, keep_uses: bool = False) -> None:
         """Release every unit and forget the gradient uses still expected: a forward whose
         backward has not run (a loss computed and dropped before a save) is forgotten with them,
         or the next forward, taken for its recomputation, would count no uses and its units
-        would be released under their own backward."""
+        would be released under their own backward. With ``keep_uses`` (the end of a no-grad
+        forward while a backward is due) the units that backward uses stay, and it stays due."""
         for unit in self.units:
             self.runtime.drop_fetch(unit)
-            unit.active = unit.uses = 0
+            unit.active = 0
+            if not keep_uses:
+                unit.uses = 0
             self.runtime.release(unit)
+        if keep_uses:
+            return
         if self.state is TrainingState.BACKWARD_DUE:  # a backward that began ends as it does
             self.state = TrainingState.IDLE
         self.prefetcher.end_backward()

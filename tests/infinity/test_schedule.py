@@ -280,3 +280,46 @@ def test_always_ready_tiles_are_handed_on_once_with_their_module_s_gradients(tmp
         _assert_weights_of(plain, engine, atol=1e-4)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("tiers", [("nvme",) * 3, ("nvme", "cpu", "cpu")], ids=["nvme", "params-nvme"])
+@pytest.mark.parametrize("between", ["zero_grad", "no_grad_forward", "dropped_loss"])
+def test_what_plain_pytorch_allows_between_a_forward_and_its_backward_trains_as_it(tmp_path, tiers, between):
+    """The textbook order ``loss = f(model(x)); optimizer.zero_grad(); loss.backward()``, or a
+    no-grad forward (an eval) between a forward and its backward, left that backward whole in
+    plain PyTorch, and here forgot the uses its forward counted: the first gradient of a unit of
+    several parameters was taken for its last and the unit released under the rest (a crash,
+    "size of tensor a (0)"). A grad-enabled forward whose loss is dropped is forgotten as before."""
+    import copy
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+
+    model = make()
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01, fused=True)  # the engine's kernel
+    (tmp_path / "swap").mkdir()
+    engine = infinity.initialize(model, config(tmp_path / "swap", tiers, optimizer={"lr": 1e-2}))
+    try:
+        for s in range(3):
+            g = torch.Generator().manual_seed(s)
+            x, y = torch.randn(8, 32, generator=g), torch.randn(8, 8, generator=g)
+            for m, step, zero in ((engine, engine.optimizer.step, engine.optimizer.zero_grad),
+                                  (plain, opt.step, opt.zero_grad)):  # fmt: skip
+                if between == "dropped_loss":
+                    ((m(x) - y) ** 2).mean()
+                loss = ((m(x) - y) ** 2).mean()
+                if between == "zero_grad":
+                    zero()
+                if between == "no_grad_forward":
+                    with torch.no_grad():
+                        m(x[:4])
+                loss.backward()
+                step()
+                zero()
+        got = engine.gathered_weights()
+        for name, p in plain.named_parameters():
+            assert torch.equal(got[name], p.detach()), name
+    finally:
+        engine.close()
