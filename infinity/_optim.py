@@ -13,11 +13,15 @@ them through the attributes here.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ._grads import GradAccumulator
 from ._substates import SubGroupStates
 from ._update import StreamedUpdate
+
+logger = logging.getLogger("infinity")
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -52,6 +56,7 @@ class Optimizer(torch.optim.Optimizer):
         self.grads = grads
         self._engine_step = engine_step  # the engine's: what step() and zero_grad() run
         self._engine_zero_grad = engine_zero_grad
+        self._told_set_to_none = False  # zero_grad(set_to_none=False) said once
         self._ready = True
 
     # -- torch.optim.Optimizer --------------------------------------------------------------
@@ -63,7 +68,15 @@ class Optimizer(torch.optim.Optimizer):
         return self._engine_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """``engine.zero_grad()``: forget the gradients accumulated since the last step."""
+        """``engine.zero_grad()``: forget the gradients accumulated since the last step. The
+        engine's gradients are always set to none: with ``set_to_none=False`` a unit no
+        gradient reaches in the next step does not step, where torch's optimizer would step its
+        parameters on zeros (their moments and weight decay moving them); said once."""
+        if set_to_none is False and not self._told_set_to_none:
+            self._told_set_to_none = True
+            logger.warning("engine.optimizer.zero_grad(set_to_none=False): the engine sets the gradients to none; a "
+                           "parameter no gradient reaches in a step does not step (torch's optimizer would step it "
+                           "on a zero gradient)")  # fmt: skip
         self._engine_zero_grad()
 
     def add_param_group(self, param_group: dict) -> None:

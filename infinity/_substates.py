@@ -350,18 +350,17 @@ class SubGroupStates:
 
     def share_masters(self) -> None:
         """Once, at the first step that runs without the overlap: each sub-group's master
-        weights become its ``shared`` parameters, where the two hold the same values (they do
-        unless something wrote one and not the other), so the update writes the parameters in
-        place ([Note: one copy of the fp32 weights] in `_onecopy`)."""
+        weights become its ``shared`` parameters, so the update writes the parameters in place
+        ([Note: one copy of the fp32 weights] in `_onecopy`). The two hold the same values
+        unless the user wrote the parameters since initialize (a re-initialised layer, a zeroed
+        head): then the parameters' values are the weights, as in plain PyTorch, whose optimizer
+        steps the parameter itself (they were dropped for the master weights' before)."""
         if self._shares_checked:
             return
         self._shares_checked = True
         for index, shared in self.shared.items():
-            name = self.groups[index].record.name_for()
-            master = self.stores["master"].get(name).result().tensor
-            if master.data_ptr() == shared.data_ptr() or torch.equal(master, shared):
-                self.stores["master"].swap(name, shared)
-                self.sharing.add(index)
+            self.stores["master"].swap(self.groups[index].record.name_for(), shared)
+            self.sharing.add(index)
 
     # -- new parameters ---------------------------------------------------------------------
     def stages_params(self, transport) -> bool:

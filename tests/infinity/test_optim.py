@@ -18,7 +18,7 @@ from torch import nn
 import infinity
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import config  # noqa: E402
+from _common import config, make_model  # noqa: E402
 
 NVME = ("nvme", "nvme", "nvme")
 STEPS = 10
@@ -343,3 +343,19 @@ def test_reduce_lr_on_plateau_is_refused_at_initialize_and_works_stepped_by_hand
     got, want = engine.gathered_weights(), dict(ref.named_parameters())
     assert all(torch.allclose(got[k], want[k], atol=1e-5) for k in want)
     engine.close()
+
+
+def test_zero_grad_keeping_zeros_says_the_engine_sets_them_to_none(tmp_path, caplog):
+    """torch's zero_grad(set_to_none=False) keeps zero gradients, so its next step moves a
+    parameter no gradient reached (moments, weight decay); the engine's gradients are always
+    none, and it says so once rather than differ silently."""
+    engine = infinity.initialize(make_model(), config(tmp_path, ("device",) * 3))
+    try:
+        engine.optimizer.zero_grad()
+        engine.optimizer.zero_grad(set_to_none=True)
+        assert "set_to_none=False" not in caplog.text
+        engine.optimizer.zero_grad(set_to_none=False)
+        engine.optimizer.zero_grad(set_to_none=False)
+        assert caplog.text.count("set_to_none=False") == 1
+    finally:
+        engine.close()
