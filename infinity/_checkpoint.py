@@ -284,10 +284,8 @@ def _write_state(engine, out: _Writer) -> None:
         out.put(name, tensor.detach().reshape(-1))
     if engine.rank == 0:  # the module's persistent buffers (BatchNorm's running statistics), rank 0's
         for key, buf in persistent_buffers(engine.module):
-            out.put(BUFFER_PREFIX + key, buf.detach().reshape(-1))
+            out.put(_saved.BUFFER_PREFIX + key, buf.detach().reshape(-1))
 
-
-BUFFER_PREFIX = "buffer/"
 
 
 def persistent_buffers(module) -> list[tuple[str, torch.Tensor]]:
@@ -323,7 +321,7 @@ def _load_buffers(engine, src: _saved.Sources, meta: dict) -> None:
         if list(buf.shape) != list(entry["shape"]):
             raise CheckpointError(f"{src.where}: buffer {key!r} was saved of shape {tuple(entry['shape'])}, and the "
                                   f"module's is {tuple(buf.shape)}")  # fmt: skip
-        value = reader.read(BUFFER_PREFIX + key, verify=True)
+        value = reader.read(_saved.BUFFER_PREFIX + key, verify=True)
         with torch.no_grad():
             buf.copy_(value.reshape(buf.shape))
     if missing or mine:

@@ -31,7 +31,7 @@ import os
 import torch
 
 from . import _dist
-from ._saved import Sources
+from ._saved import BUFFER_PREFIX, Sources
 from ._substates import state_key
 from ._units import lay_out
 from .checkpoint import LATEST_NAME, CheckpointError, load_meta, resolve
@@ -146,9 +146,9 @@ class CheckpointWeights:
     `_hf_save.save_pretrained` write them as they write an engine's.
 
     ``dtype``: every floating-point parameter written in it, else each in the dtype the model
-    was made in. ``buffers``: "refuse" raises where the model has persistent buffers (their
-    values are not in a checkpoint), "skip" writes the parameters alone and names them in
-    ``missing``. ``exclude_frozen``: leave out the parameters of frozen units."""
+    was made in. Persistent buffers are written as saved (rank 0's); ``buffers``: for a
+    checkpoint that holds none (version 1), "refuse" raises where the model has some, "skip"
+    writes the parameters alone and names them in ``missing``. ``exclude_frozen``: leave out the parameters of frozen units."""
 
     rank = 0
     dist = _Alone()
@@ -169,6 +169,16 @@ class CheckpointWeights:
         except BaseException:
             self.close()
             raise
+
+    def _buffer(self, entry: dict) -> torch.Tensor:
+        """A persistent buffer's saved values (rank 0's, in its own dtype), checked as read."""
+        key, shape = entry["key"], entry.get("shape")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"{self.where}: buffers: {entry!r} is not {{key, shape, dtype}}")
+        value = self._src.reader(0).read(BUFFER_PREFIX + key, verify=True)
+        if value.numel() != math.prod(shape):
+            raise CheckpointError(f"{self.where}: buffer {key!r} holds {value.numel()} elements, its shape {shape}")
+        return value.reshape(shape)
 
     def _build(self, dtype, buffers, exclude_frozen, config, generation_config) -> None:
         saved = self.meta["units"]
@@ -222,6 +232,7 @@ class CheckpointWeights:
                 "and persistent buffers, if the model has any, are not written"
             )
         else:
+            saved_buffers = {b["key"]: b for b in self.meta.get("buffers") or ()}  # version 2 on
             for e in layout:
                 if "param" in e:
                     if e["param"] not in names:
@@ -229,19 +240,20 @@ class CheckpointWeights:
                                               f"{e['param']!r}, which no unit holds")  # fmt: skip
                     if e["param"] in placeholders:
                         entries[e["key"]] = placeholders[e["param"]]
+                elif e["key"] in saved_buffers:
+                    entries[e["key"]] = self._buffer(saved_buffers[e["key"]])
                 else:
                     self.missing.append(e["key"])
             if self.missing and buffers == "refuse":
                 raise BuffersNotSaved(
-                    f"{self.where}: the model has persistent buffers, whose values consolidation does not write "
-                    "(a checkpoint of version 1 does not hold them; one of version 2 does, for "
-                    f"engine.load_checkpoint): "
+                    f"{self.where}: the model has persistent buffers whose values the checkpoint does not hold "
+                    f"(saved by an older infinity, checkpoint version {self.meta['version']}): "
                     f"{', '.join(self.missing)}. Write the parameters alone (--skip-buffers: a model made from "
                     "its config then keeps the buffers it is made with), or export them from a live engine "
                     "(engine.export / engine.save_pretrained)"
                 )
             if self.missing:
-                self.notes.append(f"persistent buffers not written: {', '.join(self.missing)}")
+                self.notes.append(f"persistent buffers not written (not in the checkpoint): {', '.join(self.missing)}")
         self.module = _Module(entries, config, generation_config)
         self.units, self._kinds = [], []
         for k, (u, qs) in enumerate(zip(saved, pieces)):

@@ -18,6 +18,9 @@ from ._substates import state_key
 from .checkpoint import CheckpointError
 
 
+BUFFER_PREFIX = "buffer/"  # a persistent buffer's tensor in rank 0's space: buffer/<state_dict key>
+
+
 class Sources:
     """The saved ranks' swap spaces (read-only, opened on first use), for one load."""
 

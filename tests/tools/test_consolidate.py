@@ -84,7 +84,7 @@ def _assert_same_file(path, reference):
     assert list(got) == list(want)
     for key in want:
         assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape, key
-        assert torch.equal(got[key].view(torch.uint8), want[key].view(torch.uint8)), key
+        assert torch.equal(got[key].reshape(-1).view(torch.uint8), want[key].reshape(-1).view(torch.uint8)), key
 
 
 def _run(capsys, *argv):
@@ -172,8 +172,26 @@ class _WithBuffer(nn.Module):
         return self.norm(self.embed(ids).transpose(1, 2)).transpose(1, 2) @ self.embed.weight.T
 
 
-def test_persistent_buffers_are_refused_by_name_or_skipped(tmp_path, capsys):
+def test_persistent_buffers_are_written_as_saved(tmp_path, capsys):
+    """A checkpoint holds the persistent buffers (version 2): the file is the export's, buffers
+    (BatchNorm's running statistics, trained) included, bit for bit."""
     ckpt, export = _saved(tmp_path, _WithBuffer())
+    code, _, err = _run(capsys, ckpt, tmp_path / "out.safetensors")
+    assert code == 0, err
+    _assert_same_file(tmp_path / "out.safetensors", export)
+    assert safetensors_torch.load_file(export)["norm.num_batches_tracked"].item() > 0
+
+
+def test_persistent_buffers_a_checkpoint_lacks_are_refused_by_name_or_skipped(tmp_path, capsys):
+    """A checkpoint of version 1 holds no buffer values."""
+    ckpt, export = _saved(tmp_path, _WithBuffer())
+    meta_path = os.path.join(ckpt, "step-2", "meta.json")
+    meta = json.loads(open(meta_path).read())
+    meta["version"] = 1
+    del meta["buffers"]
+    os.chmod(meta_path, 0o600)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
     code, _, err = _run(capsys, ckpt, tmp_path / "out.safetensors")
     assert code == 2 and "norm.running_mean, norm.running_var, norm.num_batches_tracked" in err
     assert "--skip-buffers" in err and not (tmp_path / "out.safetensors").exists()
