@@ -51,6 +51,18 @@ def _own_gpu(local_rank: int | None = None) -> int:
     return local_rank
 
 
+# [Note: the same units on every rank]
+# Collectives pair up by their order on each rank alone: the engine's per-unit gathers (stage 3)
+# and gradient reductions carry no unit identity. A rank whose forward takes other modules than
+# the others' (a head or an expert chosen by its own data) would average one unit's gradient
+# with another unit's of the same size, or gather another unit's shards, silently (where the
+# sizes differ, a collective fails, naming no cause). `Transport` hashes the names of the units
+# it gathers and reduces, in order, and before each step `Transport.check_same_units` compares
+# the digests over the ranks (`same_everywhere`: two 8-byte all-reduces): where they differ the
+# step is refused on every rank, before anything is updated. Initial weights are made the same
+# the same way (`same_from_rank0`: rank 0's, as DDP's constructor broadcasts them).
+
+
 class Dist:
     def __init__(self, timeout: int):
         self.timeout = timeout
@@ -123,6 +135,33 @@ class Dist:
         on = self._on_device(t)
         self._run(lambda: dist.all_reduce(on), what)
         self._back(t, on)
+
+    def same_from_rank0(self, t: torch.Tensor, what: str) -> bool:
+        """Make ``t`` rank 0's on every rank, as DDP's constructor broadcasts the module's
+        weights: their xxh3-64 fingerprints are compared first (two small all-reduces), and
+        ``t`` is broadcast only where they differ (ranks that built the model from other RNG
+        states). Every rank calls it; returns whether it was broadcast."""
+        import xxhash
+
+        if self.same_everywhere(xxhash.xxh3_64_intdigest(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+                                                         .numpy()), what):  # fmt: skip
+            return False
+        on = self._on_device(t)
+        self._run(lambda: dist.broadcast(on, src=0), what)
+        self._back(t, on)
+        return True
+
+    def same_everywhere(self, value: int, what: str) -> bool:
+        """Whether every rank passed the same ``value`` (a 64-bit digest; every rank calls it):
+        the least and the greatest over the ranks, in two small all-reduces."""
+        if not self.active:
+            return True
+        value -= 1 << 64 if value >= 1 << 63 else 0  # as int64
+        low, high = torch.tensor([value]), torch.tensor([-value if value != -(1 << 63) else value])
+        on_low, on_high = self._on_device(low), self._on_device(high)
+        self._run(lambda: dist.all_reduce(on_low, op=dist.ReduceOp.MIN), what)
+        self._run(lambda: dist.all_reduce(on_high, op=dist.ReduceOp.MIN), what)
+        return int(on_low) == value and -int(on_high) == value
 
     def all_ok(self, ok: bool, what: str) -> list[int]:
         """The ranks for which ``ok`` was False (every rank calls it; empty when all are fine)."""

@@ -24,6 +24,8 @@ docs/formats.md: checkpoints and swap spaces written before must read the same.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.profiler import record_function
 
@@ -34,6 +36,8 @@ from ._store import Store
 from ._units import ParamUnit, holders
 
 STAGED = "~next"  # the suffix of a staged name: see [Note: exact overlap]
+
+logger = logging.getLogger("infinity")
 
 
 def state_key(name: str, kind: str, staged: bool = False) -> str:
@@ -228,14 +232,22 @@ class SubGroupStates:
         Frozen units (no parameter requires grad) have no optimizer state: only their
         parameters are stored."""
 
+        differ = []
+
         def values(u):
             if prepare is not None:
                 prepare(u)
             try:
-                return u.flat(torch.float32)
+                whole = u.flat(torch.float32)
             finally:
                 if done is not None:
                     done(u)
+            # Every rank keeps its slice of the same weights: rank 0's where the ranks built the
+            # model from other RNG states (a seed set per rank before it), as DDP broadcasts them.
+            if self.dist is not None and self.dist.active and self.dist.same_from_rank0(
+                    whole, f"the initial values of {u.name}"):  # fmt: skip
+                differ.append(u.name)
+            return whole
 
         for u in self.frozen:
             whole = values(u)
@@ -259,6 +271,10 @@ class SubGroupStates:
                 self.stores["master"].put(sg.record.name_for(), master).result()
             for kind, value in self.algorithm.initial_states(master, per_group, self.param_groups, sg.slices):
                 self.stores[kind].put(sg.record.name_for(), value).result()
+        if differ:
+            logger.warning("the ranks built other initial values of %d unit(s) (%s): every rank takes rank 0's, as "
+                           "DistributedDataParallel does; seed the RNG alike on every rank before building the model "
+                           "to make this unneeded", len(differ), ", ".join(differ[:3]))  # fmt: skip
         if self.foreign is not None:
             self._bind_foreign()
 

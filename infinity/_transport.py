@@ -22,6 +22,7 @@ step. On a machine without a GPU the device is the host and nothing crosses: the
 from __future__ import annotations
 
 import torch
+import xxhash
 from torch.profiler import record_function
 
 from ._store import InHand, Lease
@@ -65,6 +66,22 @@ class Copies:
         self._in = None  # the streams, made on first use
         self._out = None
         self._copies: list = []  # (start event, end event, bytes, lease) of copies in that may still run
+
+    def check_same_units(self) -> None:
+        """Before a step with several ranks: raise on every rank where the ranks gathered or
+        reduced other units since the last step. Collectives pair up by order alone, so a rank
+        whose forward took another module than the others' (routing by its own data: one
+        task's head, an expert) averaged one unit's gradient with another's, of the same size,
+        silently ([Note: the same units on every rank] in `_dist`)."""
+        digest, self._pass = self._pass.intdigest(), xxhash.xxh3_64()
+        if self.dist is not None and not self.dist.same_everywhere(digest, "the check of the units each rank reduced"):
+            raise RuntimeError(
+                "the ranks gathered or reduced other parameter units since the last step (a forward that ran other "
+                "modules on some ranks: a head or expert chosen by each rank's data): their collectives paired "
+                "different units' gradients, so this step is refused. Every rank must run the same modules in each "
+                "pass, as with DeepSpeed's ZeRO and FSDP (a module a rank does not need can run on zeros); call "
+                "engine.zero_grad() and run the step again"
+            )
 
     def to_device(self, lease, out: torch.Tensor | None = None) -> torch.Tensor:
         """``lease.tensor`` (host) copied to the device (into ``out``, a device tensor of its
@@ -173,6 +190,8 @@ class Transport:
         self.pool = pool
         self.dist = dist
         self.stats = stats
+        # The units this rank gathered and reduced since the last step, in order: see `check_same_units`.
+        self._pass = xxhash.xxh3_64()
         self.copies = Copies(device, stats) if device.type == "cuda" else None  # host <-> GPU, both ways
         self._timed: list = []  # (start event, end event, bytes, counter) of `copy`'s copies not yet counted
 
@@ -264,6 +283,22 @@ class Transport:
             self.stats.add(f"{way}_bytes", nbytes)
             self.stats.add(f"{way}_seconds", start.elapsed_time(end) / 1e3)
 
+    def check_same_units(self) -> None:
+        """Before a step with several ranks: raise on every rank where the ranks gathered or
+        reduced other units since the last step. Collectives pair up by order alone, so a rank
+        whose forward took another module than the others' (routing by its own data: one
+        task's head, an expert) averaged one unit's gradient with another's, of the same size,
+        silently ([Note: the same units on every rank] in `_dist`)."""
+        digest, self._pass = self._pass.intdigest(), xxhash.xxh3_64()
+        if self.dist is not None and not self.dist.same_everywhere(digest, "the check of the units each rank reduced"):
+            raise RuntimeError(
+                "the ranks gathered or reduced other parameter units since the last step (a forward that ran other "
+                "modules on some ranks: a head or expert chosen by each rank's data): their collectives paired "
+                "different units' gradients, so this step is refused. Every rank must run the same modules in each "
+                "pass, as with DeepSpeed's ZeRO and FSDP (a module a rank does not need can run on zeros); call "
+                "engine.zero_grad() and run the step again"
+            )
+
     def to_device(self, lease, out: torch.Tensor | None = None) -> torch.Tensor:
         with record_function("infinity::h2d"):
             return self.copies.to_device(lease, out)
@@ -273,6 +308,7 @@ class Transport:
         released here). Returns the full 1-D tensor on the compute device, and the pool buffer
         behind it on a CPU device (None on a GPU)."""
         what = f"parameter all-gather of {unit.name}"
+        self._pass.update(what.encode())
         with record_function("infinity::gather"):
             if self.device.type == "cpu":
                 full_lease = self.pool.acquire(unit.padded_numel * self.dtype.itemsize)
@@ -297,6 +333,7 @@ class Transport:
         None) over the ranks: the whole of it (``keep_full``, stage 1) or this rank's slice.
         Returns the result and the pool buffer it is in (``lease`` is then released)."""
         what = f"gradient reduction of {unit.name}"
+        self._pass.update(what.encode())
         with record_function("infinity::grad_reduce"):
             if keep_full:
                 self.dist.all_reduce_mean(grad, what)

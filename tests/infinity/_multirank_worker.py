@@ -1,6 +1,6 @@
 """One rank of a multi-rank test (tests/infinity/test_multirank.py); also run alone (1 rank).
 
-argv: mode (parity | gather | clip | dead | mismatch | ckpt-save | ckpt-load), output path prefix, stage, swap
+argv: mode (parity | seeded | routed | gather | clip | dead | mismatch | ckpt-save | ckpt-load), output path prefix, stage, swap
 directory, and for the ckpt modes the checkpoint root. The global batch of every step is the
 same whatever the world size; rank r takes its 1/N.
 
@@ -35,8 +35,18 @@ mode, out, stage, swap_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.arg
 ckpt = sys.argv[5] if len(sys.argv) > 5 else None
 rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 torch.set_num_threads(1)
-torch.manual_seed(0)
+torch.manual_seed(rank if mode == "seeded" else 0)  # seeded: parity's, each rank its own seed before the build
 model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 4))
+if mode == "routed":  # each rank's forward takes its own head, of one shape: a task's, an expert
+    class Routed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 4), nn.Linear(64, 4)
+
+        def forward(self, x):
+            return (self.a if rank == 0 else self.b)(torch.tanh(self.body(x)))
+
+    model = Routed()
 lr = 2e-3 if (mode == "mismatch" and rank == 1) else 1e-2
 cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [swap_dir], "grow_step": "4MiB"},
        "optimizer": {"lr": lr}, "partition": {"stage": stage, "timeout": 10}}  # fmt: skip
@@ -51,6 +61,16 @@ try:
 except ValueError as e:
     open(f"{out}.{rank}.err", "w").write(str(e))
     sys.exit(3)
+
+if mode == "routed":
+    x, y = torch.randn(6, 16), torch.randn(6, 4)
+    engine.backward(((engine(x) - y) ** 2).mean())
+    try:
+        engine.step()
+    except RuntimeError as e:
+        open(f"{out}.{rank}.err", "w").write(str(e))
+        sys.exit(4)
+    sys.exit(0)
 
 if mode.startswith("ckpt"):
     def run(steps, start):

@@ -73,6 +73,38 @@ def test_two_ranks_match_one_rank(tmp_path, stage, tiles, monkeypatch):
         torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_ranks_that_built_other_initial_weights_train_rank_0_s_as_ddp_does(tmp_path, stage):
+    """Each rank seeds its RNG with its rank before building the model (the usual way to get
+    per-rank dropout): the ranks' initial weights differ, and each kept its own slice, a model
+    of rank 0's first half and rank 1's second half, silently. DDP's constructor broadcasts
+    rank 0's; so does initialize: the run is parity's (rank 0's seed), and says so."""
+    one, codes, logs, _ = _launch("parity", 1, stage, tmp_path)
+    assert codes == [0], logs
+    two, codes, logs, _ = _launch("seeded", 2, stage, tmp_path)
+    assert codes == [0, 0], logs
+    assert all("every rank takes rank 0's" in err for _, err in logs), logs
+    single = json.load(open(f"{one}.0.json"))
+    for rank in (0, 1):
+        mine = json.load(open(f"{two}.{rank}.json"))
+        assert all(abs(a - b) < 1e-5 for a, b in zip(mine["losses"], single["losses"])), (mine, single)
+    w1 = torch.load(f"{one}.weights.pt", weights_only=True)
+    w2 = torch.load(f"{two}.weights.pt", weights_only=True)
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_ranks_whose_forwards_took_other_modules_are_refused_at_the_step(tmp_path, stage):
+    """Rank 0's forward takes head a, rank 1's head b, of one shape: the collectives, paired by
+    order, averaged a's gradient with b's (stage 3: gathered each other's shards too), and the
+    step trained on it, silently. The step is refused on both ranks, before any update."""
+    out, codes, logs, _ = _launch("routed", 2, stage, tmp_path)
+    assert codes == [4, 4], logs
+    for rank in (0, 1):
+        assert "gathered or reduced other parameter units" in open(f"{out}.{rank}.err").read()
+
+
 @pytest.mark.parametrize("tiles", [None, "4KiB"], ids=["whole", "tiled"])
 def test_two_ranks_train_alike_after_read_only_gathers(tmp_path, tiles, monkeypatch):
     """A read-only GatheredParameters of a weight (nested) before every step at stage 3, where
