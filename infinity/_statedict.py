@@ -88,8 +88,17 @@ class StateDictHooks:
             for unit, i in pieces:
                 values.setdefault((unit.index, i), value)
         self._consumed = consumed
+        engine = self.engine
+        if engine.world_size > 1:
+            # Each rank writes its own slices from what it was given: a rank given none of the
+            # weights (the DDP idiom's state_dict() leaves the others an empty dict) would leave
+            # its slices as they were, a model half loaded, silently.
+            engine.dist.meet("load_state_dict", "load_state_dict() of a module whose weights are sharded over the ranks")
+            engine.dist.agree_text(",".join(sorted(consumed)), "load_state_dict() at several ranks: every rank "
+                                   "passes the same weights (state_dict() gives them to rank 0 only: load them "
+                                   "from a file on every rank, or broadcast them); the keys given")  # fmt: skip
         if values and not bad:
-            load_weights(self.engine, values)
+            load_weights(engine, values)
 
     def _after_load(self, module, incompatible_keys) -> None:
         # The keys taken above were loaded into the tiers: they are not missing.

@@ -1,6 +1,6 @@
 """One rank of a multi-rank test (tests/infinity/test_multirank.py); also run alone (1 rank).
 
-argv: mode (parity | seeded | routed | gather | clip | dead | mismatch | ckpt-save | ckpt-load), output path prefix, stage, swap
+argv: mode (parity | seeded | routed | load | gather | clip | dead | mismatch | ckpt-save | ckpt-load), output path prefix, stage, swap
 directory, and for the ckpt modes the checkpoint root. The global batch of every step is the
 same whatever the world size; rank r takes its 1/N.
 
@@ -131,6 +131,19 @@ try:
             while not os.path.exists(f"{out}.0.err"):
                 time.sleep(0.1)
             sys.exit(0)
+    if mode == "load":  # the DDP idiom's dict (rank 1's empty), then the same file on every rank
+        state = engine.module.state_dict()
+        try:
+            engine.module.load_state_dict({k: v * 2 for k, v in state.items()}, strict=False)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        if rank == 0:
+            torch.save({k: v * 2 for k, v in state.items()}, f"{out}.doubled.pt")
+        torch.distributed.barrier()
+        engine.module.load_state_dict(torch.load(f"{out}.doubled.pt", weights_only=True), strict=True)
+        weights = engine.gathered_weights()
+        json.dump({"refused": refused}, open(f"{out}.{rank}.load.json", "w"))
     if mode == "save":
         state = engine.module.state_dict()
         engine.export(f"{out}.export.safetensors")

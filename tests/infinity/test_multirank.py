@@ -218,6 +218,21 @@ def test_state_dict_and_export_at_two_ranks_gather_to_rank_0(tmp_path, stage, ti
         assert torch.equal(value, state[name]), name
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_load_state_dict_that_gives_some_ranks_no_weights_is_refused_and_one_file_loads(tmp_path, stage):
+    """state_dict() at two ranks gives rank 1 an empty dict; loading it back (strict=False)
+    wrote rank 0's slices only, a model half loaded, silently: refused on both ranks, naming
+    the cause. The same file loaded on every rank loads: the gathered weights are the file's."""
+    out, codes, logs, _ = _launch("load", 2, stage, tmp_path)
+    assert codes == [0, 0], logs
+    for rank in (0, 1):
+        assert "every rank passes the same weights" in json.load(open(f"{out}.{rank}.load.json"))["refused"]
+    want = torch.load(f"{out}.doubled.pt", weights_only=True)
+    got = torch.load(f"{out}.weights.pt", weights_only=True)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 def test_a_state_dict_on_rank_0_alone_is_refused_naming_the_rank_that_did_not_call(tmp_path):
     """DDP's ``if rank == 0: torch.save(model.state_dict(), ...)``: rank 0 raises, naming
     rank 1, after partition.timeout (10 s here), without a gather that rank 1 never joins."""
