@@ -439,9 +439,12 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
     dist = engine.dist
     dist.agree_text(tag, "checkpoint tag")
     if engine.grads.has_grad:
+        acc = engine._accumulation
+        first = (f"run this step's micro-batches to its last (optimizer.accumulation = \"engine\": engine.step() "
+                 f"updates at the last of {acc.want}; {acc.calls} counted)" if acc.counts else "call step() first")  # fmt: skip
         raise RuntimeError(
             "save_checkpoint between backward and step: the gradients accumulated since the last "
-            "step are not saved; call step() first, or zero_grad() to drop them (after an interrupted backward)"
+            f"step are not saved; {first}, or zero_grad() to drop them (after an interrupted backward)"
         )
     root = os.path.abspath(os.fspath(path))
     start = time.perf_counter()

@@ -305,6 +305,8 @@ def test_a_step_redone_from_its_first_micro_batch_takes_deepspeeds_steps(tmp_pat
         steps = [micro(e, x, y) for x, y in batches[:4]]
         e.save_checkpoint(tmp_path / "ckpt")
         assert micro(e, *batches[4]) is False  # one micro-batch of the second step, then dropped
+        with pytest.raises(RuntimeError, match=r"engine.step\(\) updates at the last of 4; 1 counted"):
+            e.save_checkpoint(tmp_path / "mid")  # its advice: not "call step()", which would not update
         if how == "zero_grad":
             e.zero_grad()
             assert "starts over from its first micro-batch" in caplog.text
