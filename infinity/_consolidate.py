@@ -114,7 +114,8 @@ class _Module:
 
 class JsonConfig:
     """A config.json as it is (its ``to_json_string`` is the file's text): written beside the
-    weights unchanged, with no transformers needed."""
+    weights unchanged but for the dtype of the weights written (`set_dtype`), with no
+    transformers needed."""
 
     def __init__(self, path: str):
         self.path = path
@@ -129,6 +130,17 @@ class JsonConfig:
 
     def to_json_string(self) -> str:
         return self.text
+
+    def set_dtype(self, name: str) -> None:
+        """Say the weights are ``name`` ("float32", ...): the text again with ``dtype`` (and
+        ``torch_dtype``, where the file has it) set, as transformers' save_pretrained sets it."""
+        data = json.loads(self.text)
+        if data.get("dtype", data.get("torch_dtype")) == name:
+            return
+        data["dtype"] = name
+        if "torch_dtype" in data:
+            data["torch_dtype"] = name
+        self.text = json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
 class _Alone(_dist.Dist):

@@ -126,15 +126,18 @@ def save_pretrained(engine, directory, max_shard_size="2GB") -> str:
 
 def _described(cfg, module, entries):
     """A copy of the model's config that says what transformers' own save_pretrained writes into
-    it: the class (``architectures``, which pipelines and the Hub read) and, where the config
-    names none, the dtype of the weights written (the placeholders' own dtype says nothing; one
-    the config names is what `from_pretrained` loaded in, and loads in again). The user's
-    config is unchanged."""
+    it: the class (``architectures``, which pipelines and the Hub read) and the dtype of the
+    weights written (the first floating-point parameter's, as transformers takes the model's),
+    whatever the config named: `from_pretrained` loads in that dtype, so a config that kept the
+    dtype it was loaded in (bf16 weights trained and written in fp32) rounded them on the way
+    back, silently. The user's config is unchanged."""
     cfg = copy.deepcopy(cfg)
     if hasattr(cfg, "architectures"):
         cfg.architectures = [type(module).__name__]
     dtype = next((e.dtype for e in entries if e.is_param and e.dtype.is_floating_point), None)
-    if dtype is not None and getattr(cfg, "dtype", "") is None:
+    if dtype is not None and hasattr(cfg, "set_dtype"):  # a config.json as it is (infinity-consolidate)
+        cfg.set_dtype(str(dtype).removeprefix("torch."))
+    elif dtype is not None and hasattr(cfg, "to_dict"):
         cfg.dtype = str(dtype).removeprefix("torch.")
     return cfg
 

@@ -8,6 +8,7 @@ sub-group at a time).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -43,8 +44,15 @@ def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_schedule
     hf_config = model_cls.config_class.from_pretrained(path)
     from ._build import build
 
-    with build(config, init=False):  # the checkpoint gives every value: no initialisation to run
+    with build(config, init=False), _default_dtype(_checkpoint_dtype(hf_config)):
+        # (the checkpoint gives every value: no initialisation to run) In the checkpoint's dtype,
+        # as transformers' from_pretrained makes it: what export and save_pretrained write.
         model = model_cls(hf_config, **model_kwargs)
+    if os.path.isfile(os.path.join(path, "generation_config.json")) and getattr(model, "generation_config", None):
+        # As transformers' from_pretrained: the checkpoint's generation settings (its eos ids,
+        # sampling), not the defaults config.json gives, which a save_pretrained then wrote over them.
+        model.generation_config = type(model.generation_config).from_pretrained(path)
+    model.eval()  # as transformers' from_pretrained returns it: dropout off until train()
     names = None
     if wrap is not None:
         from . import _wrap
@@ -59,6 +67,29 @@ def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_schedule
         raise
     logger.info("%s: %.1f MB read into the tiers (rank %d)", path, engine.pretrained_bytes_read / 1e6, engine.rank)
     return engine
+
+
+def _checkpoint_dtype(hf_config) -> torch.dtype | None:
+    """The floating-point dtype ``hf_config`` names (``dtype``, ``torch_dtype`` before
+    transformers 5), or None."""
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    """torch's default dtype is ``dtype`` inside (None: left as it is)."""
+    if dtype is None:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def load_weights(engine, files: dict[str, str], where: str, names: dict[str, str] | None = None) -> None:

@@ -520,3 +520,37 @@ def test_a_save_id_an_earlier_save_drew_is_drawn_again(tmp_path, monkeypatch):
         theirs = transformers.LlamaForCausalLM.from_pretrained(snapshot).state_dict()
         assert _same({k: theirs[k] for k in before}, before) or _same({k: theirs[k] for k in after}, after), snapshot
     assert {n.split("-")[1] for n in os.listdir(out) if n.endswith(".safetensors")} == {"bbbbbbbb"}
+
+
+def test_the_config_says_the_dtype_written_and_the_generation_settings_come_through(tmp_path):
+    """A bf16 checkpoint trained in fp32 (``.float()`` after transformers' from_pretrained): the
+    weights written are fp32, and the config says so (it kept bfloat16, so from_pretrained
+    rounded them to bf16 on the way back, silently). infinity.from_pretrained keeps the
+    checkpoint's generation_config (it took the defaults of config.json, and a save_pretrained
+    wrote them over the user's sampling settings) and returns the model in eval mode, as
+    transformers' does."""
+    plain = _llama(torch.bfloat16)
+    plain.generation_config = transformers.GenerationConfig(eos_token_id=[2, 7], do_sample=True, temperature=0.6,
+                                                            top_p=0.9, max_new_tokens=5)  # fmt: skip
+    plain.save_pretrained(tmp_path / "in")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "in").float()
+    with infinity.initialize(loaded, _nvme(tmp_path)) as engine:
+        loss = engine(input_ids=_ids(0), labels=_ids(0)).loss
+        engine.backward(loss)
+        engine.step()
+        engine.save_pretrained(tmp_path / "out")
+        want = engine.module.state_dict()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert back.dtype == torch.float32
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in want.items())
+
+    (tmp_path / "swap2").mkdir()
+    cfg = _nvme(tmp_path)
+    cfg["nvme"] = {**cfg["nvme"], "paths": [str(tmp_path / "swap2")]}
+    with infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "in", cfg) as engine:
+        assert not engine.module.training
+        g = engine.module.generation_config
+        assert (g.eos_token_id, g.do_sample, g.temperature, g.top_p, g.max_new_tokens) == ([2, 7], True, 0.6, 0.9, 5)
+        engine.save_pretrained(tmp_path / "again")
+    kept = transformers.GenerationConfig.from_pretrained(tmp_path / "again")
+    assert (kept.eos_token_id, kept.do_sample, kept.temperature) == ([2, 7], True, 0.6)

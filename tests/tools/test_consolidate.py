@@ -283,8 +283,12 @@ def test_an_infinity_trainer_checkpoint_is_read_with_its_config(tmp_path, capsys
     (tmp_path / "checkpoint-2" / "config.json").write_text('{"model_type": "tied"}')
     code, out, err = _run(capsys, tmp_path / "checkpoint-2", tmp_path / "hf")
     assert code == 0, err
+    code, _, err = _run(capsys, tmp_path / "checkpoint-2", tmp_path / "hf16", "--dtype", "bf16")
+    assert code == 0, err
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["dtype"] == "bfloat16"
     assert f"note: config.json taken from {tmp_path / 'checkpoint-2' / 'config.json'}" in out
-    assert (tmp_path / "hf" / "config.json").read_text() == '{"model_type": "tied"}'
+    # as it is, but for the dtype of the weights written (transformers' from_pretrained loads in it)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "tied", "dtype": "float32"}
     _assert_same_file(tmp_path / "hf" / "model.safetensors", export)
 
 
