@@ -69,6 +69,7 @@ def shard_bytes(size) -> int:
 def save_pretrained(engine, directory, max_shard_size="2GB") -> str:
     """See `Engine.save_pretrained` and [Note: save_pretrained's order]."""
     directory = os.path.abspath(os.fspath(directory))
+    _refuse_wrapper(engine.module, directory)
     limit = shard_bytes(max_shard_size)
     engine.dist.meet("save_pretrained", f"save_pretrained to {directory}")
     entries = _entries(engine)
@@ -122,6 +123,26 @@ def save_pretrained(engine, directory, max_shard_size="2GB") -> str:
         if lock is not None:
             os.close(lock)
     return directory
+
+
+def _refuse_wrapper(module, directory: str) -> None:
+    """A module that wraps a transformers model (peft's PeftModel) has the wrapper's keys
+    (``base_model.model.*``) and no architecture of its own: the directory it gave loaded in
+    AutoModel*.from_pretrained as a model of randomly initialised weights, saying so only in a
+    load report. Refused, naming what writes such a model."""
+    try:
+        import transformers
+    except ImportError:
+        return
+    if isinstance(module, transformers.PreTrainedModel) or not hasattr(module, "save_pretrained"):
+        return
+    raise TypeError(
+        f"save_pretrained to {directory}: engine.module is a {type(module).__module__}.{type(module).__qualname__}, "
+        "not a transformers model: its keys are the wrapper's, and AutoModel*.from_pretrained would load the "
+        "directory as a randomly initialised model. Use the wrapper's own save (peft: "
+        "engine.module.save_pretrained(directory) writes the adapters; every rank calls it), or engine.export "
+        "for every weight under the wrapper's keys"
+    )
 
 
 def _described(cfg, module, entries):

@@ -160,3 +160,30 @@ def test_a_wrapper_that_reads_the_base_weights_before_they_are_loaded_is_refused
     with pytest.raises(ValueError, match="computed with the base parameter 'lm_head.weight'"):
         infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "base", _nvme(tmp_path),
                                  wrap=lambda m: peft.get_peft_model(m, cfg))  # fmt: skip
+
+
+def test_save_pretrained_of_a_peft_engine_is_refused_and_peft_s_own_writes_the_adapters(tmp_path):
+    """engine.save_pretrained of a PeftModel wrote the wrapper's keys (base_model.model.*) under
+    architectures ["PeftModel"]: AutoModelForCausalLM.from_pretrained loaded it as a randomly
+    initialised model, saying so only in a load report. Refused, naming peft's own save, which
+    writes the adapters as trained."""
+    import safetensors.torch
+
+    (tmp_path / "swap").mkdir()
+    model = _lora_llama()
+    cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [str(tmp_path / "swap")]}}
+    with infinity.initialize(model, cfg) as engine:
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        with pytest.raises(TypeError, match=r"PeftModel, not a transformers model.*engine.module.save_pretrained"):
+            engine.save_pretrained(tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        engine.module.save_pretrained(tmp_path / "adapters")
+        saved = safetensors.torch.load_file(tmp_path / "adapters" / "adapter_model.safetensors")
+        weights = engine.gathered_weights()
+    assert saved and all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in saved)
+    for key, value in saved.items():
+        live = key.removeprefix("base_model.model.").replace(".weight", ".default.weight")
+        assert torch.equal(value, weights["base_model.model." + live] if "base_model.model." + live in weights
+                           else weights[live]), key  # fmt: skip
