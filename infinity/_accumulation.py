@@ -36,7 +36,6 @@ class Accumulation(PassListener):
         self.passes = 0  # backward passes since the last step
         self.incomplete: str | None = None  # why the step's gradients are not whole
         self._told = False
-        self._told_dropped = False
 
     def end_forward(self, expected) -> None:
         """A forward ended; where a backward is due (``expected``: the units it brings gradients
@@ -111,8 +110,7 @@ class Accumulation(PassListener):
         micro-batches start over, also where the engine counts them (``calls``: a redone step
         counted from where the dropped one stopped updated one micro-batch early, on part of its
         gradient, and every later step boundary was off by as many)."""
-        if self.counts and self.calls and not self._told_dropped:
-            self._told_dropped = True
+        if self.counts and self.calls:  # each time: a loop that zeroes every micro-batch never updates
             logger.warning("engine.zero_grad() dropped the gradients of %d of this step's %d micro-batches "
                            "(optimizer.accumulation = \"engine\"): the step starts over from its first micro-batch. "
                            "A DeepSpeed loop calls only engine.step(), which zeroes the gradients when it updates",
