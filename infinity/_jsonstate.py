@@ -32,7 +32,7 @@ def encode(obj, where: str = "state"):
         return {TAG: "tuple", "items": [encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
     if type(obj) is list:
         return [encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if type(obj) in (dict, collections.OrderedDict):
+    if isinstance(obj, dict):  # an OrderedDict, a defaultdict: loaded back as a dict, equal to it
         if all(type(k) is str for k in obj) and TAG not in obj:
             return {k: encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
         return {TAG: "dict", "items": [[encode(k, where), encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
