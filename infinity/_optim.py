@@ -57,6 +57,7 @@ class Optimizer(torch.optim.Optimizer):
         self._engine_step = engine_step  # the engine's: what step() and zero_grad() run
         self._engine_zero_grad = engine_zero_grad
         self._told_set_to_none = False  # zero_grad(set_to_none=False) said once
+        self.step_was_skipped = False  # the last step() was skipped (an fp16 overflow, a non-finite gradient)
         self._ready = True
 
     # -- torch.optim.Optimizer --------------------------------------------------------------
@@ -65,7 +66,9 @@ class Optimizer(torch.optim.Optimizer):
         overflow or a non-finite gradient)."""
         if closure is not None:
             raise ValueError("engine.optimizer.step(closure) is not supported: run forward and backward, then step()")
-        return self._engine_step()
+        stepped = self._engine_step()
+        self.step_was_skipped = stepped is False  # what accelerate's AcceleratedOptimizer calls it
+        return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``engine.zero_grad()``: forget the gradients accumulated since the last step. The

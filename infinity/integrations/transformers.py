@@ -69,6 +69,21 @@ class TrainingArguments(transformers.TrainingArguments):
             self.infinity_deepspeed = _deepspeed.load(self.infinity_deepspeed)  # a bad file: said now, not at train()
 
 
+class _SkippedSteps(transformers.TrainerCallback):
+    """Tells accelerate's optimizer wrapper when the engine skipped a step (an fp16 overflow, a
+    non-finite gradient), so that the Trainer does not step the LR schedule for it, as it does
+    not under torch's GradScaler or DeepSpeed: the schedule ran ahead of the weights before
+    (accelerate knows of skips only through its own scaler)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        wrapper, engine = self.trainer.optimizer, self.trainer.engine
+        if engine is not None and hasattr(wrapper, "_is_overflow"):  # accelerate's AcceleratedOptimizer
+            wrapper._is_overflow = engine.optimizer.step_was_skipped
+
+
 class InfinityTrainer(transformers.Trainer):
     """`transformers.Trainer` whose model is trained by an infinity engine
     (``infinity_config``: what `infinity.initialize` takes, a DeepSpeed config included; by
@@ -93,6 +108,7 @@ class InfinityTrainer(transformers.Trainer):
             self.infinity_config = getattr(self.args, "infinity_deepspeed", None)
         # Under DeepSpeed its config's gradient_clipping clips, not max_grad_norm (`_clip_grad_norm`).
         self._config_clips = _deepspeed.is_deepspeed(self.infinity_config)
+        self.add_callback(_SkippedSteps(self))
         if log_engine_stats:
             log_stats(self, lambda: self.engine)
 

@@ -149,3 +149,19 @@ def test_the_trainer_trains_fp16_parameters_with_the_engines_loss_scale(tmp_path
     assert len(losses) == 4 and all(2.0 < x < 6.0 for x in losses), losses  # ln(64) ~ 4.2: not x 65536
     assert trainer.engine.stats()["steps"] == 4
     trainer.engine.close()
+
+
+def test_a_step_the_engine_skips_does_not_step_the_lr_schedule(tmp_path):
+    """fp16 from a loss scale that overflows: the engine skips those steps, and the Trainer
+    does not step the LR schedule for them, as under torch's GradScaler or DeepSpeed (it did:
+    the schedule ran ahead of the weights, accelerate knowing of skips only through its own
+    scaler)."""
+    config = {"precision": {"param_dtype": "fp16", "initial_scale": 2.0 ** 24}}
+    trainer = InfinityTrainer(model=_llama(), args=_args(tmp_path / "a", max_steps=10, save_strategy="no",
+                                                         lr_scheduler_type="linear"),
+                              train_dataset=_Tokens(), infinity_config=config)  # fmt: skip
+    trainer.train()
+    skipped = trainer.engine.stats()["total"]["skipped_steps"]
+    assert 0 < skipped < 10  # some skipped, some taken
+    assert trainer.lr_scheduler.last_epoch == 10 - skipped
+    trainer.engine.close()
