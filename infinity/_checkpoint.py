@@ -49,7 +49,8 @@ import torch
 from torch.profiler import record_function
 
 from infinity.swap import (
-    SwapSpace, WriteBehind, fsync_dir, parse_json, read_json, round_up, write_bytes_atomic, write_json_atomic,
+    DTYPES, SwapSpace, WriteBehind, fsync_dir, parse_json, read_json, round_up, write_bytes_atomic,
+    write_json_atomic,
 )  # fmt: skip
 
 from . import _algorithms, _compact, _consolidate, _jsonstate, _recut, _rng, _saved
@@ -287,17 +288,25 @@ def _write_state(engine, out: _Writer) -> None:
             out.put(_saved.BUFFER_PREFIX + key, buf.detach().reshape(-1))
 
 
-
 def persistent_buffers(module) -> list[tuple[str, torch.Tensor]]:
-    """(state_dict key, tensor) of each buffer ``module.state_dict()`` holds, once each."""
-    out, seen = [], set()
+    """(state_dict key, tensor) of each buffer ``module.state_dict()`` holds, once each, in a
+    dtype the swap format names (another one, uint16 say, is left out and said once)."""
+    out, seen, other = [], set(), []
     for prefix, m in module.named_modules(remove_duplicate=False):
         for name, buf in m._buffers.items():
             if buf is None or name in m._non_persistent_buffers_set or id(buf) in seen:
                 continue
             seen.add(id(buf))
-            out.append((f"{prefix}.{name}" if prefix else name, buf))
+            key = f"{prefix}.{name}" if prefix else name
+            (out if str(buf.dtype).removeprefix("torch.") in DTYPES else other).append((key, buf))
+    if other and not _told_buffers:
+        _told_buffers.append(True)
+        logger.warning("buffers of a dtype a checkpoint cannot hold are not saved: %s",
+                       ", ".join(f"{k} ({b.dtype})" for k, b in other[:5]))  # fmt: skip
     return out
+
+
+_told_buffers: list = []  # said once per process
 
 
 def _load_buffers(engine, src: _saved.Sources, meta: dict) -> None:
@@ -310,6 +319,9 @@ def _load_buffers(engine, src: _saved.Sources, meta: dict) -> None:
             logger.warning("checkpoint %s (version %s) holds no buffer values: the module keeps its own %s",
                            src.where, meta.get("version"), ", ".join(sorted(mine)[:5]))  # fmt: skip
         return
+    if not (isinstance(saved, list) and all(isinstance(e, dict) and isinstance(e.get("key"), str)
+                                            and isinstance(e.get("shape"), list) for e in saved)):  # fmt: skip
+        raise CheckpointError(f"{src.where}: meta.json: buffers: not a list of {{key, shape, dtype}}")
     reader = src.reader(0)
     missing = []
     for entry in saved:
