@@ -27,6 +27,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 _FAILED = "infinity/failed/"
 _MET = "infinity/met/"
@@ -58,7 +59,7 @@ def _own_gpu(local_rank: int | None = None) -> int:
 # with another unit's of the same size, or gather another unit's shards, silently (where the
 # sizes differ, a collective fails, naming no cause). `Transport` hashes the names of the units
 # it gathers and reduces, in order, and before each step `Transport.check_same_units` compares
-# the digests over the ranks (`same_everywhere`: two 8-byte all-reduces): where they differ the
+# the digests over the ranks (`same_everywhere`: one all-reduce of two int64s): where they differ the
 # step is refused on every rank, before anything is updated. Initial weights are made the same
 # the same way (`same_from_rank0`: rank 0's, as DDP's constructor broadcasts them).
 
@@ -138,11 +139,9 @@ class Dist:
 
     def same_from_rank0(self, t: torch.Tensor, what: str) -> bool:
         """Make ``t`` rank 0's on every rank, as DDP's constructor broadcasts the module's
-        weights: their xxh3-64 fingerprints are compared first (two small all-reduces), and
+        weights: their xxh3-64 fingerprints are compared first (`same_everywhere`), and
         ``t`` is broadcast only where they differ (ranks that built the model from other RNG
         states). Every rank calls it; returns whether it was broadcast."""
-        import xxhash
-
         if self.same_everywhere(xxhash.xxh3_64_intdigest(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
                                                          .numpy()), what):  # fmt: skip
             return False
@@ -153,15 +152,16 @@ class Dist:
 
     def same_everywhere(self, value: int, what: str) -> bool:
         """Whether every rank passed the same ``value`` (a 64-bit digest; every rank calls it):
-        the least and the greatest over the ranks, in two small all-reduces."""
+        the least of it and of its negation over the ranks (the greatest), in one all-reduce of
+        two int64s."""
         if not self.active:
             return True
         value -= 1 << 64 if value >= 1 << 63 else 0  # as int64
-        low, high = torch.tensor([value]), torch.tensor([-value if value != -(1 << 63) else value])
-        on_low, on_high = self._on_device(low), self._on_device(high)
-        self._run(lambda: dist.all_reduce(on_low, op=dist.ReduceOp.MIN), what)
-        self._run(lambda: dist.all_reduce(on_high, op=dist.ReduceOp.MIN), what)
-        return int(on_low) == value and -int(on_high) == value
+        # (-2**63 has no negation in int64: as itself, it makes every rank see a difference)
+        both = self._on_device(torch.tensor([value, -value if value != -(1 << 63) else value]))
+        self._run(lambda: dist.all_reduce(both, op=dist.ReduceOp.MIN), what)
+        low, neg_high = both.tolist()
+        return low == value and -neg_high == value
 
     def all_ok(self, ok: bool, what: str) -> list[int]:
         """The ranks for which ``ok`` was False (every rank calls it; empty when all are fine)."""
@@ -220,12 +220,7 @@ class Dist:
 
     def agree_text(self, text: str, what: str) -> None:
         """Raise on every rank unless every rank passed the same ``text`` (no pickle: a digest)."""
-        if not self.active:
-            return
-        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "little")
-        both = torch.tensor([digest, -digest], dtype=torch.float64)
-        self.all_reduce_max(both, what)
-        if both[0] != digest or -both[1] != digest:
+        if not self.same_everywhere(int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little"), what):
             raise ValueError(f"{what}: the ranks passed different values (rank {self.rank}: {text!r})")
 
     def all_reduce_max(self, t: torch.Tensor, what: str) -> None:

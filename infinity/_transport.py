@@ -67,22 +67,6 @@ class Copies:
         self._out = None
         self._copies: list = []  # (start event, end event, bytes, lease) of copies in that may still run
 
-    def check_same_units(self) -> None:
-        """Before a step with several ranks: raise on every rank where the ranks gathered or
-        reduced other units since the last step. Collectives pair up by order alone, so a rank
-        whose forward took another module than the others' (routing by its own data: one
-        task's head, an expert) averaged one unit's gradient with another's, of the same size,
-        silently ([Note: the same units on every rank] in `_dist`)."""
-        digest, self._pass = self._pass.intdigest(), xxhash.xxh3_64()
-        if self.dist is not None and not self.dist.same_everywhere(digest, "the check of the units each rank reduced"):
-            raise RuntimeError(
-                "the ranks gathered or reduced other parameter units since the last step (a forward that ran other "
-                "modules on some ranks: a head or expert chosen by each rank's data): their collectives paired "
-                "different units' gradients, so this step is refused. Every rank must run the same modules in each "
-                "pass, as with DeepSpeed's ZeRO and FSDP (a module a rank does not need can run on zeros); call "
-                "engine.zero_grad() and run the step again"
-            )
-
     def to_device(self, lease, out: torch.Tensor | None = None) -> torch.Tensor:
         """``lease.tensor`` (host) copied to the device (into ``out``, a device tensor of its
         shape and dtype, when given); ``lease`` is released once the copy is done."""

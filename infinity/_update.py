@@ -105,7 +105,7 @@ class StreamedUpdate:
         if overlap is None:  # see [Note: one copy of the fp32 weights] in `_onecopy`
             st.share_masters()
         self.grads.flush()
-        if self.transport is not None and self.transport.dist is not None and self.transport.dist.active:
+        if self.transport is not None:
             self.transport.check_same_units()  # before anything is updated from the pass's reductions
         if not self.grads.norms.all_finite():
             if overlap is not None:
