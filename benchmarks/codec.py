@@ -107,7 +107,7 @@ def _one_pass(n: int, pairs: int, g) -> dict:
     step, threads, best = torch.tensor(5.0), torch.get_num_threads(), native.isa()
     out = {}
     try:
-        for isa in ("scalar", "avx2", "avx512"):
+        for isa in ("scalar", "avx2", "avx512", "avx512vbmi"):
             if native.set_isa(isa) != isa:
                 continue
             ours, theirs = [], []

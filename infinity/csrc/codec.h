@@ -9,16 +9,15 @@
 // pair of values (checked when a Codec is made), so the count takes at most two values in it:
 // `a` below a cut `c` of the low bits, `b` from it. One 32-bit table entry per interval holds
 // the three (a | b << 8 | c << 16), so a code is one table load and one comparison, which
-// AVX2 does eight at a time and AVX-512 sixteen, with one gather. The infinities and NaNs are
-// entries like any other (+inf 255, -inf 0, NaN 255), so nothing is searched at run time.
+// AVX2 does eight at a time with one gather. The infinities and NaNs are entries like any
+// other (+inf 255, -inf 0, NaN 255), so nothing is searched at run time. AVX-512 computes most
+// codes without the table (ArithmeticCodes below): its gather was most of the encode's time.
 //
-// What costs is the division by the scale and the gather, about 0.25 and 0.3 ns an element
-// each in cache on one core here (AVX-512: 16 elements a step, so fewer instructions around
-// them). The division stays a division: a product with the double reciprocal rounds to the
-// same float (a quotient of two floats is never within 2^-49 of a rounding midpoint) but its
+// The division stays a division: a product with the double reciprocal rounds to the same
+// float (a quotient of two floats is never within 2^-49 of a rounding midpoint) but its
 // conversions cost more than the divider does, measured.
 //
-// Every path (scalar, AVX2, AVX-512; `set_isa` picks one for tests) computes the same bytes:
+// Every path (scalar, AVX2, AVX-512, AVX-512 with VBMI; `set_isa` picks one for tests) computes the same bytes:
 // IEEE division and products are exactly rounded whatever the width, and the build turns
 // contraction into FMA off, so a machine without AVX gets the same states, only slower.
 
@@ -38,7 +37,8 @@
 #include <immintrin.h>
 #define INFINITY_X86 1
 #define INFINITY_AVX2 __attribute__((target("avx2,fma")))
-#define INFINITY_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma")))
+#define INFINITY_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma")))
+#define INFINITY_AVX512_VBMI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi,avx2,fma")))
 #else
 #define INFINITY_X86 0
 #endif
@@ -62,12 +62,14 @@ inline uint32_t float_to_bits(float f) {
 }
 
 // The instruction sets the codec and the update use: the best the CPU has, or less where a test
-// asks (`set_isa`), so that each path can be held to the reference on one machine.
-enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// asks (`set_isa`), so that each path can be held to the reference on one machine. kAvx512Vbmi
+// is AVX-512 with its byte permutes (the decode looks values up 64 codes at a time).
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vbmi = 3 };
 
 inline Isa best_isa() {
 #if INFINITY_X86
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+    return __builtin_cpu_supports("avx512vbmi") ? Isa::kAvx512Vbmi : Isa::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
 #endif
   return Isa::kScalar;
@@ -86,6 +88,126 @@ inline Isa set_isa(Isa wanted) {
   return isa_in_use();
 }
 
+// The codes of a map like _compact's without a table load (AVX-512). Gathers are slow on AMD's
+// cores: on a Zen 5 the table's gather took 0.37 ns of the encode's 0.52 an element, in cache,
+// one core; this takes 0.25 for the whole (the one-pass Adam update encodes two moments).
+//
+// The map's positive boundaries fall into regions cut by a few of them (the edges): in each
+// region the boundaries between (its internal ones, those of one decade of the map) are evenly
+// spaced, so there p = |v| A + B, one FMA, is within kSlack of k at the region's k-th internal
+// boundary, for every one of them (checked when the codec is made). Then where p's fraction is
+// farther than kSlack from an integer, floor(p) counts the internal boundaries below |v|
+// exactly: p is monotone in |v|, so a boundary whose p is below p(|v|) is below |v|, and one
+// whose p is above is above. The region comes from |v|'s binade (a table in two registers)
+// and one comparison with the edge above it, there being at most one edge a binade (checked).
+// A lane whose fraction is within kSlack of an integer, whose |v| is an edge, or NaN, takes the
+// table (about one in 2000). The negative boundaries must be the positive ones negated (the
+// signed map's are, but for the map's lone 1.0) and there are no more of them: then the count
+// below a negative v is n_neg less those of the first n_neg positive boundaries at or below |v|,
+// which are those below it where |v| is no boundary.
+//
+// Where a map is not of this shape (`usable` false), the encode takes the table everywhere.
+class ArithmeticCodes {
+ public:
+  ArithmeticCodes() = default;
+  explicit ArithmeticCodes(const float* bounds) { usable_ = build(bounds); }
+
+  bool usable() const { return usable_; }
+
+#if INFINITY_X86
+  // The codes of the sixteen v; returns the lanes whose code must come from the table instead.
+  INFINITY_AVX512 inline __mmask16 codes16(__m512 v, __m512i& code) const {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i abits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512 av = _mm512_castsi512_ps(abits);
+    // the binade: exponent - 96, at least 0 (a 16-bit saturating subtract: the top half is 0), at most 31
+    const __m512i binade = _mm512_min_epi32(_mm512_subs_epu16(_mm512_srli_epi32(abits, 23), _mm512_set1_epi32(96)),
+                                            _mm512_set1_epi32(31));
+    __m512i r = _mm512_permutex2var_epi32(_mm512_load_si512(region_of_), binade, _mm512_load_si512(region_of_ + 16));
+    const __m512 edge = _mm512_permutexvar_ps(r, _mm512_load_ps(edge_));
+    const __mmask16 above = _mm512_cmp_ps_mask(edge, av, _CMP_LT_OQ), at_edge = _mm512_cmp_ps_mask(edge, av, _CMP_EQ_OQ);
+    r = _mm512_mask_add_epi32(r, above, r, _mm512_set1_epi32(1));
+    const __m512 p = _mm512_fmadd_ps(av, _mm512_permutexvar_ps(r, _mm512_load_ps(a_)), _mm512_permutexvar_ps(r, _mm512_load_ps(b_)));
+    const __m512 frac = _mm512_reduce_ps(p, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // p - floor(p), exact
+    // near an integer, or NaN (the unordered predicates hold for it)
+    const __mmask16 table = _mm512_cmp_ps_mask(frac, _mm512_set1_ps(kSlack), _CMP_NGE_UQ) |
+                            _mm512_cmp_ps_mask(frac, _mm512_set1_ps(1 - kSlack), _CMP_NLE_UQ) | at_edge;
+    // internal boundaries below |v|: trunc(p) within [0, the region's]
+    const __m512i j = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(p), _mm512_setzero_si512()),
+                                       _mm512_permutexvar_epi32(r, _mm512_load_si512(internal_)));
+    const __m512i up = _mm512_add_epi32(_mm512_permutexvar_epi32(r, _mm512_load_si512(base_)), j);  // n_neg + below |v|
+    // negative v: n_neg - min(below, n_neg) = max(2 n_neg - up, 0)
+    const __mmask16 neg = _mm512_movepi32_mask(bits);
+    code = _mm512_mask_max_epi32(up, neg, _mm512_sub_epi32(_mm512_set1_epi32(2 * n_neg_), up), _mm512_setzero_si512());
+    return table;
+  }
+#endif
+
+ private:
+  static constexpr float kSlack = 1.0f / 4096;
+  static constexpr int kRegions = 16;
+
+  bool build(const float* bounds) {
+    std::vector<float> pos, neg;
+    for (int k = 0; k < kBounds; ++k) {
+      if (std::isnan(bounds[k]) || bounds[k] == 0.0f || std::isinf(bounds[k])) return false;
+      (bounds[k] > 0 ? pos : neg).push_back(bounds[k]);
+    }
+    if (neg.size() > pos.size() || pos.back() >= 1.0f) return false;  // |v| <= 1: the top region has none
+    for (size_t k = 0; k < neg.size(); ++k)
+      if (float_to_bits(neg[neg.size() - 1 - k]) != (float_to_bits(pos[k]) ^ 0x80000000u)) return false;
+    n_neg_ = static_cast<int32_t>(neg.size());
+    // Regions from the bottom: an edge, then a run of evenly spaced boundaries while the next
+    // one continues it, then the next edge. The FMA's check below decides, not this rule.
+    std::vector<float> edges{pos[0]};
+    std::vector<std::vector<float>> runs{{}};  // region 0, below the first edge, has none
+    for (size_t i = 1; i < pos.size();) {
+      std::vector<float> run{pos[i++]};
+      if (i < pos.size()) run.push_back(pos[i++]);
+      while (i < pos.size()) {
+        const double spacing = static_cast<double>(run[1]) - run[0];
+        if (std::abs((pos[i] - static_cast<double>(run[0])) / spacing - static_cast<double>(run.size())) >= 1e-3) break;
+        run.push_back(pos[i++]);
+      }
+      runs.push_back(run);
+      if (i < pos.size()) edges.push_back(pos[i++]);
+    }
+    if (runs.size() == edges.size()) runs.emplace_back();  // above the last edge
+    if (runs.size() > kRegions) return false;
+    int32_t below = n_neg_;
+    for (int r = 0; r < kRegions; ++r) {
+      const bool real = r < static_cast<int>(runs.size());
+      edge_[r] = r < static_cast<int>(edges.size()) ? edges[r] : INFINITY;
+      a_[r] = 0, b_[r] = 0.5f, internal_[r] = 0, base_[r] = below;
+      if (!real) continue;
+      const auto& run = runs[r];
+      internal_[r] = static_cast<int32_t>(run.size());
+      if (run.size() == 1) {
+        a_[r] = static_cast<float>(1.0 / run[0]), b_[r] = 0;
+      } else if (run.size() > 1) {
+        const double a = static_cast<double>(run.size() - 1) / (static_cast<double>(run.back()) - run.front());
+        a_[r] = static_cast<float>(a), b_[r] = static_cast<float>(1.0 - run.front() * a);
+      }
+      for (size_t k = 0; k < run.size(); ++k)  // the arithmetic of codes16
+        if (!(std::abs(std::fma(run[k], a_[r], b_[r]) - static_cast<float>(k + 1)) < kSlack / 2)) return false;
+      below += internal_[r] + (r < static_cast<int>(edges.size()) ? 1 : 0);
+    }
+    for (int k = 0; k < 32; ++k) {  // binade k: [2^(k-31), 2^(k-30)), 0: below 2^-30, 31: from 1 up
+      const double lo = k == 0 ? 0.0 : std::ldexp(1.0, k - 31), hi = k == 31 ? INFINITY : std::ldexp(1.0, k - 30);
+      int32_t r = 0, inside = 0;
+      for (float e : edges) r += e < lo, inside += e >= lo && e <= hi;
+      if (inside > 1) return false;
+      region_of_[k] = r;
+    }
+    return true;
+  }
+
+  bool usable_ = false;
+  int32_t n_neg_ = 0;
+  alignas(64) float edge_[kRegions] = {}, a_[kRegions] = {}, b_[kRegions] = {};
+  alignas(64) int32_t base_[kRegions] = {}, internal_[kRegions] = {}, region_of_[32] = {};
+};
+
 class Codec {
  public:
   // ``bounds``: the 255 ascending midpoints between the map's values; ``values``: the 256
@@ -99,13 +221,23 @@ class Codec {
     std::copy(values.begin(), values.end(), values_);
     table_.resize(65536);
     for (uint32_t top = 0; top < 65536; ++top) table_[top] = entry(top);
+    arithmetic_ = ArithmeticCodes(bounds_);
+    for (int k = 0; k < 4; ++k)
+      for (int c = 0; c < kCodes; ++c) planes_[k][c] = static_cast<uint8_t>(float_to_bits(values_[c]) >> (8 * k));
+    // The order the VBMI decode permutes 64 codes into, so that its unpacks (which work within
+    // 128-bit lanes) leave the values in order: byte j = 16 L + 4 q + u of the permuted codes
+    // becomes value 16 q + 4 L + u.
+    for (int j = 0; j < 64; ++j) vbmi_order_[j] = static_cast<uint8_t>(16 * ((j % 16) / 4) + 4 * (j / 16) + j % 4);
   }
+
+  // Whether the AVX-512 encode computes codes without the table (ArithmeticCodes).
+  bool arithmetic() const { return arithmetic_.usable(); }
 
   // One block of ``n`` elements: its scale, the first element of largest magnitude (a NaN
   // counts as largest, as torch.argmax has it), and its codes.
   void encode_block(const float* x, uint8_t* codes, float* scale, int64_t n) const {
 #if INFINITY_X86
-    if (isa() == Isa::kAvx512) return encode_block_avx512(x, codes, scale, n);
+    if (isa() >= Isa::kAvx512) return encode_block_avx512(x, codes, scale, n);
     if (isa() == Isa::kAvx2) return encode_block_avx2(x, codes, scale, n);
 #endif
     const float d = find_scale(x, n, scale);
@@ -114,6 +246,7 @@ class Codec {
 
   void decode_block(const uint8_t* codes, float scale, float* out, int64_t n) const {
 #if INFINITY_X86
+    if (isa() == Isa::kAvx512Vbmi) return decode_block_vbmi(codes, scale, out, n);
     if (isa() == Isa::kAvx512) return decode_block_avx512(codes, scale, out, n);
     if (isa() == Isa::kAvx2) return decode_block_avx2(codes, scale, out, n);
 #endif
@@ -285,16 +418,45 @@ class Codec {
       d = sv == 0.0f ? 1.0f : sv;
     }
     const __m512 dv = _mm512_set1_ps(d);
-    const __m512i low = _mm512_set1_epi32(0xFFFF);
-    const int* table = reinterpret_cast<const int*>(table_.data());
-    for (i = 0; i + 16 <= n; i += 16) {
-      const __m512i bits = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(x + i), dv));
-      const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(bits, 16), table, 4);
-      const __mmask16 from_b = _mm512_cmpge_epu32_mask(_mm512_and_si512(bits, low), _mm512_srli_epi32(e, 16));
-      const __m512i code = _mm512_mask_blend_epi32(from_b, e, _mm512_srli_epi32(e, 8));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));  // the low byte of each
+    if (arithmetic_.usable()) {
+      // 64 at a time: four vectors of codes packed into one store (12% faster than four
+      // truncating stores here); packs work per 128-bit lane, a permute puts the bytes in order
+      const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+      for (i = 0; i + 64 <= n; i += 64) {
+        __m512i code[4];
+        for (int k = 0; k < 4; ++k) {
+          const __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i + 16 * k), dv);
+          const __mmask16 table = arithmetic_.codes16(v, code[k]);
+          if (table) code[k] = table_codes16(v, code[k], table);
+        }
+        const __m512i bytes = _mm512_packus_epi16(_mm512_packus_epi32(code[0], code[1]), _mm512_packus_epi32(code[2], code[3]));
+        _mm512_storeu_si512(codes + i, _mm512_permutexvar_epi32(order, bytes));
+      }
+      for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), dv);
+        __m512i code;
+        const __mmask16 table = arithmetic_.codes16(v, code);
+        if (table) code = table_codes16(v, code, table);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));  // the low byte of each
+      }
+    } else {
+      for (i = 0; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), dv);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(table_codes16(v, _mm512_setzero_si512(), 0xFFFF)));
+      }
     }
     for (; i < n; ++i) codes[i] = code(x[i] / d);
+  }
+
+  // The codes of v's ``lanes`` by the table (one gather), the other lanes' from ``others``; each
+  // an int32 of 0 to 255.
+  INFINITY_AVX512 inline __m512i table_codes16(__m512 v, __m512i others, __mmask16 lanes) const {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i e = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, _mm512_srli_epi32(bits, 16),
+                                                  reinterpret_cast<const int*>(table_.data()), 4);
+    const __mmask16 from_b = _mm512_cmpge_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(e, 16));
+    const __m512i code = _mm512_and_si512(_mm512_mask_blend_epi32(from_b, e, _mm512_srli_epi32(e, 8)), _mm512_set1_epi32(0xFF));
+    return _mm512_mask_mov_epi32(others, lanes, code);
   }
 
   // The 256 values sit in sixteen registers and each code picks its value by permutes, not a
@@ -320,11 +482,42 @@ class Codec {
     }
     for (; i < n; ++i) out[i] = values_[codes[i]] * scale;
   }
+
+  // With VBMI's byte permutes, 64 codes at a time: each of a value's four bytes looked up in its
+  // plane (256 bytes in four registers: two 128-entry permutes and a blend on the code's top
+  // bit), then interleaved back into floats. Fewer instructions an element than the sixteen
+  // lanes' permutes and blends above: 0.04 ns an element against 0.12 (Zen 5, one core, in cache).
+  INFINITY_AVX512_VBMI void decode_block_vbmi(const uint8_t* codes, float scale, float* out, int64_t n) const {
+    __m512i plane[4][4];
+    for (int k = 0; k < 4; ++k)
+      for (int q = 0; q < 4; ++q) plane[k][q] = _mm512_load_si512(planes_[k] + 64 * q);
+    const __m512i order = _mm512_load_si512(vbmi_order_);
+    const __m512 s = _mm512_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m512i idx = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + i));
+      const __mmask64 high = _mm512_movepi8_mask(idx);  // codes 128-255
+      __m512i b[4];
+      for (int k = 0; k < 4; ++k)
+        b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(plane[k][0], idx, plane[k][1]),
+                                      _mm512_permutex2var_epi8(plane[k][2], idx, plane[k][3]));
+      const __m512i w01lo = _mm512_unpacklo_epi8(b[0], b[1]), w01hi = _mm512_unpackhi_epi8(b[0], b[1]);
+      const __m512i w23lo = _mm512_unpacklo_epi8(b[2], b[3]), w23hi = _mm512_unpackhi_epi8(b[2], b[3]);
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01lo, w23lo)), s));
+      _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01lo, w23lo)), s));
+      _mm512_storeu_ps(out + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01hi, w23hi)), s));
+      _mm512_storeu_ps(out + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01hi, w23hi)), s));
+    }
+    if (i < n) decode_block_avx512(codes + i, scale, out + i, n - i);
+  }
 #endif
 
   float bounds_[kBounds];
   float values_[kCodes];
+  alignas(64) uint8_t planes_[4][kCodes];  // byte k of each value, by code (the VBMI decode)
+  alignas(64) uint8_t vbmi_order_[64];
   std::vector<uint32_t> table_;  // 65536 entries: a | b << 8 | c << 16, see the file's comment
+  ArithmeticCodes arithmetic_;   // the AVX-512 encode's codes without the table, where the map allows
 };
 
 // fn(first, last) over [0, n) cut into ``parts`` runs whose cuts are multiples of ``align``,

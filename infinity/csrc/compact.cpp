@@ -23,7 +23,7 @@ using infinity_native::Codec;
 
 namespace {
 
-const char* const kIsaNames[] = {"scalar", "avx2", "avx512"};
+const char* const kIsaNames[] = {"scalar", "avx2", "avx512", "avx512vbmi"};
 
 // Below this many elements a call runs on the calling thread: starting threads costs more.
 constexpr int64_t kThreadMin = 1 << 20;
@@ -82,17 +82,19 @@ double sum_squares(uintptr_t x, int64_t n) {
 
 PYBIND11_MODULE(_compact_native, m) {
   m.doc() = "int8 codec and one-pass int8 Adam of infinity._compact, sum of squares of infinity._grad_norms (use those, not this module)";
-  // The instruction set the codec and the update run ("scalar", "avx2", "avx512"): the best the
+  // The instruction set the codec and the update run ("scalar", "avx2", "avx512", "avx512vbmi"): the best the
   // CPU has; set_isa asks for less (tests hold each path to the reference), returns what runs.
   m.def("isa", [] { return kIsaNames[static_cast<int>(infinity_native::isa())]; });
   m.def("set_isa", [](const std::string& name) {
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < 4; ++i)
       if (name == kIsaNames[i]) return std::string(kIsaNames[static_cast<int>(infinity_native::set_isa(static_cast<infinity_native::Isa>(i)))]);
-    throw std::invalid_argument("set_isa: no instruction set " + name + "; scalar, avx2 or avx512");
+    throw std::invalid_argument("set_isa: no instruction set " + name + "; scalar, avx2, avx512 or avx512vbmi");
   }, py::arg("name"));
   py::class_<Codec>(m, "Codec")
       .def(py::init<const std::vector<float>&, const std::vector<float>&>(), py::arg("bounds"),
-           py::arg("values"));
+           py::arg("values"))
+      // whether the AVX-512 encode computes this map's codes without its table (codec.h)
+      .def_property_readonly("arithmetic", &Codec::arithmetic);
   // x and out float32, codes uint8, scales float32 (ceil(n / block) of them)
   m.def("encode", &encode, py::arg("codec"), py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("n"),
         py::arg("block"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());

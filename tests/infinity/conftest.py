@@ -59,7 +59,7 @@ def tmpfs(mount):
     return do
 
 
-@pytest.fixture(params=["scalar", "avx2", "avx512"])
+@pytest.fixture(params=["scalar", "avx2", "avx512", "avx512vbmi"])
 def isa(request):
     """Each of the C++ codec's instruction sets this CPU has, in turn; the best one after."""
     native = _compact.native_module()

@@ -101,6 +101,57 @@ def test_native_decode_gives_every_code_s_value(monkeypatch, isa, signed):
     assert torch.equal(out[False], out[True])
 
 
+def _in_blocks_of_extreme_one(probes: torch.Tensor) -> torch.Tensor:
+    """``probes`` (each within [-1, 1]) in blocks led by 1.0, so that each block's scale is 1
+    and every probe is its own x / scale."""
+    rows = -(-probes.numel() // (_compact.BLOCK - 1))
+    padded = torch.zeros(rows * (_compact.BLOCK - 1))
+    padded[: probes.numel()] = probes
+    return torch.cat([torch.ones(rows, 1), padded.view(rows, -1)], 1).reshape(-1)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_native_codes_at_every_boundary_are_the_reference_s(monkeypatch, isa, signed):
+    """At and up to eight floats either side of each of the map's 255 boundaries, both signs,
+    and at every map value: where the AVX-512 encode computes codes by arithmetic (codec.h's
+    ArithmeticCodes), exactly these are the lanes it must send to the table; every path gives
+    the torch reference's bucketize."""
+    bounds = _compact._boundaries(signed)
+    near, up, down = [bounds], bounds, bounds
+    for _ in range(8):
+        up, down = torch.nextafter(up, torch.tensor(2.0)), torch.nextafter(down, torch.tensor(-2.0))
+        near += [up, down]
+    values = _compact.code_map(signed)
+    probes = torch.cat(near + [values, torch.tensor([0.0, -0.0, 1e-42, -1e-42, 1e-38])])
+    x = _in_blocks_of_extreme_one(torch.cat([probes, -probes]).clamp(-1, 1))
+    out = {}
+    for native in (False, True):
+        monkeypatch.setattr(_compact, "NATIVE", native)
+        codes, scales = torch.empty(x.numel(), dtype=torch.uint8), torch.empty(_compact.blocks(x.numel()))
+        _compact.encode_int8(x, codes, scales, signed)
+        out[native] = codes
+    assert torch.equal(out[False], out[True])
+
+
+def test_the_maps_codes_need_no_table_on_avx512():
+    """Both maps are of the shape ArithmeticCodes serves (its checks hold when the codec is
+    made, on any CPU); a map that is not still encodes to the reference's codes, by the table."""
+    native = _compact.native_module()
+    if native is None:
+        pytest.skip(NO_NATIVE)
+    assert _compact._native_codec(True).arithmetic and _compact._native_codec(False).arithmetic
+    g = torch.Generator().manual_seed(3)
+    values = torch.linspace(-1, 1, 256) + (torch.rand(256, generator=g) - 0.5) * 0.003  # uneven steps
+    values[-1] = 1.0
+    bounds = (values[:-1] + values[1:]) / 2
+    irregular = native.Codec(bounds.tolist(), values.tolist())
+    assert not irregular.arithmetic
+    x = _in_blocks_of_extreme_one(torch.rand(4000, generator=g) * 2 - 1)
+    codes, scales = torch.empty(x.numel(), dtype=torch.uint8), torch.empty(_compact.blocks(x.numel()))
+    native.encode(irregular, x.data_ptr(), codes.data_ptr(), scales.data_ptr(), x.numel(), _compact.BLOCK, 1)
+    assert torch.equal(codes.long(), torch.bucketize(x, bounds))
+
+
 def test_int8_codec_refuses_mismatched_tensors():
     x = torch.zeros(300)
     with pytest.raises(ValueError, match="300 values want 300 codes and 2 scales, got 300 and 1"):
