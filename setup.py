@@ -49,7 +49,8 @@ def _codec():
             depends=["infinity/csrc/codec.h", "infinity/csrc/adam_int8.h", "infinity/csrc/norms.h"],
             # No contraction into FMA: the scalar code must round as the AVX2 code does
             # (infinity/csrc/codec.h), whatever the compiler's default.
-            extra_compile_args=["-O3", "-Wall", "-Wextra", "-ffp-contract=off", "-Wno-psabi"],
+            extra_compile_args=["-O3", "-Wall", "-Wextra", "-ffp-contract=off", "-Wno-psabi", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
             cxx_std=17,
             optional=True,  # a failed build leaves the torch reference, not a failed install
         )

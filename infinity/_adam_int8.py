@@ -64,10 +64,11 @@ def update(master: torch.Tensor, states: list[torch.Tensor], slices: dict[int, s
             segments[u.index].append((s.start - base, s.stop - s.start, grad.data_ptr(), float(hp["lr"]), beta1, beta2,
                                       float(hp["eps"]), float(hp["weight_decay"]), float(steps[u.index])))  # fmt: skip
     scale = None if grad_scale is None else float(grad_scale)
-    threads = torch.get_num_threads()
+    units = []
     for i, segs in segments.items():
         s, bs = slices[i], bslices[i]
         segs.sort()
-        native.adam_int8(signed, unsigned, master[s].data_ptr(), m_codes[s].data_ptr(), m_scales[bs].data_ptr(),
-                         v_codes[s].data_ptr(), v_scales[bs].data_ptr(), s.stop - s.start, _compact.BLOCK, segs,
-                         adamw, scale, threads)  # fmt: skip
+        units.append((master[s].data_ptr(), m_codes[s].data_ptr(), m_scales[bs].data_ptr(), v_codes[s].data_ptr(),
+                      v_scales[bs].data_ptr(), s.stop - s.start, segs))  # fmt: skip
+    # one call for the sub-group: its threads start once and share the units' tiles
+    native.adam_int8_units(signed, unsigned, units, _compact.BLOCK, adamw, scale, torch.get_num_threads())

@@ -24,6 +24,8 @@
 
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -159,43 +161,92 @@ constexpr int64_t kTileBlocks = 1;  // blocks per tile: see the file's comment
 
 // One unit's part of ``n`` elements: ``master`` its fp32 weights, the moments' codes and
 // scales (blocks of ``block`` from the part's first element), ``segments`` its parameters'
-// runs in order (elements of no segment keep their codes: decode then encode is the identity),
-// ``grad_scale`` what the gradients are divided by (null: none), over ``threads`` threads.
-inline void adam_int8(const Codec& signed_codec, const Codec& unsigned_codec, float* master, uint8_t* m_codes,
-                      float* m_scales, uint8_t* v_codes, float* v_scales, int64_t n, int64_t block,
-                      const std::vector<AdamSegment>& segments, const float* grad_scale, int64_t threads) {
+// runs in order (elements of no segment keep their codes: decode then encode is the identity).
+struct Int8Unit {
+  float* master = nullptr;
+  uint8_t* m_codes = nullptr;
+  float* m_scales = nullptr;
+  uint8_t* v_codes = nullptr;
+  float* v_scales = nullptr;
+  int64_t n = 0;
+  std::vector<AdamSegment> segments;
+};
+
+// Elements [first, last) of ``u`` (tile-aligned from its first element), tile by tile.
+inline void adam_int8_tiles(const Codec& signed_codec, const Codec& unsigned_codec, const Int8Unit& u, int64_t first,
+                            int64_t last, int64_t block, const float* grad_scale, float* mbuf, float* vbuf) {
+  const int64_t tile = kTileBlocks * block;
+  const auto& segments = u.segments;
+  // the first segment that may reach the first tile
+  size_t k = std::partition_point(segments.begin(), segments.end(),
+                                  [&](const AdamSegment& s) { return s.start + s.len <= first; }) - segments.begin();
+  for (int64_t t0 = first; t0 < last; t0 += tile) {
+    const int64_t t1 = std::min(last, t0 + tile), len = t1 - t0, b0 = t0 / block;
+    signed_codec.decode(u.m_codes + t0, u.m_scales + b0, mbuf, len, block);
+    unsigned_codec.decode(u.v_codes + t0, u.v_scales + b0, vbuf, len, block);
+    while (k < segments.size() && segments[k].start + segments[k].len <= t0) ++k;
+    for (size_t j = k; j < segments.size() && segments[j].start < t1; ++j) {
+      const auto& s = segments[j];
+      const int64_t a = std::max(t0, s.start), b = std::min(t1, s.start + s.len);
+      if (a < b) adam_run(s, u.master + a, s.grad + (a - s.start), mbuf + (a - t0), vbuf + (a - t0), b - a, grad_scale);
+    }
+    signed_codec.encode(mbuf, u.m_codes + t0, u.m_scales + b0, len, block);
+    unsigned_codec.encode(vbuf, u.v_codes + t0, u.v_scales + b0, len, block);
+  }
+}
+
+constexpr int64_t kChunkTiles = 4096;  // tiles a thread takes at a time: 1M elements of 256 (16K: 10% slower)
+
+// The updates of ``units`` (a sub-group's that step), ``grad_scale`` what the gradients are
+// divided by (null: none), over ``threads`` of OpenMP's threads (in_parts says why those) for
+// them all: one parallel region a sub-group, not one a unit. The threads take chunks of tiles
+// from one counter, so that one slowed down (its core shared with another process) does less
+// rather than holding the others up at the end. In the 106M Llama's step the update took 0.082
+// s on std::threads (beside torch's workers spinning after backward), 0.063 s on OpenMP's.
+inline void adam_int8(const Codec& signed_codec, const Codec& unsigned_codec, const std::vector<Int8Unit>& units,
+                      int64_t block, const float* grad_scale, int64_t threads) {
   if (block <= 0 || block > kMaxBlock)
     throw std::invalid_argument("block must be 1 to " + std::to_string(kMaxBlock) + " elements, got " +
                                 std::to_string(block));
-  int64_t prev = 0;
-  for (const auto& s : segments) {
-    if (s.start < prev || s.len < 0 || s.start + s.len > n)
-      throw std::invalid_argument("adam_int8: segments must be in order, apart, and within the unit's " +
-                                  std::to_string(n) + " elements");
-    prev = s.start + s.len;
-  }
-  const int64_t tile = kTileBlocks * block;
-  // Threads cost tens of microseconds to start: one per 256K elements at most.
-  const int64_t parts = std::min<int64_t>(threads, std::max<int64_t>(1, n >> 18));
-  in_parts(n, tile, parts, [&](int64_t first, int64_t last) {
-    std::vector<float> mbuf(tile), vbuf(tile);
-    size_t k = 0;  // the first segment that may reach this tile
-    for (int64_t t0 = first; t0 < last; t0 += tile) {
-      const int64_t t1 = std::min(last, t0 + tile), len = t1 - t0, b0 = t0 / block;
-      signed_codec.decode(m_codes + t0, m_scales + b0, mbuf.data(), len, block);
-      unsigned_codec.decode(v_codes + t0, v_scales + b0, vbuf.data(), len, block);
-      while (k < segments.size() && segments[k].start + segments[k].len <= t0) ++k;
-      for (size_t j = k; j < segments.size() && segments[j].start < t1; ++j) {
-        const auto& s = segments[j];
-        const int64_t a = std::max(t0, s.start), b = std::min(t1, s.start + s.len);
-        if (a < b)
-          adam_run(s, master + a, s.grad + (a - s.start), mbuf.data() + (a - t0), vbuf.data() + (a - t0), b - a,
-                   grad_scale);
-      }
-      signed_codec.encode(mbuf.data(), m_codes + t0, m_scales + b0, len, block);
-      unsigned_codec.encode(vbuf.data(), v_codes + t0, v_scales + b0, len, block);
+  const int64_t chunk = kChunkTiles * kTileBlocks * block;
+  std::vector<int64_t> first_chunk{0};  // by unit, and the total last
+  int64_t elements = 0;
+  for (const auto& u : units) {
+    int64_t prev = 0;
+    for (const auto& s : u.segments) {
+      if (s.start < prev || s.len < 0 || s.start + s.len > u.n)
+        throw std::invalid_argument("adam_int8: segments must be in order, apart, and within the unit's " +
+                                    std::to_string(u.n) + " elements");
+      prev = s.start + s.len;
     }
-  });
+    if (u.n < 0) throw std::invalid_argument("adam_int8: a unit of " + std::to_string(u.n) + " elements");
+    first_chunk.push_back(first_chunk.back() + (u.n + chunk - 1) / chunk);
+    elements += u.n;
+  }
+  const int64_t chunks = first_chunk.back();
+  // A parallel region costs microseconds: one thread per 256K elements at most.
+  const int64_t parts = std::min<int64_t>(threads, std::max<int64_t>(1, elements >> 18));
+  std::atomic<int64_t> next{0};
+  std::exception_ptr error;
+#pragma omp parallel num_threads(parts)
+  {
+    try {
+      const int64_t tile = kTileBlocks * block;
+      std::vector<float> mbuf(tile), vbuf(tile);
+      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+        const size_t i = std::upper_bound(first_chunk.begin(), first_chunk.end(), c) - first_chunk.begin() - 1;
+        const Int8Unit& u = units[i];
+        const int64_t first = (c - first_chunk[i]) * chunk;
+        adam_int8_tiles(signed_codec, unsigned_codec, u, first, std::min(u.n, first + chunk), block, grad_scale,
+                        mbuf.data(), vbuf.data());
+      }
+    } catch (...) {
+#pragma omp critical
+      if (!error) error = std::current_exception();
+      next.store(chunks);  // the others stop at their next chunk
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace infinity_native

@@ -30,7 +30,6 @@
 #include <exception>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -520,10 +519,11 @@ class Codec {
   ArithmeticCodes arithmetic_;   // the AVX-512 encode's codes without the table, where the map allows
 };
 
-// fn(first, last) over [0, n) cut into ``parts`` runs whose cuts are multiples of ``align``,
-// the first on the calling thread, the others on threads of their own. Every thread is joined
-// before this returns, also when one failed (a thread that cannot start, an allocation in
-// fn): the first error is raised after, none ends the process.
+// fn(first, last) over [0, n) cut into ``parts`` runs whose cuts are multiples of ``align``, on
+// OpenMP's threads: the pool torch's own kernels use where the extension loads torch's libgomp
+// (the same soname, already loaded), so no thread is started per call and none of torch's
+// workers spins beside this work, waiting for its next kernel. Every run is done before this
+// returns, also when one failed (an allocation in fn): the first error is raised after.
 template <typename Fn>
 void in_parts(int64_t n, int64_t align, int64_t parts, Fn fn) {
   if (n <= 0) return;
@@ -535,24 +535,15 @@ void in_parts(int64_t n, int64_t align, int64_t parts, Fn fn) {
   }
   const int64_t per = (units + parts - 1) / parts;
   std::vector<std::exception_ptr> errors(parts);
-  auto guarded = [&](int64_t p, int64_t a, int64_t b) {
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t a = std::min(n, p * per * align), b = std::min(n, (p + 1) * per * align);
     try {
-      fn(a, b);
+      if (a < b) fn(a, b);
     } catch (...) {
       errors[p] = std::current_exception();
     }
-  };
-  std::vector<std::thread> threads;
-  try {
-    for (int64_t p = 1; p < parts; ++p) {
-      const int64_t a = std::min(n, p * per * align), b = std::min(n, (p + 1) * per * align);
-      if (a < b) threads.emplace_back(guarded, p, a, b);
-    }
-  } catch (...) {
-    errors[0] = std::current_exception();  // a thread that could not start: the rest runs nothing more
   }
-  if (!errors[0]) guarded(0, 0, std::min(n, per * align));
-  for (auto& t : threads) t.join();
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
 }

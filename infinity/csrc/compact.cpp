@@ -25,7 +25,7 @@ namespace {
 
 const char* const kIsaNames[] = {"scalar", "avx2", "avx512", "avx512vbmi"};
 
-// Below this many elements a call runs on the calling thread: starting threads costs more.
+// Below this many elements a call runs on the calling thread: a parallel region costs more.
 constexpr int64_t kThreadMin = 1 << 20;
 
 int64_t parts_for(int64_t n, int64_t threads) { return std::min(threads, std::max<int64_t>(1, n / kThreadMin)); }
@@ -55,22 +55,39 @@ void decode(const Codec& c, uintptr_t codes, uintptr_t scales, uintptr_t out, in
 }
 
 using SegmentArgs = std::tuple<int64_t, int64_t, uintptr_t, double, double, double, double, double, double>;
+// master, m_codes, m_scales, v_codes, v_scales, n, segments
+using UnitArgs = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, std::vector<SegmentArgs>>;
 
-void adam_int8(const Codec& signed_codec, const Codec& unsigned_codec, uintptr_t master, uintptr_t m_codes,
-               uintptr_t m_scales, uintptr_t v_codes, uintptr_t v_scales, int64_t n, int64_t block,
-               const std::vector<SegmentArgs>& segments, bool adamw, py::object grad_scale, int64_t threads) {
-  std::vector<AdamSegment> segs;
-  segs.reserve(segments.size());
+infinity_native::Int8Unit to_unit(const UnitArgs& args, bool adamw) {
+  const auto& [master, m_codes, m_scales, v_codes, v_scales, n, segments] = args;
+  infinity_native::Int8Unit u;
+  u.master = reinterpret_cast<float*>(master);
+  u.m_codes = reinterpret_cast<uint8_t*>(m_codes), u.m_scales = reinterpret_cast<float*>(m_scales);
+  u.v_codes = reinterpret_cast<uint8_t*>(v_codes), u.v_scales = reinterpret_cast<float*>(v_scales);
+  u.n = n;
+  u.segments.reserve(segments.size());
   for (const auto& [start, len, grad, lr, beta1, beta2, eps, wd, step] : segments)
-    segs.emplace_back(start, len, reinterpret_cast<float*>(grad), lr, beta1, beta2, eps, wd, step, adamw);
+    u.segments.emplace_back(start, len, reinterpret_cast<float*>(grad), lr, beta1, beta2, eps, wd, step, adamw);
+  return u;
+}
+
+void adam_int8_units(const Codec& signed_codec, const Codec& unsigned_codec, const std::vector<UnitArgs>& units,
+                     int64_t block, bool adamw, py::object grad_scale, int64_t threads) {
+  std::vector<infinity_native::Int8Unit> work;
+  work.reserve(units.size());
+  for (const auto& u : units) work.push_back(to_unit(u, adamw));
   float scale = 0;
   const bool scaled = !grad_scale.is_none();
   if (scaled) scale = static_cast<float>(grad_scale.cast<double>());
   py::gil_scoped_release released;
-  infinity_native::adam_int8(signed_codec, unsigned_codec, reinterpret_cast<float*>(master),
-                             reinterpret_cast<uint8_t*>(m_codes), reinterpret_cast<float*>(m_scales),
-                             reinterpret_cast<uint8_t*>(v_codes), reinterpret_cast<float*>(v_scales), n, block, segs,
-                             scaled ? &scale : nullptr, threads);
+  infinity_native::adam_int8(signed_codec, unsigned_codec, work, block, scaled ? &scale : nullptr, threads);
+}
+
+void adam_int8(const Codec& signed_codec, const Codec& unsigned_codec, uintptr_t master, uintptr_t m_codes,
+               uintptr_t m_scales, uintptr_t v_codes, uintptr_t v_scales, int64_t n, int64_t block,
+               const std::vector<SegmentArgs>& segments, bool adamw, py::object grad_scale, int64_t threads) {
+  adam_int8_units(signed_codec, unsigned_codec, {UnitArgs{master, m_codes, m_scales, v_codes, v_scales, n, segments}},
+                  block, adamw, std::move(grad_scale), threads);
 }
 
 double sum_squares(uintptr_t x, int64_t n) {
@@ -102,6 +119,10 @@ PYBIND11_MODULE(_compact_native, m) {
         py::arg("block"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
   // x float32: the sum of its n squares, in double (norms.h)
   m.def("sum_squares", &sum_squares, py::arg("x"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
+  // Several units' parts at once, each (master, m_codes, m_scales, v_codes, v_scales, n,
+  // segments as below): one parallel region for them all.
+  m.def("adam_int8_units", &adam_int8_units, py::arg("signed_codec"), py::arg("unsigned_codec"), py::arg("units"),
+        py::arg("block"), py::arg("adamw"), py::arg("grad_scale"), py::arg("threads"));
   // One unit's part: segments (start, len, grad address, lr, beta1, beta2, eps, weight_decay,
   // step) in order; grad_scale a float or None.
   m.def("adam_int8", &adam_int8, py::arg("signed_codec"), py::arg("unsigned_codec"), py::arg("master"),

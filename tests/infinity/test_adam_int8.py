@@ -125,8 +125,9 @@ def test_the_result_does_not_depend_on_where_parameters_are_cut(isa):
 
 
 def test_threads_give_the_bytes_of_one(monkeypatch, isa):
-    # 600K elements: split over two threads (one per 256K elements at most), against one.
-    n = 600_000 + 77
+    # 2.1M elements: three chunks of tiles (1M elements each, the last short) that two threads
+    # take in turn, against one thread.
+    n = (1 << 21) + 77
     master, grad, states = _case(n, seed=9)
     one = [master.clone(), [t.clone() for t in states]]
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
@@ -135,6 +136,40 @@ def test_threads_give_the_bytes_of_one(monkeypatch, isa):
     _one_pass(master, states, [n], [HP], grad.clone(), 2, None, True)
     assert torch.equal(one[0], master)
     assert all(torch.equal(a, b) for a, b in zip(one[1], states))
+
+
+def test_a_sub_group_s_units_in_one_call_give_the_bytes_of_one_call_each(monkeypatch, isa):
+    # Four units of a sub-group (one empty, one under a block, two whose last block is short),
+    # stepped in one call whose threads take chunks of tiles from any unit, against each unit
+    # on one thread alone. The units' parts start where the previous ends, as in a sub-group.
+    sizes = [300_000 + 5, 0, 17, 420_000 + 201]
+    n = sum(sizes)
+    master, grad, _ = _case(n, seed=13)
+    slices, pos = {}, 0
+    for i, size in enumerate(sizes):
+        slices[i] = slice(pos, pos + size)
+        pos += size
+    bslices = _compact.block_slices(slices)
+    codes_at = {i: _moments(size, seed=20 + i) for i, size in enumerate(sizes)}  # each unit's, its blocks from its start
+    # the sub-group's states as the engine holds them: the units' codes one after another, and their scales
+    flat = [torch.cat([codes_at[i][k] for i in slices]) for k in range(4)]
+    one_each = {i: [master[s].clone(), [t.clone() for t in codes_at[i]]] for i, s in slices.items()}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    for i, s in slices.items():
+        unit = _Unit(0)
+        _adam_int8.update(one_each[i][0], one_each[i][1], {0: slice(0, s.stop - s.start)},
+                          {0: [(unit, slice(0, s.stop - s.start), slice(0, s.stop - s.start), 0)]}, [HP],
+                          {0: grad[s].clone()}, {0: torch.tensor(4.0)}, None, True)  # fmt: skip
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    units = [_Unit(i) for i in slices]
+    per_group = {0: [(units[i], s, slice(0, s.stop - s.start), i) for i, s in slices.items()]}
+    _adam_int8.update(master, flat, slices, per_group, [HP], {i: grad[s].clone() for i, s in slices.items()},
+                      {i: torch.tensor(4.0) for i in slices}, None, True)  # fmt: skip
+    for i, s in slices.items():
+        assert torch.equal(master[s], one_each[i][0])
+        b = bslices[i]
+        assert torch.equal(flat[0][s], one_each[i][1][0]) and torch.equal(flat[1][b], one_each[i][1][1])
+        assert torch.equal(flat[2][s], one_each[i][1][2]) and torch.equal(flat[3][b], one_each[i][1][3])
 
 
 def test_elements_of_no_parameter_keep_their_codes():
