@@ -152,7 +152,7 @@ class ArithmeticCodes {
       if (std::isnan(bounds[k]) || bounds[k] == 0.0f || std::isinf(bounds[k])) return false;
       (bounds[k] > 0 ? pos : neg).push_back(bounds[k]);
     }
-    if (neg.size() > pos.size() || pos.back() >= 1.0f) return false;  // |v| <= 1: the top region has none
+    if (pos.empty() || neg.size() > pos.size() || pos.back() >= 1.0f) return false;  // |v| <= 1: the top region has none
     for (size_t k = 0; k < neg.size(); ++k)
       if (float_to_bits(neg[neg.size() - 1 - k]) != (float_to_bits(pos[k]) ^ 0x80000000u)) return false;
     n_neg_ = static_cast<int32_t>(neg.size());
