@@ -23,6 +23,16 @@ as the same view of the unit's memory at backward time (fetching the unit if it 
 A forward that runs again inside backward (activation recomputation) keeps its units until
 their gradients have arrived, for the same reason.
 
+[Note: passes begun by a submodule]
+A module of the model called outside a call of the root (a model's method such as CLIP's
+``encode_text``, transformers' ``get_text_features``, or a backbone then its head as chunked-
+loss code calls ``model.model(ids)`` then ``model.lm_head(h)``) begins a pass of its own, as a
+root call does: the engine's checks, the saved-tensor hooks around it ([Note: saved parameter
+views]: without them the views autograd saves read pool memory another unit has taken since,
+and the weights train wrong where units are released before backward), and its outputs' end
+of backward. Its nested calls are part of it. A module called inside backward (recomputation
+by activation checkpointing) begins none: it is part of that backward.
+
 [Note: kept for backward]
 Backward uses the units in the reverse of forward's order, so the units forward used last are
 the ones backward needs first. A unit that backward will need is kept bound after its forward
@@ -228,6 +238,8 @@ class Scheduler:
         self._depth = 0  # nested calls of the root module
         self._began = False  # the outermost root call set up the pass
         self._saved_hooks = None  # the saved-tensor hooks of the pass, while the root runs
+        self._sub_root: nn.Module | None = None  # a submodule whose call is the pass: [Note: passes begun by a submodule]
+        self._sub_root_calls = 0  # its calls open (it may call itself)
         self.saved = SavedTensors()  # what they hand saved tensors to: parameter views first
         self.saved.add(self._pack_view, self.runtime.unpack_view)
         # `_activations.ActivationTier` (None: activations stay where autograd keeps them): the
@@ -268,6 +280,8 @@ class Scheduler:
                 self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook)))
             if not self.always_ready or module in self.tiled:  # (a tile's uses: counted per call)
                 self._handles.append(module.register_forward_hook(eager(self._post_forward_hook)))
+            if not self.always_ready:  # after the one above; also when the forward raised
+                self._handles.append(module.register_forward_hook(eager(self._sub_root_post_hook), always_call=True))
         self._hooked_grads = []
         for unit in self.units:
             hooked = 0
@@ -371,7 +385,7 @@ class Scheduler:
         saved-tensor hooks come off, the units its modules held are released, and the next
         root call begins a pass again (checking first that the engine is usable)."""
         began, hooks, depth = self._began, self._saved_hooks, self._depth
-        self._depth, self._began, self._saved_hooks = 0, False, None
+        self._depth, self._began, self._saved_hooks, self._sub_root = 0, False, None, None
         if self.owner is not None:
             self.owner.exit(depth)  # the entries of the root calls left
         if began and hooks is not None:
@@ -404,6 +418,14 @@ class Scheduler:
         return self.state is not TrainingState.IDLE
 
     def _pre_forward_hook(self, module, args):
+        if self._sub_root is not None and self._depth and not self._outer_call_live(self._sub_root):
+            self.end_interrupted_pass()  # a submodule's pass a KeyboardInterrupt left
+        if not self._depth and self.state is not TrainingState.BACKWARD:
+            # Called outside a root call: its call is a pass ([Note: passes begun by a submodule]).
+            self._sub_root, self._sub_root_calls = module, 1  # first: its post-hook ends it, also if this raises
+            self._root_pre_hook(module, args)
+        elif module is self._sub_root:
+            self._sub_root_calls += 1
         pos = self.prefetcher.forward_arrived(module)
         for unit in self._held(module):
             self.runtime.materialize(unit)
@@ -440,6 +462,16 @@ class Scheduler:
             for unit in units:
                 self.prefetcher.after_forward(unit)
         return output
+
+    def _sub_root_post_hook(self, module, args, output):
+        """Ends the pass a submodule's call began (``always_call``: also when it raised)."""
+        if module is not self._sub_root:
+            return output  # a call inside a pass (the root's, or a submodule's nested call)
+        self._sub_root_calls -= 1
+        if self._sub_root_calls:
+            return output  # it called itself: the outer call goes on
+        self._sub_root = None
+        return self._root_post_hook(module, args, output)
 
     def pre_backward(self, module: nn.Module) -> None:
         # Several outputs of one call each run this; the first materialises, the rest find it ready.
