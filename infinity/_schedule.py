@@ -154,6 +154,14 @@ def _weak_grad_hook(runtime, unit, i: int):
     return hook
 
 
+SECOND_BACKWARD = (
+    "a backward through a graph whose forward ran before the last backward ended: a second backward "
+    "through a retained graph (loss.backward(retain_graph=True) then backward again; torch.autograd.grad("
+    "..., create_graph=True) then backward, as a gradient penalty does), or the losses of two forwards "
+    "given to backward one at a time; the end of a backward releases every parameter its step's forwards "
+    "used, so with this placement the engine cannot run it; sum the step's losses into one backward, or "
+    "keep the parameters where they are always bound (tiers.params = \"device\", one rank)"
+)
 LOST_BACKWARD = "the last backward raised part-way (a plain loss.backward(), whose end never ran)"
 
 
@@ -395,6 +403,9 @@ class Scheduler:
             self.runtime.release(unit)
 
     def backward_started(self) -> None:
+        if self.state is TrainingState.IDLE and not self.always_ready:
+            # No forward since the last backward ended, which released its units: a retained graph.
+            raise RuntimeError(SECOND_BACKWARD)
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)

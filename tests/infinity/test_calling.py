@@ -299,3 +299,52 @@ def test_a_submodule_call_that_raises_ends_its_pass_and_training_goes_on(tmp_pat
         engine.zero_grad()
         engine.backward(_through_methods(engine.module, 0))
         assert engine.step()
+
+
+@pytest.mark.parametrize("pattern", ["retain_graph", "gradient_penalty", "two_forwards_two_backwards"])
+def test_a_backward_through_a_graph_its_last_backward_released_is_refused_by_name(tmp_path, pattern):
+    """With parameters released at the end of a backward, a later backward through the same
+    forward's graph found their placeholders ("The size of tensor a (0) must match ...").
+    It is refused saying what and why; where parameters stay bound it trains as plain PyTorch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16, requires_grad=pattern == "gradient_penalty")
+    with infinity.initialize(model, config(tmp_path, ("nvme", "cpu", "cpu"))) as engine:
+        loss = engine(x).pow(2).mean()
+        if pattern == "retain_graph":
+            loss.backward(retain_graph=True)
+        elif pattern == "gradient_penalty":
+            (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
+            loss = loss + grad_x.pow(2).sum()
+        else:
+            other = engine(x * 2).abs().mean()
+            loss.backward()
+            loss = other
+        with pytest.raises(RuntimeError, match="a backward through a graph whose forward ran before the last backward"):
+            loss.backward()
+        engine.zero_grad()
+        engine.backward(engine(x.detach()).pow(2).mean())  # and training goes on
+        assert engine.step()
+
+
+def test_a_retained_graph_where_parameters_stay_bound_trains_as_plain_pytorch(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    cfg = config(tmp_path, ("device", "device", "cpu"))
+    with infinity.initialize(model, cfg, optimizer=(torch.optim.SGD, {"lr": 0.1})) as engine:
+        for step in range(2):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            loss = engine(x).pow(2).mean()
+            loss.backward(retain_graph=True)
+            loss.backward()  # the gradient twice, as torch accumulates it
+            engine.step()
+            ref = plain(x).pow(2).mean()
+            ref.backward(retain_graph=True)
+            ref.backward()
+            opt.step()
+            opt.zero_grad()
+        weights = engine.gathered_weights()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach())
