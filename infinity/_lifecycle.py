@@ -9,7 +9,9 @@ engine manages and is run by no DistributedDataParallel. Touches: the module (re
 from __future__ import annotations
 
 import enum
+from typing import Callable
 
+import torch
 from torch import nn
 
 from . import _ddp, _wrap
@@ -63,19 +65,22 @@ class Lifecycle:
 
 class TrainingGuard:
     """Before each forward and step: the engine usable (``lifecycle``), ``module`` still
-    holding only the parameters the engine manages, each as trainable as it was (``managed``:
-    their ids and requires_grad at initialize; peft applied to engine.module would train
-    nothing, a parameter frozen after it would still move), run by no DistributedDataParallel ([Note: no DDP
+    holding only the parameters the engine manages, each as trainable as it was and of the
+    dtype it was (``managed``: their ids, requires_grad and dtype at initialize; peft applied to
+    engine.module would train nothing, a parameter frozen after it would still move, one cast
+    would be dropped or train apart), run by no DistributedDataParallel ([Note: no DDP
     around the engine] in `_ddp`).
 
     The walk over the module runs at a step only when no forward passed it since the last
     step: a parameter added after that forward had no part in it, and the next forward
     refuses it."""
 
-    def __init__(self, lifecycle: Lifecycle, module: nn.Module, managed: dict[int, bool]):
+    def __init__(self, lifecycle: Lifecycle, module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]],
+                 rebind: Callable[[], None]):
         self.lifecycle = lifecycle
         self.module = module
         self.managed = managed
+        self.rebind = rebind  # points the bound parameters at the engine's memory again (after a cast)
         self._walked = False  # a forward's check passed since the last step
 
     def before_forward(self) -> None:
@@ -90,5 +95,9 @@ class TrainingGuard:
     def _check(self, walk: bool) -> None:
         self.lifecycle.check_usable()
         if walk:
-            _wrap.refuse_changed(self.module, self.managed)
+            try:
+                _wrap.refuse_changed(self.module, self.managed)
+            except _wrap.ParameterCast:
+                self.rebind()  # the cast made copies: the parameters are the engine's again, as the refusal says
+                raise
         _ddp.refuse_wrapped(self.module)

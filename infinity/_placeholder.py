@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from . import _sizes
+from ._wrap import dtype_refusal
 
 # Reading these is reading metadata, or registering hooks: allowed on a placeholder.
 _META = frozenset({
@@ -43,6 +44,11 @@ class _Released:
                     raise _refusal(t, f"by {getattr(func, '__name__', func)}")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
+        if (getattr(func, "__name__", "") in _CONVERSIONS and isinstance(out, torch.Tensor) and args
+                and type(args[0]) in _RELEASED_CLASSES and out.dtype != args[0].dtype):  # fmt: skip
+            # ``model.to(torch.bfloat16)``: the placeholder would take the dtype, its unit's next
+            # fetch would bind the parameter in the engine's again, and the cast be dropped unsaid.
+            raise dtype_refusal(args[0]._infinity_name, out.dtype, args[0].dtype)
         if _shares_data(func) and isinstance(out, torch.Tensor) and args and type(args[0]) in _RELEASED_CLASSES:
             # ``p.data`` and ``p.detach()`` are the placeholder's empty memory too: a read or
             # write through them is refused as one through ``p`` is (the values are not there).

@@ -109,10 +109,10 @@ def _swap(p: nn.Parameter, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(p, new)
 
 
-def _unchanged(module: nn.Module, managed: dict[int, bool]) -> bool:
-    """Whether every parameter under ``module`` is in ``managed`` with its requires_grad (plain
-    loops: about a third of the time of any() over generators, for the ~300 modules of a
-    24-layer Llama)."""
+def _unchanged(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]]) -> bool:
+    """Whether every parameter under ``module`` is in ``managed`` with its requires_grad and
+    dtype (plain loops: about a third of the time of any() over generators, for the ~300
+    modules of a 24-layer Llama: 80 us)."""
     stack = [module]
     get, pop, extend = managed.get, stack.pop, stack.extend
     while stack:
@@ -120,18 +120,36 @@ def _unchanged(module: nn.Module, managed: dict[int, bool]) -> bool:
         if m is None:
             continue
         for p in m._parameters.values():
-            if p is not None and get(id(p)) is not p.requires_grad:
-                return False
+            if p is not None:
+                kept = get(id(p))
+                if kept is None or kept[0] is not p.requires_grad or kept[1] is not p.dtype:
+                    return False
         extend(m._modules.values())
     return True
 
 
-def refuse_changed(module: nn.Module, managed: dict[int, bool]) -> None:
+class ParameterCast(RuntimeError):
+    """A managed parameter's dtype changed, or was about to (`_placeholder` refuses the cast)."""
+
+
+def dtype_refusal(name: str, now: torch.dtype, kept: torch.dtype) -> ParameterCast:
+    return ParameterCast(
+        f"parameter {name!r} cast to {now} ({kept} at infinity.initialize): a module.to(dtype) (the Trainer's "
+        f"bf16_full_eval and fp16_full_eval run one before evaluating) cannot change what the engine keeps and "
+        f"computes in, precision.param_dtype ({kept}): a released parameter would drop the cast at its next "
+        "fetch, a bound one would train apart from the engine's weights. The module's parameters are the "
+        f"engine's again, in {kept}. Set precision.param_dtype at infinity.initialize, or evaluate under "
+        "torch.autocast"
+    )
+
+
+def refuse_changed(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]]) -> None:
     """``module`` holds a parameter the engine does not manage (``managed``: the ids of its
-    units' parameters, each with its requires_grad at `initialize`): one added or replaced
-    after `initialize`, which the engine would never give a gradient or an update; or one whose
-    requires_grad changed since. Runs before each forward and step: a plain walk of the modules'
-    own dicts (cheaper than named_parameters, which names each), named only on a find."""
+    units' parameters, each with its requires_grad and dtype at `initialize`): one added or
+    replaced after `initialize`, which the engine would never give a gradient or an update;
+    or one whose requires_grad or dtype changed since. Runs before each forward and step: a
+    plain walk of the modules' own dicts (cheaper than named_parameters, which names each),
+    named only on a find."""
     if _unchanged(module, managed):
         return
     for name, p in module.named_parameters():
@@ -144,9 +162,12 @@ def refuse_changed(module: nn.Module, managed: dict[int, bool]) -> None:
                 "checkpoint, or apply fn to a model in memory before infinity.initialize"
             )
     for name, p in module.named_parameters(remove_duplicate=False):
-        if managed[id(p)] is not p.requires_grad:
+        requires_grad, dtype = managed[id(p)]
+        if p.dtype is not dtype:
+            raise dtype_refusal(name, p.dtype, dtype)
+        if requires_grad is not p.requires_grad:
             raise RuntimeError(
-                f"parameter {name!r}: requires_grad is {p.requires_grad} now, {managed[id(p)]} at "
+                f"parameter {name!r}: requires_grad is {p.requires_grad} now, {requires_grad} at "
                 "infinity.initialize. The engine steps a module's parameters together (as DeepSpeed's ZeRO "
                 "and FSDP's flat parameters do), so one frozen after initialize would still move (a zero "
                 "gradient under momentum and weight decay), and one unfrozen would have no optimizer state: "

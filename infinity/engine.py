@@ -55,7 +55,7 @@ from ._statedict import StateDictHooks
 from ._stats import Stats, peak_rss_bytes
 from ._store import Store
 from ._transport import Transport
-from ._units import build_units
+from ._units import UnitState, build_units
 from .config import TierConfig
 
 logger = logging.getLogger("infinity")
@@ -180,8 +180,8 @@ class Engine:
             for p in unit.params:
                 p._infinity_managed = True  # see _refuse_foreign_step
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
-        self._managed = {id(p): p.requires_grad for u in units for p in u.params}  # see `_lifecycle.TrainingGuard`
-        self._guard = TrainingGuard(self._life, module, self._managed)
+        self._managed = {id(p): (p.requires_grad, p.dtype) for u in units for p in u.params}  # `_lifecycle.TrainingGuard`
+        self._guard = TrainingGuard(self._life, module, self._managed, functools.partial(_rebind, units))
         plan = self.plan
         staging = None  # where early updates wait for the step: [Note: exact overlap] in `_overlap`
         if plan.overlap:
@@ -675,6 +675,14 @@ def _close_dropped(space, pool, aio) -> None:
         _resources.close_io(space, pool, aio)
     except Exception as e:  # noqa: BLE001 - at collection time there is no caller to raise to
         logger.warning("closing the dropped engine's swap space failed: %s", e)
+
+
+def _rebind(units) -> None:
+    """Point the parameters of every bound unit at its memory again: a ``module.to(dtype)``
+    replaced their data by copies (`_lifecycle.TrainingGuard` refuses the cast)."""
+    for unit in units:
+        if unit.state is UnitState.READY:
+            unit.bind(unit.full)
 
 
 def _refuse_managed(module: nn.Module) -> None:

@@ -47,6 +47,7 @@ import infinity
 
 from .. import _deepspeed
 from .._resources import as_config
+from ..config import OptimizerConfig
 
 ENGINE_DIR = "infinity"  # inside a Trainer checkpoint directory
 _SCHEDULER_NAME = "scheduler.pt"  # the Trainer's name for it
@@ -132,7 +133,8 @@ class InfinityTrainer(transformers.Trainer):
             if ds is not None:
                 cfg = infinity.TierConfig.from_deepspeed(ds, training_args=self.args)
             else:
-                cfg = as_config(self.infinity_config)
+                cfg = _trainer_owned(as_config(self.infinity_config), self.args)
+            _refuse_full_eval_cast(cfg, self.args)
             # The Trainer counts the micro-batches (and scales the loss): the engine steps when told.
             cfg = cfg.replace(optimizer={"gradient_accumulation_steps": self.args.gradient_accumulation_steps,
                                          "accumulation": "caller"})  # fmt: skip
@@ -247,6 +249,49 @@ class InfinityTrainer(transformers.Trainer):
         scheduler = os.path.join(checkpoint, _SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+# [optimizer] keys that TrainingArguments sets under InfinityTrainer, with the argument that does.
+_OWNED = {"type": "optim", "lr": "learning_rate", "betas": "adam_beta1, adam_beta2", "eps": "adam_epsilon",
+          "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm",
+          "gradient_accumulation_steps": "gradient_accumulation_steps"}  # fmt: skip
+
+
+def _trainer_owned(cfg, args):
+    """``cfg`` (an engine config, not DeepSpeed's) with clipping left to the Trainer: it builds
+    the optimizer from ``args`` (its class, groups and hyperparameters), steps the schedule and
+    clips. A key of the config's [optimizer] that those set, given a value of its own that
+    disagrees, is refused by name, as a DeepSpeed config's is; it was ignored, and the config's
+    max_grad_norm clipped a second time at the step."""
+    given, default = cfg.optimizer, OptimizerConfig()
+    trainer = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon,
+               "weight_decay": args.weight_decay, "max_grad_norm": args.max_grad_norm or None,
+               "gradient_accumulation_steps": args.gradient_accumulation_steps}  # fmt: skip
+    for key, arg in _OWNED.items():
+        value = getattr(given, key)
+        if value == getattr(default, key):
+            continue
+        if key == "type" or value != trainer[key]:
+            theirs = f"TrainingArguments.{arg} = {trainer[key]!r}" if key != "type" else f"TrainingArguments.{arg}"
+            raise ValueError(
+                f"infinity_config optimizer.{key} = {value!r}, but under InfinityTrainer {theirs} sets it (the "
+                "Trainer builds the optimizer and clips): set it in the TrainingArguments and leave it out of the "
+                "engine's config"
+            )
+    return cfg.replace(optimizer={"max_grad_norm": None})  # the Trainer's _clip_grad_norm clips
+
+
+def _refuse_full_eval_cast(cfg, args) -> None:
+    """bf16_full_eval / fp16_full_eval cast the model before evaluating: a cast the engine
+    refuses ([`_wrap.ParameterCast`]), said here before training rather than at the first eval."""
+    for flag, dtype in (("bf16_full_eval", "bf16"), ("fp16_full_eval", "fp16")):
+        if getattr(args, flag, False) and cfg.precision.param_dtype != dtype:
+            raise ValueError(
+                f"TrainingArguments.{flag} casts the model to {dtype} to evaluate, but the engine keeps its "
+                f"parameters in precision.param_dtype = {cfg.precision.param_dtype!r} and cannot change that "
+                f"mid-run: set precision.param_dtype = {dtype!r} in the engine's config to train and evaluate in "
+                f"it, or evaluate without {flag} (bf16=True / fp16=True evaluate under autocast)"
+            )
 
 
 def _engine_state(checkpoint) -> str:

@@ -348,3 +348,32 @@ def test_a_retained_graph_where_parameters_stay_bound_trains_as_plain_pytorch(tm
         weights = engine.gathered_weights()
     for name, p in plain.named_parameters():
         torch.testing.assert_close(weights[name], p.detach())
+
+
+@pytest.mark.parametrize("tiers", [("nvme", "cpu", "cpu"), ("device", "device", "cpu"), ("device", "device", "device")])
+def test_a_cast_of_the_module_is_refused_and_training_goes_on_as_plain_pytorch(tmp_path, tiers):
+    """model.to(torch.bfloat16) on an engine's module: released parameters took the dtype on
+    their empty placeholders only (dropped at the next fetch), bound ones became copies that
+    trained apart from the engine's weights. Refused, naming the parameter; the module's
+    parameters are the engine's again after, and training matches plain PyTorch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
+    with infinity.initialize(model, config(tmp_path, tiers)) as engine:
+        for step in range(3):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(x).sum())
+            engine.step()
+            plain(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                with pytest.raises(RuntimeError, match=r"parameter '\d.\w+' cast to torch.bfloat16"):
+                    model.to(torch.bfloat16)
+                    with torch.no_grad():
+                        engine(x.bfloat16())
+                assert all(p.dtype == torch.float32 for p in model.parameters())
+        weights = engine.gathered_weights()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach())

@@ -165,3 +165,37 @@ def test_a_step_the_engine_skips_does_not_step_the_lr_schedule(tmp_path):
     assert 0 < skipped < 10  # some skipped, some taken
     assert trainer.lr_scheduler.last_epoch == 10 - skipped
     trainer.engine.close()
+
+
+@pytest.mark.parametrize("key,value,arg", [("lr", 1e-2, "learning_rate"), ("max_grad_norm", 0.1, "max_grad_norm"),
+                                           ("betas", (0.5, 0.6), "adam_beta1"), ("type", "sgd", "optim")])  # fmt: skip
+def test_an_engine_config_s_optimizer_key_the_trainer_sets_is_refused_where_it_disagrees(tmp_path, key, value, arg):
+    """Under InfinityTrainer the TrainingArguments make the optimizer and clip; the engine
+    config's [optimizer] values for them were ignored (lr, betas, the type) or applied on top
+    (max_grad_norm: a second clip), with nothing said. Refused by name, as a DeepSpeed config's
+    disagreeing values are."""
+    cfg = _nvme(tmp_path)
+    cfg["optimizer"] = {key: value}
+    trainer = InfinityTrainer(model=_llama(), args=_args(tmp_path / "out", max_steps=1), train_dataset=_Tokens(),
+                              infinity_config=cfg)  # fmt: skip
+    with pytest.raises(ValueError, match=f"optimizer.{key} = .*TrainingArguments.{arg}"):
+        trainer.train()
+
+
+def test_an_engine_config_s_clip_that_agrees_leaves_clipping_to_the_trainer(tmp_path):
+    cfg = _nvme(tmp_path)
+    cfg["optimizer"] = {"max_grad_norm": 1.0, "lr": 3e-3}  # both as the arguments have them
+    trainer = InfinityTrainer(model=_llama(), args=_args(tmp_path / "out", max_steps=1), train_dataset=_Tokens(),
+                              infinity_config=cfg)  # fmt: skip
+    trainer.train()
+    assert trainer.engine.config.optimizer.max_grad_norm is None  # once, by the Trainer's _clip_grad_norm
+    trainer.engine.close()
+
+
+def test_full_eval_in_another_dtype_than_the_engine_s_is_refused_before_training(tmp_path):
+    """bf16_full_eval casts the model before evaluating: with parameters on nvme the cast
+    reached only the empty placeholders, and evaluation ran in fp32 with nothing said."""
+    trainer = InfinityTrainer(model=_llama(), args=_args(tmp_path / "out", max_steps=1, bf16_full_eval=True),
+                              train_dataset=_Tokens(), infinity_config=_nvme(tmp_path))  # fmt: skip
+    with pytest.raises(ValueError, match="bf16_full_eval casts the model to bf16"):
+        trainer.train()
