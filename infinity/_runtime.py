@@ -269,6 +269,7 @@ class UnitRuntime:
     def grad_arrived(self, unit: ParamUnit, i: int, param: torch.Tensor) -> None:
         """Parameter ``i`` of ``unit`` has its gradient (``param.grad``) of this backward. The
         fp32 copy in the unit is the gradient from here; the parameter's goes."""
+        unit.arrived |= 1 << i  # see `_units.warn_partial`
         if not self._took_whole(unit, i, param):
             self._receive(unit, i, param=param)
 
@@ -300,6 +301,7 @@ class UnitRuntime:
     def tile_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor) -> None:
         """``grad`` is the gradient of this backward of parameter ``i`` of ``unit`` (of the
         unit's part of it: a tile's rows)."""
+        unit.arrived |= 1 << i
         self._receive(unit, i, grad=grad)
 
     def _receive(self, unit: ParamUnit, i: int, *, grad: torch.Tensor | None = None, param=None) -> None:

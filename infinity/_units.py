@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 
 import torch
 from torch import nn
 
 from . import _placeholder
+
+logger = logging.getLogger("infinity")
 
 
 class UnitState(enum.Enum):
@@ -107,6 +110,9 @@ class ParamUnit:
         shard = self.padded_numel // world_size
         self.shard = slice(rank * shard, (rank + 1) * shard)  # see [Note: unit partition]
         self.trainable = any(r.requires_grad for r in self.records)
+        # Bit i: record i's gradient arrived since the last step (`warn_partial`); all: every one's.
+        self.arrived = 0
+        self.expected = sum(1 << i for i, r in enumerate(self.records) if r.requires_grad)
         self.state = UnitState.RELEASED
         self.full: torch.Tensor | None = None  # 1-D, param dtype, device; while READY
         self.pending = None  # the fetch in flight (store Pending), while FETCHING
@@ -280,3 +286,30 @@ def _tile_rows(module, own, users, tile_bytes) -> list[tuple[int, int]] | None:
         return None
     step = max(1, tile_bytes // (4 * per_row))
     return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
+
+
+def warn_partial(units, say: bool) -> bool:
+    """Where a unit's gradients of this step came for some of its parameters and not others (a
+    parameter its module used on some steps only), say so when ``say``, and return whether it
+    was said: the engine steps a module's parameters together, so the others are updated on a
+    zero gradient, where torch.optim skips a parameter whose ``.grad`` is None. Then every
+    unit's count starts over."""
+    said = False
+    for unit in units:
+        got, unit.arrived = unit.arrived, 0
+        if got and got != unit.expected and say and not said:
+            said = True
+            missing = [r.name for i, r in enumerate(unit.records) if unit.expected >> i & 1 and not got >> i & 1]
+            logger.warning(
+                "parameter %r of module %r got no gradient this step while others of its module did: the engine "
+                "steps a module's parameters together (as DeepSpeed's ZeRO and FSDP's flat parameters do), so it "
+                "was updated on a zero gradient (weight decay and momentum act on it), where torch.optim skips a "
+                "parameter whose .grad is None. Put a parameter used on some steps only in a module of its own to "
+                "keep it still. (Said once.)", missing[0], unit.path)  # fmt: skip
+    return said
+
+
+def forget_arrived(units) -> None:
+    """The gradients of this step were dropped (zero_grad): nothing arrived."""
+    for unit in units:
+        unit.arrived = 0

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _build, _checkpoint, _deepspeed, _footprint, _gather, _onecopy, _overlap, _overlap_host, _resources, _sizes
+from . import _activations, _admission, _build, _checkpoint, _deepspeed, _footprint, _gather, _onecopy, _overlap, _overlap_host, _resources, _sizes, _units
 from ._accumulation import Accumulation
 from ._dist import Dist
 from ._export import export_safetensors
@@ -90,6 +90,7 @@ class Engine:
         self._life = Lifecycle()  # closed until everything below is made
         self._owner = Owner()  # one thread inside at a time (see `_owner`)
         self._scaled_backward = False  # inside engine.backward (fp16: the loss is scaled)
+        self._said_partial = False  # `_units.warn_partial` said its once
         self.aio = self.pool = self.space = None
         self.activations = None
         self.overlap = None  # the optimizer under backward, where it applies (`_overlap`, `_overlap_host`)
@@ -339,6 +340,7 @@ class Engine:
         self._guard.before_step()
         _gather.refuse_open(self, "engine.step()")
         self._accumulation.check_whole(self.scheduler.backward_lost)
+        self._said_partial = _units.warn_partial(self.units, not self._said_partial) or self._said_partial
         self.scheduler.release_all()
         scale = _scale_of(self._scaler)
         try:
@@ -383,6 +385,7 @@ class Engine:
         if self.overlap is not None:
             self.overlap.discard()
         self.grads.zero()
+        _units.forget_arrived(self.units)
         self._accumulation.reset()
 
     def train(self, mode: bool = True) -> "Engine":

@@ -377,3 +377,37 @@ def test_a_cast_of_the_module_is_refused_and_training_goes_on_as_plain_pytorch(t
         weights = engine.gathered_weights()
     for name, p in plain.named_parameters():
         torch.testing.assert_close(weights[name], p.detach())
+
+
+class _Sometimes(nn.Module):
+    """``shift`` is used on even steps only: torch.optim leaves it alone on the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale, self.shift = nn.Parameter(torch.ones(4)), nn.Parameter(torch.zeros(4))
+
+    def forward(self, x, step):
+        return x * self.scale + (self.shift if step % 2 == 0 else 0)
+
+
+def test_a_parameter_without_a_gradient_beside_ones_with_is_said_once(tmp_path, caplog):
+    """The engine steps a module's parameters together, so a parameter its module used on some
+    steps only moves on a zero gradient (weight decay, momentum) where torch.optim would skip
+    it: documented, and now said, once, naming it. Nothing is said where every parameter of a
+    module that got gradients got one."""
+    model = _Sometimes()
+    with infinity.initialize(model, config(tmp_path, ("device", "device", "cpu"))) as engine:
+        with caplog.at_level("WARNING", logger="infinity"):
+            for step in range(4):
+                engine.backward(engine(torch.randn(2, 4), step).sum())
+                engine.step()
+    said = [r.getMessage() for r in caplog.records if "got no gradient this step" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("parameter 'shift'"), said
+    caplog.clear()
+    torch.manual_seed(0)
+    with infinity.initialize(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), config(tmp_path, NVME)) as engine:
+        with caplog.at_level("WARNING", logger="infinity"):
+            for step in range(2):
+                engine.backward(engine(torch.randn(2, 4)).sum())
+                engine.step()
+    assert not [r for r in caplog.records if "got no gradient this step" in r.getMessage()]
