@@ -216,9 +216,15 @@ class Engine:
             for unit in units:
                 self.scheduler.runtime.materialize(unit)
         for mod in module.modules():  # buffers stay buffers, on the compute device
+            # A norm's running statistics take the parameters' dtype, as model.to(dtype) and
+            # DeepSpeed's bf16 give them: batch_norm refuses to mix bf16 weights and fp32 stats.
+            norm = isinstance(mod, nn.modules.batchnorm._NormBase) and self.dtype != torch.float32
             for key, buf in mod._buffers.items():
-                if buf is not None and buf.device != dev:
-                    mod._buffers[key] = buf.to(dev)
+                if buf is None:
+                    continue
+                dtype = self.dtype if norm and buf.is_floating_point() else buf.dtype
+                if buf.device != dev or buf.dtype != dtype:
+                    mod._buffers[key] = buf.to(dev, dtype)
         self.scheduler.install(module)
         self._state_hooks = StateDictHooks(self, module)
         # What waits in the pool for later gives way to a transfer needed now, in this order

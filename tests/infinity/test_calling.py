@@ -411,3 +411,21 @@ def test_a_parameter_without_a_gradient_beside_ones_with_is_said_once(tmp_path, 
                 engine.backward(engine(torch.randn(2, 4)).sum())
                 engine.step()
     assert not [r for r in caplog.records if "got no gradient this step" in r.getMessage()]
+
+
+@pytest.mark.parametrize("tiers", [("nvme", "cpu", "cpu"), ("device", "device", "cpu")])
+def test_a_batchnorm_model_runs_in_bf16_as_the_model_cast_to_bf16(tmp_path, tiers):
+    """precision.param_dtype = "bf16" left BatchNorm's running statistics in fp32, and the first
+    forward failed in batch_norm ("expected scalar type BFloat16 but found Float"): they take
+    the parameters' dtype, as model.to(torch.bfloat16) gives them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.BatchNorm1d(16), nn.Linear(16, 2))
+    plain = copy.deepcopy(model).to(torch.bfloat16)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with infinity.initialize(model, config(tmp_path, tiers, precision={"param_dtype": "bf16"})) as engine:
+        assert model[2].running_mean.dtype == torch.bfloat16 and model[2].num_batches_tracked.dtype == torch.int64
+        out = engine(x)
+        assert torch.equal(out, plain(x))
+        assert torch.equal(model[2].running_mean, plain[2].running_mean)
+        engine.backward(out.float().pow(2).mean())
+        assert engine.step()
