@@ -554,3 +554,23 @@ def test_the_config_says_the_dtype_written_and_the_generation_settings_come_thro
         engine.save_pretrained(tmp_path / "again")
     kept = transformers.GenerationConfig.from_pretrained(tmp_path / "again")
     assert (kept.eos_token_id, kept.do_sample, kept.temperature) == ([2, 7], True, 0.6)
+
+
+def test_tied_embeddings_are_written_once_as_transformers_writes_them(tmp_path):
+    """A tied GPT-2's save_pretrained wrote lm_head.weight beside transformer.wte.weight, a
+    second copy of the vocabulary matrix; transformers leaves the tied key out and ties it again
+    at from_pretrained. The same keys now, and the model loads back equal."""
+    import safetensors.torch
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0)  # fmt: skip
+    plain = transformers.GPT2LMHeadModel(cfg)
+    plain.save_pretrained(tmp_path / "plain")
+    with infinity.initialize(copy.deepcopy(plain), _nvme(tmp_path)) as engine:
+        engine.save_pretrained(tmp_path / "ours")
+    ours = safetensors.torch.load_file(tmp_path / "ours" / "model.safetensors")
+    assert ours.keys() == safetensors.torch.load_file(tmp_path / "plain" / "model.safetensors").keys()
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours")
+    assert back.lm_head.weight is back.transformer.wte.weight
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in plain.state_dict().items())
