@@ -72,7 +72,7 @@ def save_pretrained(engine, directory, max_shard_size="2GB") -> str:
     _refuse_wrapper(engine.module, directory)
     limit = shard_bytes(max_shard_size)
     engine.dist.meet("save_pretrained", f"save_pretrained to {directory}")
-    entries = _untied(engine.module, _entries(engine))
+    entries = _untied(_entries(engine))
     shards: list[list] = []
     size = 0
     for e in entries:  # in state_dict order; a tensor larger than the limit gets a shard of its own
@@ -125,20 +125,20 @@ def save_pretrained(engine, directory, max_shard_size="2GB") -> str:
     return directory
 
 
-def _untied(module, entries: list) -> list:
-    """``entries`` less the tied copies transformers' save_pretrained leaves out: a key a
-    module's ``_tied_weights_keys`` names as tied (``lm_head.weight``), where its parameter is
-    also written under another key (the embedding's). From_pretrained ties them again."""
-    targets = set()
-    for path, sub in module.named_modules():
-        tied = getattr(sub, "_tied_weights_keys", None) or ()
-        prefix = f"{path}." if path else ""
-        targets.update(prefix + k for k in (tied.keys() if isinstance(tied, dict) else tied))
-    seen: dict[int, int] = {}
+def _untied(entries: list) -> list:
+    """``entries`` with each parameter under its first key only, as transformers' save_pretrained
+    writes a tied weight (``lm_head.weight`` left out beside ``model.embed_tokens.weight``: the
+    tied keys come after their source in every model's state_dict) and from_pretrained ties it
+    again. A checkpoint consolidated (`_consolidate`) is written the same."""
+    seen: set[int] = set()
+    out = []
     for e in entries:
         if e.is_param:
-            seen[id(e.value)] = seen.get(id(e.value), 0) + 1
-    return [e for e in entries if not (e.is_param and seen[id(e.value)] > 1 and e.key in targets)]
+            if id(e.value) in seen:
+                continue
+            seen.add(id(e.value))
+        out.append(e)
+    return out
 
 
 def _refuse_wrapper(module, directory: str) -> None:

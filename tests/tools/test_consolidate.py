@@ -79,8 +79,9 @@ def _saved(tmp_path, model=None, **kw):
     return str(tmp_path / "ckpt"), export
 
 
-def _assert_same_file(path, reference):
+def _assert_same_file(path, reference, without=()):
     got, want = safetensors_torch.load_file(path), safetensors_torch.load_file(reference)
+    want = {k: v for k, v in want.items() if k not in without}
     assert list(got) == list(want)
     for key in want:
         assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape, key
@@ -289,7 +290,8 @@ def test_an_infinity_trainer_checkpoint_is_read_with_its_config(tmp_path, capsys
     assert f"note: config.json taken from {tmp_path / 'checkpoint-2' / 'config.json'}" in out
     # as it is, but for the dtype of the weights written (transformers' from_pretrained loads in it)
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "tied", "dtype": "float32"}
-    _assert_same_file(tmp_path / "hf" / "model.safetensors", export)
+    # a directory holds a tied weight once, under its first key, as transformers' save_pretrained writes it
+    _assert_same_file(tmp_path / "hf" / "model.safetensors", export, without=("head.weight",))
 
 
 def test_progress_lines_name_each_unit(tmp_path, capsys):
