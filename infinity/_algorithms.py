@@ -339,6 +339,22 @@ _BY_TORCH_CLASS = {a.torch_class: a for a in ALGORITHMS.values() if a.torch_clas
 _UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 
 
+def refuse_flags(algo: Algorithm, groups: list[dict]) -> None:
+    """At each step: a torch option set in a group by hand since (``maximize``, ``amsgrad``,
+    ``decoupled_weight_decay``), which the kernels here do not read, is refused by name."""
+    if algo.torch_class is None:
+        return  # a torch optimizer run as it is reads its own groups
+    for i, g in enumerate(groups):
+        for key, allowed in _UNSUPPORTED.items():
+            if g.get(key, allowed) != allowed:
+                raise ValueError(f"engine.optimizer.param_groups[{i}][{key!r}] = {g[key]!r}: the engine's {algo.name} "
+                                 f"does not run it on offloaded state (set {key}={allowed!r})")  # fmt: skip
+        if "decoupled_weight_decay" in g and bool(g["decoupled_weight_decay"]) != (algo.name == "adamw"):
+            raise ValueError(f"engine.optimizer.param_groups[{i}]['decoupled_weight_decay'] = "
+                             f"{g['decoupled_weight_decay']!r}: the engine's optimizer is {algo.name} for the whole "
+                             "run (AdamW is Adam with decoupled weight decay): choose it at initialize")  # fmt: skip
+
+
 def algorithm(name: str) -> Algorithm:
     """The algorithm ``[optimizer] type = name`` (or a saved state's "type") names."""
     try:
@@ -379,6 +395,11 @@ def _resolve(spec, model_params: list, cfg, *, all_device: bool):
         spec = built
     if isinstance(spec, torch.optim.Optimizer):
         algo = _BY_TORCH_CLASS.get(type(spec))
+        decoupled = [bool(g.get("decoupled_weight_decay", False)) for g in spec.param_groups]
+        if algo is ALGORITHMS["adam"] and all(decoupled):
+            algo = ALGORITHMS["adamw"]  # torch's Adam(decoupled_weight_decay=True) is AdamW
+        elif algo is ALGORITHMS["adam"] and any(decoupled):
+            algo = None  # groups of both: torch's own class runs them, where it can
         if algo is None or any(g.get(k, v) != v for g in spec.param_groups for k, v in _UNSUPPORTED.items()):
             if all_device:  # nothing offloaded: the optimizer runs as it is, on fp32 master weights
                 groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
@@ -397,7 +418,9 @@ def _resolve(spec, model_params: list, cfg, *, all_device: bool):
                     raise ValueError(f"{type(spec).__name__}({key}={group[key]!r}) is not supported on offloaded "
                                      f"state; use {key}={allowed!r} (with every tier on the device, it runs)")  # fmt: skip
         keys = algo.hyperparameters
-        groups = [{"params": list(g["params"]), **{k: g[k] for k in keys}} for g in spec.param_groups]
+        # The optimizer's own group dicts: a schedule made on it (LambdaLR(opt) before
+        # initialize), or a change by hand to its param_groups, reaches the engine's steps.
+        groups = spec.param_groups
         return algo, groups, {k: spec.defaults[k] for k in keys}, None
     groups = list(spec)
     if groups and not isinstance(groups[0], dict):

@@ -702,7 +702,7 @@ def _load_rank(engine, src: _saved.Sources, meta: dict, cut: _recut.Plan, steps:
                 flat.copy_(value)
 
             _load_into(engine.param_store, u.name, writes, fill)
-        opt.load_state_dict({"unit_steps": steps})
+        opt.substates.load_steps(steps)
         _load_buffers(engine, src, meta)
         saved_state = (meta.get("optimizer") or {}).get("torch_state")
         if opt.foreign is not None and saved_state:

@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from . import _algorithms
 from ._grads import GradAccumulator
 from ._substates import SubGroupStates
 from ._update import StreamedUpdate
@@ -66,6 +67,7 @@ class Optimizer(torch.optim.Optimizer):
         overflow or a non-finite gradient)."""
         if closure is not None:
             raise ValueError("engine.optimizer.step(closure) is not supported: run forward and backward, then step()")
+        _algorithms.refuse_flags(self.algorithm, self.param_groups)
         stepped = self._engine_step()
         self.step_was_skipped = stepped is False  # what accelerate's AcceleratedOptimizer calls it
         return stepped
@@ -120,9 +122,21 @@ class Optimizer(torch.optim.Optimizer):
         self.foreign.load_state_dict({"state": {int(k): v for k, v in state.items()}, "param_groups": groups})
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` gave (any part of it may be missing)."""
-        if "unit_steps" in state:
-            self.substates.load_steps(state["unit_steps"])
+        """The hyperparameters of what `state_dict` gave. Step counts other than the engine's
+        own now, and a torch optimizer's state, are refused: the moments they go with live in the
+        tiers, restored by ``engine.load_checkpoint`` only (restored alone, bias correction
+        resumed at step N on moments of zero)."""
+        steps = state.get("unit_steps")
+        # accelerate's AcceleratedOptimizer loads the state_dict it just took: the same steps.
+        restores = steps is not None and not torch.equal(torch.as_tensor(steps).cpu(), self.state_dict()["unit_steps"])
+        if restores or state.get("state"):
+            what = "step counts" if restores else "per-parameter state (moments, steps)"
+            raise ValueError(
+                f"engine.optimizer.load_state_dict: the dict holds {what} but the engine's optimizer states live "
+                "in its tiers, and a state_dict holds neither them nor a way to fill them (accelerate's "
+                "save_state/load_state go through it): save with engine.save_checkpoint and resume with "
+                "engine.load_checkpoint; a dict of param_groups alone loads their hyperparameters"
+            )
         if "param_groups" in state:
             self.load_hyperparameters(state.get("type", self.kind), state["param_groups"])
 

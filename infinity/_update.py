@@ -79,6 +79,7 @@ class StreamedUpdate:
         self.grads = grads
         self.max_grad_norm = max_grad_norm  # clip every step to this (the config's)
         self.clip_next: float | None = None  # clip the next step to this (Engine.clip_grad_norm_)
+        self._pushed_foreign: list[dict] = []  # the group values last given a torch optimizer run as it is
         self.clipped_last = False  # the last step clipped (early updates would be discarded)
         self.transport = grads.transport  # `_transport.Transport`: the copies ([Note: every copy counted])
         self.stats = getattr(self.transport, "stats", None)  # `_stats.Stats`, or None (nothing counted)
@@ -112,7 +113,10 @@ class StreamedUpdate:
                 overlap.discard()
             return False
         divide = loss_scale  # gradients are stored multiplied by the loss scale
-        clip, self.clip_next = (self.clip_next if self.clip_next is not None else self.max_grad_norm), None
+        # The smallest of [optimizer] max_grad_norm and a clip asked this step: clipping to one
+        # and then the other (torch's two clips) leaves the smaller bound.
+        limits = [c for c in (self.clip_next, self.max_grad_norm) if c is not None]
+        clip, self.clip_next = (min(limits) if limits else None), None
         self.clipped_last = False
         if clip is not None:
             norm = self.grads.norms.global_norm() / loss_scale
@@ -300,8 +304,18 @@ class StreamedUpdate:
                     g = grads[u.index][gs].view(u.records[i].shape)
                     shadow.grad = g if grad_scale is None else g / grad_scale
                     used.append(shadow)
-        for mine, theirs in zip(self.param_groups, st.foreign.param_groups):
-            theirs.update({k: v for k, v in mine.items() if k != "params"})
+        pushed = self._pushed_foreign
+        if not pushed:
+            pushed.extend({} for _ in self.param_groups)
+        for mine, theirs, last in zip(self.param_groups, st.foreign.param_groups, pushed):
+            # A value changed on the user's own optimizer since the last step (a schedule made on
+            # it before initialize, a change by hand) is taken; then ours go to it.
+            for k, v in theirs.items():
+                if k != "params" and k in last and v is not last[k]:
+                    mine[k] = v
+            last.clear()
+            last.update({k: v for k, v in mine.items() if k != "params"})
+            theirs.update(last)
         try:
             st.foreign.step()
         finally:

@@ -447,8 +447,13 @@ class Engine:
         ``engine.module.parameters()`` call it ([Note: clipping managed parameters] in `_sizes`)."""
         if not max_norm > 0:
             raise ValueError(f"{max_norm=} must be > 0")
-        self.optimizer.clip_next = float(max_norm)
-        return torch.tensor(self.grad_norm())
+        norm, before = self.grad_norm(), self.optimizer.clip_next
+        if before is not None:  # a clip asked earlier this step: the norm of the gradients as it left them
+            norm *= min(1.0, before / (norm + 1e-6))
+        # Two clips in a row leave the smaller bound, as torch's would (and [optimizer]
+        # max_grad_norm still applies: the step clips to the smallest).
+        self.optimizer.clip_next = float(max_norm) if before is None else min(before, float(max_norm))
+        return torch.tensor(norm)
 
     @entry("load_state_dict")
     def load_state_dict(self, state_dict, strict: bool = True):

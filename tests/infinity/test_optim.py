@@ -359,3 +359,118 @@ def test_zero_grad_keeping_zeros_says_the_engine_sets_them_to_none(tmp_path, cap
         assert caplog.text.count("set_to_none=False") == 1
     finally:
         engine.close()
+
+
+# -- torch optimizers' semantics kept (found by an audit: each was a silent difference) ------
+_TIERS = [("nvme", "nvme", "nvme"), ("device", "device", "cpu")]
+
+
+def _against_torch(tmp_path, tiers, make_opt, steps=4, between=None, engine_kwargs=None):
+    """The engine given ``make_opt(model)``'s optimizer, against that optimizer on a copy;
+    ``between(opt, step)`` runs after each step on both sides' optimizers (the engine's side: the
+    optimizer given to initialize). Returns the largest weight difference."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    plain = copy.deepcopy(model)
+    theirs, ours = make_opt(plain), make_opt(model)
+    with infinity.initialize(model, config(tmp_path, tiers), optimizer=ours, **(engine_kwargs or {})) as engine:
+        for step in range(steps):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+            plain(x).pow(2).mean().backward()
+            theirs.step()
+            theirs.zero_grad()
+            if between is not None:
+                between(ours, step)
+                between(theirs, step)
+        weights = engine.gathered_weights()
+    return max((weights[n] - p.detach()).abs().max().item() for n, p in plain.named_parameters())
+
+
+@pytest.mark.parametrize("tiers", _TIERS)
+def test_adam_with_decoupled_weight_decay_runs_as_adamw(tmp_path, tiers):
+    """torch's Adam(decoupled_weight_decay=True) is AdamW; it ran as Adam's L2 decay (0.09 off)."""
+    make = functools.partial(lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=0.1,
+                                                        decoupled_weight_decay=True))  # fmt: skip
+    assert _against_torch(tmp_path, tiers, make) < 1e-6
+
+
+@pytest.mark.parametrize("tiers", _TIERS)
+def test_a_schedule_made_on_the_optimizer_given_to_initialize_reaches_the_steps(tmp_path, tiers):
+    """``sched = LambdaLR(opt)`` then ``initialize(..., optimizer=opt)`` and ``sched.step()``:
+    the engine copied the groups, kept lr 0.01, and the weights went 13% apart."""
+    scheds = {}
+
+    def make(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        scheds[id(opt)] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+        return opt
+
+    assert _against_torch(tmp_path, tiers, make, between=lambda opt, step: scheds[id(opt)].step()) < 1e-6
+
+
+def test_a_torch_option_set_by_hand_between_steps_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    with infinity.initialize(model, config(tmp_path, _TIERS[0])) as engine:
+        engine.backward(engine(torch.randn(2, 8)).sum())
+        engine.step()
+        engine.optimizer.param_groups[0]["maximize"] = True
+        engine.backward(engine(torch.randn(2, 8)).sum())
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['maximize'\] = True"):
+            engine.step()
+
+
+def test_optimizer_state_dicts_that_would_lose_the_moments_are_refused(tmp_path):
+    """A state_dict carries the step counts but not the moments (they live in the tiers): an
+    engine's own from an earlier step, or a torch AdamW's, loaded silently on zero moments.
+    The engine's own, as it is now (accelerate's AcceleratedOptimizer round trip), loads."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    plain = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(plain.parameters())
+    plain(torch.randn(2, 8)).sum().backward()
+    torch_opt.step()
+    with infinity.initialize(model, config(tmp_path, _TIERS[0])) as engine:
+        engine.optimizer.load_state_dict(engine.optimizer.state_dict())
+        earlier = engine.optimizer.state_dict()
+        engine.backward(engine(torch.randn(2, 8)).sum())
+        engine.step()
+        with pytest.raises(ValueError, match="holds step counts .* engine.load_checkpoint"):
+            engine.optimizer.load_state_dict(earlier)
+        with pytest.raises(ValueError, match=r"holds per-parameter state \(moments, steps\)"):
+            engine.optimizer.load_state_dict(torch_opt.state_dict())
+
+
+@pytest.mark.parametrize("tiers", _TIERS)
+def test_clips_combine_as_torch_s_sequential_clips(tmp_path, tiers):
+    """[optimizer] max_grad_norm with a larger clip of the user's: the config's still clips
+    (the user's replaced it); two clips in a row: the smaller holds, and the second returns the
+    norm the first left (it returned the unclipped one)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
+    cfg = config(tmp_path, tiers, optimizer={"max_grad_norm": 0.05})
+    with infinity.initialize(model, cfg) as engine:
+        for step in range(3):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(x).pow(2).mean())
+            torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 10.0)
+            engine.step()
+            plain(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)  # what the config asks, then 10: no-op
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 10.0)
+            opt.step()
+            opt.zero_grad()
+        x = torch.randn(6, 8)
+        engine.backward(engine(x).pow(2).mean())
+        plain(x).pow(2).mean().backward()
+        first = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.01)
+        second = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 10.0)
+        assert float(first) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)), rel=1e-5)
+        assert float(second) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 10.0)), rel=1e-4)
+        weights = engine.gathered_weights()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=1e-5, atol=1e-6)
