@@ -11,13 +11,11 @@ parameter that does one thing more than the last:
   kernel (``_compact_native.sum_squares``, one thread, the GIL released), what the engine's
   overflow check and clipping need of each gradient ([Note: gradient norms] in
   `infinity/_grad_norms.py`);
-- ``read_t``: the same on torch's threads (``torch.get_num_threads()``: OpenMP's, which
-  otherwise spin idle while autograd runs the hook), as the engine reads it;
 - ``clip``: no hook; ``torch.nn.utils.clip_grad_norm_`` after backward (the Trainer's default
   1.0), which reads every gradient once more, cold, and scales them.
 
 Backward is timed for each (the ``clip`` row: backward and the clip), interleaved (none, empty,
-read, read_t, clip, none, ...), ``--repeat`` passes of one variant at a time, ``--pairs`` rounds after
+read, clip, none, ...), ``--repeat`` passes of one variant at a time, ``--pairs`` rounds after
 a warm-up round; reported as medians and as the median ratio to ``none`` per round.
 
     python benchmarks/grad_hooks.py [--pairs 15] [--repeat 5]
@@ -63,12 +61,8 @@ def main(argv=None) -> int:
         g = param.grad
         squares.append(native.sum_squares(g.data_ptr(), g.numel()))
 
-    def read_t(param):
-        g = param.grad
-        squares.append(native.sum_squares(g.data_ptr(), g.numel(), torch.get_num_threads()))
-
-    models = {name: copy.deepcopy(base) for name in ("none", "empty", "read", "read_t", "clip")}
-    for name, hook in (("empty", empty), ("read", read), ("read_t", read_t)):
+    models = {name: copy.deepcopy(base) for name in ("none", "empty", "read", "clip")}
+    for name, hook in (("empty", empty), ("read", read)):
         for q in models[name].parameters():
             q.register_post_accumulate_grad_hook(hook)
 

@@ -51,7 +51,7 @@ class GradNorms:
         self._global = None
         if (self._sum_squares is not None and grad.device.type == "cpu" and grad.dtype == torch.float32
                 and grad.is_contiguous()):  # fmt: skip
-            self._norms[index] = self._sum_squares(grad.data_ptr(), grad.numel(), torch.get_num_threads())
+            self._norms[index] = self._sum_squares(grad.data_ptr(), grad.numel())
         else:
             self._norms[index] = torch.linalg.vector_norm(grad)
 

@@ -90,9 +90,9 @@ void adam_int8(const Codec& signed_codec, const Codec& unsigned_codec, uintptr_t
                   block, adamw, std::move(grad_scale), threads);
 }
 
-double sum_squares(uintptr_t x, int64_t n, int64_t threads) {
+double sum_squares(uintptr_t x, int64_t n) {
   if (n < 0) throw std::invalid_argument("sum_squares: n must be >= 0, got " + std::to_string(n));
-  return infinity_native::sum_squares(reinterpret_cast<const float*>(x), n, std::max<int64_t>(1, threads));
+  return infinity_native::sum_squares(reinterpret_cast<const float*>(x), n);
 }
 
 }  // namespace
@@ -117,10 +117,8 @@ PYBIND11_MODULE(_compact_native, m) {
         py::arg("block"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
   m.def("decode", &decode, py::arg("codec"), py::arg("codes"), py::arg("scales"), py::arg("out"), py::arg("n"),
         py::arg("block"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
-  // x float32: the sum of its n squares, in double (norms.h), over at most ``threads`` threads
-  // (the same bits on any number)
-  m.def("sum_squares", &sum_squares, py::arg("x"), py::arg("n"), py::arg("threads") = 1,
-        py::call_guard<py::gil_scoped_release>());
+  // x float32: the sum of its n squares, in double (norms.h)
+  m.def("sum_squares", &sum_squares, py::arg("x"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
   // Several units' parts at once, each (master, m_codes, m_scales, v_codes, v_scales, n,
   // segments as below): one parallel region for them all.
   m.def("adam_int8_units", &adam_int8_units, py::arg("signed_codec"), py::arg("unsigned_codec"), py::arg("units"),
