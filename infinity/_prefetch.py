@@ -50,6 +50,12 @@ class Prefetcher:
         self.forward_order = _Order(list(module_units))  # registration order: see [Note: predicted order]
         self.backward_order = _Order([])
         self._trace: list[nn.Module] = []
+        # The order each pass's root module ran last: a model trained through its methods or a
+        # backbone then its head runs passes of several roots in turn ([Note: passes begun by a
+        # submodule] in `_schedule`), each predicted from its own last run.
+        self._orders: dict[nn.Module, _Order] = {}
+        self._root: nn.Module | None = None
+        self._since_backward: list[nn.Module] = []  # every grad-enabled pass's modules since the last backward
         # Units kept bound after forward for backward, in the order forward left them: at most
         # ``device_budget`` bytes of them (None: no bound but the pool's), and with the compute
         # on the host (the pool buffer is the parameters) while the pool holds at most
@@ -61,8 +67,10 @@ class Prefetcher:
                      and (keep_limit > 0 if on_host else device_budget is not None))  # fmt: skip
 
     # -- the orders -------------------------------------------------------------------------
-    def begin_forward(self) -> None:
-        self._trace = []
+    def begin_forward(self, root: nn.Module | None = None) -> None:
+        self._trace, self._root = [], root
+        if root in self._orders:
+            self.forward_order = self._orders[root]
         self.forward_order.pos, self.forward_order.valid = 0, True
         self._prefetch(self.forward_order, 0)
 
@@ -86,12 +94,19 @@ class Prefetcher:
         is due, it is predicted to run this one in reverse, and its first reads issued."""
         if self._trace != self.forward_order.modules:
             self.forward_order = _Order(list(self._trace))
+        if self._root is not None:
+            self._orders[self._root] = self.forward_order
         if backward_due:
-            self.backward_order = _Order(list(reversed(self._trace)))
+            # Backward runs the passes since the last one in reverse: the last pass's modules first.
+            since = self._since_backward
+            since.extend(self._trace)
+            del since[: max(0, len(since) - 4 * len(self.module_units))]  # passes whose backward never came
+            self.backward_order = _Order(list(reversed(since)))
             self._prefetch(self.backward_order, 0)
 
     def end_backward(self) -> None:
         self.backward_order = _Order([])
+        self._since_backward = []
 
     def _prefetch(self, order: _Order, start: int) -> None:
         if self.runtime.always_ready or not order.valid:

@@ -269,6 +269,14 @@ class Scheduler:
         # Every hook on a module runs eagerly under torch.compile: [Note: hooks under torch.compile].
         self._handles.append(root.register_forward_pre_hook(eager(self._root_pre_hook), prepend=True))
         self._install_modules()
+        if not self.always_ready:
+            # Modules that hold none of a unit's parameters but contain some (a backbone, a
+            # tower): called outside the root, their call is the pass, not each leaf's inside it.
+            for module in root.modules():
+                if module is not root and module not in self.module_units and any(
+                        m in self.module_units for m in module.modules()):  # fmt: skip
+                    self._handles.append(module.register_forward_pre_hook(eager(self._container_pre_hook)))
+                    self._handles.append(module.register_forward_hook(eager(self._sub_root_post_hook), always_call=True))
         for module, tiles in self.tiled.items():
             _tiled.install(module, self, tiles)
             module.forward = eager(module.forward)  # it reads tiles from the tiers
@@ -321,7 +329,7 @@ class Scheduler:
                                    "call engine.zero_grad() and run this step's micro-batches again")  # fmt: skip
             if self._before_forward is not None:
                 self._before_forward()
-            self.begin_forward()
+            self.begin_forward(module)
             self._began = True
             if self.always_ready and self.state is TrainingState.IDLE and torch.is_grad_enabled():
                 for unit, hooked in self._hooked_grads:  # see [Note: always-ready units' uses]
@@ -428,7 +436,7 @@ class Scheduler:
         """A grad-enabled pass ran and its backward has not ended."""
         return self.state is not TrainingState.IDLE
 
-    def _pre_forward_hook(self, module, args):
+    def _container_pre_hook(self, module, args):
         if self._sub_root is not None and self._depth and not self._outer_call_live(self._sub_root):
             self.end_interrupted_pass()  # a submodule's pass a KeyboardInterrupt left
         if not self._depth and self.state is not TrainingState.BACKWARD:
@@ -437,6 +445,9 @@ class Scheduler:
             self._root_pre_hook(module, args)
         elif module is self._sub_root:
             self._sub_root_calls += 1
+
+    def _pre_forward_hook(self, module, args):
+        self._container_pre_hook(module, args)
         pos = self.prefetcher.forward_arrived(module)
         for unit in self._held(module):
             self.runtime.materialize(unit)
@@ -497,10 +508,10 @@ class Scheduler:
         return [] if module in self.tiled else self.module_units[module]
 
     # -- passes -----------------------------------------------------------------------------
-    def begin_forward(self) -> None:
+    def begin_forward(self, root: nn.Module | None = None) -> None:
         for listener in self.listeners:
             listener.begin_forward()
-        self.prefetcher.begin_forward()
+        self.prefetcher.begin_forward(root)
 
     def end_forward(self) -> None:
         due = torch.is_grad_enabled()
