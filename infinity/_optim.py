@@ -59,6 +59,9 @@ class Optimizer(torch.optim.Optimizer):
         self._engine_zero_grad = engine_zero_grad
         self._told_set_to_none = False  # zero_grad(set_to_none=False) said once
         self.step_was_skipped = False  # the last step() was skipped (an fp16 overflow, a non-finite gradient)
+        # SGD groups without momentum at initialize: their buffers start as zeros, where torch
+        # starts one at the gradient when momentum is turned on (see `_refuse_momentum_turned_on`).
+        self._momentum_off = [self.kind == "sgd" and float(g.get("momentum", 0) or 0) == 0 for g in self.param_groups]
         self._ready = True
 
     # -- torch.optim.Optimizer --------------------------------------------------------------
@@ -68,9 +71,26 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("engine.optimizer.step(closure) is not supported: run forward and backward, then step()")
         _algorithms.refuse_flags(self.algorithm, self.param_groups)
+        self._refuse_momentum_turned_on()
         stepped = self._engine_step()
         self.step_was_skipped = stepped is False  # what accelerate's AcceleratedOptimizer calls it
         return stepped
+
+    def _refuse_momentum_turned_on(self) -> None:
+        """SGD's momentum turned on, with dampening, in a group that stepped without it: torch
+        starts the buffer at the gradient, the engine's buffer holds the zeros of the steps
+        without momentum, so its first would be (1 - dampening) of it (0.006 off in 4 steps)."""
+        for i, (off, g) in enumerate(zip(self._momentum_off, self.param_groups)):
+            if off and float(g["momentum"]) != 0 and float(g["dampening"]) != 0 and self._any_stepped():
+                raise ValueError(
+                    f"engine.optimizer.param_groups[{i}]: momentum turned on ({g['momentum']}) with dampening "
+                    f"{g['dampening']} after the group stepped without momentum: torch starts its buffer at the "
+                    "gradient, the engine's would start from zeros; set momentum > 0 at initialize, or dampening=0"
+                )
+
+    def _any_stepped(self) -> bool:
+        """Whether any unit has stepped (this run, or the checkpoint loaded)."""
+        return any(float(t) > 0 for t in self.steps.values())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``engine.zero_grad()``: forget the gradients accumulated since the last step. The

@@ -474,3 +474,27 @@ def test_clips_combine_as_torch_s_sequential_clips(tmp_path, tiers):
         weights = engine.gathered_weights()
     for name, p in plain.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_sgd_momentum_turned_on_with_dampening_after_steps_without_is_refused(tmp_path):
+    """torch starts a momentum buffer at the gradient when momentum is turned on; the engine's
+    buffer held zeros from the steps without it, so with dampening its first was (1 -
+    dampening) of the gradient (0.006 off). Refused; with dampening 0 both agree."""
+    def make(m):
+        return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.0, dampening=0.0)
+
+    def turn_on(opt, step):
+        if step == 0:
+            opt.param_groups[0]["momentum"] = 0.9
+
+    assert _against_torch(tmp_path, _TIERS[0], make, between=turn_on) < 1e-6
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0, dampening=0.5)
+    with infinity.initialize(model, config(tmp_path, _TIERS[1]), optimizer=opt) as engine:
+        engine.backward(engine(torch.randn(2, 8)).sum())
+        engine.step()
+        engine.optimizer.param_groups[0]["momentum"] = 0.9
+        engine.backward(engine(torch.randn(2, 8)).sum())
+        with pytest.raises(ValueError, match=r"momentum turned on \(0.9\) with dampening 0.5"):
+            engine.step()
