@@ -11,7 +11,8 @@ The three passes cost 8x the fp32 step (106M Llama, 2 cores: 0.75 s against 0.09
 benchmarks/host_step.py, int8 against fp32), the encode most of it; here a unit's part goes by
 tiles of a block that stay in the core's cache, both moments decoded, updated and encoded while
 there, with AVX-512 or AVX2 where the CPU has them, and a sub-group's units in one call on
-OpenMP's threads (1.30-1.34x the fp32 step; docs/architecture.md has the figures). The arithmetic is that of torch's vectorised fused Adam
+OpenMP's threads (1.30-2.17x the fp32 step, whose time moves with the machine's memory load;
+docs/architecture.md has the figures). The arithmetic is that of torch's vectorised fused Adam
 (infinity/csrc/adam_int8.h says how), so where torch's vector loop covers an element both give
 the same bits (tests/infinity/test_adam_int8.py), and every element takes it, so the result
 does not depend on where units, sub-groups or shards cut the parameters.

@@ -299,14 +299,15 @@ def persistent_buffers(module) -> list[tuple[str, torch.Tensor]]:
             seen.add(id(buf))
             key = f"{prefix}.{name}" if prefix else name
             (out if str(buf.dtype).removeprefix("torch.") in DTYPES else other).append((key, buf))
+    global _told_buffers
     if other and not _told_buffers:
-        _told_buffers.append(True)
+        _told_buffers = True
         logger.warning("buffers of a dtype a checkpoint cannot hold are not saved: %s",
                        ", ".join(f"{k} ({b.dtype})" for k, b in other[:5]))  # fmt: skip
     return out
 
 
-_told_buffers: list = []  # said once per process
+_told_buffers = False  # said once per process
 
 
 def _load_buffers(engine, src: _saved.Sources, meta: dict) -> None:

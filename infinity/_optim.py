@@ -88,6 +88,10 @@ class Optimizer(torch.optim.Optimizer):
                     "gradient, the engine's would start from zeros; set momentum > 0 at initialize, or dampening=0"
                 )
 
+    def _unit_steps(self) -> torch.Tensor:
+        """Each unit's step count, in order, fp32 on the host."""
+        return torch.stack([self.steps[u.index].detach().to("cpu", torch.float32) for u in self.units])
+
     def _any_stepped(self) -> bool:
         """Whether any unit has stepped (this run, or the checkpoint loaded)."""
         return any(float(t) > 0 for t in self.steps.values())
@@ -116,7 +120,7 @@ class Optimizer(torch.optim.Optimizer):
         out = {
             "type": self.kind,
             "param_groups": [_json_group(g) for g in self.param_groups],
-            "unit_steps": torch.stack([self.steps[u.index].detach().to("cpu", torch.float32) for u in self.units]),
+            "unit_steps": self._unit_steps(),
         }
         if self.foreign is not None:  # its per-parameter state: tensors by name (see foreign_tensors), the rest as is
             out["torch_state"] = {
@@ -148,7 +152,7 @@ class Optimizer(torch.optim.Optimizer):
         resumed at step N on moments of zero)."""
         steps = state.get("unit_steps")
         # accelerate's AcceleratedOptimizer loads the state_dict it just took: the same steps.
-        restores = steps is not None and not torch.equal(torch.as_tensor(steps).cpu(), self.state_dict()["unit_steps"])
+        restores = steps is not None and not torch.equal(torch.as_tensor(steps).cpu(), self._unit_steps())
         if restores or state.get("state"):
             what = "step counts" if restores else "per-parameter state (moments, steps)"
             raise ValueError(

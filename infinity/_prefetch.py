@@ -67,7 +67,7 @@ class Prefetcher:
                      and (keep_limit > 0 if on_host else device_budget is not None))  # fmt: skip
 
     # -- the orders -------------------------------------------------------------------------
-    def begin_forward(self, root: nn.Module | None = None) -> None:
+    def begin_forward(self, root: nn.Module) -> None:
         self._trace, self._root = [], root
         if root in self._orders:
             self.forward_order = self._orders[root]
@@ -94,8 +94,7 @@ class Prefetcher:
         is due, it is predicted to run this one in reverse, and its first reads issued."""
         if self._trace != self.forward_order.modules:
             self.forward_order = _Order(list(self._trace))
-        if self._root is not None:
-            self._orders[self._root] = self.forward_order
+        self._orders[self._root] = self.forward_order
         if backward_due:
             # Backward runs the passes since the last one in reverse: the last pass's modules first.
             since = self._since_backward

@@ -508,7 +508,7 @@ class Scheduler:
         return [] if module in self.tiled else self.module_units[module]
 
     # -- passes -----------------------------------------------------------------------------
-    def begin_forward(self, root: nn.Module | None = None) -> None:
+    def begin_forward(self, root: nn.Module) -> None:
         for listener in self.listeners:
             listener.begin_forward()
         self.prefetcher.begin_forward(root)

@@ -64,6 +64,12 @@ class ReadAhead:
     bytes: int | None = None
 
 
+def clip_coef(max_norm: float, norm: float) -> float:
+    """What gradients of global norm ``norm`` are multiplied by to clip them to ``max_norm``, as
+    torch.nn.utils.clip_grad_norm_ computes it."""
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
 class StreamedUpdate:
     """The update of every sub-group with a gradient, streamed (see the module's docstring).
     ``param_groups`` is the optimizer's own list: its hyperparameters as they are now."""
@@ -79,7 +85,7 @@ class StreamedUpdate:
         self.grads = grads
         self.max_grad_norm = max_grad_norm  # clip every step to this (the config's)
         self.clip_next: float | None = None  # clip the next step to this (Engine.clip_grad_norm_)
-        self._pushed_foreign: list[dict] = []  # the group values last given a torch optimizer run as it is
+        self._pushed_foreign = [{} for _ in param_groups]  # the group values last given a torch optimizer run as it is
         self.clipped_last = False  # the last step clipped (early updates would be discarded)
         self.transport = grads.transport  # `_transport.Transport`: the copies ([Note: every copy counted])
         self.stats = getattr(self.transport, "stats", None)  # `_stats.Stats`, or None (nothing counted)
@@ -120,7 +126,7 @@ class StreamedUpdate:
         self.clipped_last = False
         if clip is not None:
             norm = self.grads.norms.global_norm() / loss_scale
-            coef = min(1.0, clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+            coef = clip_coef(clip, norm)
             divide = loss_scale / coef
             self.clipped_last = coef < 1.0
         committed = overlap.commit(divide) if overlap is not None else set()
@@ -304,10 +310,7 @@ class StreamedUpdate:
                     g = grads[u.index][gs].view(u.records[i].shape)
                     shadow.grad = g if grad_scale is None else g / grad_scale
                     used.append(shadow)
-        pushed = self._pushed_foreign
-        if not pushed:
-            pushed.extend({} for _ in self.param_groups)
-        for mine, theirs, last in zip(self.param_groups, st.foreign.param_groups, pushed):
+        for mine, theirs, last in zip(self.param_groups, st.foreign.param_groups, self._pushed_foreign):
             # A value changed on the user's own optimizer since the last step (a schedule made on
             # it before initialize, a change by hand) is taken; then ours go to it.
             for k, v in theirs.items():

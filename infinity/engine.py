@@ -56,6 +56,7 @@ from ._stats import Stats, peak_rss_bytes
 from ._store import Store
 from ._transport import Transport
 from ._units import UnitState, build_units
+from ._update import clip_coef
 from .config import TierConfig
 
 logger = logging.getLogger("infinity")
@@ -346,7 +347,8 @@ class Engine:
         self._guard.before_step()
         _gather.refuse_open(self, "engine.step()")
         self._accumulation.check_whole(self.scheduler.backward_lost)
-        self._said_partial = _units.warn_partial(self.units, not self._said_partial) or self._said_partial
+        if _units.warn_partial(self.units, say=not self._said_partial):
+            self._said_partial = True
         self.scheduler.release_all()
         scale = _scale_of(self._scaler)
         try:
@@ -449,7 +451,7 @@ class Engine:
             raise ValueError(f"{max_norm=} must be > 0")
         norm, before = self.grad_norm(), self.optimizer.clip_next
         if before is not None:  # a clip asked earlier this step: the norm of the gradients as it left them
-            norm *= min(1.0, before / (norm + 1e-6))
+            norm *= clip_coef(before, norm)
         # Two clips in a row leave the smaller bound, as torch's would (and [optimizer]
         # max_grad_norm still applies: the step clips to the smallest).
         self.optimizer.clip_next = float(max_norm) if before is None else min(before, float(max_norm))

@@ -227,9 +227,7 @@ inline void adam_int8(const Codec& signed_codec, const Codec& unsigned_codec, co
   // A parallel region costs microseconds: one thread per 256K elements at most.
   const int64_t parts = std::min<int64_t>(threads, std::max<int64_t>(1, elements >> 18));
   std::atomic<int64_t> next{0};
-  std::exception_ptr error;
-#pragma omp parallel num_threads(parts)
-  {
+  in_parts(parts, 1, parts, [&](int64_t, int64_t) {  // one worker a part; in_parts raises the first error
     try {
       const int64_t tile = kTileBlocks * block;
       std::vector<float> mbuf(tile), vbuf(tile);
@@ -241,12 +239,10 @@ inline void adam_int8(const Codec& signed_codec, const Codec& unsigned_codec, co
                         mbuf.data(), vbuf.data());
       }
     } catch (...) {
-#pragma omp critical
-      if (!error) error = std::current_exception();
       next.store(chunks);  // the others stop at their next chunk
+      throw;
     }
-  }
-  if (error) std::rethrow_exception(error);
+  });
 }
 
 }  // namespace infinity_native

@@ -264,17 +264,18 @@ def _trainer_owned(cfg, args):
     disagrees, is refused by name, as a DeepSpeed config's is; it was ignored, and the config's
     max_grad_norm clipped a second time at the step."""
     given, default = cfg.optimizer, OptimizerConfig()
-    trainer = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon,
-               "weight_decay": args.weight_decay, "max_grad_norm": args.max_grad_norm or None,
+    trainer = {"type": getattr(args.optim, "value", args.optim), "lr": args.learning_rate,
+               "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon, "weight_decay": args.weight_decay,
+               "max_grad_norm": args.max_grad_norm or None,
                "gradient_accumulation_steps": args.gradient_accumulation_steps}  # fmt: skip
     for key, arg in _OWNED.items():
         value = getattr(given, key)
         if value == getattr(default, key):
             continue
-        if key == "type" or value != trainer[key]:
-            theirs = f"TrainingArguments.{arg} = {trainer[key]!r}" if key != "type" else f"TrainingArguments.{arg}"
+        if key == "type" or value != trainer[key]:  # (a type is refused whatever optim names: they differ in kind)
             raise ValueError(
-                f"infinity_config optimizer.{key} = {value!r}, but under InfinityTrainer {theirs} sets it (the "
+                f"infinity_config optimizer.{key} = {value!r}, but under InfinityTrainer TrainingArguments.{arg} = "
+                f"{trainer[key]!r} sets it (the "
                 "Trainer builds the optimizer and clips): set it in the TrainingArguments and leave it out of the "
                 "engine's config"
             )
