@@ -31,6 +31,7 @@ no room is left to the step, as on nvme. The tensors are pinned where CUDA is, a
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from concurrent.futures import Future
@@ -104,53 +105,93 @@ def fit(layout, cfg, room: int) -> int:
 
 
 class _Staging:
-    """Host tensors for staged copies, at most ``budget`` bytes live or free together. Tensors
-    given back are kept for the next that asks for the same shape and dtype."""
+    """Host buffers for staged copies, at most ``budget`` bytes held, staged and free together.
+
+    [Note: staging without churn]
+    Where CUDA is, a buffer is pinned when it is made (cudaHostRegister) and unpinned when it
+    is given up (cudaHostUnregister): 3.4 ms and 25.8 ms for a sub-group's buffer of the 953M
+    model on the H200 machine, on the thread that hands the updates over, under backward.
+    Matched by exact shape and taken one at a time, buffers were given up and made again every
+    step where the budget staged only part of the sub-groups (36 of each a step there: 1.05 s of
+    the hand-over's 1.10, benchmarks/gpu_step.py's profile). So a buffer serves any request it
+    holds, whatever it served before: the smallest free one that holds it (by bytes); a
+    sub-group's requests are taken together or not at all (`take_all`); free buffers are given
+    up only where that makes the whole sub-group fit. A buffer that becomes a state's tensor at
+    commit is exchanged for the one it replaces (`exchange`), so next step each staged sub-group
+    finds the buffers its own commit gave back: once the first step has made them, a step makes
+    and gives up none (`allocated` counts them)."""
 
     def __init__(self, budget: int, pin: bool):
         self.budget = budget
         self.pin = pin
-        self.bytes = 0  # staged and free together
-        self._warned = False  # an allocation failed once (said once)
-        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self.bytes = 0  # the bytes of the buffers held, staged and free together
+        self.allocated = 0  # buffers made, ever
+        self._warned = False  # making one failed once (said once)
+        self._held: dict[int, torch.Tensor] = {}  # data_ptr -> the whole buffer (uint8), staged or free
+        self._free: list[tuple[int, int]] = []  # (bytes, data_ptr) of the free ones, sorted
 
-    def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
-        """A tensor of ``shape`` and ``dtype`` (contents undefined), or None: no room."""
-        key = (tuple(shape), dtype)
-        free = self._free.get(key)
-        if free:
-            return free.pop()
-        nbytes = _nbytes(shape, dtype)
-        while self.bytes + nbytes > self.budget and self._drop_one():
-            pass
-        if self.bytes + nbytes > self.budget:
-            return None
-        # Page-aligned (and pinned where CUDA is): a staged tensor written to nvme (the new
-        # parameters, [Note: parameters written under backward]) goes to the drive directly,
-        # with no bounce buffer taken from the pool inside a hook.
+    def take_all(self, requests) -> list[torch.Tensor] | None:
+        """A tensor for each ``(shape, dtype)`` of ``requests`` (contents undefined), or None
+        and nothing taken: no room for all of them."""
+        needs = [max(_nbytes(shape, dtype), 1) for shape, dtype in requests]
+        free, chosen = list(self._free), {}
+        for i in sorted(range(len(needs)), key=lambda i: -needs[i]):  # the largest first: then best fit is optimal
+            at = bisect.bisect_left(free, (needs[i], -1))
+            if at < len(free):
+                chosen[i] = free.pop(at)[1]
+        new = sum(n for i, n in enumerate(needs) if i not in chosen)
+        if self.bytes + new > self.budget:
+            if self.bytes - sum(n for n, _ in free) + new > self.budget:
+                return None  # not even giving up every spare buffer makes room: nothing changes
+            while self.bytes + new > self.budget:
+                n, ptr = free.pop()  # the largest spare first: the fewest given up
+                del self._held[ptr]
+                self.bytes -= n
+        self._free = free
         try:
-            t = empty_aligned(max(nbytes, dtype.itemsize), pin=self.pin)
+            for i, n in enumerate(needs):
+                if i not in chosen:
+                    chosen[i] = self._make(n)
         except (RuntimeError, OSError, MemoryError) as e:  # no memory to map, or to pin (cudaHostRegister)
+            for ptr in chosen.values():
+                self._put(ptr)
             if not self._warned:
                 self._warned = True
                 logger.warning("optimizer.overlap: %d bytes of staging could not be allocated (%s); the "
-                               "sub-groups that needed them are updated by the step instead", nbytes, e)  # fmt: skip
-            return None  # as no room: the step updates that sub-group
-        self.bytes += nbytes
-        return t.view(dtype)[: math.prod(shape)].view(shape)
+                               "sub-groups that needed them are updated by the step instead", new, e)  # fmt: skip
+            return None
+        return [self._held[chosen[i]][: _nbytes(shape, dtype)].view(dtype).view(shape)
+                for i, (shape, dtype) in enumerate(requests)]  # fmt: skip
 
     def give(self, t: torch.Tensor) -> None:
-        """``t`` is free again: a staged copy discarded or written, or a state's tensor that
-        its staged copy replaced (same shape and dtype: the count stays right)."""
-        self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+        """``t``, taken from here, is free again: a staged copy discarded or written."""
+        self._put(t.data_ptr())
 
-    def _drop_one(self) -> bool:
-        for free in self._free.values():
-            if free:
-                t = free.pop()
-                self.bytes -= _nbytes(t.shape, t.dtype)
-                return True
-        return False
+    def exchange(self, staged: torch.Tensor, replaced: torch.Tensor) -> None:
+        """``staged``, taken from here, became a state's tensor, in place of ``replaced``, which
+        is a free buffer from now on (the bytes held stay the same where they are the same)."""
+        base = self._held.pop(staged.data_ptr())
+        self.bytes -= base.numel()
+        flat = replaced.detach().reshape(-1)
+        if not replaced.is_contiguous() or flat.data_ptr() % 64:
+            return  # not a buffer of its own: left to the store's owner
+        base = flat.view(torch.uint8)
+        self._held[base.data_ptr()] = base
+        self.bytes += base.numel()
+        self._put(base.data_ptr())
+
+    def _make(self, nbytes: int) -> int:
+        # Page-aligned (and pinned where CUDA is): a staged tensor written to nvme (the new
+        # parameters, [Note: parameters written under backward]) goes to the drive directly,
+        # with no bounce buffer taken from the pool inside a hook.
+        base = empty_aligned(nbytes, pin=self.pin)
+        self._held[base.data_ptr()] = base
+        self.bytes += nbytes
+        self.allocated += 1
+        return base.data_ptr()
+
+    def _put(self, ptr: int) -> None:
+        bisect.insort(self._free, (self._held[ptr].numel(), ptr))
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -267,19 +308,14 @@ class InMemory:
         transport = opt.grads.transport
         states, copies, params, leases, grads = [], [], {}, [], {}
         try:
-            for kind in opt.kinds:
-                src = opt.states[kind].get(sg.record.name_for()).result().tensor  # resident: lent in place
-                dst = self.tensors.take(src.shape, src.dtype)
-                if dst is None:
-                    raise _NoRoom
-                states.append(src)
-                copies.append(dst)
-            for u in early.units:
-                s = sg.slices[u.index]
-                dst = self.tensors.take((s.stop - s.start,), opt.param_dtype)
-                if dst is None:
-                    raise _NoRoom
-                params[u.index] = dst
+            states = [opt.states[kind].get(sg.record.name_for()).result().tensor for kind in opt.kinds]  # lent in place
+            wanted = [(src.shape, src.dtype) for src in states]
+            wanted += [((sg.slices[u.index].stop - sg.slices[u.index].start,), opt.param_dtype) for u in early.units]
+            taken = self.tensors.take_all(wanted)  # all or none: [Note: staging without churn]
+            if taken is None:
+                raise _NoRoom
+            copies = taken[: len(states)]
+            params = {u.index: t for u, t in zip(early.units, taken[len(states) :])}
             host = copies[0].device
             for u in early.units:
                 early.versions[u.index] = opt.grads.version[u.index]
@@ -331,7 +367,7 @@ class InMemory:
         sg = opt.groups[index]
         copies, params = self._copies.pop(index)
         for kind, t in zip(opt.kinds, copies):
-            self.tensors.give(opt.states[kind].swap(sg.record.name_for(), t))
+            self.tensors.exchange(t, opt.states[kind].swap(sg.record.name_for(), t))
         if self._renamed(ov, index, early):
             for u in early.units:
                 self.tensors.give(params[u.index])
