@@ -195,7 +195,8 @@ def main(argv=None) -> int:
                     "d2h_gbps": st["d2h_gbps"], "stall": st["stall_seconds"], "h2d_seconds": st["h2d_seconds"],
                     "d2h_seconds": st["d2h_seconds"], "host_optimizer": st["optimizer_seconds"],
                     "update": st["update_seconds"],
-                    "read_bytes": st["nvme"]["read_bytes"], "write_bytes": st["nvme"]["write_bytes"]}  # fmt: skip
+                    "read_bytes": st["nvme"]["read_bytes"], "write_bytes": st["nvme"]["write_bytes"],
+                    "kept_for_backward": st["kept_for_backward"], "fetches": st["fetches"]}  # fmt: skip
 
         run_drive = None
         if any("nvme" in pl for pl in placements):
@@ -314,6 +315,10 @@ def _measure(args, dev, shape, placement, resident_step, infinity_step, run_driv
                                                                    "d2h_seconds", "host_optimizer", "update")},
         "read_bytes": med(lambda q: q["infinity"]["read_bytes"]), "write_bytes": med(lambda q: q["infinity"]["write_bytes"]),
         "max_loss_diff": max(abs(q["infinity"]["loss"] - q["resident"]["loss"]) for q in pairs),
+        # units fetched, and found kept from forward by backward (memory.device_budget: not read again)
+        "fetches": med(lambda q: q["infinity"]["fetches"]),
+        "kept_for_backward": med(lambda q: q["infinity"]["kept_for_backward"]),
+        "device_budget_bytes": engine.stats()["device_budget_bytes"],
     })  # fmt: skip
     if dev == "cuda":
         row["pinned_peak_gbps"] = med(lambda q: q["copy_peak"]["pinned"])

@@ -421,6 +421,7 @@ class Engine:
             "peak_host_pool_bytes": self.pool.peak_bytes if self.pool else 0,
             "peak_rss_bytes": peak_rss_bytes(),
             "host_budget_bytes": self.config.memory.host_budget,
+            "device_budget_bytes": self.scheduler.prefetcher.device_budget,  # kept for backward (None: no bound)
             "loss_scale": self._scaler.scale if self._scaler else None,
             "resident_bytes": _resident_bytes((self.param_store, self.grads.store, *self.optimizer.states.values())),
             "disk": self.footprint.as_dict(self.space) if self.footprint is not None else {},
@@ -676,11 +677,15 @@ def _whole(dist, unit, shard: torch.Tensor, rank0_only: bool = False) -> torch.T
 def _device_budget(cfg: TierConfig, device: torch.device) -> int | None:
     """``memory.device_budget``, or its default: on a GPU half of what it has free now (the
     rest for activations and the units in use), on the host none (``host_budget`` bounds the
-    pool buffers kept units are)."""
+    pool buffers kept units are). Free on a GPU counts what torch's caching allocator holds
+    unused, which the kept units are allocated from first: after a large batch, or another
+    model's run in the same process, most of a GPU can be cached (the resident side of
+    benchmarks/gpu_step.py peaked at 142 GB of an H200's 149)."""
     if cfg.memory.device_budget is not None or device.type == "cpu":
         return cfg.memory.device_budget
     free, _ = torch.cuda.mem_get_info(device)
-    return free // 2
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return (free + cached) // 2
 
 
 def _close_dropped(space, pool, aio) -> None:
