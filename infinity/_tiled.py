@@ -122,13 +122,41 @@ class _LinearFn(torch.autograd.Function):
                 lo, hi = unit.rows
                 gk = g[..., lo:hi]
                 if need_x:
-                    gx.add_(gk.float() @ unit.piece(0).float())
+                    gx.view(-1, gx.shape[-1]).add_(_fp32_product(gk.reshape(-1, hi - lo), unit.piece(0)))
                 g2 = gk.reshape(-1, hi - lo)
                 if need_w:
                     scheduler.runtime.tile_grad(unit, 0, g2.t() @ xc)
                 if need_b:  # a bias trained under a frozen weight too
                     scheduler.runtime.tile_grad(unit, 1, g2.sum(0))
         return (gx.to(x.dtype) if need_x else None), None, None, None, None, None
+
+
+def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in fp32, for a sum over tiles rounded once.
+
+    [Note: the input gradient's matmul on a GPU]
+    bf16 or fp16 factors on a GPU are multiplied on its tensor cores with an fp32 result
+    (``torch.mm``'s ``out_dtype``): their products are exact in fp32 and summed in fp32, as in
+    the fp32 matmul of the upcast factors, which the tensor cores do not run (TF32 is off by
+    default). That fp32 matmul, in every tiled Linear's backward (the MLP's three projections
+    of each block of the 953M Llama, and its output layer), was about 0.8 s of its 1.26 s
+    backward at 16x2048 on an H200 (aten::mm 1.13 s of GPU time, where the resident step took
+    0.55 s in all). Weights of another dtype (fp32 under autocast) are cast to the gradient's,
+    as autocast cast them for forward's matmul. Elsewhere (the host, or fp32) the upcast
+    matmul."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _mm_out_dtype():
+        return torch.mm(a, b.to(a.dtype), out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+@functools.cache
+def _mm_out_dtype() -> bool:
+    """Whether this torch multiplies bf16 into fp32 on a GPU (``torch.mm(..., out_dtype=)``)."""
+    try:
+        x = torch.ones(16, 16, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 class _EmbeddingFn(torch.autograd.Function):

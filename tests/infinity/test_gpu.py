@@ -443,3 +443,36 @@ def test_early_updates_on_the_worker_match_the_step_after_backward_bit_for_bit(t
     for k in want[1]:
         assert torch.equal(got[1][k], want[1][k]), k
     assert want[2] == [0, 0, 0] and all(c == got[3] for c in got[2]), got[2]
+
+
+def test_a_tiled_linear_multiplies_its_input_gradient_on_the_tensor_cores(tmp_path):
+    """bf16 tiles' input gradient on the GPU: torch.mm's bf16 -> fp32 product, not the fp32
+    matmul of upcast factors ([Note: the input gradient's matmul on a GPU] in `_tiled`), and
+    within bf16 rounding of the untiled Linear's."""
+    from infinity import _tiled
+
+    assert _tiled._mm_out_dtype(), "this torch has no bf16 -> fp32 torch.mm on the GPU: the fp32 matmul runs"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 256))
+    ref = copy.deepcopy(model).cuda().to(torch.bfloat16)
+    cfg = {"tiers": {"params": "device", "grads": "device", "optimizer": "cpu"}, "nvme": {"paths": [str(tmp_path)]},
+           "precision": {"param_dtype": "bf16"}, "memory": {"tile_size": "512KiB"}}  # fmt: skip
+    calls = []
+    real = torch.mm
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("out_dtype"))
+        return real(*args, **kwargs)
+
+    with infinity.initialize(model, cfg) as engine:
+        assert any(u.is_tile for u in engine.units)
+        x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        torch.mm = counting
+        try:
+            engine(x).float().pow(2).sum().backward()
+        finally:
+            torch.mm = real
+        ref(xr).float().pow(2).sum().backward()
+        assert torch.float32 in calls, calls
+        assert torch.allclose(x.grad.float(), xr.grad.float(), rtol=2**-6, atol=1e-3), (x.grad - xr.grad).abs().max()
