@@ -222,6 +222,10 @@ def main(argv=None) -> int:
             opt = [torch.optim.AdamW(model.parameters(), lr=args.lr, fused=dev == "cuda")]
             t = time.perf_counter()
             engine = infinity.from_pretrained(transformers.LlamaForCausalLM, os.path.join(work, "weights"), cfg)
+            # Training mode, as a training loop sets it: from_pretrained returns the model in eval
+            # mode, where transformers skips gradient checkpointing (before this, the infinity
+            # side of a --checkpointing run kept every activation and did not recompute).
+            engine.module.train()
             if args.checkpointing:
                 engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             print(f"gpu_step: from_pretrained into {placement} in {time.perf_counter() - t:.1f}s", file=sys.stderr,

@@ -128,6 +128,7 @@ def _infinity_worker(args) -> None:
     reset_peak()
     engine = infinity.from_pretrained(transformers.LlamaForCausalLM, args.weights, tiers)
     init_growth = peak() - base
+    engine.module.train()  # as a training loop sets it (from_pretrained returns eval mode)
 
     def run_step(step: int) -> dict:
         ids = _batch(args, step)
