@@ -447,8 +447,10 @@ def test_early_updates_on_the_worker_match_the_step_after_backward_bit_for_bit(t
 
 def test_a_tiled_linear_multiplies_its_input_gradient_on_the_tensor_cores(tmp_path):
     """bf16 tiles' input gradient on the GPU: torch.mm's bf16 -> fp32 product, not the fp32
-    matmul of upcast factors ([Note: the input gradient's matmul on a GPU] in `_tiled`), and
-    within bf16 rounding of the untiled Linear's."""
+    matmul of upcast factors ([Note: the input gradient's matmul on a GPU] in `_tiled`), and no
+    farther from the fp32 computation (the same bf16 weights and input) than the untiled bf16
+    Linears' are, but by bf16 rounding (the two differed by 2 ulps on an H200, as the whole
+    matmuls round differently)."""
     from infinity import _tiled
 
     assert _tiled._mm_out_dtype(), "this torch has no bf16 -> fp32 torch.mm on the GPU: the fp32 matmul runs"
@@ -474,5 +476,9 @@ def test_a_tiled_linear_multiplies_its_input_gradient_on_the_tensor_cores(tmp_pa
         finally:
             torch.mm = real
         ref(xr).float().pow(2).sum().backward()
+        exact = copy.deepcopy(ref).float()
+        xe = x.detach().float().requires_grad_(True)
+        exact(xe).pow(2).sum().backward()
         assert torch.float32 in calls, calls
-        assert torch.allclose(x.grad.float(), xr.grad.float(), rtol=2**-6, atol=1e-3), (x.grad - xr.grad).abs().max()
+        ours, theirs = (x.grad.float() - xe.grad).abs().max(), (xr.grad.float() - xe.grad).abs().max()
+        assert ours <= 2 * theirs + 2**-10, (ours, theirs)
