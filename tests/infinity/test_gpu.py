@@ -482,3 +482,37 @@ def test_a_tiled_linear_multiplies_its_input_gradient_on_the_tensor_cores(tmp_pa
         assert torch.float32 in calls, calls
         ours, theirs = (x.grad.float() - xe.grad).abs().max(), (xr.grad.float() - xe.grad).abs().max()
         assert ours <= 2 * theirs + 2**-10, (ours, theirs)
+
+
+@pytest.mark.parametrize("tiers", [("device", "device", "cpu"), ("nvme", "cpu", "cpu")], ids=["ddc", "ncc"])
+def test_tiled_modules_make_no_host_synchronisation(tmp_path, tiers):
+    """A vocabulary-sized embedding and output layer cut into tiles, whole steps in bf16 under
+    torch.cuda.set_sync_debug_mode("error"): the tiled embedding's lookups and gradient and the
+    tiled Linear's products never wait for the GPU ([Note: a tiled embedding without host
+    synchronisation] in `_tiled`)."""
+    import warnings
+
+    torch.manual_seed(0)
+    vocab, width = 4096, 128
+    model = nn.Sequential(nn.Embedding(vocab, width, padding_idx=0), nn.Linear(width, width), nn.Tanh(),
+                          nn.Linear(width, vocab))  # fmt: skip
+    cfg = {"tiers": dict(zip(("params", "grads", "optimizer"), tiers)), "nvme": {"paths": [str(tmp_path)]},
+           "precision": {"param_dtype": "bf16"}, "memory": {"tile_size": "512KiB"}, "optimizer": {"lr": 1e-3}}  # fmt: skip
+    ids = [torch.randint(0, vocab, (8, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+           for i in range(4)]  # fmt: skip
+    with infinity.initialize(model, cfg) as engine:
+        assert sum(u.is_tile for u in engine.units) >= 4
+        losses = []
+        try:
+            for i, x in enumerate(ids):
+                if i == 1:  # the first step may set up lazily
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # set_sync_debug_mode's own "prototype feature" notice
+                        torch.cuda.set_sync_debug_mode("error")
+                loss = nn.functional.cross_entropy(engine(x).float().reshape(-1, vocab), x.reshape(-1))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach())
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(torch.isfinite(v).item() for v in losses)

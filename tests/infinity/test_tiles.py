@@ -177,6 +177,34 @@ def test_an_id_out_of_range_raises_as_torch_does(tmp_path):
         _run(engine, 1)  # and the engine trains on
 
 
+@pytest.mark.parametrize("tiers", [NVME, ("device", "device", "cpu")], ids=["nvme", "device-device-cpu"])
+def test_the_embeddings_gpu_way_trains_the_same_bytes_as_the_hosts(tmp_path, monkeypatch, tiers):
+    """The tiled embedding's way on a GPU (no boolean indexing, one gradient for the vocabulary
+    handed to the tiles as views: [Note: a tiled embedding without host synchronisation]) taken
+    on the host: the same losses and weights, bit for bit, as the host's way, the padding row
+    and accumulation included; an id out of range is refused there too (by the assertion)."""
+    from infinity import _tiled
+
+    def train(path, gpu_way):
+        if gpu_way:
+            monkeypatch.setattr(_tiled, "_on_gpu", lambda t: True)
+        torch.manual_seed(0)
+        with infinity.initialize(Toy(), _cfg(path, tiers)) as engine:
+            assert sum(u.is_tile and u.path == "embed" for u in engine.units) >= 3
+            losses = _run(engine, 3, micro=2)
+            if gpu_way:
+                with pytest.raises(RuntimeError, match="index out of range"):
+                    engine(torch.tensor([[1, VOCAB]]))
+                engine.zero_grad()
+            weights = engine.gathered_weights()
+        monkeypatch.undo()
+        return losses, weights
+
+    host, gpu = train(tmp_path / "host", False), train(tmp_path / "gpu", True)
+    assert gpu[0] == host[0]
+    assert all(torch.equal(gpu[1][k], host[1][k]) for k in host[1])
+
+
 def test_state_dict_round_trip_and_checkpoint_resume(tmp_path):
     torch.manual_seed(0)
     model = Toy()
