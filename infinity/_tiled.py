@@ -163,7 +163,7 @@ class _EmbeddingFn(torch.autograd.Function):
     """[Note: a tiled embedding without host synchronisation]
     Boolean-mask indexing (``out[ids in tile]``) sizes its result on the host, so on a GPU each
     waits for the GPU to get there: 37 stream synchronisations a step of the 953M Llama in bf16
-    (its embedding is 9 tiles), 0.46 s of the host waiting on an H200, and the range check's
+    (its embedding is 8 tiles), 0.46 s of the host waiting on an H200, and the range check's
     ``int(ids.min())`` two more. So forward picks each tile's rows with ``torch.where`` (every
     row is looked up in one tile exactly, so the result is the same bytes); on a GPU the ids
     are checked by a device-side assertion, as ``nn.Embedding`` checks them there, and backward

@@ -446,3 +446,23 @@ def test_a_tiled_first_layer_whose_input_needs_no_gradient(tmp_path):
             opt.zero_grad()
             assert abs(loss.item() - ref_loss.item()) < 1e-5
         _close(engine.gathered_weights(), dict(ref.named_parameters()))
+
+
+def test_tiles_begin_at_a_multiple_of_64_rows():
+    """Tiles cut at the byte budget begin at multiples of `TILE_ROW_ALIGN` rows, so a tiled
+    Linear's output slices begin aligned for cuBLAS (the 953M Llama's down_proj was cut at row
+    1489 before); a tile of fewer rows than that keeps the budget's cut."""
+    from collections import Counter
+
+    from infinity._units import TILE_ROW_ALIGN, _tile_rows
+
+    def rows(module, tile_bytes):
+        own = list(module.parameters())
+        return _tile_rows(module, own, Counter(id(p) for p in own), tile_bytes)
+
+    down = rows(nn.Linear(5632, 2048, bias=False), 32 << 20)
+    assert down == [(0, 1472), (1472, 2048)] and TILE_ROW_ALIGN == 64
+    head = rows(nn.Linear(2048, 32000), 32 << 20)
+    assert all(lo % 64 == 0 for lo, _ in head) and head[-1][1] == 32000
+    assert all(hi - lo <= (32 << 20) // (4 * 2049) for lo, hi in head)  # within the budget (a row: weight and bias)
+    assert rows(nn.Linear(WIDTH, VOCAB), 4096)[:2] == [(0, 40), (40, 80)]  # fewer rows than 64: as the budget cuts
