@@ -114,7 +114,9 @@ class _Staging:
     Matched by exact shape and taken one at a time, buffers were given up and made again every
     step where the budget staged only part of the sub-groups (36 of each a step there: 1.05 s of
     the hand-over's 1.10, benchmarks/gpu_step.py's profile). So a buffer serves any request it
-    holds, whatever it served before: the smallest free one that holds it (by bytes); a
+    holds, whatever it served before: the smallest free one that holds it (by bytes), if it
+    is at most an eighth (and a page) larger: a copy of a state becomes the state at commit,
+    with the buffer's spare bytes, which staging no longer counts; a
     sub-group's requests are taken together or not at all (`take_all`); free buffers are given
     up only where that makes the whole sub-group fit. A buffer that becomes a state's tensor at
     commit is exchanged for the one it replaces (`exchange`), so next step each staged sub-group
@@ -137,7 +139,7 @@ class _Staging:
         free, chosen = list(self._free), {}
         for i in sorted(range(len(needs)), key=lambda i: -needs[i]):  # the largest first: then best fit is optimal
             at = bisect.bisect_left(free, (needs[i], -1))
-            if at < len(free):
+            if at < len(free) and free[at][0] <= needs[i] + needs[i] // 8 + 4096:
                 chosen[i] = free.pop(at)[1]
         new = sum(n for i, n in enumerate(needs) if i not in chosen)
         if self.bytes + new > self.budget:
