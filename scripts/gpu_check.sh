@@ -113,7 +113,7 @@ if [[ -n $tests_expr ]] && room tests; then
     per_test=()
     "$PY" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=120)
     (cd /tmp && PYTHONUNBUFFERED=1 limited "$limit" "$PY" -m pytest -q -m "$tests_expr" -p no:cacheprovider \
-        -o addopts="-ra --import-mode=importlib" --durations=15 "${per_test[@]}" \
+        -o addopts="-ra --import-mode=importlib" -W ignore::pytest.PytestUnknownMarkWarning --durations=15 "${per_test[@]}" \
         /tmp/infinity-gpu-tests/infinity/test_gpu.py /tmp/infinity-gpu-tests) 2>&1 |
         tee "$OUTDIR/pytest.log"
     ((PIPESTATUS[0] == 0)) || status=1
