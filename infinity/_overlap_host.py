@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import mmap
 from concurrent.futures import Future
 
 import torch
@@ -133,13 +134,18 @@ class _Staging:
         self._free: list[tuple[int, int]] = []  # (bytes, data_ptr) of the free ones, sorted
 
     def take_all(self, requests) -> list[torch.Tensor] | None:
-        """A tensor for each ``(shape, dtype)`` of ``requests`` (contents undefined), or None
-        and nothing taken: no room for all of them."""
-        needs = [max(_nbytes(shape, dtype), 1) for shape, dtype in requests]
+        """A tensor for each ``(shape, dtype, page_aligned)`` of ``requests`` (contents
+        undefined), or None and nothing taken: no room for all of them. ``page_aligned``: the
+        tensor may be written to nvme directly (a new parameter: [Note: parameters written
+        under backward]); a state's former tensor, exchanged in, is aligned as torch's
+        allocator left it (64 bytes), and serves only the others."""
+        needs = [max(_nbytes(shape, dtype), 1) for shape, dtype, _ in requests]
         free, chosen = list(self._free), {}
         for i in sorted(range(len(needs)), key=lambda i: -needs[i]):  # the largest first: then best fit is optimal
-            at = bisect.bisect_left(free, (needs[i], -1))
-            if at < len(free) and free[at][0] <= needs[i] + needs[i] // 8 + 4096:
+            at, most = bisect.bisect_left(free, (needs[i], -1)), needs[i] + needs[i] // 8 + 4096
+            while requests[i][2] and at < len(free) and free[at][0] <= most and free[at][1] % mmap.PAGESIZE:
+                at += 1
+            if at < len(free) and free[at][0] <= most:
                 chosen[i] = free.pop(at)[1]
         new = sum(n for i, n in enumerate(needs) if i not in chosen)
         if self.bytes + new > self.budget:
@@ -163,7 +169,7 @@ class _Staging:
                                "sub-groups that needed them are updated by the step instead", new, e)  # fmt: skip
             return None
         return [self._held[chosen[i]][: _nbytes(shape, dtype)].view(dtype).view(shape)
-                for i, (shape, dtype) in enumerate(requests)]  # fmt: skip
+                for i, (shape, dtype, _) in enumerate(requests)]  # fmt: skip
 
     def give(self, t: torch.Tensor) -> None:
         """``t``, taken from here, is free again: a staged copy discarded or written."""
@@ -311,8 +317,8 @@ class InMemory:
         states, copies, params, leases, grads = [], [], {}, [], {}
         try:
             states = [opt.states[kind].get(sg.record.name_for()).result().tensor for kind in opt.kinds]  # lent in place
-            wanted = [(src.shape, src.dtype) for src in states]
-            wanted += [((sg.slices[u.index].stop - sg.slices[u.index].start,), opt.param_dtype) for u in early.units]
+            wanted = [(src.shape, src.dtype, False) for src in states]
+            wanted += [((sg.slices[u.index].stop - sg.slices[u.index].start,), opt.param_dtype, True) for u in early.units]
             taken = self.tensors.take_all(wanted)  # all or none: [Note: staging without churn]
             if taken is None:
                 raise _NoRoom
