@@ -167,7 +167,8 @@ class _EmbeddingFn(torch.autograd.Function):
     ``int(ids.min())`` two more. So forward picks each tile's rows with ``torch.where`` (every
     row is looked up in one tile exactly, so the result is the same bytes); on a GPU the ids
     are checked by a device-side assertion, as ``nn.Embedding`` checks them there, and backward
-    adds the whole gradient in one ``index_add_`` and hands each tile its rows (a view: the
+    makes the whole gradient with ``nn.Embedding``'s own kernel (``embedding_dense_backward``,
+    which sums in fp32 on a GPU) and hands each tile its rows (a view: the
     vocabulary's gradient lives on the device until the tiles' have gone, as an untiled
     embedding's does). On the host, where the tiles bound host memory, backward adds each
     tile's rows apart, and an id out of range is an IndexError before anything runs."""
@@ -194,10 +195,11 @@ class _EmbeddingFn(torch.autograd.Function):
         tiles: _Tiles = ctx.tiles
         scheduler = tiles.live()
         if _on_gpu(grad_out):  # the weights themselves are not read: no fetch
-            gw = torch.zeros(tiles.rows, grad_out.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
-            gw.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]))
-            if ctx.padding_idx is not None:  # the padding row gets no gradient, as in nn.Embedding
-                gw[ctx.padding_idx].zero_()
+            # nn.Embedding's own gradient kernel: on a GPU it sums in fp32 and rounds once (an
+            # index_add_ into a bf16 gradient would round at every add of a frequent id); the
+            # padding row gets none.
+            pad = -1 if ctx.padding_idx is None else ctx.padding_idx
+            gw = torch.ops.aten.embedding_dense_backward(grad_out, ids, tiles.rows, pad, False)
             for unit in tiles.tiles:
                 lo, hi = unit.rows
                 scheduler.runtime.tile_grad(unit, 0, gw[lo:hi])
