@@ -205,6 +205,43 @@ def test_the_embeddings_gpu_way_trains_the_same_bytes_as_the_hosts(tmp_path, mon
     assert all(torch.equal(gpu[1][k], host[1][k]) for k in host[1])
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tiles_on_the_device_computed_whole_train_as_untiled(tmp_path, monkeypatch, dtype):
+    """With the parameters on the device and the compute on a GPU (taken here on the host), a
+    tiled Linear computes with its whole weight ([Note: tiles computed whole]): the losses and
+    weights of an untiled run (tile_size None), the tiles still the units of the gradients and
+    the optimizer; the tile-by-tile path is not taken."""
+    from infinity import _tiled
+
+    tiers = ("device", "device", "cpu")
+    # SGD: Adam's update hides a gradient's scale
+    precision = {"precision": {"param_dtype": dtype}, "optimizer": {"type": "sgd", "momentum": 0.9}}
+    torch.manual_seed(0)
+    model = Toy()
+    untiled = copy.deepcopy(model)
+    with infinity.initialize(untiled, _cfg(tmp_path / "whole", tiers, tile=None, **precision)) as engine:
+        assert not any(u.is_tile for u in engine.units)
+        want = _run(engine, 3, micro=2)
+        want_w = engine.gathered_weights()
+    monkeypatch.setattr(_tiled, "_on_gpu", lambda t: True)
+    calls = {"tile by tile": 0}
+    real = _tiled._fp32_product
+
+    def counted(*args):
+        calls["tile by tile"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(_tiled, "_fp32_product", counted)
+    with infinity.initialize(model, _cfg(tmp_path / "tiled", tiers, **precision)) as engine:
+        assert sum(u.is_tile and u.path == "out" for u in engine.units) >= 3
+        got = _run(engine, 3, micro=2)
+        got_w = engine.gathered_weights()
+    assert calls["tile by tile"] == 0
+    tol = 1e-6 if dtype == "fp32" else 0
+    assert got == pytest.approx(want, abs=tol)
+    _close(got_w, want_w, tol=tol if tol else 1e-9)
+
+
 def test_state_dict_round_trip_and_checkpoint_resume(tmp_path):
     torch.manual_seed(0)
     model = Toy()
