@@ -198,8 +198,10 @@ def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     the fp32 matmul of the upcast factors, which the tensor cores do not run (TF32 is off by
     default). That fp32 matmul, in every tiled Linear's backward (the MLP's three projections
     of each block of the 953M Llama, and its output layer), was about 0.8 s of its 1.26 s
-    backward at 16x2048 on an H200 (aten::mm 1.13 s of GPU time, where the resident step took
-    0.55 s in all). Weights of another dtype (fp32 under autocast) are cast to the gradient's,
+    backward at 16x2048 in device,device,cpu on an H200 (aten::mm 1.13 s of GPU time, where
+    the resident step took 0.55 s in all); there the tiles are now computed whole ([Note:
+    tiles computed whole]), and this is the product of tiles fetched from nvme or host memory.
+    Weights of another dtype (fp32 under autocast) are cast to the gradient's,
     as autocast cast them for forward's matmul. Elsewhere (the host, or fp32) the upcast
     matmul."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _mm_out_dtype():
@@ -274,8 +276,9 @@ class _EmbeddingFn(torch.autograd.Function):
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
-    """Whether ``t``'s tiled embedding takes the GPU's way ([Note: a tiled embedding without
-    host synchronisation]); the tests take it on the host too."""
+    """Whether the tiled modules computing on ``t`` take the GPU's ways ([Note: a tiled
+    embedding without host synchronisation], [Note: tiles computed whole]); the tests take them
+    on the host too."""
     return t.is_cuda
 
 
