@@ -307,8 +307,9 @@ class MemoryConfig:
     device_budget: Size | None = None
     """Parameters the compute device may keep between a unit's forward and its backward, so
     that backward does not fetch them again ([Note: kept for backward] in
-    infinity/_schedule.py). None: on a GPU half of what it has free at initialize (the rest
-    for activations and the units in use); with the compute on the host, no bound beyond
+    infinity/_schedule.py). None: on a GPU half of what it has free at initialize, counting
+    what torch's caching allocator holds unused (the rest for activations and the units in
+    use); with the compute on the host, no bound beyond
     ``host_budget``, whose pool buffers the kept units are. 0: none kept."""
 
     def __post_init__(self) -> None:
