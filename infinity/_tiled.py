@@ -25,6 +25,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.nn import functional as F
 
 
@@ -85,6 +86,7 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, anchor, tiles: _Tiles, need_w: bool, need_b: bool, has_bias: bool):
         scheduler = tiles.live()
         ctx.tiles, ctx.need_w, ctx.need_b, ctx.has_bias = tiles, need_w, need_b, has_bias
+        ctx.anchor = get_gradient_edge(anchor).node if anchor.requires_grad else None
         ctx.whole = _computes_whole(scheduler, x)
         if ctx.whole:  # see [Note: tiles computed whole]
             w, b = _whole(scheduler, tiles, has_bias)
@@ -114,12 +116,13 @@ class _LinearFn(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         tiles: _Tiles = ctx.tiles
         scheduler = tiles.live()
-        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.need_w, ctx.need_b
+        accumulates = _accumulates(ctx.anchor)  # this backward's: ctx is the next one's too (retain_graph)
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.need_w and accumulates, ctx.need_b and accumulates
         cdt = ctx.compute_dtype
         g = grad_out.to(cdt)
         xc = x.to(cdt).reshape(-1, x.shape[-1])
         if ctx.whole:
-            return _whole_backward(ctx, scheduler, tiles, x, g, xc), None, None, None, None, None
+            return _whole_backward(scheduler, tiles, x, g, xc, need_x, need_w, need_b), None, None, None, None, None
         gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_x else None
         # The last tile first: forward read it last, and may have kept it ([Note: kept for
         # backward] in `_schedule`).
@@ -139,6 +142,24 @@ class _LinearFn(torch.autograd.Function):
                 if need_b:  # a bias trained under a frozen weight too
                     scheduler.runtime.tile_grad(unit, 1, g2.sum(0))
         return (gx.to(x.dtype) if need_x else None), None, None, None, None, None
+
+
+def _accumulates(anchor_node) -> bool:
+    """Whether this backward gives the tiled module's parameters their gradients: it does when
+    it accumulates into leaves (``backward()``, or ``backward(inputs=...)`` naming them), and
+    not under ``torch.autograd.grad(loss, x)`` or ``backward(inputs=[x])``, which ask for other
+    tensors' gradients and leave the parameters' ``.grad`` alone, as plain PyTorch does: the
+    tiles were handed weight gradients there, added to the next backward's (1.5e-3 off plain
+    PyTorch after one such call; an audit helper's repro). The anchor ([Note: no autograd edge
+    to a tiled parameter]) stands for the parameters: whether autograd runs its gradient's
+    node this time. Under ``torch.autograd.grad`` with the anchor among the inputs (nothing
+    outside this module holds it) autograd captures its gradient, never accumulates: none."""
+    if anchor_node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(anchor_node)
+    except RuntimeError:  # a leaf's node under torch.autograd.grad: captured, not accumulated
+        return False
 
 
 def _computes_whole(scheduler, x: torch.Tensor) -> bool:
@@ -168,11 +189,10 @@ def _whole(scheduler, tiles: _Tiles, has_bias: bool):
     return w, b
 
 
-def _whole_backward(ctx, scheduler, tiles: _Tiles, x, g, xc):
+def _whole_backward(scheduler, tiles: _Tiles, x, g, xc, need_x: bool, need_w: bool, need_b: bool):
     """The untiled Linear's gradients ([Note: tiles computed whole]): each tile is handed its
     rows of the weight's and the bias's, the last tile first (as the tiles' backward does);
     returns the input's."""
-    need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.need_w, ctx.need_b
     gx = None
     if need_x:
         w, _ = _whole(scheduler, tiles, False)
