@@ -25,7 +25,6 @@ import weakref
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 from torch.nn import functional as F
 
 
@@ -86,7 +85,7 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, anchor, tiles: _Tiles, need_w: bool, need_b: bool, has_bias: bool):
         scheduler = tiles.live()
         ctx.tiles, ctx.need_w, ctx.need_b, ctx.has_bias = tiles, need_w, need_b, has_bias
-        ctx.anchor = get_gradient_edge(anchor).node if anchor.requires_grad else None
+        ctx.anchor = _grad_node(anchor)
         ctx.whole = _computes_whole(scheduler, x)
         if ctx.whole:  # see [Note: tiles computed whole]
             w, b = _whole(scheduler, tiles, has_bias)
@@ -160,6 +159,20 @@ def _accumulates(anchor_node) -> bool:
         return torch._C._will_engine_execute_node(anchor_node)
     except RuntimeError:  # a leaf's node under torch.autograd.grad: captured, not accumulated
         return False
+    except AttributeError:  # a torch without the check: every backward accumulates
+        return True
+
+
+def _grad_node(anchor: torch.Tensor):
+    """The node autograd accumulates ``anchor``'s gradient with (None: it needs none)."""
+    if not anchor.requires_grad:
+        return None
+    try:
+        from torch.autograd.graph import get_gradient_edge  # torch 2.2 and later
+    except ImportError:
+        with torch.enable_grad():  # (a Function's forward runs without grad)
+            return anchor.view_as(anchor).grad_fn.next_functions[0][0]
+    return get_gradient_edge(anchor).node
 
 
 def _computes_whole(scheduler, x: torch.Tensor) -> bool:
