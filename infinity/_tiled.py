@@ -317,7 +317,11 @@ def _on_gpu(t: torch.Tensor) -> bool:
 
 def _check_ids(ids: torch.Tensor, rows: int) -> None:
     if _on_gpu(ids):  # no host wait: an id out of range stops the GPU's work, as nn.Embedding's does
-        torch._assert_async(((ids >= 0) & (ids < rows)).all(), "index out of range in self")
+        inside = ((ids >= 0) & (ids < rows)).all()
+        try:
+            torch._assert_async(inside, "index out of range in self")
+        except TypeError:  # a torch whose assertion takes no message
+            torch._assert_async(inside)
     elif ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
         raise IndexError(f"index out of range in self: ids span [{int(ids.min())}, {int(ids.max())}], "
                          f"the embedding has {rows} rows")  # fmt: skip
