@@ -257,13 +257,14 @@ class _EmbeddingFn(torch.autograd.Function):
     Boolean-mask indexing (``out[ids in tile]``) sizes its result on the host, so on a GPU each
     waits for the GPU to get there: 37 stream synchronisations a step of the 953M Llama in bf16
     (its embedding is 8 tiles), 0.46 s of the host waiting on an H200, and the range check's
-    ``int(ids.min())`` two more. So forward picks each tile's rows with ``torch.where`` (every
-    row is looked up in one tile exactly, so the result is the same bytes); on a GPU the ids
+    ``int(ids.min())`` two more. So on a GPU forward picks each tile's rows with ``torch.where``
+    (every row is looked up in one tile exactly, so the result is the same bytes), the ids
     are checked by a device-side assertion, as ``nn.Embedding`` checks them there, and backward
     makes the whole gradient with ``nn.Embedding``'s own kernel (``embedding_dense_backward``,
     which sums in fp32 on a GPU) and hands each tile its rows (a view: the
     vocabulary's gradient lives on the device until the tiles' have gone, as an untiled
-    embedding's does). On the host, where the tiles bound host memory, backward adds each
+    embedding's does). On the host, where nothing waits and the tiles bound host memory, the
+    boolean masks stay (each output row written once, not once a tile), backward adds each
     tile's rows apart, and an id out of range is an IndexError before anything runs."""
 
     @staticmethod
@@ -271,13 +272,18 @@ class _EmbeddingFn(torch.autograd.Function):
         scheduler = tiles.live()
         _check_ids(ids, tiles.rows)
         cols = tiles.tiles[0].records[0].full_shape[1]
-        out = torch.zeros(*ids.shape, cols, dtype=dtype, device=device)
+        gpu = _on_gpu(ids)
+        out = (torch.zeros if gpu else torch.empty)(*ids.shape, cols, dtype=dtype, device=device)
         for k in range(len(tiles.tiles)):
             with tiles.use(scheduler, k) as unit:
                 lo, hi = unit.rows
-                local = ids - lo
-                inside = ((local >= 0) & (local < hi - lo)).unsqueeze(-1)
-                out = torch.where(inside, F.embedding(local.clamp(0, hi - lo - 1), unit.piece(0)), out)
+                if gpu:  # no boolean indexing: each tile's rows picked by torch.where
+                    local = ids - lo
+                    inside = ((local >= 0) & (local < hi - lo)).unsqueeze(-1)
+                    out = torch.where(inside, F.embedding(local.clamp(0, hi - lo - 1), unit.piece(0)), out)
+                else:  # the host: only the ids in the tile are touched
+                    sel = (ids >= lo) & (ids < hi)
+                    out[sel] = unit.piece(0)[ids[sel] - lo]
         ctx.tiles, ctx.padding_idx = tiles, padding_idx
         ctx.save_for_backward(ids)
         return out
