@@ -298,6 +298,27 @@ def test_a_backward_for_the_inputs_gradient_alone_gives_the_tiles_none(tmp_path,
     _close(got, {k: v.detach() for k, v in ref.named_parameters()}, tol=1e-6)
 
 
+@pytest.mark.parametrize("tiers", [("cpu", "cpu", "cpu"), ("nvme", "cpu", "cpu")], ids=["cpu", "nvme"])
+def test_a_gradient_penalty_through_tiles_is_refused(tmp_path, tiers):
+    """A backward with create_graph=True through a tiled Linear (a gradient penalty) is
+    refused by name: the tiles' gradients are made outside autograd, and the penalty's
+    second-order terms in them were dropped, silently (1e-3 off plain PyTorch in a step; an
+    audit helper's repro). The engine trains on after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4))
+    with infinity.initialize(model, _cfg(tmp_path, tiers)) as engine:
+        assert any(u.is_tile and u.path == "2" for u in engine.units)
+        x = torch.randn(6, 8, requires_grad=True)
+        out = engine(x)
+        with pytest.raises(RuntimeError, match="create_graph=True.*tiled module '2'.*tile_size"):
+            torch.autograd.grad(out.sum(), x, create_graph=True)
+        engine.zero_grad()
+        before = engine.gathered_weights()["2.weight"].clone()
+        engine.backward(engine(torch.randn(6, 8)).pow(2).mean())  # a plain backward still trains
+        engine.step()
+        assert not torch.equal(before, engine.gathered_weights()["2.weight"])
+
+
 def test_state_dict_round_trip_and_checkpoint_resume(tmp_path):
     torch.manual_seed(0)
     model = Toy()
