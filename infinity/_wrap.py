@@ -111,7 +111,7 @@ def _swap(p: nn.Parameter, value: torch.Tensor) -> None:
 
 def _unchanged(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]]) -> bool:
     """Whether every parameter under ``module`` is in ``managed`` with its requires_grad and
-    dtype (plain loops: about a third of the time of any() over generators, for the ~300
+    dtype, and without a ``.grad`` (plain loops: about a third of the time of any() over generators, for the ~300
     modules of a 24-layer Llama: 80 us)."""
     stack = [module]
     get, pop, extend = managed.get, stack.pop, stack.extend
@@ -122,7 +122,7 @@ def _unchanged(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]]) 
         for p in m._parameters.values():
             if p is not None:
                 kept = get(id(p))
-                if kept is None or kept[0] is not p.requires_grad or kept[1] is not p.dtype:
+                if kept is None or kept[0] is not p.requires_grad or kept[1] is not p.dtype or p.grad is not None:
                     return False
         extend(m._modules.values())
     return True
@@ -147,7 +147,8 @@ def refuse_changed(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype
     """``module`` holds a parameter the engine does not manage (``managed``: the ids of its
     units' parameters, each with its requires_grad and dtype at `initialize`): one added or
     replaced after `initialize`, which the engine would never give a gradient or an update;
-    or one whose requires_grad or dtype changed since. Runs before each forward and step: a
+    or one whose requires_grad or dtype changed since, or that holds a ``.grad`` (set by hand:
+    the engine's hooks take the ones backward makes). Runs before each forward and step: a
     plain walk of the modules' own dicts (cheaper than named_parameters, which names each),
     named only on a find."""
     if _unchanged(module, managed):
@@ -174,3 +175,27 @@ def refuse_changed(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype
                 "set requires_grad before initialize, or make a new engine (save_checkpoint, then load it "
                 "into the new one)"
             )
+        if p.grad is not None:  # the engine's hooks take every gradient backward makes
+            raise hand_set_grad(name)
+
+
+def hand_set_grad(name: str) -> RuntimeError:
+    """The refusal of a managed parameter holding a ``.grad``: the engine's hooks take every
+    gradient backward makes, so one there was set by hand, and the step would leave it unused
+    while the next backward added into it (an audit helper's repro: no update, then 9e-4 off
+    plain PyTorch). Checked at each step (`refuse_hand_set_grads`) and in the walk before a
+    forward (`refuse_changed`)."""
+    return RuntimeError(
+        f"parameter {name!r} has a .grad the engine's backward did not make (set by hand, as p.grad = g after "
+        "torch.autograd.grad(loss, params) in a custom clipper or a MAML-style update): the engine takes "
+        "gradients only from backward, so its step would leave this one unused, and the next backward would add "
+        "into it. Give gradients through engine.backward(loss), or call engine.zero_grad() to drop it"
+    )
+
+
+def refuse_hand_set_grads(units) -> None:
+    """Before a step: no managed parameter holds a ``.grad`` (`hand_set_grad`)."""
+    for unit in units:
+        for r in unit.records:
+            if r.param.grad is not None:
+                raise hand_set_grad(f"{unit.path}.{r.name}" if unit.path else r.name)

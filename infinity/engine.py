@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _build, _checkpoint, _deepspeed, _footprint, _gather, _onecopy, _overlap, _overlap_host, _resources, _sizes, _units
+from . import _activations, _admission, _build, _checkpoint, _deepspeed, _footprint, _gather, _onecopy, _overlap, _overlap_host, _resources, _sizes, _units, _wrap
 from ._accumulation import Accumulation
 from ._dist import Dist
 from ._export import export_safetensors
@@ -345,6 +345,7 @@ class Engine:
     @entry("step")
     def _step(self) -> bool:
         self._guard.before_step()
+        _wrap.refuse_hand_set_grads(self.units)
         _gather.refuse_open(self, "engine.step()")
         self._accumulation.check_whole(self.scheduler.backward_lost)
         if _units.warn_partial(self.units, say=not self._said_partial):
@@ -395,6 +396,9 @@ class Engine:
         self.grads.zero()
         _units.forget_arrived(self.units)
         self._accumulation.reset()
+        for unit in self.units:  # a .grad set by hand, or left by an interrupted backward: as torch's set_to_none
+            for r in unit.records:
+                r.param.grad = None
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

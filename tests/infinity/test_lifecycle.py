@@ -259,3 +259,36 @@ def test_a_parameter_frozen_or_unfrozen_after_initialize_is_refused_naming_it(tm
         assert engine.step()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("tiers", [("cpu",) * 3, ("device", "device", "cpu")], ids=["cpu", "device-device-cpu"])
+def test_a_grad_set_by_hand_is_refused_at_the_step_and_zero_grad_drops_it(tmp_path, tiers):
+    """Gradients written to p.grad by hand (torch.autograd.grad(loss, params), then p.grad = g:
+    a custom clipper, a MAML-style update) reach no engine: its hooks take what backward makes.
+    The step left them unused and the next backward added into them, silently (an audit
+    helper's repro: no update, then 9e-4 off plain PyTorch). Now the step refuses, naming the
+    parameter, and before a forward too; engine.zero_grad() drops them (as torch's does), and
+    training goes on exactly as plain PyTorch's."""
+    model, ref = make_model().eval(), make_model().eval()  # (eval: no dropout, which draws from the RNG)
+    cfg = config(tmp_path, tiers, optimizer={"type": "sgd", "momentum": 0.9, "weight_decay": 0.0})
+    opt = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    with infinity.initialize(model, cfg) as engine:
+        params = list(engine.module.parameters())
+        for p, g in zip(params, torch.autograd.grad(engine(x).pow(2).mean(), params)):
+            p.grad = g
+        with pytest.raises(RuntimeError, match=r"parameter '.*weight' has a \.grad the engine's backward did not make"):
+            engine.step()
+        with pytest.raises(RuntimeError, match=r"has a \.grad the engine's backward did not make"):
+            engine(x)
+        engine.zero_grad()
+        assert all(p.grad is None for p in params)
+        for _ in range(2):
+            engine.backward(engine(x).pow(2).mean())
+            assert engine.step()
+            ref(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        got = engine.gathered_weights()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7)
