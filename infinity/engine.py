@@ -683,8 +683,8 @@ def _device_budget(cfg: TierConfig, device: torch.device) -> int | None:
     rest for activations and the units in use), on the host none (``host_budget`` bounds the
     pool buffers kept units are). Free on a GPU counts what torch's caching allocator holds
     unused, which the kept units are allocated from first: after a large batch, or another
-    model's run in the same process, most of a GPU can be cached (the resident side of
-    benchmarks/gpu_step.py peaked at 142 GB of an H200's 149)."""
+    model's run in the same process, most of a GPU can be cached (in benchmarks/gpu_step.py the
+    runs before an engine's initialize had peaked at 142 GB of an H200's 149)."""
     if cfg.memory.device_budget is not None or device.type == "cpu":
         return cfg.memory.device_budget
     free, _ = torch.cuda.mem_get_info(device)
