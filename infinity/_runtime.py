@@ -120,6 +120,7 @@ class UnitRuntime:
         self._in_place = grads.store.in_place_on(self.device)
         self.keep_grad = keep_grad  # ... and asked whether to keep a gradient in memory for it
         self._by_storage: dict[int, ParamUnit] = {}  # storage address -> READY unit (released-able)
+        self._received = 0  # gradients received since `take_received` last asked
 
     # -- fetch and release ------------------------------------------------------------------
     def start_fetch(self, unit: ParamUnit, wait: bool = True) -> bool:
@@ -270,6 +271,7 @@ class UnitRuntime:
         """Parameter ``i`` of ``unit`` has its gradient (``param.grad``) of this backward. The
         fp32 copy in the unit is the gradient from here; the parameter's goes."""
         unit.arrived |= 1 << i  # see `_units.warn_partial`
+        self._received += 1
         if not self._took_whole(unit, i, param):
             self._receive(unit, i, param=param)
 
@@ -302,6 +304,7 @@ class UnitRuntime:
         """``grad`` is the gradient of this backward of parameter ``i`` of ``unit`` (of the
         unit's part of it: a tile's rows)."""
         unit.arrived |= 1 << i
+        self._received += 1
         self._receive(unit, i, grad=grad)
 
     def _receive(self, unit: ParamUnit, i: int, *, grad: torch.Tensor | None = None, param=None) -> None:
@@ -318,6 +321,13 @@ class UnitRuntime:
             raise
         if final:
             self.finish_unit_backward(unit)
+
+    def take_received(self) -> bool:
+        """Whether any parameter's gradient came since the last call: a backward that asked
+        for other tensors' alone (``torch.autograd.grad(loss, x)``, ``backward(inputs=[x])``)
+        gives none, and is no micro-batch of the step."""
+        received, self._received = self._received, 0
+        return received > 0
 
     def _grad_buffer(self, unit: ParamUnit):
         """The pool buffer ``unit``'s gradient is gathered in, when it has none yet and one is

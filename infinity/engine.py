@@ -317,8 +317,12 @@ class Engine:
         return loss if self._scaler is None else self._scaler.in_backward(loss)
 
     def _end_backward(self) -> None:
-        """The end of a backward pass (autograd calls it once the pass is done)."""
-        if self._scaler is not None and not (self._scaled_backward or self._scaler.scaled_backward):
+        """The end of a backward pass (autograd calls it once the pass is done). One that gave
+        no parameter a gradient (``torch.autograd.grad(loss, x)``, input saliency) is no
+        micro-batch: nothing to scale, nothing to count (DeepSpeed's loop refused the step after
+        one, as if its gradients came from a plain loss.backward(); an audit helper's repro)."""
+        delivered = self.scheduler.runtime.take_received()
+        if delivered and self._scaler is not None and not (self._scaled_backward or self._scaler.scaled_backward):
             self.scheduler.end_backward()
             self.zero_grad()
             raise RuntimeError(
@@ -327,6 +331,8 @@ class Engine:
                 "gradients (they were dropped)"
             )
         self.scheduler.end_backward()
+        if not delivered:
+            return
         with self.pool.traffic(_admission.OVERLAP):  # the early updates it starts (reads, staging)
             self._accumulation.backward_ended(through_engine=self._scaled_backward)
 

@@ -292,3 +292,35 @@ def test_a_grad_set_by_hand_is_refused_at_the_step_and_zero_grad_drops_it(tmp_pa
         got = engine.gathered_weights()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("tiers", [("cpu",) * 3, ("nvme", "cpu", "cpu")], ids=["cpu", "nvme-cpu-cpu"])
+def test_a_backward_that_gives_no_parameter_a_gradient_is_no_micro_batch(tmp_path, tiers):
+    """Input saliency (torch.autograd.grad(loss, x)) before each micro-batch's engine.backward
+    in DeepSpeed's loop (optimizer.accumulation = "engine"): the saliency pass gives no
+    parameter a gradient, so it is not counted, and the step is neither refused (it was: "this
+    step's gradients came from a plain loss.backward()", an audit helper's repro) nor off by a
+    micro-batch. Against plain PyTorch, SGD with momentum, two micro-batches a step."""
+    model, ref = make_model().eval(), make_model().eval()  # (eval: no dropout, which draws from the RNG)
+    cfg = config(tmp_path, tiers, optimizer={"type": "sgd", "momentum": 0.9, "weight_decay": 0.0,
+                                             "gradient_accumulation_steps": 2, "accumulation": "engine"})  # fmt: skip
+    opt = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, 16, generator=g) for _ in range(4)]
+    with infinity.initialize(model, cfg) as engine:
+        updated = []
+        for x in batches:
+            xs = x.clone().requires_grad_(True)
+            (saliency,) = torch.autograd.grad(engine(xs).pow(2).mean(), xs)
+            assert saliency.abs().sum() > 0
+            engine.backward(engine(x).pow(2).mean())
+            updated.append(engine.step())
+        got = engine.gathered_weights()
+    assert updated == [False, True, False, True]
+    for i, x in enumerate(batches):
+        (ref(x).pow(2).mean() / 2).backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7)
