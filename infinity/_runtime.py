@@ -270,8 +270,7 @@ class UnitRuntime:
     def grad_arrived(self, unit: ParamUnit, i: int, param: torch.Tensor) -> None:
         """Parameter ``i`` of ``unit`` has its gradient (``param.grad``) of this backward. The
         fp32 copy in the unit is the gradient from here; the parameter's goes."""
-        unit.arrived |= 1 << i  # see `_units.warn_partial`
-        self._received += 1
+        self._arrived(unit, i)
         if not self._took_whole(unit, i, param):
             self._receive(unit, i, param=param)
 
@@ -303,9 +302,12 @@ class UnitRuntime:
     def tile_grad(self, unit: ParamUnit, i: int, grad: torch.Tensor) -> None:
         """``grad`` is the gradient of this backward of parameter ``i`` of ``unit`` (of the
         unit's part of it: a tile's rows)."""
-        unit.arrived |= 1 << i
-        self._received += 1
+        self._arrived(unit, i)
         self._receive(unit, i, grad=grad)
+
+    def _arrived(self, unit: ParamUnit, i: int) -> None:
+        unit.arrived |= 1 << i  # see `_units.warn_partial`
+        self._received += 1  # see `take_received`
 
     def _receive(self, unit: ParamUnit, i: int, *, grad: torch.Tensor | None = None, param=None) -> None:
         """``grad``, or ``param``'s ``.grad`` (taken from it), into the unit's gradient; the

@@ -84,7 +84,7 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, tiles: _Tiles, need_w: bool, need_b: bool, has_bias: bool):
         scheduler = tiles.live()
-        ctx.tiles, ctx.need_w, ctx.need_b, ctx.has_bias = tiles, need_w, need_b, has_bias
+        ctx.tiles, ctx.need_w, ctx.need_b = tiles, need_w, need_b
         ctx.anchor = _grad_node(anchor)
         ctx.whole = _computes_whole(scheduler, x)
         if ctx.whole:  # see [Note: tiles computed whole]
@@ -200,9 +200,10 @@ def _computes_whole(scheduler, x: torch.Tensor) -> bool:
     and computing tile by tile only costs the GPU: an fp32 sum of the input's gradient over the
     tiles, copies of each tile's output rows, smaller matmuls (the 953M Llama's MLP projections
     and output layer are tiles: its GPU time was 2.2 s a step at 16x4096 against the resident
-    side's 1.46 s on an H200, its matmuls at about 400 TFLOP/s against 650). So there the weight
-    is put together for each pass (a copy of the tiles' rows, about 1 ms for all the tiled
-    modules of that model) and the products are the untiled Linear's: one for the output, one
+    side's 1.46 s on an H200, aten::mm alone 1.24 s of it). So there the weight is put
+    together for each pass (a copy of the tiles' rows: 1.4 GB of bf16 weights for that model,
+    estimated at about 1 ms at the H200's bandwidth, not timed) and the products are the
+    untiled Linear's: one for the output, one
     for the input's gradient, one for the weight's, whose rows each tile is handed. With the
     parameters fetched from nvme or host memory, the tiles stay the unit of the reads, which
     run ahead of the compute one tile at a time."""
@@ -247,9 +248,9 @@ def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (``torch.mm``'s ``out_dtype``): their products are exact in fp32 and summed in fp32, as in
     the fp32 matmul of the upcast factors, which the tensor cores do not run (TF32 is off by
     default). That fp32 matmul, in every tiled Linear's backward (the MLP's three projections
-    of each block of the 953M Llama, and its output layer), was about 0.8 s of its 1.26 s
-    backward at 16x2048 in device,device,cpu on an H200 (aten::mm 1.13 s of GPU time, where
-    the resident step took 0.55 s in all); there the tiles are now computed whole ([Note:
+    of each block of the 953M Llama, and its output layer), was an estimated 0.8 s (from its
+    FLOPs at fp32 speed) of the 1.26 s backward at 16x2048 in device,device,cpu on an H200,
+    where aten::mm took 1.13 s of GPU time and the resident step 0.55 s in all; there the tiles are now computed whole ([Note:
     tiles computed whole]), and this is the product of tiles fetched from nvme or host memory.
     Weights of another dtype (fp32 under autocast) are cast to the gradient's,
     as autocast cast them for forward's matmul. Elsewhere (the host, or fp32) the upcast

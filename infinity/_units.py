@@ -319,7 +319,10 @@ def warn_partial(units, say: bool) -> bool:
     return said
 
 
-def forget_arrived(units) -> None:
-    """The gradients of this step were dropped (zero_grad): nothing arrived."""
+def forget_gradients(units) -> None:
+    """The gradients of this step were dropped (zero_grad): nothing arrived, and a ``.grad``
+    set by hand or left by an interrupted backward goes, as torch's ``set_to_none`` drops it."""
     for unit in units:
         unit.arrived = 0
+        for r in unit.records:
+            r.param.grad = None

@@ -400,11 +400,8 @@ class Engine:
         if self.overlap is not None:
             self.overlap.discard()
         self.grads.zero()
-        _units.forget_arrived(self.units)
+        _units.forget_gradients(self.units)
         self._accumulation.reset()
-        for unit in self.units:  # a .grad set by hand, or left by an interrupted backward: as torch's set_to_none
-            for r in unit.records:
-                r.param.grad = None
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
