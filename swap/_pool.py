@@ -130,9 +130,26 @@ class HostBuffer:
         """Give the bytes back to the pool (waking acquires that wait); a second call does nothing."""
         if self._tensor is None:
             return
+        if id(self) in self._pool._aside and self._pool._drop_aside(self):  # aside: its bytes were free already
+            return
         self._finalizer.detach()
         self._tensor = None
         self._pool._give_back(self._slab, self._offset, self._size, False, self.traffic)
+
+    def set_aside(self) -> None:
+        """Give the bytes back to the pool but keep what they hold until the pool needs the room
+        for an `acquire` ([Note: buffers set aside]): `take_back` then has them again as they
+        were. The buffer must be in no I/O now, and nothing may use its tensor or views until
+        `take_back` says yes."""
+        if self._tensor is None:
+            raise RuntimeError(f"this host buffer of {self.nbytes} bytes was released to its pool")
+        self._pool._set_aside(self)
+
+    def take_back(self, traffic: str | None = None) -> bool:
+        """Whether the buffer set aside still holds its bytes; if so it is this caller's again
+        (counted under ``traffic``, by default the class `HostBufferPool.traffic` names), as
+        from `acquire`. False: the pool gave its room to an acquire (the buffer is released)."""
+        return self._pool._take_back(self, traffic)
 
     def __enter__(self) -> "HostBuffer":
         return self
@@ -198,6 +215,9 @@ class HostBufferPool:
         self._busy: list[tuple[_Slab, int, int, list]] = []  # (slab, offset, size, requests)
         self._label = threading.local()  # the traffic class `traffic` names for this thread
         self._by_traffic: dict[str, list[int]] = {}  # class -> [bytes held, peak]
+        # Buffers set aside, the longest aside first: see [Note: buffers set aside].
+        self._aside: dict[int, HostBuffer] = {}
+        self._aside_bytes = 0
 
     @contextmanager
     def traffic(self, name: str):
@@ -253,6 +273,13 @@ class HostBufferPool:
                 self._wait(min(remaining, 0.005) if self._busy else remaining)
 
     def _place(self, size: int) -> tuple[_Slab, int] | None:
+        while True:
+            placed = self._place_free(size)
+            if placed is not None or not self._aside:
+                return placed
+            self._reclaim(next(iter(self._aside.values())))  # the longest aside gives way first
+
+    def _place_free(self, size: int) -> tuple[_Slab, int] | None:
         if self._busy:
             self._reap_busy()
         for slab in self._slabs:
@@ -353,6 +380,64 @@ class HostBufferPool:
         self._buffers -= 1
         self._cond.notify_all()
 
+    # -- buffers set aside: see [Note: buffers set aside] --------------------------------------
+    # [Note: buffers set aside]
+    # A buffer whose bytes may be wanted again (the parameters a read or a write left in it:
+    # infinity/_param_cache.py) can be set aside instead of released. Its bytes count as free
+    # (not in `in_use_bytes` nor in any traffic class), but stay where they are: an `acquire`
+    # that finds no other room takes the room of the buffers set aside, the longest aside
+    # first, before it waits; `take_back` finds a buffer's bytes as they were, or False once
+    # its room was taken. So setting aside never makes an acquire wait, and the budget bounds
+    # the slabs as before.
+    def _set_aside(self, buffer: HostBuffer) -> None:
+        with self._locked():
+            if id(buffer) in self._aside:
+                return
+            counts = self._by_traffic.get(buffer.traffic)
+            if counts is not None:
+                counts[0] -= buffer._size
+            self._in_use -= buffer._size
+            self._buffers -= 1
+            self._aside[id(buffer)] = buffer
+            self._aside_bytes += buffer._size
+            self._cond.notify_all()  # an acquire that waits may take its room now
+
+    def _take_back(self, buffer: HostBuffer, traffic: str | None) -> bool:
+        with self._locked():
+            if self._aside.pop(id(buffer), None) is None:
+                return buffer._tensor is not None  # never set aside: it is the caller's still
+            self._aside_bytes -= buffer._size
+            self._in_use += buffer._size
+            self._buffers += 1
+            self._peak = max(self._peak, self._in_use)
+            buffer.traffic = traffic or getattr(self._label, "name", OTHER)
+            counts = self._by_traffic.setdefault(buffer.traffic, [0, 0])
+            counts[0] += buffer._size
+            counts[1] = max(counts[1], counts[0])
+            return True
+
+    def _drop_aside(self, buffer: HostBuffer) -> bool:
+        """Release a buffer set aside (its room taken now); whether it was aside."""
+        with self._locked():
+            if id(buffer) not in self._aside:
+                return False
+            self._reclaim(buffer)
+            return True
+
+    def _reclaim(self, buffer: HostBuffer) -> None:
+        del self._aside[id(buffer)]
+        self._aside_bytes -= buffer._size
+        buffer._finalizer.detach()
+        buffer._tensor = None
+        if buffer._slab.alive:
+            buffer._slab.allocator.free(buffer._offset, buffer._size)
+        self._cond.notify_all()
+
+    @property
+    def aside_bytes(self) -> int:
+        """Bytes of the buffers set aside now (free to any acquire that needs them)."""
+        return self._aside_bytes
+
     @contextmanager
     def _locked(self):
         with self._cond:
@@ -423,12 +508,16 @@ class HostBufferPool:
                 "registered_slabs": sum(s.registered for s in self._slabs),
                 "largest_free": max((s.allocator.largest_free for s in self._slabs), default=0),
                 "busy_buffers": len(self._busy),  # released, waiting for I/O on them to end
+                "aside_bytes": self._aside_bytes,  # set aside: free, their bytes kept while no acquire needs them
                 "by_traffic": {k: {"in_use_bytes": v[0], "peak_bytes": v[1]} for k, v in sorted(self._by_traffic.items())},
             }
 
     def trim(self) -> int:
-        """Drop the slabs that hold no buffer; returns the bytes given back."""
+        """Drop the slabs that hold no buffer (the buffers set aside give their room up first);
+        returns the bytes given back."""
         with self._locked():
+            for buffer in list(self._aside.values()):
+                self._reclaim(buffer)
             empty = [s for s in self._slabs if s.allocator.used_bytes == 0]
             for slab in empty:
                 self._drop(slab)
@@ -449,6 +538,8 @@ class HostBufferPool:
             # The memory of buffers under I/O stays mapped while the engine holds their
             # requests (each keeps its buffer alive until it is reaped).
             self._busy.clear()
+            for buffer in list(self._aside.values()):
+                self._reclaim(buffer)
             self._in_use = self._buffers = 0
             for counts in self._by_traffic.values():
                 counts[0] = 0

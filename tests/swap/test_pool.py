@@ -440,3 +440,65 @@ def test_constructor_checks_its_arguments(kwargs, match):
 def test_acquire_needs_a_positive_int(pools, nbytes):
     with pytest.raises(ValueError, match="nbytes"):
         pools(1 * MiB).acquire(nbytes)
+
+
+# -- buffers set aside -----------------------------------------------------------------------
+def test_a_buffer_set_aside_is_free_and_taken_back_as_it_was(pools):
+    pool = pools(4 * MiB)
+    buf = pool.acquire(1 * MiB, traffic="fetch")
+    buf.tensor.copy_(torch.arange(1 * MiB, dtype=torch.int64).to(torch.uint8))
+    expect = buf.tensor.clone()
+    buf.set_aside()
+    assert pool.in_use_bytes == 0 and pool.aside_bytes == 1 * MiB
+    assert pool.in_use_by("fetch") == 0 and pool.stats()["aside_bytes"] == 1 * MiB
+    assert buf.take_back(traffic="prefetch")
+    assert pool.in_use_bytes == 1 * MiB and pool.aside_bytes == 0 and pool.in_use_by("prefetch") == 1 * MiB
+    assert torch.equal(buf.tensor, expect)
+    buf.release()
+    assert pool.in_use_bytes == 0 and pool.in_use_by("prefetch") == 0
+
+
+def test_an_acquire_takes_the_room_of_the_buffers_aside_longest_first(pools):
+    pool = pools(3 * MiB, slab_size=1 * MiB)
+    a, b, c = (pool.acquire(1 * MiB) for _ in range(3))
+    a.set_aside()
+    b.set_aside()
+    c.release()
+    d = pool.acquire(1 * MiB, timeout=0)  # the free room first: nothing aside gives way
+    assert pool.aside_bytes == 2 * MiB
+    e = pool.acquire(1 * MiB, timeout=0)  # no room: a, aside longest, gives way without a wait
+    assert pool.aside_bytes == 1 * MiB and pool.in_use_bytes == 2 * MiB
+    assert not a.take_back() and a.released
+    with pytest.raises(RuntimeError, match="released"):
+        a.tensor
+    assert b.take_back()
+    with pytest.raises(PoolExhausted):  # what is taken back is in use again: nothing gives way
+        pool.acquire(1 * MiB, timeout=0)
+    for buf in (b, d, e):
+        buf.release()
+    assert pool.in_use_bytes == 0 and pool.aside_bytes == 0
+
+
+def test_releasing_a_buffer_aside_frees_it_and_a_waiting_acquire_gets_room(pools):
+    pool = pools(1 * MiB)
+    a = pool.acquire(1 * MiB)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(1 * MiB, timeout=10)))
+    waiter.start()
+    time.sleep(0.05)
+    a.set_aside()  # wakes the acquire, which takes a's room
+    waiter.join(10)
+    assert got and not a.take_back()
+    got[0].release()
+    b = pool.acquire(1 * MiB)
+    b.set_aside()
+    b.release()  # released from aside: its room is free, nothing counted
+    assert pool.aside_bytes == 0 and pool.in_use_bytes == 0 and b.released
+    assert pool.trim() == 1 * MiB
+
+
+def test_trim_takes_the_room_of_buffers_aside(pools):
+    pool = pools(2 * MiB, slab_size=1 * MiB)
+    a = pool.acquire(1 * MiB)
+    a.set_aside()
+    assert pool.trim() == 1 * MiB and not a.take_back()
