@@ -296,7 +296,8 @@ class InMemory:
             futures = []
             try:
                 for u in early.units:
-                    futures.append(store.put(opt.record(u).name_for(staged=True), params[u.index], timeout=0))
+                    futures.append(store.put(opt.record(u).name_for(staged=True), params[u.index], timeout=0,
+                                             keep=True))  # fmt: skip
             except (OutOfSpace, PoolExhausted, OSError):  # no room now: the commit writes them
                 settle(futures)
                 for u in early.units:
@@ -386,7 +387,7 @@ class InMemory:
             new = params[u.index]
             store = opt.param_store
             if store.uses_pool:  # nvme: written behind the step, from the staged tensor
-                st.param_writes.add(store.put(u.name, new), Lease(new, _Back(self.tensors, new)))
+                st.param_writes.add(store.put(u.name, new, keep=True), Lease(new, _Back(self.tensors, new)))
                 continue
             dst = store.writable(u.name).tensor  # resident: the tier's own tensor
             if dst.device.type == "cuda" and transport is not None and transport.pipelined:

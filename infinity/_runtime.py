@@ -131,11 +131,12 @@ class UnitRuntime:
         # early updates under backward queue theirs on the same drive).
         if wait:
             with traffic(self.pool, FETCH):
-                pending = self.admission.take_now(lambda t: self.store.get(unit.name, timeout=t, urgent=True))
+                pending = self.admission.take_now(lambda t: self.store.get(unit.name, timeout=t, urgent=True,
+                                                                           kept=True))  # fmt: skip
         else:
             try:
                 with traffic(self.pool, PREFETCH):
-                    pending = self.store.get(unit.name, timeout=0, urgent=True)
+                    pending = self.store.get(unit.name, timeout=0, urgent=True, kept=True)
             except PoolExhausted:
                 return False
         with held_interrupts:  # see [Note: interrupt windows]

@@ -72,6 +72,7 @@ class Counters:
     prefetch_hits: int = 0  # ... whose read was already issued when they were needed
     on_demand: int = 0  # ... read only when needed (first use, or the order departed from the trace)
     kept_for_backward: int = 0  # units backward found still in memory from forward (not read again)
+    param_cache_bytes: int = 0  # parameters lent from buffers kept in the pool, not read from nvme (memory.keep_params)
     skipped_steps: int = 0  # fp16 overflows
     h2d_bytes: int = 0  # parameters copied host -> GPU (side stream)
     h2d_seconds: float = 0.0  # ... the GPU time of those copies (CUDA events)
@@ -95,6 +96,7 @@ class Counters:
             "prefetch_hits": self.prefetch_hits,
             "on_demand": self.on_demand,
             "kept_for_backward": self.kept_for_backward,
+            "param_cache_bytes": self.param_cache_bytes,
             "skipped_steps": self.skipped_steps,
             "h2d_bytes": self.h2d_bytes,
             "h2d_seconds": self.h2d_seconds,

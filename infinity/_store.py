@@ -22,8 +22,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from infinity.swap import DTYPES, SwapFuture, SwapSpace, stream
+from infinity.swap import DTYPES, PoolExhausted, SwapFuture, SwapSpace, stream
 
+from ._param_cache import ParamCache
 from ._stats import Stats
 
 
@@ -98,7 +99,8 @@ class Pending:
 class Store:
     """Flat tensors of one ``kind`` ("param", "grad", "master", ...) in ``tier``."""
 
-    def __init__(self, tier: str, kind: str, *, device: torch.device, space: SwapSpace | None, stats: Stats):
+    def __init__(self, tier: str, kind: str, *, device: torch.device, space: SwapSpace | None, stats: Stats,
+                 keep_in_pool: bool = False):  # fmt: skip
         if tier == "nvme" and space is None:
             raise ValueError(f"the {kind} store is on nvme but no swap space was given")
         self.tier = tier
@@ -110,6 +112,9 @@ class Store:
         self._pin = tier == "cpu" and torch.cuda.is_available()
         self._resident: dict[str, torch.Tensor] | None = None if tier == "nvme" else {}
         self._adopted: set[str] = set()  # names whose resident tensor a caller gave (`adopt`)
+        # nvme, ``keep_in_pool``: buffers kept in the pool between uses ([Note: parameters kept
+        # in the pool] in `_param_cache`), lent to `get(..., kept=True)`.
+        self._kept = ParamCache(stats) if tier == "nvme" and keep_in_pool else None
 
     # -- what the tier is like, for the callers' plans ---------------------------------------
     def in_place_on(self, device: torch.device) -> bool:
@@ -138,24 +143,35 @@ class Store:
         return f"{name}/{self.kind}"
 
     def put(self, name: str, tensor: torch.Tensor, *, copy: bool = False, dtype: torch.dtype | None = None,
-            timeout: float | None = None) -> Pending:  # fmt: skip
+            timeout: float | None = None, keep: bool = False) -> Pending:  # fmt: skip
         """Store ``tensor``'s values under ``name`` (cast to the stored dtype where one exists,
         or to ``dtype`` for a copy under a new name).
 
         Resident: copied now (nothing when ``tensor`` is the tier's own tensor). nvme: written
         behind from ``tensor``, which must stay unchanged until the result, unless ``copy``,
         or unless it is not a contiguous CPU tensor: then from a pool copy (waiting at most
-        ``timeout`` seconds for its pool memory)."""
+        ``timeout`` seconds for its pool memory). Where the store keeps buffers in the pool
+        ([Note: parameters kept in the pool] in `_param_cache`), a pool copy is kept once
+        written; ``keep``: make one to keep (and write from it) where the pool has room now."""
         if self._resident is not None:
             dst = self._resident_for(name, tensor.shape, tensor.dtype, cast=True)
             if dst.data_ptr() != tensor.data_ptr():
                 dst.copy_(tensor.detach())
             return Pending(None)
         key = self._key(name)
+        if self._kept is not None:
+            self._kept.forget(key)  # what it held is the old value: kept again below if written from a copy
         staged = None
         if copy or tensor.device.type != "cpu" or not tensor.is_contiguous():
             dtype = DTYPES[self._space.info(key).dtype] if key in self._space else (dtype or tensor.dtype)
             staged = self._space.pool.acquire(max(tensor.numel() * dtype.itemsize, 1), timeout=timeout)
+        elif keep and self._kept is not None:  # a copy only to keep: none where the pool has no room now
+            dtype = tensor.dtype
+            try:
+                staged = self._space.pool.acquire(max(tensor.numel() * dtype.itemsize, 1), timeout=0)
+            except PoolExhausted:
+                pass
+        if staged is not None:
             view = staged.view(dtype, tuple(tensor.shape))
             view.copy_(tensor.detach())
             tensor = view
@@ -168,6 +184,8 @@ class Store:
             if staged is not None:
                 staged.release()
             raise
+        if staged is not None and self._kept is not None:
+            staged = self._kept.after_write(key, staged, future)  # kept once written, not released
         return Pending(future, span, staged=staged)
 
     def _resident_for(self, name: str, shape, dtype: torch.dtype, *, cast: bool) -> torch.Tensor:
@@ -220,17 +238,29 @@ class Store:
         buffer = (acquire or self._space.pool.acquire)(max(shape.numel() * dtype.itemsize, 1))
         return buffer.view(dtype, tuple(shape)), buffer
 
-    def get(self, name: str, timeout: float | None = None, urgent: bool = False) -> Pending:
+    def get(self, name: str, timeout: float | None = None, urgent: bool = False, kept: bool = False) -> Pending:
         """A `Lease` of ``name``'s tensor. nvme: a read into a pool buffer, waiting at most
         ``timeout`` seconds for pool memory (`infinity.swap.PoolExhausted` after that);
-        ``urgent``: a read needed now, ahead of reads that are not (`SwapSpace.get`)."""
+        ``urgent``: a read needed now, ahead of reads that are not (`SwapSpace.get`).
+        ``kept``: the caller only reads the lease's tensor, so a buffer kept in the pool with
+        the same bytes may be lent instead of a read, and the read's buffer is kept once
+        released ([Note: parameters kept in the pool] in `_param_cache`)."""
         if self._resident is not None:
             return Pending(None, value=Lease(self._resident[name]))
         key = self._key(name)
+        cache = self._kept if kept else None
+        if cache is not None:
+            record = self._space.info(key)  # after a write of ``name`` in flight
+            loan = cache.lend(key, record)
+            if loan is not None:
+                return Pending(None, value=Lease(loan.view(DTYPES[record.dtype], record.shape), loan))
         future = self._space.get(key, timeout=timeout, urgent=urgent)  # after a write of ``name`` in flight
         record = self._space.info(key)
         dtype, shape = DTYPES[record.dtype], record.shape
         span = self._stats.io("nvme", False, record.nbytes, self.kind)
+        if cache is not None:
+            return Pending(future, span, wrap=lambda buffer: Lease(buffer.view(dtype, shape),
+                                                                  cache.after_read(key, record, buffer)))  # fmt: skip
         return Pending(future, span, wrap=lambda buffer: Lease(buffer.view(dtype, shape), buffer))
 
     def stream_member(self, name: str):
@@ -245,7 +275,18 @@ class Store:
         """nvme: ``src``'s tensor becomes ``dst``'s, replacing it, without a copy."""
         if self._resident is not None:
             raise ValueError(f"the {self.kind} store is on the {self.tier} tier: only nvme renames")
-        self._space.rename(self._key(src), self._key(dst))
+        a, b = self._key(src), self._key(dst)
+        if self._kept is None:
+            self._space.rename(a, b)
+            return
+        held = self._kept.recorded(a)
+        held = held is not None and a in self._space and held is self._space.info(a)  # src's bytes kept
+        self._space.rename(a, b)
+        if held:
+            self._kept.rename(a, b, self._space.info(b))
+        else:
+            self._kept.forget(a)
+            self._kept.forget(b)
 
     def swap(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Resident: ``tensor`` becomes ``name``'s tensor, without a copy; returns the one it
@@ -264,7 +305,10 @@ class Store:
         """Forget ``name``'s tensor if there is one (its bytes are freed)."""
         if self._resident is not None:
             self._resident.pop(name, None)
-        elif self._key(name) in self._space:
+            return
+        if self._kept is not None:
+            self._kept.forget(self._key(name))
+        if self._key(name) in self._space:
             self._space.delete(self._key(name))
 
     def writable(self, name: str) -> Lease:

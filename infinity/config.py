@@ -312,10 +312,19 @@ class MemoryConfig:
     use); with the compute on the host, no bound beyond
     ``host_budget``, whose pool buffers the kept units are. 0: none kept."""
 
+    keep_params: bool = True
+    """With the parameters on nvme, the pool buffers they were read into or written from stay in
+    the pool between uses, while ``host_budget`` has room no other buffer needs (any acquire
+    takes theirs first), and the next fetch of unchanged bytes uses them instead of reading
+    the drive ([Note: parameters kept in the pool] in infinity/_param_cache.py). False: every
+    fetch reads the drive."""
+
     def __post_init__(self) -> None:
         _size(self, "host_budget")
         _size(self, "tile_size", lo=4096, none_ok=True)
         _size(self, "device_budget", lo=0, none_ok=True)
+        if not isinstance(self.keep_params, bool):
+            raise _type_error(self, "keep_params", "true or false", self.keep_params)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

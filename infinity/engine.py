@@ -127,7 +127,8 @@ class Engine:
             logger.info("memory.tile_size=%d: %s", tile_bytes, ", ".join(
                 f"{tiles[0].path} in {len(tiles)} tiles" for tiles in tiled.values()))  # fmt: skip
         dev, stats, space = self.device, self._stats, self.space
-        self.param_store = Store(tiers.params, "param", device=dev, space=space, stats=stats)
+        self.param_store = Store(tiers.params, "param", device=dev, space=space, stats=stats,
+                                 keep_in_pool=cfg.memory.keep_params)  # fmt: skip
         grad_store = Store(tiers.grads, "grad", device=dev, space=space, stats=stats)
         params = list({id(p): p for u in units for p in u.params}.values())  # a tiled one is in each tile
         algorithm, param_groups, defaults, foreign = resolve(optimizer_spec, params,

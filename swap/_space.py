@@ -156,7 +156,8 @@ class SwapSpace:
     # -- the API ----------------------------------------------------------------------------
     def put(self, name: str, tensor: torch.Tensor, *, checksum: bool | None = None) -> SwapFuture:
         """Write ``tensor`` under ``name`` (replacing what was there), with its checksum (see
-        [Note: checksums]); do not modify the tensor until the future is done. ``checksum`` is
+        [Note: checksums]); do not modify the tensor until the future is done. The future's
+        result is the name's new `TensorRecord` (a new object at every put and rename). ``checksum`` is
         accepted as True or None for callers written when checksums were optional; False is
         refused (every put records one)."""
         self._check_open()
@@ -205,6 +206,7 @@ class SwapSpace:
             self._done_with(name, fut)
             if error is not None:
                 raise error
+            return record
 
         fut = SwapFuture(transfer, finish)
         self._pending.setdefault(name, []).append(fut)
