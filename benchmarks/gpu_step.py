@@ -197,7 +197,7 @@ def main(argv=None) -> int:
                     "update": st["update_seconds"],
                     "read_bytes": st["nvme"]["read_bytes"], "write_bytes": st["nvme"]["write_bytes"],
                     "kept_for_backward": st["kept_for_backward"], "fetches": st["fetches"],
-                    "nvme_by_kind": st["nvme"]["by_kind"]}  # fmt: skip
+                    "param_cache_bytes": st["param_cache_bytes"], "nvme_by_kind": st["nvme"]["by_kind"]}  # fmt: skip
 
         run_drive = None
         if any("nvme" in pl for pl in placements):
@@ -324,6 +324,8 @@ def _measure(args, dev, shape, placement, resident_step, infinity_step, run_driv
         "fetches": med(lambda q: q["infinity"]["fetches"]),
         "kept_for_backward": med(lambda q: q["infinity"]["kept_for_backward"]),
         "device_budget_bytes": engine.stats()["device_budget_bytes"],
+        # parameter bytes lent from buffers kept in the pool instead of read (memory.keep_params)
+        "param_cache_bytes": med(lambda q: q["infinity"]["param_cache_bytes"]),
         # the last pair's nvme bytes by kind (param, grad, exp_avg, ...): what a B/param above 28 is
         "nvme_by_kind": pairs[-1]["infinity"]["nvme_by_kind"],
     })  # fmt: skip

@@ -39,6 +39,10 @@ default). With grads and states in host memory each engine holds 16 bytes a para
 so against the sequential engine (two such processes) pick a model that fits twice, e.g.
 ``--hidden 1024 --layers 16 --intermediate 2816`` (0.27B parameters).
 
+``--against keep-off`` runs the same engine with ``memory.keep_params = false`` as the other
+side: the ratio is what keeping the parameters' buffers in the pool gains (kept / every
+parameter read from the drive); each row also has the parameter bytes read and lent.
+
 ``--verify`` sets the infinity side's nvme.verify (``always``, the default: every swap read
 checked against its checksum). ``--against verify-off`` runs the same engine with
 ``nvme.verify = "off"`` as the other side, interleaved as above: the ratio is then what checking
@@ -124,6 +128,7 @@ def _infinity_worker(args) -> None:
     if args.worker == "sequential":  # the same engine with the optimizer after backward
         tiers["optimizer"]["overlap"] = False
     tiers["nvme"]["verify"] = "off" if args.worker == "unverified" else args.verify
+    tiers["memory"]["keep_params"] = args.worker != "unkept"  # the same engine reading every parameter
     base = rss()
     reset_peak()
     engine = infinity.from_pretrained(transformers.LlamaForCausalLM, args.weights, tiers)
@@ -147,6 +152,8 @@ def _infinity_worker(args) -> None:
         return {"arena_bytes": sum(d["arena_bytes"] for d in disk), "disk_state_bytes": sum(d["state_bytes"] for d in disk),
                 "loss": loss.item(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0,
                 "read_bytes": st["nvme"]["read_bytes"], "write_bytes": st["nvme"]["write_bytes"],
+                "param_read_bytes": st["nvme"]["by_kind"].get("param", {}).get("read_bytes", 0),
+                "param_cache_bytes": st["param_cache_bytes"],
                 "opt_read_bytes": after["read_bytes"] - before["read_bytes"],
                 "opt_write_bytes": after["write_bytes"] - before["write_bytes"],
                 "stall": st["stall_seconds"], "peak_growth": peak() - base, "init_growth": init_growth,
@@ -213,11 +220,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", choices=("always", "off"), default="always",
                    help="nvme.verify of the infinity side (default always: every swap read checked)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--against", choices=("plain", "sequential", "verify-off"), default="plain",
+    p.add_argument("--against", choices=("plain", "sequential", "verify-off", "keep-off"), default="plain",
                    help="the other side: plain PyTorch in RAM (default), the engine with optimizer.overlap = false "
-                        "(then the ratio is overlap on / off), or the engine with nvme.verify = off (then the "
-                        "ratio is verification on / off)")  # fmt: skip
-    p.add_argument("--worker", choices=("plain", "infinity", "sequential", "unverified"), help=argparse.SUPPRESS)
+                        "(then the ratio is overlap on / off), the engine with nvme.verify = off (then the "
+                        "ratio is verification on / off), or the engine with memory.keep_params = false (then "
+                        "the ratio is parameters kept in the pool / every parameter read)")  # fmt: skip
+    p.add_argument("--worker", choices=("plain", "infinity", "sequential", "unverified", "unkept"), help=argparse.SUPPRESS)
     p.add_argument("--save-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--weights", help=argparse.SUPPRESS)
     p.add_argument("--swap", help=argparse.SUPPRESS)
@@ -229,7 +237,7 @@ def main(argv=None) -> int:
     if args.worker == "plain":
         _plain_worker(args)
         return 0
-    if args.worker in ("infinity", "sequential", "unverified"):
+    if args.worker in ("infinity", "sequential", "unverified", "unkept"):
         _infinity_worker(args)
         return 0
     from infinity.tools.nvme_bench import create_test_file, fill_test_file, open_runner
@@ -248,7 +256,7 @@ def main(argv=None) -> int:
             plain = _Worker("plain", shared)  # saves the initial weights before it answers
         else:  # the weights first, then the other engine (no overlap, or no verify) on its own swap directory
             subprocess.run([sys.executable, __file__, "--worker", "plain", "--save-only", *shared], check=True)
-            kind = "sequential" if args.against == "sequential" else "unverified"
+            kind = {"sequential": "sequential", "verify-off": "unverified", "keep-off": "unkept"}[args.against]
             os.makedirs(os.path.join(work, f"swap-{kind}"))
             plain = _Worker(kind, [*shared, "--swap", os.path.join(work, f"swap-{kind}")])
         workers.append(plain)
@@ -320,10 +328,14 @@ def main(argv=None) -> int:
         else:
             opt_line = (f"optimizer / its I/O:      {summary['opt_vs_io']:.3f}   (target <= 1.15; its bytes over the "
                         "throughput measured with the CPU idle)")  # fmt: skip
-        other = {"plain": "plain", "sequential": "off", "verify-off": "unverified"}[args.against]
+        other = {"plain": "plain", "sequential": "off", "verify-off": "unverified", "keep-off": "unkept"}[args.against]
         ratio = {"plain": f"infinity / plain PyTorch: {summary['vs_plain']:.3f}   (target <= 0.9)",
                  "sequential": f"overlap on / off:         {summary['vs_plain']:.3f}",
-                 "verify-off": f"verify always / off:      {summary['vs_plain']:.3f}   (target <= 1.03)"}[args.against]  # fmt: skip
+                 "verify-off": f"verify always / off:      {summary['vs_plain']:.3f}   (target <= 1.03)",
+                 "keep-off": f"params kept / read:       {summary['vs_plain']:.3f}   (parameter bytes read a step: "
+                             f"{med(lambda r: r['infinity']['param_read_bytes']) / 1e9:.2f} GB against "
+                             f"{med(lambda r: r['plain']['param_read_bytes']) / 1e9:.2f}; lent "
+                             f"{med(lambda r: r['infinity']['param_cache_bytes']) / 1e9:.2f} GB)"}[args.against]  # fmt: skip
         report(summary, "\n".join([
             f"{params / 1e9:.3f}B parameters, {len(rows)} pairs (medians):",
             f"  {ratio}",

@@ -275,4 +275,5 @@ class Admission:
         """Each class's bytes held now and at most, and the plan's shares ("pool" in `engine.stats()`)."""
         pool = self.pool.stats()
         return {"by_traffic": pool["by_traffic"], "shares": self.plan.shares(),
-                "in_use_bytes": pool["in_use_bytes"], "peak_bytes": pool["peak_bytes"]}  # fmt: skip
+                "in_use_bytes": pool["in_use_bytes"], "peak_bytes": pool["peak_bytes"],
+                "aside_bytes": pool["aside_bytes"]}  # fmt: skip (parameters kept: memory.keep_params)

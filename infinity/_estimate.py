@@ -232,7 +232,7 @@ def _measure(layout, cfg: TierConfig, disk_free: list[int], paths: list[str]) ->
         "plan": plan, "moves": moves, "footprint": fp, "refused": refused, "on_nvme": _on_nvme(layout),
         "resident": {"params": (full if st.gather_params else shard) * layout.dtype.itemsize, "grads": grad_numel * 4,
                      "optimizer": sum(g.record.state_bytes(st.kinds) for g in st.groups) - shared},
-        "step": _step_bytes(layout, units), "grad_bytes": grad_numel * 4,
+        "step": _step_bytes(layout, units, cfg.memory.keep_params), "grad_bytes": grad_numel * 4,
         "param_bytes": sum(st.record(u).nbytes("param") for u in units),
     }  # fmt: skip
 
@@ -265,18 +265,20 @@ def _on_nvme(layout) -> dict[str, int]:
     return out
 
 
-def _step_bytes(layout, units) -> dict[str, dict[str, int]]:
+def _step_bytes(layout, units, keep_params: bool) -> dict[str, dict[str, int]]:
     """The nvme bytes of one step (one micro-batch) by kind, as `engine.stats()["step"]["nvme"]
     ["by_kind"]` counts them (read and written together): "floor" with every unit kept for
-    backward and every gradient held for the step, "most" with none; see docs/architecture.md
-    "The bytes of a step"."""
+    backward, every gradient held for the step and (``keep_params``) every parameter kept in
+    the pool between steps, "most" with none; see docs/architecture.md "The bytes of a step"."""
     st = layout.states
     floor, most = {}, {}
     trainable = [u for u in units if u.trainable]
     if layout.param_store.tier == "nvme":
         param = sum(st.record(u).nbytes("param") for u in units)
         written = sum(st.record(u).nbytes("param") for u in trainable) if not st.one_copy else 0
-        floor["param"] = param + written  # read for forward; the new parameters written
+        # Read for forward, unless kept in the pool from the write (not with one copy: the
+        # optimizer's stream writes those back); the new parameters written.
+        floor["param"] = (param if st.one_copy or not keep_params else param - written) + written
         most["param"] = 2 * param + written  # read again for backward
     if layout.grad_store.tier == "nvme":
         grads = sum(4 * (u.padded_numel if layout.grads_full else u.shard_numel) for u in trainable)
@@ -288,7 +290,10 @@ def _step_bytes(layout, units) -> dict[str, dict[str, int]]:
             else:
                 n = 2 * sum(g.record.nbytes(k) for g in st.groups)
             floor[k] = most[k] = n
-    return {"floor": floor, "most": most}
+    out = {"floor": floor, "most": most}
+    if "param" in floor:
+        out["floor_unkept"] = param + written  # the parameters' floor where none is kept in the pool
+    return out
 
 
 def _finish(name: str, tiers: dict, f: dict, machine: Machine, paths: list[str], cfg: TierConfig) -> Estimate:
@@ -305,8 +310,12 @@ def _finish(name: str, tiers: dict, f: dict, machine: Machine, paths: list[str],
     expected, moves = dict(f["step"]["floor"]), f["moves"]
     if "grad" in expected:  # gradients past what the plan holds are written and read back
         expected["grad"] = 2 * max(0, f["grad_bytes"] - moves.held)
-    if "param" in expected:  # units past what the plan keeps for backward are read again
-        expected["param"] += max(0, f["param_bytes"] - moves.kept)
+    # Units past what the plan keeps for backward are read again, unless the pool keeps their
+    # buffers (memory.keep_params): expected where the room no need of the plan takes holds
+    # every parameter (a bound, not the pool's state at each fetch).
+    kept_in_pool = cfg.memory.keep_params and plan.usable - max(plan.needs.values()) >= f["param_bytes"]
+    if "param" in expected and not kept_in_pool:
+        expected["param"] = f["step"]["floor_unkept"] + max(0, f["param_bytes"] - moves.kept)
     on_gpu = machine.gpu is not None
     host = sum(state["cpu"].values()) + (0 if on_gpu else sum(state["device"].values()))
     pool = any(t != "device" for t in tiers.values())  # every tier on the device moves nothing through it

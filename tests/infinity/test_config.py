@@ -151,6 +151,7 @@ BAD = [
     ({"optimizer": {"overlap_disk": "30%"}}, "optimizer.overlap_disk: expected a number"),
     ({"nvme": {"keep": "no"}}, "nvme.keep: expected true or false"),
     ({"prefetch": {"keep": 1}}, "prefetch.keep: expected true or false"),
+    ({"memory": {"keep_params": "yes"}}, "memory.keep_params: expected true or false"),
     ({"optimizer": {"type": "lamb"}}, "optimizer.type: 'lamb' is not one of adamw, adam, sgd, adagrad"),
     ({"optimizer": {"type": 1}}, "optimizer.type"),
     ({"optimizer": {"state_dtype": "fp8"}}, "optimizer.state_dtype: 'fp8' is not one of fp32, bf16, int8"),
@@ -211,7 +212,7 @@ _RIGHT_TYPE = {
 }
 
 
-_EVERY_VALUE_IN_RANGE = {"nvme.keep", "prefetch.keep", "precision.consecutive_hysteresis"}
+_EVERY_VALUE_IN_RANGE = {"nvme.keep", "prefetch.keep", "memory.keep_params", "precision.consecutive_hysteresis"}
 
 
 def test_the_table_has_a_wrong_type_and_an_out_of_range_value_for_every_key():

@@ -27,7 +27,9 @@ def _layers() -> nn.Module:
 
 
 def _run(path, keep: bool, budget: str, steps: int = 3, tile_size: str | None = None, device_budget=None):
-    memory = {"host_budget": budget, "tile_size": tile_size, "device_budget": device_budget}
+    # (keep_params off: a unit read in forward and released would be lent to backward from the
+    # pool, which tests/infinity/test_param_cache.py tests; here every read counts.)
+    memory = {"host_budget": budget, "tile_size": tile_size, "device_budget": device_budget, "keep_params": False}
     cfg = config(path, NVME, prefetch={"keep": keep}, memory=memory,
                  optimizer={"overlap": False, "sub_group_size": "256KiB"})  # fmt: skip
     engine = infinity.initialize(_layers(), cfg)
