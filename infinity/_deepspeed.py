@@ -139,7 +139,8 @@ RULES: dict[str, Rule] = {
     "zero_optimization.offload_param.pin_memory": _i("host buffers are pinned whenever a GPU is there"),
     "zero_optimization.offload_param.buffer_count": _i(_BUDGET + " (prefetch.depth sets how far ahead)"),
     "zero_optimization.offload_param.buffer_size": _i(_BUDGET),
-    "zero_optimization.offload_param.max_in_cpu": _i(_BUDGET),
+    "zero_optimization.offload_param.max_in_cpu": _i(_BUDGET + "; parameters stay in it between steps where it "
+                                                    "has room (memory.keep_params)"),
     "zero_optimization.offload_optimizer": _i("the section: its keys below"),
     "zero_optimization.offload_optimizer.device": _m("tiers.optimizer", 'and tiers.grads = "cpu" when offloaded '
                                                      "([Note: DeepSpeed's placements])"),  # fmt: skip
