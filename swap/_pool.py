@@ -162,6 +162,23 @@ class HostBuffer:
         return f"HostBuffer({self.nbytes} bytes, {state})"
 
 
+class Reservation:
+    """Bytes of a pool's budget held outside the pool (`HostBufferPool.reserve`) until `release`
+    (idempotent)."""
+
+    __slots__ = ("_pool", "nbytes")
+
+    def __init__(self, pool: "HostBufferPool", nbytes: int):
+        self._pool, self.nbytes = pool, nbytes
+
+    def release(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            with pool._locked():
+                pool._reserved -= self.nbytes
+                pool._cond.notify_all()
+
+
 class HostBufferPool:
     """Aligned host buffers under a byte budget, from slabs registered with ``engine``.
 
@@ -218,6 +235,7 @@ class HostBufferPool:
         # Buffers set aside, the longest aside first: see [Note: buffers set aside].
         self._aside: dict[int, HostBuffer] = {}
         self._aside_bytes = 0
+        self._reserved = 0  # bytes of the budget its users hold outside the pool (`reserve`)
 
     @contextmanager
     def traffic(self, name: str):
@@ -300,7 +318,18 @@ class HostBufferPool:
         return slab, slab.allocator.allocate(size)
 
     def _headroom(self) -> int:
-        return (self.budget_bytes - self._allocated) // self.alignment * self.alignment
+        return max(0, self.budget_bytes - self._reserved - self._allocated) // self.alignment * self.alignment
+
+    def reserve(self, nbytes: int) -> "Reservation":
+        """Take ``nbytes`` of the budget for host memory its taker holds outside the pool (the
+        overlap's staged copies, which the engine's plan fits beside the pool): slabs are made
+        only within what is left, and what grows them while nothing else needs the room (the
+        buffers set aside) stays within it too. ``release()`` gives the bytes back."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= self.budget_bytes:
+            raise ValueError(f"{nbytes=} must be an int from 0 to the budget ({self.budget_bytes})")
+        with self._locked():
+            self._reserved += nbytes
+        return Reservation(self, nbytes)
 
     def _new_slab(self, nbytes: int) -> _Slab:
         slab = _Slab(nbytes, self.alignment)
@@ -509,6 +538,7 @@ class HostBufferPool:
                 "largest_free": max((s.allocator.largest_free for s in self._slabs), default=0),
                 "busy_buffers": len(self._busy),  # released, waiting for I/O on them to end
                 "aside_bytes": self._aside_bytes,  # set aside: free, their bytes kept while no acquire needs them
+                "reserved_bytes": self._reserved,  # the budget held outside the pool (`reserve`)
                 "by_traffic": {k: {"in_use_bytes": v[0], "peak_bytes": v[1]} for k, v in sorted(self._by_traffic.items())},
             }
 

@@ -502,3 +502,21 @@ def test_trim_takes_the_room_of_buffers_aside(pools):
     a = pool.acquire(1 * MiB)
     a.set_aside()
     assert pool.trim() == 1 * MiB and not a.take_back()
+
+
+def test_a_reservation_bounds_the_slabs_and_what_is_set_aside(pools):
+    pool = pools(4 * MiB, slab_size=1 * MiB)
+    held = pool.reserve(2 * MiB)  # host memory held outside the pool, in the same budget
+    a, b = pool.acquire(1 * MiB), pool.acquire(1 * MiB)
+    a.set_aside()
+    c = pool.acquire(1 * MiB, timeout=0)  # no slab past the budget less the reservation: a gives way
+    assert not a.take_back() and pool.allocated_bytes == 2 * MiB
+    assert pool.stats()["reserved_bytes"] == 2 * MiB
+    held.release()
+    held.release()  # idempotent
+    d = pool.acquire(1 * MiB, timeout=0)  # the room is the pool's again
+    assert pool.allocated_bytes == 3 * MiB and pool.stats()["reserved_bytes"] == 0
+    for buf in (b, c, d):
+        buf.release()
+    with pytest.raises(ValueError, match="nbytes"):
+        pool.reserve(8 * MiB)
