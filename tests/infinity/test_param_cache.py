@@ -175,3 +175,24 @@ def test_a_small_host_budget_gives_the_kept_buffers_up_and_trains_the_same(tmp_p
     assert losses[True] == losses[False]
     read = step[True]["nvme"]["by_kind"]["param"]["read_bytes"]
     assert read > 0 and step[True]["param_cache_bytes"] > 0, (read, step[True]["param_cache_bytes"])  # some kept, the rest read
+
+
+def test_parameters_written_under_backward_are_kept_through_their_rename(tmp_path, engines, monkeypatch):
+    """nvme,cpu,cpu as on a GPU (forced here on the host): an early update writes its new
+    parameters under staged names under backward and the commit renames them; the kept buffer
+    goes with the rename, and training is the same as with every parameter read."""
+    import infinity._overlap_host as overlap_host
+
+    monkeypatch.setattr(overlap_host, "stages_params", lambda device, store: store.uses_pool)
+    losses, step = {}, {}
+    for keep in (True, False):
+        cfg = config(tmp_path / f"swap{keep}", ("nvme", "cpu", "cpu"), precision={"param_dtype": "bf16"},
+                     memory={"keep_params": keep}, optimizer={"overlap": True, "overlap_disk": 1.0})  # fmt: skip
+        engine = infinity.initialize(make_model(), cfg)
+        engines.append(engine)
+        losses[keep] = train(engine, 3, dtype=torch.bfloat16)
+        step[keep] = engine.stats()["step"]
+        assert engine.overlap.committed > 0
+    assert losses[True] == losses[False]
+    assert step[True]["nvme"]["by_kind"]["param"].get("read_bytes", 0) == 0, step[True]["nvme"]["by_kind"]
+    assert step[False]["nvme"]["by_kind"]["param"]["read_bytes"] > 0
