@@ -311,9 +311,10 @@ def _finish(name: str, tiers: dict, f: dict, machine: Machine, paths: list[str],
     if "grad" in expected:  # gradients past what the plan holds are written and read back
         expected["grad"] = 2 * max(0, f["grad_bytes"] - moves.held)
     # Units past what the plan keeps for backward are read again, unless the pool keeps their
-    # buffers (memory.keep_params): expected where the room no need of the plan takes holds
-    # every parameter (a bound, not the pool's state at each fetch).
-    kept_in_pool = cfg.memory.keep_params and plan.usable - max(plan.needs.values()) >= f["param_bytes"]
+    # buffers (memory.keep_params): expected where the room no need of the plan nor the
+    # overlap's staged copies take holds every parameter (a bound, not the pool at each fetch).
+    room = plan.usable - plan.staging - max(plan.needs.values())  # (the staged copies are beside the pool)
+    kept_in_pool = cfg.memory.keep_params and room >= f["param_bytes"]
     if "param" in expected and not kept_in_pool:
         expected["param"] = f["step"]["floor_unkept"] + max(0, f["param_bytes"] - moves.kept)
     on_gpu = machine.gpu is not None

@@ -255,7 +255,9 @@ class InMemory:
         self.disk_room = disk_room
         self.tensors = _Staging(budget, pin=torch.cuda.is_available())
         self._param_writes: dict[int, tuple[list, int]] = {}  # sub-group -> (its staged writes, their bytes)
-        self._copies: dict[int, tuple[list, dict]] = {}  # sub-group -> (state copies, unit -> new params)
+        # sub-group -> (state copies, unit -> new params, unit -> a pool copy of them to keep:
+        # [Note: parameters kept in the pool] in `_param_cache`)
+        self._copies: dict[int, tuple[list, dict, dict]] = {}
         self._jobs: dict[int, Future] = {}  # sub-group -> its update on the worker (`Overlap.submit`)
 
     @property
@@ -292,12 +294,12 @@ class InMemory:
             staged = sum(n for _, n in self._param_writes.values())
             if self.disk_room is not None and staged + nbytes > self.disk_room:
                 return  # the commit writes it and the rest
-            _, params = self._copies[index]
+            _, params, pooled = self._copies[index]
             futures = []
             try:
                 for u in early.units:
                     futures.append(store.put(opt.record(u).name_for(staged=True), params[u.index], timeout=0,
-                                             keep=True))  # fmt: skip
+                                             kept_copy=pooled.pop(u.index, None)))  # fmt: skip
             except (OutOfSpace, PoolExhausted, OSError):  # no room now: the commit writes them
                 settle(futures)
                 for u in early.units:
@@ -315,7 +317,7 @@ class InMemory:
         if not isinstance(early, _Early):
             return early
         transport = opt.grads.transport
-        states, copies, params, leases, grads = [], [], {}, [], {}
+        states, copies, params, leases, grads, pooled = [], [], {}, [], {}, {}
         try:
             states = [opt.states[kind].get(sg.record.name_for()).result().tensor for kind in opt.kinds]  # lent in place
             wanted = [(src.shape, src.dtype, False) for src in states]
@@ -325,6 +327,11 @@ class InMemory:
                 raise _NoRoom
             copies = taken[: len(states)]
             params = {u.index: t for u, t in zip(early.units, taken[len(states) :])}
+            for u in early.units:  # the worker casts the new parameters into these too, to keep
+                spare = opt.param_store.spare_buffer(params[u.index].numel() * opt.param_dtype.itemsize)
+                if spare is None:
+                    break
+                pooled[u.index] = spare
             host = copies[0].device
             for u in early.units:
                 early.versions[u.index] = opt.grads.version[u.index]
@@ -333,14 +340,14 @@ class InMemory:
                 grads[u.index] = transport.to_reader(lease.tensor, host, timeout=0)  # from a GPU: arriving
             ov.assume(early)
         except (_NoRoom, PoolExhausted):  # the step updates it
-            _drop(grads, leases, (*copies, *params.values()), self.tensors)
+            _drop(grads, leases, (*copies, *params.values()), self.tensors, pooled)
             return True
         except BaseException:
-            _drop(grads, leases, (*copies, *params.values()), self.tensors)
+            _drop(grads, leases, (*copies, *params.values()), self.tensors, pooled)
             raise
-        self._jobs[index] = ov.submit(_run, opt, early, states, copies, params, grads, leases)
+        self._jobs[index] = ov.submit(_run, opt, early, states, copies, params, grads, leases, pooled)
         ov.staged[index] = early
-        self._copies[index] = (copies, params)
+        self._copies[index] = (copies, params, pooled)
         return True
 
     def _wait(self, index: int) -> BaseException | None:
@@ -372,9 +379,15 @@ class InMemory:
             raise error
 
     def commit_one(self, ov, index: int, early: _Early) -> None:
+        copies, params, pooled = self._copies.pop(index)
+        try:
+            self._commit_params(ov, index, early, copies, params, pooled)
+        finally:
+            _release(pooled)  # those no write took
+
+    def _commit_params(self, ov, index: int, early: _Early, copies, params, pooled) -> None:
         opt = ov.opt
         sg = opt.groups[index]
-        copies, params = self._copies.pop(index)
         for kind, t in zip(opt.kinds, copies):
             self.tensors.exchange(t, opt.states[kind].swap(sg.record.name_for(), t))
         if self._renamed(ov, index, early):
@@ -387,7 +400,8 @@ class InMemory:
             new = params[u.index]
             store = opt.param_store
             if store.uses_pool:  # nvme: written behind the step, from the staged tensor
-                st.param_writes.add(store.put(u.name, new, keep=True), Lease(new, _Back(self.tensors, new)))
+                st.param_writes.add(store.put(u.name, new, kept_copy=pooled.pop(u.index, None)),
+                                    Lease(new, _Back(self.tensors, new)))  # fmt: skip
                 continue
             dst = store.writable(u.name).tensor  # resident: the tier's own tensor
             if dst.device.type == "cuda" and transport is not None and transport.pipelined:
@@ -424,12 +438,13 @@ class InMemory:
             settle(written[0])
             for u in early.units:
                 ov.opt.param_store.discard(ov.opt.record(u).name_for(staged=True))
-        copies, params = self._copies.pop(early.index, ([], {}))
+        copies, params, pooled = self._copies.pop(early.index, ([], {}, {}))
         for t in (*copies, *params.values()):
             self.tensors.give(t)
+        _release(pooled)
 
 
-def _run(opt, early: _Early, states, copies, params, grads, leases) -> None:
+def _run(opt, early: _Early, states, copies, params, grads, leases, pooled) -> None:
     """On the worker: sub-group ``early.index``'s update on staged copies of ``states`` from
     ``grads`` (host tensors, or copies from a GPU still arriving); the gradients' leases go back
     when it is done, whatever happens."""
@@ -441,13 +456,18 @@ def _run(opt, early: _Early, states, copies, params, grads, leases) -> None:
         opt.apply(early.index, copies[0], copies[1:], here, early.divide, early.steps, early.first)
         for u in early.units:
             params[u.index].copy_(copies[0][sg.slices[u.index]])
+            if u.index in pooled:  # the copy to keep, made here rather than on the thread of the hooks,
+                new = params[u.index]  # then set aside: any acquire until the write may take its room
+                pooled[u.index].view(new.dtype, tuple(new.shape)).copy_(new)
+                pooled[u.index].set_aside()
     finally:
         _drop(grads, leases, (), None)
 
 
-def _drop(grads: dict, leases: list, staged, staging) -> None:
+def _drop(grads: dict, leases: list, staged, staging, pooled=None) -> None:
     """Give back what a sub-group's update held: its gradients on the host (a copy from a GPU
-    once it is done: the DMA writes it), the gradients' leases, and staging tensors."""
+    once it is done: the DMA writes it), the gradients' leases, staging tensors, and the pool
+    buffers its new parameters were to be kept in."""
     release_unused(grads.values())
     grads.clear()
     for lease in leases:
@@ -455,6 +475,14 @@ def _drop(grads: dict, leases: list, staged, staging) -> None:
     leases.clear()
     for t in staged:
         staging.give(t)
+    _release(pooled or {})
+
+
+def _release(pooled: dict) -> None:
+    """Give back the pool copies of new parameters no write took (`InMemory._copies`)."""
+    for buffer in pooled.values():
+        buffer.release()
+    pooled.clear()
 
 
 class _NoRoom(Exception):

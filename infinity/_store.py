@@ -143,7 +143,7 @@ class Store:
         return f"{name}/{self.kind}"
 
     def put(self, name: str, tensor: torch.Tensor, *, copy: bool = False, dtype: torch.dtype | None = None,
-            timeout: float | None = None, keep: bool = False) -> Pending:  # fmt: skip
+            timeout: float | None = None, kept_copy=None) -> Pending:  # fmt: skip
         """Store ``tensor``'s values under ``name`` (cast to the stored dtype where one exists,
         or to ``dtype`` for a copy under a new name).
 
@@ -152,7 +152,8 @@ class Store:
         or unless it is not a contiguous CPU tensor: then from a pool copy (waiting at most
         ``timeout`` seconds for its pool memory). Where the store keeps buffers in the pool
         ([Note: parameters kept in the pool] in `_param_cache`), a pool copy is kept once
-        written; ``keep``: make one to keep (and write from it) where the pool has room now."""
+        written; ``kept_copy``: a pool buffer (`spare_buffer`) that holds ``tensor``'s values
+        already, to write from and keep (released where the store keeps none)."""
         if self._resident is not None:
             dst = self._resident_for(name, tensor.shape, tensor.dtype, cast=True)
             if dst.data_ptr() != tensor.data_ptr():
@@ -162,16 +163,13 @@ class Store:
         if self._kept is not None:
             self._kept.forget(key)  # what it held is the old value: kept again below if written from a copy
         staged = None
-        if copy or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        if kept_copy is not None and self._kept is not None and kept_copy.take_back():  # still there
+            staged, tensor = kept_copy, kept_copy.view(tensor.dtype, tuple(tensor.shape))  # written from, kept
+        elif kept_copy is not None:
+            kept_copy.release()
+        if staged is None and (copy or tensor.device.type != "cpu" or not tensor.is_contiguous()):
             dtype = DTYPES[self._space.info(key).dtype] if key in self._space else (dtype or tensor.dtype)
             staged = self._space.pool.acquire(max(tensor.numel() * dtype.itemsize, 1), timeout=timeout)
-        elif keep and self._kept is not None:  # a copy only to keep: none where the pool has no room now
-            dtype = tensor.dtype
-            try:
-                staged = self._space.pool.acquire(max(tensor.numel() * dtype.itemsize, 1), timeout=0)
-            except PoolExhausted:
-                pass
-        if staged is not None:
             view = staged.view(dtype, tuple(tensor.shape))
             view.copy_(tensor.detach())
             tensor = view
@@ -187,6 +185,20 @@ class Store:
         if staged is not None and self._kept is not None:
             staged = self._kept.after_write(key, staged, future)  # kept once written, not released
         return Pending(future, span, staged=staged)
+
+    def spare_buffer(self, nbytes: int):
+        """A pool buffer of ``nbytes`` to fill with a value and `put` as ``kept_copy`` (kept once
+        written), where the store keeps buffers in the pool and the pool has room now; else
+        None. For copies made off the caller's thread: the early updates' new parameters,
+        cast on the optimizer's worker, which sets the buffer aside until the write (`put`
+        takes it back, or writes without it where an acquire took its room meanwhile)
+        ([Note: parameters kept in the pool] in `_param_cache`)."""
+        if self._kept is None:
+            return None
+        try:
+            return self._space.pool.acquire(max(nbytes, 1), timeout=0)
+        except PoolExhausted:
+            return None
 
     def _resident_for(self, name: str, shape, dtype: torch.dtype, *, cast: bool) -> torch.Tensor:
         """The resident tier's tensor of ``name``, made (pinned where CUDA is) where there is

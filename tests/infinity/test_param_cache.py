@@ -196,3 +196,26 @@ def test_parameters_written_under_backward_are_kept_through_their_rename(tmp_pat
     assert losses[True] == losses[False]
     assert step[True]["nvme"]["by_kind"]["param"].get("read_bytes", 0) == 0, step[True]["nvme"]["by_kind"]
     assert step[False]["nvme"]["by_kind"]["param"]["read_bytes"] > 0
+
+
+def test_the_overlap_s_staged_copies_bound_what_the_pool_keeps(tmp_path, engines):
+    """nvme,cpu,cpu with the optimizer under backward: its staged copies are host memory beside
+    the pool in the same budget, so the pool's slabs (the kept buffers with them) stay within
+    what they leave, and training is the same as with every parameter read."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), *[torch.nn.Linear(256, 256) for _ in range(30)],
+                                torch.nn.Linear(256, 4))  # fmt: skip
+    losses = {}
+    for keep in (True, False):
+        cfg = config(tmp_path / f"swap{keep}", ("nvme", "cpu", "cpu"), precision={"param_dtype": "bf16"},
+                     memory={"keep_params": keep, "host_budget": "5MiB"},
+                     optimizer={"overlap": True, "sub_group_size": 300_000})  # fmt: skip
+        engine = infinity.initialize(copy.deepcopy(model), cfg)
+        engines.append(engine)
+        losses[keep] = train(engine, 4, dtype=torch.bfloat16)
+        staging = engine.plan.staging
+        assert staging > 0 and engine.overlap.committed > 0
+        assert engine.pool.allocated_bytes <= (5 << 20) - staging, (engine.pool.allocated_bytes, staging)
+        if keep:
+            assert engine.stats()["step"]["param_cache_bytes"] > 0
+    assert losses[True] == losses[False]
