@@ -300,11 +300,13 @@ class InMemory:
                 for u in early.units:
                     futures.append(store.put(opt.record(u).name_for(staged=True), params[u.index], timeout=0,
                                              kept_copy=pooled.pop(u.index, None)))  # fmt: skip
-            except (OutOfSpace, PoolExhausted, OSError):  # no room now: the commit writes them
+            except BaseException as e:  # the writes started are finished (their buffers back), none kept
                 settle(futures)
                 for u in early.units:
                     store.discard(opt.record(u).name_for(staged=True))
-                return
+                if isinstance(e, (OutOfSpace, PoolExhausted, OSError)):
+                    return  # no room now: the commit writes them
+                raise
             self._param_writes[index] = (futures, nbytes)
 
     def _update_now(self, ov, index: int) -> bool:

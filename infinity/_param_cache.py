@@ -134,13 +134,14 @@ class ParamCache:
         nothing is, else released)."""
         with self._lock:
             old = self._entries.get(key)
-            if old is None or replace:
+            if old is not None and not replace:
+                old = None
+                buffer.release()
+            elif buffer.set_aside():  # (False: the pool keeps no more aside, and released it)
                 self._entries[key] = _Entry(record, buffer)
-                buffer.set_aside()
-                buffer = None
-        if buffer is not None:
-            buffer.release()
-        elif old is not None:
+            else:
+                self._entries.pop(key, None)
+        if old is not None:
             self._discard(old)
 
     def rename(self, src: str, dst: str, record) -> None:
@@ -182,6 +183,7 @@ class ParamCache:
         with self._lock:
             if self._entries.get(key) is entry:
                 entry.lent = False
-                entry.buffer.set_aside()
+                if not entry.buffer.set_aside():  # released: the pool keeps no more aside
+                    del self._entries[key]
                 return
         entry.buffer.release()

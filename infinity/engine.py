@@ -195,8 +195,7 @@ class Engine:
             staged = fp is not None and _overlap_host.params_staged(plan, layout)
             staging = InMemory(self.optimizer, plan.staging, disk_room=fp.staging_room if staged else 0)
             if self.pool is not None:  # its copies are host memory beside the pool, in the same budget:
-                self.pool.reserve(plan.staging)  # no slab (nor buffer set aside) grows into it,
-                self.pool.trim()  # and those initialize's writes grew into it go
+                self.pool.reserve(plan.staging)  # buffers set aside grow no slab into it
         if staging is not None:
             self.overlap = Overlap(self.optimizer, functools.partial(_scale_of, self._scaler), staging,
                                    threaded=_overlap.on_worker(dev))

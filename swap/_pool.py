@@ -43,6 +43,7 @@ from ._common import human_size, round_up
 __all__ = ["HostBuffer", "HostBufferPool", "PoolExhausted"]
 
 OTHER = "other"  # the traffic class of a buffer whose taker named none
+ASIDE_ROOM_BUFFERS = 8  # no buffer set aside in a pool with room for fewer of its largest: [Note: buffers set aside]
 
 logger = logging.getLogger("infinity.swap")
 
@@ -136,14 +137,17 @@ class HostBuffer:
         self._tensor = None
         self._pool._give_back(self._slab, self._offset, self._size, False, self.traffic)
 
-    def set_aside(self) -> None:
+    def set_aside(self) -> bool:
         """Give the bytes back to the pool but keep what they hold until the pool needs the room
         for an `acquire` ([Note: buffers set aside]): `take_back` then has them again as they
         were. The buffer must be in no I/O now, and nothing may use its tensor or views until
-        `take_back` says yes."""
+        `take_back` says yes. False: released instead (the pool keeps no more aside)."""
         if self._tensor is None:
             raise RuntimeError(f"this host buffer of {self.nbytes} bytes was released to its pool")
-        self._pool._set_aside(self)
+        if self._pool._set_aside(self):
+            return True
+        self.release()
+        return False
 
     def take_back(self, traffic: str | None = None) -> bool:
         """Whether the buffer set aside still holds its bytes; if so it is this caller's again
@@ -236,6 +240,7 @@ class HostBufferPool:
         self._aside: dict[int, HostBuffer] = {}
         self._aside_bytes = 0
         self._reserved = 0  # bytes of the budget its users hold outside the pool (`reserve`)
+        self._largest = 0  # the largest buffer taken so far (see [Note: buffers set aside])
 
     @contextmanager
     def traffic(self, name: str):
@@ -278,6 +283,7 @@ class HostBufferPool:
                     self._in_use += size
                     self._buffers += 1
                     self._peak = max(self._peak, self._in_use)
+                    self._largest = max(self._largest, size)
                     name = traffic or getattr(self._label, "name", OTHER)
                     counts = self._by_traffic.setdefault(name, [0, 0])
                     counts[0] += size
@@ -292,18 +298,20 @@ class HostBufferPool:
 
     def _place(self, size: int) -> tuple[_Slab, int] | None:
         while True:
-            placed = self._place_free(size)
+            # While buffers are set aside, no slab grows into the bytes reserved: what is kept
+            # gives way first (an acquire with none aside may, as before any was reserved).
+            placed = self._place_free(size, self._reserved if self._aside else 0)
             if placed is not None or not self._aside:
                 return placed
             self._reclaim(next(iter(self._aside.values())))  # the longest aside gives way first
 
-    def _place_free(self, size: int) -> tuple[_Slab, int] | None:
+    def _place_free(self, size: int, reserved: int = 0) -> tuple[_Slab, int] | None:
         if self._busy:
             self._reap_busy()
         for slab in self._slabs:
             if slab.allocator.largest_free >= size:
                 return slab, slab.allocator.allocate(size)
-        headroom = self._headroom()
+        headroom = self._headroom(reserved)
         if headroom < size:
             # Empty slabs here are all too small for ``size``; dropping them (largest first)
             # may make room for a slab that is not.
@@ -311,20 +319,21 @@ class HostBufferPool:
             if headroom + sum(s.nbytes for s in empty) < size:
                 return None
             for slab in empty:
-                if self._headroom() >= size:
+                if self._headroom(reserved) >= size:
                     break
                 self._drop(slab)
-        slab = self._new_slab(min(max(self.slab_size, size), self._headroom()))
+        slab = self._new_slab(min(max(self.slab_size, size), self._headroom(reserved)))
         return slab, slab.allocator.allocate(size)
 
-    def _headroom(self) -> int:
-        return max(0, self.budget_bytes - self._reserved - self._allocated) // self.alignment * self.alignment
+    def _headroom(self, reserved: int = 0) -> int:
+        return max(0, self.budget_bytes - reserved - self._allocated) // self.alignment * self.alignment
 
     def reserve(self, nbytes: int) -> "Reservation":
-        """Take ``nbytes`` of the budget for host memory its taker holds outside the pool (the
-        overlap's staged copies, which the engine's plan fits beside the pool): slabs are made
-        only within what is left, and what grows them while nothing else needs the room (the
-        buffers set aside) stays within it too. ``release()`` gives the bytes back."""
+        """Mark ``nbytes`` of the budget as host memory its taker holds outside the pool (the
+        overlap's staged copies, which the engine's plan fits beside the pool): while buffers
+        are set aside, no slab grows into them (what is kept gives way first), so keeping
+        what no use needs never takes them. Acquires with nothing aside may still use the whole
+        budget, as the plan's needs were checked against it. ``release()`` gives the mark back."""
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= self.budget_bytes:
             raise ValueError(f"{nbytes=} must be an int from 0 to the budget ({self.budget_bytes})")
         with self._locked():
@@ -417,11 +426,20 @@ class HostBufferPool:
     # that finds no other room takes the room of the buffers set aside, the longest aside
     # first, before it waits; `take_back` finds a buffer's bytes as they were, or False once
     # its room was taken. So setting aside never makes an acquire wait, and the budget bounds
-    # the slabs as before.
-    def _set_aside(self, buffer: HostBuffer) -> None:
+    # the slabs as before. Kept buffers sit where their first use placed them, and buffers
+    # taken around them leave the free room in pieces: near a budget's floor (1.7 MiB, 260 KiB
+    # units) an acquire failed with 568 KiB free in pieces after every buffer aside was given
+    # up, where the same run without them trained. So buffers aside hold at most half of the
+    # budget less what is reserved (`reserve`), and none where that room is less than
+    # ASIDE_ROOM_BUFFERS of the largest buffer taken so far: a buffer past either is released
+    # instead.
+    def _set_aside(self, buffer: HostBuffer) -> bool:
         with self._locked():
             if id(buffer) in self._aside:
-                return
+                return True
+            room = self.budget_bytes - self._reserved
+            if 2 * (self._aside_bytes + buffer._size) > room or ASIDE_ROOM_BUFFERS * self._largest > room:
+                return False  # half the room at most, and none in a pool a few buffers fill
             counts = self._by_traffic.get(buffer.traffic)
             if counts is not None:
                 counts[0] -= buffer._size
@@ -430,6 +448,7 @@ class HostBufferPool:
             self._aside[id(buffer)] = buffer
             self._aside_bytes += buffer._size
             self._cond.notify_all()  # an acquire that waits may take its room now
+            return True
 
     def _take_back(self, buffer: HostBuffer, traffic: str | None) -> bool:
         with self._locked():

@@ -443,80 +443,91 @@ def test_acquire_needs_a_positive_int(pools, nbytes):
 
 
 # -- buffers set aside -----------------------------------------------------------------------
+K256 = 256 * KiB
+
+
 def test_a_buffer_set_aside_is_free_and_taken_back_as_it_was(pools):
     pool = pools(4 * MiB)
-    buf = pool.acquire(1 * MiB, traffic="fetch")
-    buf.tensor.copy_(torch.arange(1 * MiB, dtype=torch.int64).to(torch.uint8))
+    buf = pool.acquire(K256, traffic="fetch")
+    buf.tensor.copy_(torch.arange(K256, dtype=torch.int64).to(torch.uint8))
     expect = buf.tensor.clone()
-    buf.set_aside()
-    assert pool.in_use_bytes == 0 and pool.aside_bytes == 1 * MiB
-    assert pool.in_use_by("fetch") == 0 and pool.stats()["aside_bytes"] == 1 * MiB
+    assert buf.set_aside()
+    assert pool.in_use_bytes == 0 and pool.aside_bytes == K256
+    assert pool.in_use_by("fetch") == 0 and pool.stats()["aside_bytes"] == K256
     assert buf.take_back(traffic="prefetch")
-    assert pool.in_use_bytes == 1 * MiB and pool.aside_bytes == 0 and pool.in_use_by("prefetch") == 1 * MiB
+    assert pool.in_use_bytes == K256 and pool.aside_bytes == 0 and pool.in_use_by("prefetch") == K256
     assert torch.equal(buf.tensor, expect)
     buf.release()
     assert pool.in_use_bytes == 0 and pool.in_use_by("prefetch") == 0
 
 
 def test_an_acquire_takes_the_room_of_the_buffers_aside_longest_first(pools):
-    pool = pools(3 * MiB, slab_size=1 * MiB)
-    a, b, c = (pool.acquire(1 * MiB) for _ in range(3))
-    a.set_aside()
-    b.set_aside()
-    c.release()
-    d = pool.acquire(1 * MiB, timeout=0)  # the free room first: nothing aside gives way
-    assert pool.aside_bytes == 2 * MiB
-    e = pool.acquire(1 * MiB, timeout=0)  # no room: a, aside longest, gives way without a wait
-    assert pool.aside_bytes == 1 * MiB and pool.in_use_bytes == 2 * MiB
-    assert not a.take_back() and a.released
+    pool = pools(2 * MiB, slab_size=K256)
+    bufs = [pool.acquire(K256) for _ in range(8)]  # the whole budget
+    aside, rest = bufs[:4], bufs[4:]
+    assert all(b.set_aside() for b in aside)
+    assert not rest[0].set_aside() and rest[0].released  # past half the budget: released instead
+    e = pool.acquire(K256, timeout=0)  # the free room first: nothing aside gives way
+    assert pool.aside_bytes == 4 * K256
+    f = pool.acquire(K256, timeout=0)  # no room: the one aside longest gives way, without a wait
+    assert pool.aside_bytes == 3 * K256 and pool.in_use_bytes == 5 * K256
+    assert not aside[0].take_back() and aside[0].released
     with pytest.raises(RuntimeError, match="released"):
-        a.tensor
-    assert b.take_back()
-    with pytest.raises(PoolExhausted):  # what is taken back is in use again: nothing gives way
-        pool.acquire(1 * MiB, timeout=0)
-    for buf in (b, d, e):
+        aside[0].tensor
+    assert aside[1].take_back()
+    for buf in (aside[1], *rest[1:], e, f):
         buf.release()
+    for buf in aside[2:]:
+        buf.release()  # released from aside
     assert pool.in_use_bytes == 0 and pool.aside_bytes == 0
 
 
+def test_a_pool_a_few_buffers_fill_sets_none_aside(pools):
+    pool = pools(4 * MiB)
+    big = pool.acquire(1 * MiB)  # room for 4 of the largest buffer taken: fewer than ASIDE_ROOM_BUFFERS
+    assert not big.set_aside() and big.released and pool.aside_bytes == 0
+
+
 def test_releasing_a_buffer_aside_frees_it_and_a_waiting_acquire_gets_room(pools):
-    pool = pools(1 * MiB)
-    a = pool.acquire(1 * MiB)
+    pool = pools(2 * MiB, slab_size=K256)
+    bufs = [pool.acquire(K256) for _ in range(8)]
     got = []
-    waiter = threading.Thread(target=lambda: got.append(pool.acquire(1 * MiB, timeout=10)))
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(K256, timeout=10)))
     waiter.start()
     time.sleep(0.05)
-    a.set_aside()  # wakes the acquire, which takes a's room
+    assert bufs[0].set_aside()  # wakes the acquire, which takes its room
     waiter.join(10)
-    assert got and not a.take_back()
-    got[0].release()
-    b = pool.acquire(1 * MiB)
-    b.set_aside()
+    assert got and not bufs[0].take_back()
+    for buf in (*bufs[1:], got[0]):
+        buf.release()
+    b = pool.acquire(K256)
+    assert b.set_aside()
     b.release()  # released from aside: its room is free, nothing counted
     assert pool.aside_bytes == 0 and pool.in_use_bytes == 0 and b.released
-    assert pool.trim() == 1 * MiB
+    assert pool.trim() == 2 * MiB
 
 
 def test_trim_takes_the_room_of_buffers_aside(pools):
-    pool = pools(2 * MiB, slab_size=1 * MiB)
-    a = pool.acquire(1 * MiB)
-    a.set_aside()
-    assert pool.trim() == 1 * MiB and not a.take_back()
+    pool = pools(2 * MiB, slab_size=K256)
+    a = pool.acquire(K256)
+    assert a.set_aside()
+    assert pool.trim() == K256 and not a.take_back()
 
 
-def test_a_reservation_bounds_the_slabs_and_what_is_set_aside(pools):
-    pool = pools(4 * MiB, slab_size=1 * MiB)
+def test_a_reservation_bounds_what_is_set_aside_not_what_is_in_use(pools):
+    pool = pools(4 * MiB, slab_size=K256)
     held = pool.reserve(2 * MiB)  # host memory held outside the pool, in the same budget
-    a, b = pool.acquire(1 * MiB), pool.acquire(1 * MiB)
-    a.set_aside()
-    c = pool.acquire(1 * MiB, timeout=0)  # no slab past the budget less the reservation: a gives way
-    assert not a.take_back() and pool.allocated_bytes == 2 * MiB
+    bufs = [pool.acquire(K256) for _ in range(8)]  # what the reservation leaves
+    assert bufs[0].set_aside()
+    c = pool.acquire(K256, timeout=0)  # no slab into the reservation while one is aside: it gives way
+    assert not bufs[0].take_back() and pool.allocated_bytes == 2 * MiB
     assert pool.stats()["reserved_bytes"] == 2 * MiB
+    d = pool.acquire(K256, timeout=0)  # nothing aside: an acquire may use the whole budget
+    assert pool.allocated_bytes == 2 * MiB + K256
     held.release()
     held.release()  # idempotent
-    d = pool.acquire(1 * MiB, timeout=0)  # the room is the pool's again
-    assert pool.allocated_bytes == 3 * MiB and pool.stats()["reserved_bytes"] == 0
-    for buf in (b, c, d):
+    assert pool.stats()["reserved_bytes"] == 0
+    for buf in (*bufs[1:], c, d):
         buf.release()
     with pytest.raises(ValueError, match="nbytes"):
         pool.reserve(8 * MiB)
