@@ -94,8 +94,8 @@ class _Keep:
 
 
 class ParamCache:
-    """The parameters' buffers set aside in ``space``'s pool between uses
-    ([Note: parameters kept in the pool])."""
+    """The parameters' buffers set aside in the pool between uses ([Note: parameters kept in
+    the pool])."""
 
     def __init__(self, stats: Stats):
         self._stats = stats
@@ -166,12 +166,6 @@ class ParamCache:
             old = self._entries.pop(key, None)
         if old is not None:
             self._discard(old)
-
-    def clear(self) -> None:
-        with self._lock:
-            entries, self._entries = list(self._entries.values()), {}
-        for entry in entries:
-            self._discard(entry)
 
     @staticmethod
     def _discard(entry: _Entry) -> None:
