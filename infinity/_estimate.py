@@ -290,10 +290,7 @@ def _step_bytes(layout, units, keep_params: bool) -> dict[str, dict[str, int]]:
             else:
                 n = 2 * sum(g.record.nbytes(k) for g in st.groups)
             floor[k] = most[k] = n
-    out = {"floor": floor, "most": most}
-    if "param" in floor:
-        out["floor_unkept"] = param + written  # the parameters' floor where none is kept in the pool
-    return out
+    return {"floor": floor, "most": most}
 
 
 def _finish(name: str, tiers: dict, f: dict, machine: Machine, paths: list[str], cfg: TierConfig) -> Estimate:
@@ -315,8 +312,8 @@ def _finish(name: str, tiers: dict, f: dict, machine: Machine, paths: list[str],
     # overlap's staged copies take holds every parameter (a bound, not the pool at each fetch).
     room = plan.usable - plan.staging - max(plan.needs.values())  # (the staged copies are beside the pool)
     kept_in_pool = cfg.memory.keep_params and room >= f["param_bytes"]
-    if "param" in expected and not kept_in_pool:
-        expected["param"] = f["step"]["floor_unkept"] + max(0, f["param_bytes"] - moves.kept)
+    if "param" in expected and not kept_in_pool:  # read for forward (the most less the read again), and again
+        expected["param"] = f["step"]["most"]["param"] - f["param_bytes"] + max(0, f["param_bytes"] - moves.kept)
     on_gpu = machine.gpu is not None
     host = sum(state["cpu"].values()) + (0 if on_gpu else sum(state["device"].values()))
     pool = any(t != "device" for t in tiers.values())  # every tier on the device moves nothing through it

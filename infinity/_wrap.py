@@ -196,6 +196,6 @@ def hand_set_grad(name: str) -> RuntimeError:
 def refuse_hand_set_grads(units) -> None:
     """Before a step: no managed parameter holds a ``.grad`` (`hand_set_grad`)."""
     for unit in units:
-        for r in unit.records:
+        for i, r in enumerate(unit.records):
             if r.param.grad is not None:
-                raise hand_set_grad(f"{unit.path}.{r.name}" if unit.path else r.name)
+                raise hand_set_grad(unit.qualified_name(i))

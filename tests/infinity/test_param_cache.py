@@ -51,7 +51,14 @@ def test_a_copied_write_is_lent_to_the_next_fetch_and_any_other_write_is_read(sp
     assert not lent and torch.equal(values, b)
     values, lent = _lent(store, "w")  # the read's buffer was kept once released
     assert lent and torch.equal(values, b)
-    assert store.get("w").result().tensor.data_ptr() != 0  # a fetch without kept=True reads
+    before = store._stats.total.param_cache_bytes
+    plain = store.get("w").result()  # a fetch without kept=True reads, into a buffer of its own
+    try:
+        assert torch.equal(plain.tensor, b) and store._stats.total.param_cache_bytes == before
+    finally:
+        plain.release()
+    values, lent = _lent(store, "w")  # and the kept buffer is still there for the next one
+    assert lent and torch.equal(values, b)
     space.put("w/param", a).result()  # behind the store's back: the record changes all the same
     values, lent = _lent(store, "w")
     assert not lent and torch.equal(values, a)
