@@ -9,12 +9,10 @@ is not a buffer and is not taken here: a cpu tier's tensors (pinned where there 
 activations on the cpu tier, and the early updates' staged copies (infinity/_overlap_host.py,
 which the engine's plan fits beside the pool within the same budget).
 
-Memory comes in slabs from `infinity.aio.empty_aligned` (anonymous, huge-page advised, and
-registered with CUDA where there is a GPU), each registered once with the I/O engine as a fixed
-buffer, and carved into aligned buffers by an `ExtentAllocator` per slab. Slabs are kept when
-their buffers are released, so steady-state acquire/release costs no mmap, no page faults and
-no re-registration; empty slabs are dropped only to make room for a size that no slab holds
-(or on `trim`/`close`).
+The pool is three parts: this module's `HostBufferPool` (the budget's policy, its counts and
+the wait), `_slabs.Slabs` (where the bytes are: slabs registered with the I/O engine, carved
+into aligned extents) and `_aside.Aside` (buffers set aside, and the budget reserved beside
+the pool).
 
 Each buffer is counted under a traffic class, a name its taker gives (``acquire(...,
 traffic=)``, or `HostBufferPool.traffic` around the code that acquires; "other" otherwise):
@@ -25,7 +23,6 @@ policy (the engine's: infinity/_admission.py).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import warnings
@@ -35,17 +32,13 @@ from contextlib import contextmanager
 
 import torch
 
-from infinity.aio import empty_aligned
-
-from ._allocator import ExtentAllocator
+from ._aside import Aside
 from ._common import human_size, round_up
+from ._slabs import Slab, Slabs
 
 __all__ = ["HostBuffer", "HostBufferPool", "PoolExhausted"]
 
 OTHER = "other"  # the traffic class of a buffer whose taker named none
-ASIDE_ROOM_BUFFERS = 8  # no buffer set aside in a pool with room for fewer of its largest: [Note: buffers set aside]
-
-logger = logging.getLogger("infinity.swap")
 
 
 class PoolExhausted(MemoryError):
@@ -64,24 +57,6 @@ class PoolExhausted(MemoryError):
         self.free = free
 
 
-class _Slab:
-    """One empty_aligned allocation and the allocator that carves it."""
-
-    __slots__ = ("tensor", "array", "address", "allocator", "registered", "alive")
-
-    def __init__(self, nbytes: int, alignment: int):
-        self.tensor = empty_aligned(nbytes, alignment)  # 1-D uint8, the whole slab
-        self.array = self.tensor.numpy()  # per-buffer views are cut from this
-        self.address = self.tensor.data_ptr()
-        self.allocator = ExtentAllocator(alignment, grow_step=0, capacity=nbytes)
-        self.registered = False
-        self.alive = True
-
-    @property
-    def nbytes(self) -> int:
-        return self.allocator.capacity
-
-
 class HostBuffer:
     """``nbytes`` of aligned host memory lent by a `HostBufferPool`; give it back with `release`.
 
@@ -94,7 +69,7 @@ class HostBuffer:
 
     __slots__ = ("_pool", "_slab", "_offset", "_size", "_tensor", "_finalizer", "nbytes", "traffic", "__weakref__")
 
-    def __init__(self, pool: "HostBufferPool", slab: _Slab, offset: int, size: int, nbytes: int, traffic: str = OTHER):
+    def __init__(self, pool: "HostBufferPool", slab: Slab, offset: int, size: int, nbytes: int, traffic: str = OTHER):
         self._pool = pool
         self._slab = slab
         self._offset = offset
@@ -131,21 +106,26 @@ class HostBuffer:
         """Give the bytes back to the pool (waking acquires that wait); a second call does nothing."""
         if self._tensor is None:
             return
-        if id(self) in self._pool._aside and self._pool._drop_aside(self):  # aside: its bytes were free already
-            return
+        pool = self._pool
+        if self in pool._aside:
+            with pool._locked():
+                if pool._aside.drop(self):  # aside: its bytes were free already
+                    return
         self._finalizer.detach()
         self._tensor = None
         self._pool._give_back(self._slab, self._offset, self._size, False, self.traffic)
 
     def set_aside(self) -> bool:
         """Give the bytes back to the pool but keep what they hold until the pool needs the room
-        for an `acquire` ([Note: buffers set aside]): `take_back` then has them again as they
+        for an `acquire` ([Note: buffers set aside] in `_aside`): `take_back` then has them again as they
         were. The buffer must be in no I/O now, and nothing may use its tensor or views until
         `take_back` says yes. False: released instead (the pool keeps no more aside)."""
         if self._tensor is None:
             raise RuntimeError(f"this host buffer of {self.nbytes} bytes was released to its pool")
-        if self._pool._set_aside(self):
-            return True
+        pool = self._pool
+        with pool._locked():
+            if pool._aside.set(self):
+                return True
         self.release()
         return False
 
@@ -153,7 +133,9 @@ class HostBuffer:
         """Whether the buffer set aside still holds its bytes; if so it is this caller's again
         (counted under ``traffic``, by default the class `HostBufferPool.traffic` names), as
         from `acquire`. False: the pool gave its room to an acquire (the buffer is released)."""
-        return self._pool._take_back(self, traffic)
+        pool = self._pool
+        with pool._locked():
+            return pool._aside.take(self, traffic or pool._counts.label())
 
     def __enter__(self) -> "HostBuffer":
         return self
@@ -179,8 +161,52 @@ class Reservation:
         pool, self._pool = self._pool, None
         if pool is not None:
             with pool._locked():
-                pool._reserved -= self.nbytes
+                pool._aside.reserved -= self.nbytes
                 pool._cond.notify_all()
+
+
+class _Counts:
+    """What a pool's buffers hold: bytes and buffers taken, their peak, the largest buffer, and
+    each traffic class's bytes and peak; the traffic class each thread names (`label`)."""
+
+    def __init__(self):
+        self.in_use = 0  # bytes taken by live buffers (rounded up to the alignment)
+        self.buffers = 0
+        self.peak = 0
+        self.largest = 0  # the largest buffer taken so far (see [Note: buffers set aside] in `_aside`)
+        self.by_traffic: dict[str, list[int]] = {}  # class -> [bytes held, peak]
+        self._label = threading.local()  # the traffic class `HostBufferPool.traffic` names for this thread
+
+    def label(self) -> str:
+        return getattr(self._label, "name", OTHER)
+
+    def take(self, size: int, traffic: str) -> None:
+        self.in_use += size
+        self.buffers += 1
+        self.peak = max(self.peak, self.in_use)
+        self.largest = max(self.largest, size)
+        counts = self.by_traffic.setdefault(traffic, [0, 0])
+        counts[0] += size
+        counts[1] = max(counts[1], counts[0])
+
+    def let_go(self, size: int, traffic: str) -> None:
+        """Its taker let go of a buffer (which may stay in use while I/O runs on it: `freed`)."""
+        counts = self.by_traffic.get(traffic)
+        if counts is not None:
+            counts[0] -= size
+
+    def freed(self, size: int) -> None:
+        self.in_use -= size
+        self.buffers -= 1
+
+    def give_back(self, size: int, traffic: str) -> None:
+        self.let_go(size, traffic)
+        self.freed(size)
+
+    def clear(self) -> None:
+        self.in_use = self.buffers = 0
+        for counts in self.by_traffic.values():
+            counts[0] = 0
 
 
 class HostBufferPool:
@@ -215,47 +241,34 @@ class HostBufferPool:
         self.alignment = alignment
         self.slab_size = round_up(slab_size, alignment)
         self.timeout = float(timeout)
-        self._slabs: list[_Slab] = []  # oldest first: buffers pack into old slabs, new ones empty out
-        self._allocated = 0  # bytes of live slabs
-        self._in_use = 0  # bytes taken by live buffers (rounded up to the alignment)
-        self._buffers = 0
-        self._peak = 0
+        self._slabs = Slabs(budget_bytes, alignment, self.slab_size, engine)
+        self._counts = _Counts()
         self._closed = False
-        self._register_warned = False
         self._cond = threading.Condition(threading.Lock())
+        # Buffers set aside, and the budget reserved beside the pool: [Note: buffers set aside] in `_aside`.
+        self._aside = Aside(budget_bytes, self._counts, self._cond)
         # [Note: pool re-entrance] A forgotten buffer's finaliser can run in any thread at any
         # allocation, including in a thread that holds the pool lock (cyclic GC inside acquire).
         # That thread must not block on its own lock nor change the allocators mid-operation,
         # so it queues the extent in _pending, which the owner drains before it lets go.
         self._owner: int | None = None
-        self._pending: deque[tuple[_Slab, int, int, str]] = deque()
-        # [Note: buffers under I/O] A buffer released while the engine still runs a request on
-        # its memory (one whose caller was interrupted before it held the future, or one it
-        # gave up waiting for) is held here, still counted as in use, until those requests
-        # end: handed out before, the request would overwrite the next owner's bytes.
-        self._busy: list[tuple[_Slab, int, int, list]] = []  # (slab, offset, size, requests)
-        self._label = threading.local()  # the traffic class `traffic` names for this thread
-        self._by_traffic: dict[str, list[int]] = {}  # class -> [bytes held, peak]
-        # Buffers set aside, the longest aside first: see [Note: buffers set aside].
-        self._aside: dict[int, HostBuffer] = {}
-        self._aside_bytes = 0
-        self._reserved = 0  # bytes of the budget its users hold outside the pool (`reserve`)
-        self._largest = 0  # the largest buffer taken so far (see [Note: buffers set aside])
+        self._pending: deque[tuple[Slab, int, int, str]] = deque()
 
     @contextmanager
     def traffic(self, name: str):
         """Count the buffers this thread acquires inside the block under traffic class ``name``
         (unless an `acquire` names its own)."""
-        before = getattr(self._label, "name", OTHER)
-        self._label.name = name
+        label = self._counts._label
+        before = getattr(label, "name", OTHER)
+        label.name = name
         try:
             yield
         finally:
-            self._label.name = before
+            label.name = before
 
     def in_use_by(self, traffic: str) -> int:
         """Bytes held now by buffers counted under ``traffic``."""
-        counts = self._by_traffic.get(traffic)
+        counts = self._counts.by_traffic.get(traffic)
         return counts[0] if counts else 0
 
     # -- acquire / release --------------------------------------------------------------------
@@ -270,7 +283,7 @@ class HostBufferPool:
             raise PoolExhausted(
                 f"host buffer pool exhausted: asked for {human_size(nbytes)}, more than the whole budget of "
                 f"{human_size(self.budget_bytes)}; raise memory.host_budget or use smaller buffers",
-                **self._exhausted_figures(nbytes),
+                **self._figures(nbytes),
             )
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -280,53 +293,32 @@ class HostBufferPool:
                 placed = self._place(size)
                 if placed is not None:
                     slab, offset = placed
-                    self._in_use += size
-                    self._buffers += 1
-                    self._peak = max(self._peak, self._in_use)
-                    self._largest = max(self._largest, size)
-                    name = traffic or getattr(self._label, "name", OTHER)
-                    counts = self._by_traffic.setdefault(name, [0, 0])
-                    counts[0] += size
-                    counts[1] = max(counts[1], counts[0])
+                    name = traffic or self._counts.label()
+                    self._counts.take(size, name)
                     return HostBuffer(self, slab, offset, size, nbytes, name)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise self._exhausted(nbytes, size, timeout)
+                    figures = self._figures(nbytes)
+                    how = "free but fragmented" if figures["free"] >= size else "free"
+                    raise PoolExhausted(
+                        f"host buffer pool exhausted: asked for {human_size(nbytes)}, budget "
+                        f"{human_size(self.budget_bytes)}, {human_size(figures['held'])} held by {figures['buffers']} "
+                        f"buffers, {human_size(figures['free'])} {how} (waited {timeout:g} s for a release); raise "
+                        "memory.host_budget or lower prefetch",
+                        **figures,
+                    )
                 # A buffer under I/O comes back when its request ends, which no release
                 # signals: look again every few milliseconds while there are any.
-                self._wait(min(remaining, 0.005) if self._busy else remaining)
+                self._wait(min(remaining, 0.005) if self._slabs.busy else remaining)
 
-    def _place(self, size: int) -> tuple[_Slab, int] | None:
+    def _place(self, size: int) -> tuple[Slab, int] | None:
+        self._reap()
         while True:
             # While buffers are set aside, no slab grows into the bytes reserved: what is kept
             # gives way first (an acquire with none aside may, as before any was reserved).
-            placed = self._place_free(size, self._reserved if self._aside else 0)
-            if placed is not None or not self._aside:
+            placed = self._slabs.place(size, self._aside.reserved_now())
+            if placed is not None or not self._aside.reclaim_oldest():  # the longest aside gives way first
                 return placed
-            self._reclaim(next(iter(self._aside.values())))  # the longest aside gives way first
-
-    def _place_free(self, size: int, reserved: int = 0) -> tuple[_Slab, int] | None:
-        if self._busy:
-            self._reap_busy()
-        for slab in self._slabs:
-            if slab.allocator.largest_free >= size:
-                return slab, slab.allocator.allocate(size)
-        headroom = self._headroom(reserved)
-        if headroom < size:
-            # Empty slabs here are all too small for ``size``; dropping them (largest first)
-            # may make room for a slab that is not.
-            empty = sorted((s for s in self._slabs if s.allocator.used_bytes == 0), key=lambda s: -s.nbytes)
-            if headroom + sum(s.nbytes for s in empty) < size:
-                return None
-            for slab in empty:
-                if self._headroom(reserved) >= size:
-                    break
-                self._drop(slab)
-        slab = self._new_slab(min(max(self.slab_size, size), self._headroom(reserved)))
-        return slab, slab.allocator.allocate(size)
-
-    def _headroom(self, reserved: int = 0) -> int:
-        return max(0, self.budget_bytes - reserved - self._allocated) // self.alignment * self.alignment
 
     def reserve(self, nbytes: int) -> "Reservation":
         """Mark ``nbytes`` of the budget as host memory its taker holds outside the pool (the
@@ -337,45 +329,10 @@ class HostBufferPool:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= self.budget_bytes:
             raise ValueError(f"{nbytes=} must be an int from 0 to the budget ({self.budget_bytes})")
         with self._locked():
-            self._reserved += nbytes
+            self._aside.reserved += nbytes
         return Reservation(self, nbytes)
 
-    def _new_slab(self, nbytes: int) -> _Slab:
-        slab = _Slab(nbytes, self.alignment)
-        if self.engine is not None:
-            try:
-                self.engine.register_buffer(slab.tensor)
-                slab.registered = True
-            except OSError as e:
-                # Registration saves per-I/O page pinning; without it I/O still works. The usual
-                # cause is RLIMIT_MEMLOCK for an unprivileged user.
-                if not self._register_warned:
-                    self._register_warned = True
-                    logger.warning(
-                        "cannot register a %s host buffer slab with the %s aio engine (%s); its I/O "
-                        "runs without fixed buffers (raise `ulimit -l` to allow it)",
-                        human_size(nbytes), getattr(self.engine, "backend", "?"), e,
-                    )
-        self._slabs.append(slab)
-        self._allocated += nbytes
-        logger.debug(
-            "host buffer pool: new slab of %s (%s of %s budget)",
-            human_size(nbytes), human_size(self._allocated), human_size(self.budget_bytes),
-        )
-        return slab
-
-    def _drop(self, slab: _Slab) -> None:
-        self._slabs.remove(slab)
-        self._allocated -= slab.nbytes
-        slab.alive = False
-        if slab.registered and self.engine is not None and not self.engine.closed:
-            self.engine.unregister_buffer(slab.tensor)
-        slab.registered = False
-        # Memory is unmapped when the last tensor over it dies: at once for an empty slab, later
-        # for one dropped by close() while a buffer is still held.
-        slab.tensor = slab.array = None
-
-    def _give_back(self, slab: _Slab, offset: int, size: int, forgotten: bool, traffic: str = OTHER) -> None:
+    def _give_back(self, slab: Slab, offset: int, size: int, forgotten: bool, traffic: str = OTHER) -> None:
         if forgotten:
             warnings.warn(
                 f"a host buffer of {human_size(size)} was never released; it returned to the pool when garbage collected",
@@ -388,103 +345,24 @@ class HostBufferPool:
         with self._locked():
             self._free(slab, offset, size, traffic)
 
-    def _free(self, slab: _Slab, offset: int, size: int, traffic: str = OTHER) -> None:
+    def _free(self, slab: Slab, offset: int, size: int, traffic: str = OTHER) -> None:
         if not slab.alive:  # dropped by close(): nothing to return to
             return
-        counts = self._by_traffic.get(traffic)
-        if counts is not None:  # its taker let go (a buffer still under I/O stays in in_use_bytes)
-            counts[0] -= size
-        if self.engine is not None:
-            running = self.engine.inflight(slab.address + offset, size)
-            if running:  # see [Note: buffers under I/O]
-                self._busy.append((slab, offset, size, running))
-                return
-        self._free_now(slab, offset, size)
+        self._counts.let_go(size, traffic)  # (a buffer still under I/O stays in in_use_bytes)
+        if self._slabs.free(slab, offset, size):
+            self._counts.freed(size)
+            self._cond.notify_all()
 
-    def _reap_busy(self) -> None:
-        busy, self._busy = self._busy, []
-        for slab, offset, size, running in busy:
-            if not slab.alive:
-                continue
-            running = [r for r in running if not r.done()]
-            if running:
-                self._busy.append((slab, offset, size, running))
-            else:
-                self._free_now(slab, offset, size)
-
-    def _free_now(self, slab: _Slab, offset: int, size: int) -> None:
-        slab.allocator.free(offset, size)
-        self._in_use -= size
-        self._buffers -= 1
-        self._cond.notify_all()
-
-    # -- buffers set aside: see [Note: buffers set aside] --------------------------------------
-    # [Note: buffers set aside]
-    # A buffer whose bytes may be wanted again (the parameters a read or a write left in it:
-    # infinity/_param_cache.py) can be set aside instead of released. Its bytes count as free
-    # (not in `in_use_bytes` nor in any traffic class), but stay where they are: an `acquire`
-    # that finds no other room takes the room of the buffers set aside, the longest aside
-    # first, before it waits; `take_back` finds a buffer's bytes as they were, or False once
-    # its room was taken. So setting aside never makes an acquire wait, and the budget bounds
-    # the slabs as before. Kept buffers sit where their first use placed them, and buffers
-    # taken around them leave the free room in pieces: near a budget's floor (1.7 MiB, 260 KiB
-    # units) an acquire failed with 568 KiB free in pieces after every buffer aside was given
-    # up, where the same run without them trained. So no buffer is set aside (it is released
-    # instead) where the budget less what is reserved (`reserve`) holds fewer than
-    # ASIDE_ROOM_BUFFERS of the largest buffer taken so far. (Half the room at most as well
-    # kept 0.41 of the 106M model's 0.75 GB a step in nvme,cpu,cpu at 4GiB, where this alone
-    # keeps all, and the helper's sweep of budgets trained the same without it.)
-    def _set_aside(self, buffer: HostBuffer) -> bool:
-        with self._locked():
-            if id(buffer) in self._aside:
-                return True
-            if ASIDE_ROOM_BUFFERS * self._largest > self.budget_bytes - self._reserved:
-                return False  # none in a pool a few buffers fill
-            counts = self._by_traffic.get(buffer.traffic)
-            if counts is not None:
-                counts[0] -= buffer._size
-            self._in_use -= buffer._size
-            self._buffers -= 1
-            self._aside[id(buffer)] = buffer
-            self._aside_bytes += buffer._size
-            self._cond.notify_all()  # an acquire that waits may take its room now
-            return True
-
-    def _take_back(self, buffer: HostBuffer, traffic: str | None) -> bool:
-        with self._locked():
-            if self._aside.pop(id(buffer), None) is None:
-                return buffer._tensor is not None  # never set aside: it is the caller's still
-            self._aside_bytes -= buffer._size
-            self._in_use += buffer._size
-            self._buffers += 1
-            self._peak = max(self._peak, self._in_use)
-            buffer.traffic = traffic or getattr(self._label, "name", OTHER)
-            counts = self._by_traffic.setdefault(buffer.traffic, [0, 0])
-            counts[0] += buffer._size
-            counts[1] = max(counts[1], counts[0])
-            return True
-
-    def _drop_aside(self, buffer: HostBuffer) -> bool:
-        """Release a buffer set aside (its room taken now); whether it was aside."""
-        with self._locked():
-            if id(buffer) not in self._aside:
-                return False
-            self._reclaim(buffer)
-            return True
-
-    def _reclaim(self, buffer: HostBuffer) -> None:
-        del self._aside[id(buffer)]
-        self._aside_bytes -= buffer._size
-        buffer._finalizer.detach()
-        buffer._tensor = None
-        if buffer._slab.alive:
-            buffer._slab.allocator.free(buffer._offset, buffer._size)
-        self._cond.notify_all()
+    def _reap(self) -> None:
+        """Count the buffers back whose I/O has ended ([Note: buffers under I/O] in `_slabs`)."""
+        for size in self._slabs.reap():
+            self._counts.freed(size)
+            self._cond.notify_all()
 
     @property
     def aside_bytes(self) -> int:
         """Bytes of the buffers set aside now (free to any acquire that needs them)."""
-        return self._aside_bytes
+        return self._aside.bytes
 
     @contextmanager
     def _locked(self):
@@ -512,65 +390,50 @@ class HostBufferPool:
         if self._closed:
             raise RuntimeError("the host buffer pool is closed")
 
-    def _exhausted_figures(self, nbytes: int) -> dict:
-        free = self._allocated - self._in_use + self._headroom()
-        return dict(asked=nbytes, budget=self.budget_bytes, held=self._in_use, buffers=self._buffers, free=free)
-
-    def _exhausted(self, nbytes: int, size: int, timeout: float) -> PoolExhausted:
-        figures = self._exhausted_figures(nbytes)
-        how = "free but fragmented" if figures["free"] >= size else "free"
-        return PoolExhausted(
-            f"host buffer pool exhausted: asked for {human_size(nbytes)}, budget {human_size(self.budget_bytes)}, "
-            f"{human_size(self._in_use)} held by {self._buffers} buffers, {human_size(figures['free'])} {how} "
-            f"(waited {timeout:g} s for a release); raise memory.host_budget or lower prefetch",
-            **figures,
-        )
+    def _figures(self, nbytes: int) -> dict:
+        c = self._counts
+        free = self._slabs.allocated - c.in_use + self._slabs.headroom()
+        return dict(asked=nbytes, budget=self.budget_bytes, held=c.in_use, buffers=c.buffers, free=free)
 
     # -- statistics and lifetime ------------------------------------------------------------------
     @property
     def in_use_bytes(self) -> int:
         """Bytes taken by buffers not yet released (each rounded up to the alignment)."""
-        return self._in_use
+        return self._counts.in_use
 
     @property
     def peak_bytes(self) -> int:
         """The most `in_use_bytes` has been since the pool was made."""
-        return self._peak
+        return self._counts.peak
 
     @property
     def allocated_bytes(self) -> int:
         """Bytes of the slabs alive: what the budget bounds."""
-        return self._allocated
+        return self._slabs.allocated
 
     def stats(self) -> dict:
         with self._locked():
-            if self._busy:
-                self._reap_busy()
+            self._reap()
+            c = self._counts
             return {
                 "budget_bytes": self.budget_bytes,
-                "allocated_bytes": self._allocated,
-                "in_use_bytes": self._in_use,
-                "peak_bytes": self._peak,
-                "buffers": self._buffers,
-                "slabs": len(self._slabs),
-                "registered_slabs": sum(s.registered for s in self._slabs),
-                "largest_free": max((s.allocator.largest_free for s in self._slabs), default=0),
-                "busy_buffers": len(self._busy),  # released, waiting for I/O on them to end
-                "aside_bytes": self._aside_bytes,  # set aside: free, their bytes kept while no acquire needs them
-                "reserved_bytes": self._reserved,  # the budget held outside the pool (`reserve`)
-                "by_traffic": {k: {"in_use_bytes": v[0], "peak_bytes": v[1]} for k, v in sorted(self._by_traffic.items())},
+                "allocated_bytes": self._slabs.allocated,
+                "in_use_bytes": c.in_use,
+                "peak_bytes": c.peak,
+                "buffers": c.buffers,
+                **self._slabs.stats(),  # slabs, registered_slabs, largest_free
+                "busy_buffers": self._slabs.busy,  # released, waiting for I/O on them to end
+                "aside_bytes": self._aside.bytes,  # set aside: free, their bytes kept while no acquire needs them
+                "reserved_bytes": self._aside.reserved,  # the budget held outside the pool (`reserve`)
+                "by_traffic": {k: {"in_use_bytes": v[0], "peak_bytes": v[1]} for k, v in sorted(c.by_traffic.items())},
             }
 
     def trim(self) -> int:
         """Drop the slabs that hold no buffer (the buffers set aside give their room up first);
         returns the bytes given back."""
         with self._locked():
-            for buffer in list(self._aside.values()):
-                self._reclaim(buffer)
-            empty = [s for s in self._slabs if s.allocator.used_bytes == 0]
-            for slab in empty:
-                self._drop(slab)
-            return sum(s.nbytes for s in empty)
+            self._aside.reclaim_all()
+            return self._slabs.drop_empty()
 
     def close(self) -> None:
         """Drop every slab and unregister it from the engine; later acquires raise.
@@ -582,16 +445,9 @@ class HostBufferPool:
             if self._closed:
                 return
             self._closed = True
-            for slab in list(self._slabs):
-                self._drop(slab)
-            # The memory of buffers under I/O stays mapped while the engine holds their
-            # requests (each keeps its buffer alive until it is reaped).
-            self._busy.clear()
-            for buffer in list(self._aside.values()):
-                self._reclaim(buffer)
-            self._in_use = self._buffers = 0
-            for counts in self._by_traffic.values():
-                counts[0] = 0
+            self._slabs.close()
+            self._aside.reclaim_all()
+            self._counts.clear()
             self._cond.notify_all()  # waiting acquires wake and raise
 
     @property
@@ -605,7 +461,8 @@ class HostBufferPool:
         self.close()
 
     def __repr__(self) -> str:
+        c = self._counts
         return (
-            f"HostBufferPool(budget={human_size(self.budget_bytes)}, allocated={human_size(self._allocated)}, "
-            f"in_use={human_size(self._in_use)} in {self._buffers} buffers, slabs={len(self._slabs)})"
+            f"HostBufferPool(budget={human_size(self.budget_bytes)}, allocated={human_size(self._slabs.allocated)}, "
+            f"in_use={human_size(c.in_use)} in {c.buffers} buffers, slabs={len(self._slabs)})"
         )

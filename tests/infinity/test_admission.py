@@ -210,7 +210,7 @@ def test_every_buffer_taken_while_training_names_its_class(tmp_path, monkeypatch
     acquire = _pool.HostBufferPool.acquire
 
     def named(self, nbytes, timeout=None, *, traffic=None):
-        taken.append(traffic or getattr(self._label, "name", _pool.OTHER))
+        taken.append(traffic or self._counts.label())
         return acquire(self, nbytes, timeout, traffic=traffic)
 
     monkeypatch.setattr(_pool.HostBufferPool, "acquire", named)

@@ -484,7 +484,7 @@ def test_an_acquire_takes_the_room_of_the_buffers_aside_longest_first(pools):
 
 def test_a_pool_a_few_buffers_fill_sets_none_aside(pools):
     pool = pools(4 * MiB)
-    big = pool.acquire(1 * MiB)  # room for 4 of the largest buffer taken: fewer than ASIDE_ROOM_BUFFERS
+    big = pool.acquire(1 * MiB)  # room for 4 of the largest buffer taken: fewer than swap._aside.ROOM_BUFFERS
     assert not big.set_aside() and big.released and pool.aside_bytes == 0
 
 
