@@ -239,7 +239,10 @@ class StreamedUpdate:
                 return st.write_params(group, have, master, self.transport)
             first = st.mark_stepped(stepped)
             torch._foreach_add_([st.steps[i] for i in stepped], 1.0)
-            self._apply_kernels(index, master, states, grads, grad_scale, st.steps, first)
+            # The tiers' own tensors where no kind is streamed through the pool: the kernels' views
+            # of them are kept from step to step (`_algorithms.Cut`).
+            resident = not any(st.stores[k].uses_pool for k in st.kinds)
+            self._apply_kernels(index, master, states, grads, grad_scale, st.steps, first, resident)
         finally:
             for lease in leases:
                 lease.release()
@@ -283,20 +286,21 @@ class StreamedUpdate:
             grads = {i: g.clone() for i, g in grads.items()}
         self._apply_kernels(index, master, states, grads, grad_scale, steps, first)
 
-    def _apply_kernels(self, index, master, states, grads, grad_scale, step_of, first) -> None:
+    def _apply_kernels(self, index, master, states, grads, grad_scale, step_of, first, resident=False) -> None:
         """The algorithm's kernel once per parameter group over its parameters in sub-group
-        ``index`` that have a gradient (on fp32 copies of compact states: `_compact`)."""
+        ``index`` that have a gradient (on fp32 copies of compact states: `_compact`);
+        ``resident``: ``master`` and ``states`` are the tiers' own tensors."""
         start = time.perf_counter()
         try:
-            self._run_kernels(index, master, states, grads, grad_scale, step_of, first)
+            self._run_kernels(index, master, states, grads, grad_scale, step_of, first, resident)
         finally:
             if self.stats is not None:
                 self.stats.add("optimizer_seconds", time.perf_counter() - start)
 
-    def _run_kernels(self, index, master, states, grads, grad_scale, step_of, first) -> None:
+    def _run_kernels(self, index, master, states, grads, grad_scale, step_of, first, resident=False) -> None:
         st = self.substates
         self.algorithm.update(st.groups[index], st.slices[index], self.param_groups, master, states, grads,
-                              grad_scale, step_of, first, st.cuts[index])  # fmt: skip
+                              grad_scale, step_of, first, st.cuts[index], resident)  # fmt: skip
 
     def _step_foreign(self, index: int, grads: dict, grad_scale) -> None:
         """The user's torch optimizer on sub-group ``index``: gradients as ``.grad`` of the

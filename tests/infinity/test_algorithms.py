@@ -59,3 +59,20 @@ def test_a_cut_gives_the_views_indexing_gives_and_none_for_overlapping_entries(t
         assert any(len(per_group) == 2 for per_group in st.slices)  # a sub-group in both groups
     overlapping = {0: [(None, slice(0, 8), None, 0)], 1: [(None, slice(4, 12), None, 0)]}
     assert _algorithms.Cut.of(overlapping, 16) is None
+
+
+def test_a_cut_keeps_a_slots_pieces_only_for_the_same_tensor_over_the_same_memory():
+    """The pieces kept under a slot (a resident tier's tensors, from step to step) serve that
+    tensor again, and never another tensor, nor the same one moved to other memory."""
+    per_group = {0: [(None, slice(0, 3), None, 0), (None, slice(3, 8), None, 1)]}
+    cut = _algorithms.Cut.of(per_group, 8)
+    a = torch.arange(8, dtype=torch.float32)
+    first = cut.pieces(a, 0)
+    assert cut.pieces(a, 0) is first  # kept: no split
+    assert cut.pieces(a) is not first  # no slot: cut afresh, nothing kept
+    b = torch.arange(8, dtype=torch.float32) + 100
+    assert [p.tolist() for p in cut.pieces(b, 0)] == [[100.0, 101.0, 102.0], [103.0, 104.0, 105.0, 106.0, 107.0]]
+    assert cut.pieces(a, 1)[1].data_ptr() == a[3:].data_ptr()  # another slot, its own
+    a.data = torch.zeros(8)  # the same tensor over other memory
+    moved = cut.pieces(a, 1)
+    assert moved[0].data_ptr() == a.data_ptr() and moved[1].tolist() == [0.0] * 5
