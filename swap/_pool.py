@@ -107,13 +107,29 @@ class HostBuffer:
         if self._tensor is None:
             return
         pool = self._pool
-        if self in pool._aside:
-            with pool._locked():
-                if pool._aside.drop(self):  # aside: its bytes were free already
-                    return
+        if pool._owner == threading.get_ident():  # see [Note: pool re-entrance]
+            if self not in pool._aside:
+                self._finalizer.detach()
+                self._tensor = None
+                pool._give_back(self._slab, self._offset, self._size, False, self.traffic)
+            else:  # given up once the lock's owner is done with the buffers aside
+                pool._pending.append(self)
+            return
+        # One locked section: a buffer aside whose room an acquire takes meanwhile is released
+        # by that acquire (`Aside.reclaim`), and its extent, the acquirer's now, must not be freed here.
+        with pool._locked():
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """`release` under the pool's lock."""
+        if self._tensor is None:  # its room taken while it was aside
+            return
+        pool = self._pool
+        if pool._aside.drop(self):  # aside: its bytes were free already
+            return
         self._finalizer.detach()
         self._tensor = None
-        self._pool._give_back(self._slab, self._offset, self._size, False, self.traffic)
+        pool._free(self._slab, self._offset, self._size, self.traffic)
 
     def set_aside(self) -> bool:
         """Give the bytes back to the pool but keep what they hold until the pool needs the room
@@ -252,7 +268,7 @@ class HostBufferPool:
         # That thread must not block on its own lock nor change the allocators mid-operation,
         # so it queues the extent in _pending, which the owner drains before it lets go.
         self._owner: int | None = None
-        self._pending: deque[tuple[Slab, int, int, str]] = deque()
+        self._pending: deque[tuple[Slab, int, int, str] | HostBuffer] = deque()
 
     @contextmanager
     def traffic(self, name: str):
@@ -376,7 +392,11 @@ class HostBufferPool:
 
     def _drain(self) -> None:
         while self._pending:
-            self._free(*self._pending.popleft())
+            entry = self._pending.popleft()
+            if isinstance(entry, HostBuffer):  # a buffer aside released inside the lock
+                entry._let_go()
+            else:
+                self._free(*entry)
 
     def _wait(self, timeout: float) -> None:
         self._drain()
