@@ -126,6 +126,11 @@ class Cut:
         self._kept[slot] = (t, t.data_ptr(), pieces)
         return pieces
 
+    def forget(self) -> None:
+        """Drop the pieces kept: the tensors they view are no longer the tier's (`Store.swap`,
+        whose callers call this), and their memory goes once nothing else holds it."""
+        self._kept.clear()
+
 
 class Algorithm:
     """What one optimizer algorithm keeps and runs. Subclasses set the class attributes and

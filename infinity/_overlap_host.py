@@ -392,6 +392,7 @@ class InMemory:
         sg = opt.groups[index]
         for kind, t in zip(opt.kinds, copies):
             self.tensors.exchange(t, opt.states[kind].swap(sg.record.name_for(), t))
+        opt.substates.forget_views(index)  # the replaced ones are the staging's now
         if self._renamed(ov, index, early):
             for u in early.units:
                 self.tensors.give(params[u.index])

@@ -303,7 +303,8 @@ class Store:
     def swap(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Resident: ``tensor`` becomes ``name``'s tensor, without a copy; returns the one it
         replaces (same shape and dtype). Only for tensors nothing else holds a view of (the
-        optimizer's states: `_overlap_host`'s commit)."""
+        optimizer's states: `_overlap_host`'s commit; the kernels' views that `_algorithms.Cut`
+        keeps the caller forgets: `SubGroupStates.forget_views`)."""
         if self._resident is None:
             raise ValueError(f"the {self.kind} store is on nvme: only resident tiers swap tensors")
         old = self._resident[name]

@@ -376,7 +376,14 @@ class SubGroupStates:
         self._shares_checked = True
         for index, shared in self.shared.items():
             self.stores["master"].swap(self.groups[index].record.name_for(), shared)
+            self.forget_views(index)
             self.sharing.add(index)
+
+    def forget_views(self, index: int) -> None:
+        """Sub-group ``index``'s tensors were swapped for others: the kernels' views kept of the
+        ones replaced (`_algorithms.Cut`) go, and with them the last hold on their memory."""
+        if self.cuts[index] is not None:
+            self.cuts[index].forget()
 
     # -- new parameters ---------------------------------------------------------------------
     def stages_params(self, transport) -> bool:

@@ -76,3 +76,44 @@ def test_a_cut_keeps_a_slots_pieces_only_for_the_same_tensor_over_the_same_memor
     a.data = torch.zeros(8)  # the same tensor over other memory
     moved = cut.pieces(a, 1)
     assert moved[0].data_ptr() == a.data_ptr() and moved[1].tolist() == [0.0] * 5
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_views_a_cut_keeps_are_of_the_tiers_tensors_after_every_step(tmp_path, overlap):
+    """The kernels' views kept from step to step view the tier's own tensors of each kind,
+    also after the optimizer under backward swapped its staged copies in (the tensors they
+    replace go to its staging: kept views would hold their memory): the first step clips,
+    which discards its early updates, and the next does not try them (both update at the
+    step and keep views); the third commits them. The training equals plain torch's."""
+    import infinity
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    plain = torch.nn.Sequential(*[m for m in __import__("copy").deepcopy(model)])
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
+    cfg = {"tiers": {"params": "device", "grads": "device", "optimizer": "cpu"},
+           "optimizer": {"lr": 1e-2, "weight_decay": 0.01, "overlap": overlap, "sub_group_size": "4KiB"}}  # fmt: skip
+    x = torch.randn(8, 16)
+    with infinity.initialize(model, cfg) as engine:
+        st = engine.optimizer.substates
+        assert len(st.groups) > 1
+        kept_any = False
+        for step in range(5):
+            engine.backward(engine(x).square().mean())
+            plain(x).square().mean().backward()
+            if step == 0:  # clipped: the early updates are discarded, and the next step does not try them
+                engine.clip_grad_norm_(1e-3)
+                torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e-3)
+            engine.step()
+            engine.zero_grad()
+            opt.step()
+            opt.zero_grad()
+            for sg, cut in zip(st.groups, st.cuts):
+                own = [st.stores[k].get(sg.record.name_for()).result().tensor for k in st.kinds]
+                for slot, (t, _, pieces) in cut._kept.items():
+                    kept_any = kept_any or step < 2
+                    assert t is own[slot] and pieces[0].data_ptr() == own[slot].data_ptr()
+        assert kept_any
+        for got, want in zip(engine.module.parameters(), plain.parameters()):
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
