@@ -46,9 +46,6 @@ class Aside:
     def __contains__(self, buffer) -> bool:
         return id(buffer) in self._buffers
 
-    def __len__(self) -> int:
-        return len(self._buffers)
-
     def reserved_now(self) -> int:
         """The bytes no slab may grow into now: those reserved, while any buffer is aside."""
         return self.reserved if self._buffers else 0
