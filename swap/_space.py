@@ -14,6 +14,7 @@ from ._arenas import Arenas, run_all
 from ._checksum import Checker, SwapCorruption
 from ._checksum import checksum as compute_checksum
 from ._common import ALIGNMENT, VERIFY_MODES, round_up
+from ._inflight import InFlight
 from ._io import Transfer, as_uint8
 from ._manifest import DTYPES, Extent, TensorRecord, dtype_name
 from ._pool import HostBuffer, HostBufferPool, PoolExhausted
@@ -127,9 +128,7 @@ class SwapSpace:
         self.grow_step = grow_step
         self.rank_dirs: list[str] = []
         self._closed = True  # until everything below is set up
-        self._pending: dict[str, list[SwapFuture]] = {}  # every unfinished put/get, by name
-        self._writes: dict[str, SwapFuture] = {}  # the unfinished put of a name, if any
-        self._failed: dict[str, BaseException] = {}  # names whose last write failed
+        self._inflight = InFlight()  # the puts and gets not finished, the names whose write failed
         self._own_engine = engine is None
         self._own_pool = pool is None
         self.engine = engine
@@ -168,7 +167,7 @@ class SwapSpace:
             raise ValueError(f"tensor names are non-empty strings without NUL, got {name!r}")
         dtype = dtype_name(tensor.dtype)
         data = as_uint8(tensor)
-        self._settle(self._pending.get(name, ()))  # no read or write of the old bytes in flight
+        self._inflight.settle(name)  # no read or write of the old bytes in flight
         old = self._records.get(name)
         plan = self._arenas.plan(data.numel())
         if old is not None and [(e.file, round_up(e.nbytes)) for e in old.extents] == [
@@ -183,13 +182,13 @@ class SwapSpace:
         record = TensorRecord(name=name, dtype=dtype, shape=tuple(tensor.shape), nbytes=data.numel(),
                               extents=extents, generation=(old.generation + 1) if old else 1)  # fmt: skip
         self._records.pop(name, None)  # readable again once the write is done
-        self._failed.pop(name, None)
+        self._inflight.failed.pop(name, None)
         try:
             transfer = Transfer(self.engine, self._arenas.files, extents, data, write=True, alloc=self._stage,
                                 name=name) if extents else None  # fmt: skip
         except BaseException as e:
             self._arenas.free(record)
-            self._failed[name] = e
+            self._inflight.failed[name] = e
             raise
 
         def finish(error):
@@ -198,19 +197,16 @@ class SwapSpace:
                 if record.checksum is None:  # put was interrupted before it computed it
                     record.checksum = compute_checksum(data.numpy())
                 self._records[name] = record
-            elif self._failed.get(name) is not error:
-                self._failed[name] = error
+            elif self._inflight.failed.get(name) is not error:
+                self._inflight.failed[name] = error
                 self._arenas.free(record)  # the bytes are not what the name says: forget it
-            if self._writes.get(name) is fut:
-                del self._writes[name]
-            self._done_with(name, fut)
+            self._inflight.done(name, fut)
             if error is not None:
                 raise error
             return record
 
         fut = SwapFuture(transfer, finish)
-        self._pending.setdefault(name, []).append(fut)
-        self._writes[name] = fut
+        self._inflight.add(name, fut, write=True)
         record.checksum = compute_checksum(data.numpy())  # overlaps the write (tracked already)
         return fut
 
@@ -261,13 +257,13 @@ class SwapSpace:
             except Exception:
                 if lease is not None:
                     lease.release()
-                self._done_with(name, fut)
+                self._inflight.done(name, fut)
                 raise
-            self._done_with(name, fut)
+            self._inflight.done(name, fut)
             return out if lease is None else lease
 
         fut = SwapFuture(transfer, finish)
-        self._pending.setdefault(name, []).append(fut)
+        self._inflight.add(name, fut)
         return fut
 
     def _corruption(self, record: TensorRecord, actual: str) -> SwapCorruption:
@@ -276,8 +272,8 @@ class SwapSpace:
 
     def delete(self, name: str) -> None:
         self._check_open()
-        self._settle(self._pending.get(name, ()))
-        self._failed.pop(name, None)
+        self._inflight.settle(name)
+        self._inflight.failed.pop(name, None)
         record = self._records.pop(name, None)
         if record is None:
             raise KeyError(f"no tensor {name!r} in swap space {self.rank_dirs[0]}")
@@ -290,14 +286,14 @@ class SwapSpace:
         self._check_open()
         if src == dst:
             raise ValueError(f"rename of {src!r} onto itself")
-        self._settle(self._pending.get(src, ()))
-        self._settle(self._pending.get(dst, ()))
+        self._inflight.settle(src)
+        self._inflight.settle(dst)
         record = self.info(src)  # raises naming src (and its failed write) when it has none
         old = self._records.pop(dst, None)
         if old is not None:
             self._arenas.free(old)
         del self._records[src]
-        self._failed.pop(dst, None)
+        self._inflight.failed.pop(dst, None)
         self._records[dst] = dataclasses.replace(record, name=dst, generation=(old.generation + 1) if old else 1)
 
     def names(self) -> list[str]:
@@ -308,23 +304,18 @@ class SwapSpace:
         """The open arena files, one per directory, in the manifest's order (read-only)."""
         return tuple(self._arenas.files)
 
-    def _after_write(self, name: str) -> None:
-        """Finish ``name``'s write in flight, if any: until then the name has no record (its
-        error stays with the write's future and shows as the name's failed write)."""
-        if name in self._writes:
-            self._settle([self._writes[name]])
-
     def info(self, name: str) -> TensorRecord:
         """``name``'s record, once its write in flight has finished."""
-        self._after_write(name)
+        self._inflight.settle_write(name)
         try:
             return self._records[name]
         except KeyError:
-            why = f" (its last write failed: {self._failed[name]})" if name in self._failed else ""
+            failed = self._inflight.failed.get(name)
+            why = f" (its last write failed: {failed})" if failed is not None else ""
             raise KeyError(f"no tensor {name!r} in swap space {self.rank_dirs[0]}{why}") from None
 
     def __contains__(self, name: str) -> bool:
-        self._after_write(name)
+        self._inflight.settle_write(name)
         return name in self._records
 
     def __len__(self) -> int:
@@ -351,7 +342,7 @@ class SwapSpace:
 
         Raises the first error of a pending operation (after finishing all of them)."""
         self._check_open()
-        error = self._settle_all()
+        error = self._inflight.settle_all()
         self._arenas.sync()
         self._arenas.write_manifest(self._records)
         if error is not None:
@@ -364,7 +355,7 @@ class SwapSpace:
         `close` finishes it."""
         if self._closed:
             return
-        error = self._settle_all()  # an interrupt here leaves everything as it was
+        error = self._inflight.settle_all()  # an interrupt here leaves everything as it was
         try:
             if self.keep:
                 self._arenas.close_keeping(self._records)
@@ -411,34 +402,6 @@ class SwapSpace:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"swap space {self.rank_dirs[0] if self.rank_dirs else ''} is closed")
-
-    def _done_with(self, name: str, fut: SwapFuture) -> None:
-        futures = self._pending.get(name)
-        if futures is not None:
-            try:
-                futures.remove(fut)
-            except ValueError:
-                pass
-            if not futures:
-                del self._pending[name]
-
-    def _settle(self, futures) -> None:
-        """Finish ``futures`` (their errors stay with them, for their owners to see)."""
-        for fut in list(futures):
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001, S110 - an interrupt propagates; errors stay with the future
-                pass
-
-    def _settle_all(self) -> BaseException | None:
-        first = None
-        for name in list(self._pending):
-            for fut in list(self._pending.get(name, ())):
-                try:
-                    fut.result()
-                except Exception as e:  # noqa: BLE001 - an interrupt propagates, the rest finish
-                    first = first or e
-        return first
 
     def _release(self) -> None:
         """Close what is open: the checker's threads, the arena files, the pool and engine if
