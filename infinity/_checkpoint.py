@@ -463,6 +463,7 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
     start = time.perf_counter()
     with record_function("infinity::checkpoint.save"):
         engine.scheduler.release_all()  # prefetched parameters give their pool buffers back
+        engine._writes.carry()  # what was written into bound parameters is saved: `_inplace`
         # Rank 0 names the temporary directory (its own: see [Note: checkpoint root lock]).
         mine = {"rng": _rng.state_dict(), "tmp": _own_name(TMP_PREFIX, tag) if dist.rank == 0 else ""}
         every = [json.loads(t) for t in dist.gather_text(json.dumps(mine), "checkpoint RNG states")]

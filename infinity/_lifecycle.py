@@ -3,7 +3,8 @@
 Owns: the engine's one state (`EngineState`: open, refusing to train until a checkpoint
 loads, closed) with why it refuses, and the guard that the module still holds only what the
 engine manages and is run by no DistributedDataParallel. Touches: the module (read only),
-`_wrap.refuse_changed`, `_ddp.refuse_wrapped`.
+`_wrap.refuse_changed`, `_ddp.refuse_wrapped`, `_inplace.InPlaceWrites` (what was written in
+place before a pass or step goes into the master weights).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from . import _ddp, _wrap
+from ._inplace import InPlaceWrites
 
 
 class EngineState(enum.Enum):
@@ -69,18 +71,20 @@ class TrainingGuard:
     dtype it was (``managed``: their ids, requires_grad and dtype at initialize; peft applied to
     engine.module would train nothing, a parameter frozen after it would still move, one cast
     would be dropped or train apart), run by no DistributedDataParallel ([Note: no DDP
-    around the engine] in `_ddp`).
+    around the engine] in `_ddp`); what was written in place into bound parameters carried
+    into the master weights (``writes``: [Note: in-place writes to bound parameters]).
 
     The walk over the module runs at a step only when no forward passed it since the last
     step: a parameter added after that forward had no part in it, and the next forward
     refuses it."""
 
     def __init__(self, lifecycle: Lifecycle, module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]],
-                 rebind: Callable[[], None]):
+                 rebind: Callable[[], None], writes: InPlaceWrites):
         self.lifecycle = lifecycle
         self.module = module
         self.managed = managed
         self.rebind = rebind  # points the bound parameters at the engine's memory again (after a cast)
+        self.writes = writes  # in-place writes to bound parameters, carried into the masters
         self._walked = False  # a forward's check passed since the last step
 
     def before_forward(self) -> None:
@@ -101,3 +105,4 @@ class TrainingGuard:
                 self.rebind()  # the cast made copies: the parameters are the engine's again, as the refusal says
                 raise
         _ddp.refuse_wrapped(self.module)
+        self.writes.carry()  # [Note: in-place writes to bound parameters] in `_inplace`

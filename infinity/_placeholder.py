@@ -1,7 +1,8 @@
 """A released parameter's placeholder class: every read of its data refused, naming it.
 
 Owns: the class a released parameter has while its unit is released (a subclass of its own
-class, made once per class) and the refusal it raises ([Note: reads outside a module] in
+class, made once per class), the class a bound one has (another, which notes ``p.data`` taken:
+[Note: in-place writes to bound parameters] in `_inplace`), and the refusal it raises ([Note: reads outside a module] in
 `_gather`: the first part). Touches: the parameters' class and a name on them. `_units` makes
 a parameter a placeholder and back (`release_param`, `bind_param`); the saved-tensor hook refuses
 to save one (`refuse_placeholder`); `_gather` gathers them for reads outside a module.
@@ -38,7 +39,9 @@ class _Released:
         kwargs = kwargs or {}
         if func in _sizes.COUNTS:  # the full count: see [Note: sizes of placeholders]
             return _sizes.count(args[0])
-        if not _allowed(func):
+        if _sets_data(func) and args:  # ``p.data = t``: allowed (the engine binds so), noted
+            _NOTED.add(id(args[0]))
+        elif not _allowed(func):
             for t in tree_leaves((args, kwargs)):
                 if type(t) in _RELEASED_CLASSES:
                     raise _refusal(t, f"by {getattr(func, '__name__', func)}")
@@ -54,6 +57,11 @@ class _Released:
             # write through them is refused as one through ``p`` is (the values are not there).
             release_param(out, args[0]._infinity_name)
         return out
+
+
+def _sets_data(func) -> bool:
+    """Whether ``func`` is the ``data`` property's setter."""
+    return getattr(func, "__name__", "") == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data"
 
 
 def _shares_data(func) -> bool:
@@ -84,15 +92,56 @@ def _refusal(p: torch.Tensor, what: str) -> RuntimeError:
 
 _RELEASED_CLASSES: set[type] = set()
 _released_of: dict[type, type] = {}  # a parameter class -> its released subclass
+_DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor of ``p.data``
+
+
+# Ids of the parameters whose ``.data`` was taken or replaced since `take_noted` (a write into
+# ``p.data`` bumps no version counter of ``p``'s: [Note: in-place writes to bound parameters]
+# in `_inplace`). The engine's own binds and releases take theirs out.
+_NOTED: set[int] = set()
+
+
+def take_noted() -> set[int]:
+    """The ids noted since the last call (then none)."""
+    noted = set(_NOTED)
+    _NOTED.clear()
+    return noted
+
+
+class _Bound:
+    """Mixed into a bound parameter's class: taking or replacing ``p.data`` is noted
+    (`_NOTED`). Everything else is its own class's: no ``__torch_function__`` of its own, so
+    nothing on the forward's path changes."""
+
+    @property
+    def data(self):
+        _NOTED.add(id(self))
+        return _DATA.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        _DATA.__set__(self, value)
+        _NOTED.add(id(self))
+
+
+_BOUND_CLASSES: set[type] = set()
+_bound_of: dict[type, type] = {}  # a parameter class -> its bound subclass
+
+
+def _base(cls: type) -> type:
+    """The user's own class of a parameter whose class is one of ours (released or bound)."""
+    return cls._infinity_base if cls in _RELEASED_CLASSES or cls in _BOUND_CLASSES else cls
 
 
 def release_param(p: torch.Tensor, name: str) -> None:
     """``p`` is a placeholder now (its data empty): reads of its data are refused, naming it (a
     parameter, or a plain tensor of its data: ``p.data``, ``p.detach()``)."""
     p._infinity_name = name
+    _NOTED.discard(id(p))  # (the engine's own ``p.data = empty``)
     cls = type(p)
     if cls in _RELEASED_CLASSES:
         return
+    cls = _base(cls)
     released = _released_of.get(cls)
     if released is None:
         released = type(f"Released{cls.__name__}", (_Released, cls), {"_infinity_base": cls})
@@ -102,9 +151,22 @@ def release_param(p: torch.Tensor, name: str) -> None:
 
 
 def bind_param(p: nn.Parameter) -> None:
-    """``p`` holds its values: its own class again."""
-    if type(p) in _RELEASED_CLASSES:
-        p.__class__ = type(p)._infinity_base
+    """``p`` holds its values: its own class again, with the bound class's note of ``p.data``
+    taken (`_Bound`); named as its own class is."""
+    _NOTED.discard(id(p))  # (the engine's own ``p.data = view``)
+    cls = type(p)
+    if cls in _BOUND_CLASSES:
+        return
+    cls = _base(cls)
+    if not isinstance(p, nn.Parameter):  # (a tensor of a parameter's data, released with it)
+        p.__class__ = cls
+        return
+    bound = _bound_of.get(cls)
+    if bound is None:
+        bound = type(cls.__name__, (_Bound, cls), {"_infinity_base": cls, "__qualname__": cls.__qualname__})
+        _bound_of[cls] = bound
+        _BOUND_CLASSES.add(bound)
+    p.__class__ = bound
 
 
 def is_placeholder(t: torch.Tensor) -> bool:

@@ -1,7 +1,7 @@
 """The module's own ``state_dict()`` and ``load_state_dict()`` while its parameters live in tiers.
 
-Owns: the hooks on the user's module that make the two calls mean what they mean in plain
-PyTorch. ``load_state_dict(sd)`` takes each managed parameter's value out of ``sd`` and writes
+Owns: the hooks on the user's module, and on each submodule holding a managed parameter, that
+make the two calls mean what they mean in plain PyTorch, called on the root or on a submodule. ``load_state_dict(sd)`` takes each managed parameter's value out of ``sd`` and writes
 it into the tiers (the fp32 master weights and the low-precision parameters; optimizer states
 are left as they are, as torch leaves an optimizer's); the rest loads as usual, and a missing,
 unexpected or mis-shaped key is reported as torch reports it. ``state_dict()`` gives every
@@ -22,6 +22,8 @@ holding them, `Engine.save_pretrained` and `Engine.export` stream them to rank 0
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -45,10 +47,18 @@ def load_weights(engine, values: dict) -> None:
         raise RuntimeError("load_state_dict between backward and step: call step() or zero_grad() first")
     _gather.refuse_open(engine, "load_state_dict")
     engine.scheduler.release_all()
+    engine._writes.carry()  # the parameters this load leaves as they are keep what was written into them
     engine.optimizer.load_master(values)
 
 
 class StateDictHooks:
+    """The hooks on every module that holds a managed parameter, the root's and each
+    submodule's: ``engine.module.layers[3].load_state_dict(sd)`` and its ``state_dict()`` mean
+    what they mean in plain PyTorch too (before, only the root's calls did: a submodule's gave
+    the empty placeholders, or loaded values that the next step undid). In one call, the
+    outermost module's hooks do the work for everything below it (the nested modules' hooks
+    find that call and leave it): one load of the masters, one gather of the weights."""
+
     def __init__(self, engine, module: nn.Module):
         self.engine = engine
         where = holders(engine.units)
@@ -57,11 +67,23 @@ class StateDictHooks:
         self.names = [(name, where[id(p)]) for name, p in module.named_parameters(remove_duplicate=False)
                       if id(p) in where]  # fmt: skip
         self._consumed: set[str] = set()
-        self.handles = [
-            module.register_load_state_dict_pre_hook(self._before_load),
-            module.register_load_state_dict_post_hook(self._after_load),
-            module.register_state_dict_post_hook(self._state_dict_hook()),
-        ]
+        # The call being handled: (its outermost module, the call's missing_keys list, which
+        # every module of one load_state_dict shares) and (its outermost module, its prefix).
+        self._loading: tuple | None = None
+        self._saving: tuple | None = None
+        self._path: dict[int, str] = {}  # id(module) -> its path in the root
+        self.handles = []
+        for path, sub in module.named_modules():
+            self._path[id(sub)] = path
+            names = self.names if not path else [(n[len(path) + 1 :], pieces) for n, pieces in self.names
+                                                 if n.startswith(path + ".")]  # fmt: skip
+            if names:
+                self.handles += [
+                    sub.register_load_state_dict_pre_hook(functools.partial(self._before_load, names)),
+                    sub.register_load_state_dict_post_hook(self._after_load),
+                    sub.register_state_dict_pre_hook(self._before_state_dict),
+                    sub.register_state_dict_post_hook(functools.partial(self._after_state_dict, names)),
+                ]
 
     def remove(self) -> None:
         for h in self.handles:
@@ -69,10 +91,13 @@ class StateDictHooks:
         self.handles.clear()
 
     # -- load_state_dict --------------------------------------------------------------------
-    def _before_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+    def _before_load(self, names, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                      error_msgs) -> None:  # fmt: skip
+        if self._loading is not None and self._loading[1] is missing_keys:
+            return  # a module inside the call's outermost one, whose hook took every key below it
+        self._loading = (module, missing_keys)
         values, consumed, bad = {}, set(), False
-        for name, pieces in self.names:
+        for name, pieces in names:
             key = prefix + name
             if key not in state_dict:
                 continue
@@ -85,8 +110,8 @@ class StateDictHooks:
                                   f"the shape in current model is {torch.Size(unit.records[i].full_shape)}.")  # fmt: skip
                 bad = True
                 continue
-            for unit, i in pieces:
-                values.setdefault((unit.index, i), value)
+            for unit, i in pieces:  # tied weights given twice: the last key wins, as in torch
+                values[(unit.index, i)] = value
         self._consumed = consumed
         engine = self.engine
         if engine.world_size > 1:
@@ -101,26 +126,43 @@ class StateDictHooks:
             load_weights(engine, values)
 
     def _after_load(self, module, incompatible_keys) -> None:
+        if self._loading is None or self._loading[0] is not module or self._loading[1] is not incompatible_keys.missing_keys:
+            return  # (post hooks run innermost first: the outermost module's comes last)
         # The keys taken above were loaded into the tiers: they are not missing.
         incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in self._consumed]
         self._consumed = set()
+        self._loading = None
 
     # -- state_dict -------------------------------------------------------------------------
-    def _state_dict_hook(self):
-        def hook(module, state_dict, prefix, local_metadata) -> None:
-            keys = [(prefix + name, pieces) for name, pieces in self.names if prefix + name in state_dict]
-            if not keys or isinstance(state_dict[keys[0][0]], nn.Parameter):  # keep_vars=True: the parameters
-                return
-            engine = self.engine
-            engine.dist.meet("state_dict", "state_dict() of a module whose weights are sharded over the ranks")
-            if engine.world_size > 1 and engine.rank != 0:
-                # [Note: state_dict at several ranks]: this rank only sends its shards.
-                for key in [k for k in state_dict if k.startswith(prefix)]:
-                    del state_dict[key]
-            for key, whole in _gathered(engine, keys):
-                state_dict[key] = whole
+    def _before_state_dict(self, module, prefix, keep_vars) -> None:
+        if self._saving is None or not self._inside(module, prefix):
+            self._saving = (module, prefix)  # the call's outermost module: its post hook, the last, gathers
 
-        return hook
+    def _inside(self, module, prefix) -> bool:
+        """Whether ``module``'s state_dict at ``prefix`` is a part of the call `_saving` names:
+        below its module, at the prefix torch gives a child (``outer.`` + the path between).
+        A call left by an error is so replaced by the next, which no such prefix has."""
+        outer, outer_prefix = self._saving
+        top, mine = self._path[id(outer)], self._path[id(module)]
+        if module is outer or not (top == "" or mine.startswith(top + ".")):
+            return False
+        return prefix == outer_prefix + (mine if top == "" else mine[len(top) + 1 :]) + "."
+
+    def _after_state_dict(self, names, module, state_dict, prefix, local_metadata) -> None:
+        if self._saving is None or self._saving[0] is not module or self._saving[1] != prefix:
+            return  # a module inside the call's outermost one, whose hook gathers every weight below it
+        self._saving = None
+        keys = [(prefix + name, pieces) for name, pieces in names if prefix + name in state_dict]
+        if not keys or isinstance(state_dict[keys[0][0]], nn.Parameter):  # keep_vars=True: the parameters
+            return
+        engine = self.engine
+        engine.dist.meet("state_dict", "state_dict() of a module whose weights are sharded over the ranks")
+        if engine.world_size > 1 and engine.rank != 0:
+            # [Note: state_dict at several ranks]: this rank only sends its shards.
+            for key in [k for k in state_dict if k.startswith(prefix)]:
+                del state_dict[key]
+        for key, whole in _gathered(engine, keys):
+            state_dict[key] = whole
 
 
 def _gathered(engine, keys):

@@ -297,11 +297,14 @@ class SubGroupStates:
             if id(p) in by_param:
                 self.foreign.state[by_param[id(p)]] = st
 
-    def load_master(self, values: dict) -> None:
+    def load_master(self, values: dict, merge: bool = False) -> None:
         """Write new weights (``(unit index, parameter index) -> tensor``: the whole parameter,
         or a `Piece` of it holding at least this rank's slice of the unit's part) into the master
-        weights and the params tier; the optimizer states stay as they are."""
-        for u in self.frozen:
+        weights and the params tier; the optimizer states stay as they are. ``merge``: the
+        values are the parameters' own, written in place ([Note: in-place writes to bound
+        parameters] in `_inplace`): only the elements that differ from the master in their
+        dtype are taken, and the params tier, which holds them already, is not written."""
+        for u in self.frozen if not merge else ():
             if any((u.index, i) in values for i in range(len(u.records))):
                 self._load_frozen(u, values)
         for sg in self.groups:
@@ -309,6 +312,7 @@ class SubGroupStates:
             if not units:
                 continue
             lease = self.stores["master"].get(sg.record.name_for()).result()
+            wrote = False
             try:
                 master = lease.tensor
                 for u in units:
@@ -318,10 +322,21 @@ class SubGroupStates:
                         a, b = max(r.offset, lo), min(r.in_unit.stop, hi)
                         if value is not None and a < b:
                             piece = _elements(value, r.start + a - r.offset, r.start + b - r.offset)
-                            master[base + a - lo : base + b - lo].copy_(piece)
+                            dst = master[base + a - lo : base + b - lo]
+                            if merge:  # only the elements written (a read of p.data writes none)
+                                piece = piece.to(dst.device)
+                                differ = piece != dst.to(piece.dtype)
+                                if not differ.any():
+                                    continue
+                                piece = torch.where(differ, piece.to(dst.dtype), dst)
+                            dst.copy_(piece)
+                            wrote = True
+                if merge and not wrote:  # (a load writes the params whatever: stages 1, 2 gather them)
+                    continue
                 self.stores["master"].put(sg.record.name_for(), master).result()
-                self.write_params(sg, units, master)
-                self.param_writes.drain()
+                if not merge:
+                    self.write_params(sg, units, master)
+                    self.param_writes.drain()
             except BaseException:
                 self.param_writes.discard_errors()
                 raise

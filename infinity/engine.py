@@ -41,6 +41,7 @@ from ._accumulation import Accumulation
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
+from ._inplace import InPlaceWrites
 from ._layout import Layout
 from ._lifecycle import Lifecycle, TrainingGuard
 from ._algorithms import resolve
@@ -184,7 +185,8 @@ class Engine:
                 p._infinity_managed = True  # see _refuse_foreign_step
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
         self._managed = {id(p): (p.requires_grad, p.dtype) for u in units for p in u.params}  # `_lifecycle.TrainingGuard`
-        self._guard = TrainingGuard(self._life, module, self._managed, functools.partial(_rebind, units))
+        self._writes = InPlaceWrites(units, substates)  # see [Note: in-place writes to bound parameters]
+        self._guard = TrainingGuard(self._life, module, self._managed, functools.partial(_rebind, units), self._writes)
         plan = self.plan
         staging = None  # where early updates wait for the step: [Note: exact overlap] in `_overlap`
         if plan.overlap:
@@ -499,6 +501,7 @@ class Engine:
         weights, whole (gathered from every rank's shard: every rank must iterate to the end),
         1-D of ``unit.padded_numel`` on the CPU. One sub-group's state is in memory at a time.
         ``rank0_only``: gathered to rank 0 only; the other ranks send their shard and get None."""
+        self._writes.carry()  # what was written into bound parameters is the weights too
         opt = self.optimizer
         for group in opt.groups:
             lease = opt.states["master"].get(group.name).result()

@@ -1,0 +1,219 @@
+"""Writes to the module's parameters after initialize (infinity/_inplace.py, _statedict.py's
+hooks on submodules): kept as plain PyTorch keeps them, or refused; never undone unsaid."""
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import config, make_model, rank_env, train  # noqa: E402
+
+CHILD = os.path.join(os.path.dirname(__file__), "_inplace_child.py")
+BF16 = {"precision": {"param_dtype": "bf16"}}
+
+
+def _new(dtype) -> dict:
+    """New values for make_model's Linear [3] (32 x 32), exact in ``dtype``."""
+    g = torch.Generator().manual_seed(5)
+    return {"weight": torch.randn(32, 32, generator=g).to(dtype).float(), "bias": torch.randn(32, generator=g).to(dtype).float()}
+
+
+def _write(engine, how: str, new: dict) -> None:
+    layer = engine.module[3]
+    if how == "load":  # the whole module's load_state_dict: what the others must equal
+        whole = engine.module.state_dict()
+        whole.update({f"3.{k}": v for k, v in new.items()})
+        engine.module.load_state_dict(whole)
+    elif how == "subload":
+        layer.load_state_dict(new)
+    elif how == "copy":
+        with torch.no_grad():
+            layer.weight.copy_(new["weight"])
+            layer.bias.copy_(new["bias"])
+    elif how == "data":
+        layer.weight.data.copy_(new["weight"])
+        layer.bias.data.copy_(new["bias"])
+    elif how == "assign":
+        layer.weight.data = new["weight"].to(layer.weight.dtype)
+        layer.bias.data = new["bias"].to(layer.bias.dtype)
+
+
+def _run(tmp_path, tiers, sections, how, before: int = 1):
+    """``before`` steps, the write, then 2 steps: (state_dict right after the write, at the end)."""
+    swap = tmp_path / f"swap-{how}"
+    swap.mkdir()
+    engine = infinity.initialize(make_model(), config(swap, tiers, **sections))
+    try:
+        engine.module.eval()  # (no dropout: the plain run draws no alike masks)
+        dtype = engine.module[3].weight.dtype
+        train(engine, before, dtype=dtype)
+        _write(engine, how, _new(dtype))
+        after = engine.module.state_dict()
+        train(engine, 2, start=before, dtype=dtype)
+        return after, engine.module.state_dict()
+    finally:
+        engine.close()
+
+
+CASES = [
+    # bf16 parameters beside fp32 masters, the optimizer in host memory: a GPU's usual placement
+    *[(("device", "device", "cpu"), "bf16", how, 1) for how in ("subload", "copy", "data", "assign")],
+    # the masters on nvme, apart from the parameters in host memory
+    *[(("cpu", "cpu", "nvme"), "fp32", how, 1) for how in ("subload", "copy", "data", "assign")],
+    # fp32 on the device, before the first step (the one copy of the weights not yet shared)
+    (("device", "device", "device"), "fp32", "copy", 0),
+    # parameters on nvme: the submodule's load_state_dict writes the tiers
+    (("nvme", "nvme", "nvme"), "fp32", "subload", 1),
+]
+
+
+@pytest.mark.parametrize("tiers,dtype,how,before", CASES, ids=lambda v: ",".join(v) if isinstance(v, tuple) else str(v))
+def test_a_write_to_a_parameter_is_kept_as_a_load_of_it_is(tmp_path, tiers, dtype, how, before):
+    """A submodule's load_state_dict, ``p.copy_`` under no_grad, ``p.data.copy_``, ``p.data =``:
+    the next forward used the new values, then the step wrote the parameters from master weights
+    that never saw them (and state_dict read the masters): undone, with no error. Now each is
+    the whole module's load_state_dict of the same values, bit for bit, before and after steps."""
+    sections = BF16 if dtype == "bf16" else {}
+    (tmp_path / "ref").mkdir()
+    ref_after, ref_final = _run(tmp_path / "ref", tiers, sections, "load", before)
+    after, final = _run(tmp_path, tiers, sections, how, before)
+    assert torch.equal(after["3.weight"], _new(torch.bfloat16 if dtype == "bf16" else torch.float32)["weight"])
+    for key in ref_final:
+        assert torch.equal(after[key], ref_after[key]), key
+        assert torch.equal(final[key], ref_final[key]), key
+
+
+def test_a_write_trains_on_as_plain_pytorch(tmp_path):
+    """fp32, masters on nvme: a step, ``p.copy_`` of new values, two steps; against plain
+    PyTorch's AdamW doing the same (the engine's update is torch's: within rounding)."""
+    model = make_model()
+    plain = copy.deepcopy(model).eval()
+    _, final = _run(tmp_path, ("cpu", "cpu", "nvme"), {}, "copy")
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in range(3):
+        if step == 1:
+            with torch.no_grad():
+                plain[3].weight.copy_(_new(torch.float32)["weight"])
+                plain[3].bias.copy_(_new(torch.float32)["bias"])
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        ((plain(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(final[key], value, atol=1e-6, rtol=0)
+
+
+def test_a_read_of_p_data_costs_the_master_no_precision(tmp_path):
+    """bf16 parameters: ``p.data`` only read (a norm logged) is compared with the master, not
+    taken: the fp32 masters stay bit for bit those of the run without the read."""
+    runs = []
+    for read in (False, True):
+        swap = tmp_path / f"swap-{read}"
+        swap.mkdir()
+        engine = infinity.initialize(make_model(), config(swap, ("device", "device", "cpu"), **BF16))
+        try:
+            for step in range(3):
+                if read:
+                    engine.module[3].weight.data.float().norm()
+                train(engine, 1, start=step, dtype=torch.bfloat16)
+            runs.append(engine.gathered_weights())
+        finally:
+            engine.close()
+    for key in runs[0]:
+        assert torch.equal(runs[0][key], runs[1][key]), key
+
+
+def test_a_placeholder_given_data_is_refused(tmp_path):
+    """Parameters on nvme are empty placeholders between uses: ``p.data = t`` was accepted and
+    dropped by the next fetch. Refused at the next forward, naming the parameter."""
+    engine = infinity.initialize(make_model(), config(tmp_path, ("nvme", "nvme", "nvme")))
+    try:
+        engine.module[3].weight.data = torch.zeros(32, 32)
+        with pytest.raises(RuntimeError, match=r"'3.weight' was given new data .*load_state_dict"):
+            train(engine, 1)
+        train(engine, 1)  # the placeholder is back: training goes on
+    finally:
+        engine.close()
+
+
+def test_a_submodule_s_state_dict_gives_its_weights(tmp_path):
+    """On nvme, ``engine.module[3].state_dict()`` gave the empty placeholders; now the weights,
+    as the whole module's state_dict gives them under the submodule's prefix."""
+    model = make_model()
+    want = {k: v.clone() for k, v in model[3].state_dict().items()}
+    engine = infinity.initialize(model, config(tmp_path, ("nvme", "nvme", "nvme")))
+    try:
+        got = engine.module[3].state_dict()
+        assert got.keys() == want.keys()
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+        whole = engine.module.state_dict()
+        assert all(torch.equal(whole[f"3.{k}"], v) for k, v in got.items())
+    finally:
+        engine.close()
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_weights_given_two_values_take_the_last_as_torch_does(tmp_path):
+    """A dict with the two keys of one tied weight holding other values: torch copies both into
+    the one parameter, the last wins; the engine kept the first."""
+    torch.manual_seed(0)
+    plain = _Tied()
+    engine = infinity.initialize(copy.deepcopy(plain), config(tmp_path, ("nvme", "nvme", "nvme")))
+    try:
+        sd = {"embed.weight": torch.ones(8, 4), "head.weight": torch.full((8, 4), 2.0)}
+        plain.load_state_dict(sd)
+        engine.module.load_state_dict(sd)
+        got = engine.module.state_dict()
+        assert torch.equal(got["embed.weight"], plain.embed.weight.detach())
+        assert torch.equal(got["head.weight"], torch.full((8, 4), 2.0))
+    finally:
+        engine.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_ranks(tmp_path, tiers: str, stage: int, how: str, dtype: str) -> dict:
+    out, swap = str(tmp_path / how), tmp_path / f"swap-{how}"
+    swap.mkdir()
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, CHILD, out, str(stage), str(swap), tiers, how, dtype],
+                              env=rank_env(rank, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]  # fmt: skip
+    logs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    return torch.load(f"{out}.pt", weights_only=True)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tiers,stage,dtype", [("device,device,device", 1, "fp32"), ("device,device,cpu", 2, "bf16")])
+def test_two_ranks_keep_a_write_to_their_whole_parameters(tmp_path, tiers, stage, dtype):
+    """Two ranks below stage 3 hold whole parameters and each its slice of the masters: a
+    write on every rank (``p.copy_``, ``p.data.copy_``) was used by one forward, then undone by
+    the step. Now each is the whole module's load_state_dict, bit for bit."""
+    ref = _two_ranks(tmp_path, tiers, stage, "load", dtype)
+    for how in ("copy", "data"):
+        got = _two_ranks(tmp_path, tiers, stage, how, dtype)
+        for when in ("after_write", "final"):
+            for key in ref[when]:
+                assert torch.equal(got[when][key], ref[when][key]), (how, when, key)
