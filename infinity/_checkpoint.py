@@ -56,7 +56,7 @@ from infinity.swap import (
 from . import _algorithms, _compact, _consolidate, _jsonstate, _recut, _rng, _saved
 from .checkpoint import (
     FORMAT, LATEST_NAME, LOCK_NAME, META_NAME, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, check_tag,
-    list_checkpoints, load_meta, resolve,
+    list_checkpoints, load_meta, resolve, seal,
 )  # fmt: skip
 
 logger = logging.getLogger("infinity")
@@ -486,7 +486,7 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
             _agree(dist, error, "writing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
             if dist.rank == 0:
                 try:
-                    write_json_atomic(os.path.join(tmp, META_NAME), meta)
+                    write_json_atomic(os.path.join(tmp, META_NAME), seal(meta))
                     fsync_dir(tmp)
                     _publish(root, tmp, tag)
                     if keep_last is not None:

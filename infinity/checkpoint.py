@@ -27,14 +27,19 @@ This module reads and checks; it writes nothing and imports nothing of the engin
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
+
+import xxhash
 
 from infinity.swap import ManifestError, read_json
 
 FORMAT = "infinity-checkpoint"
-VERSION = 2  # 2: persistent buffers saved, lr_scheduler and client_state tagged (`_jsonstate`); 1 is read too
-READS = (1, 2)
+# 2: persistent buffers saved, lr_scheduler and client_state tagged (`_jsonstate`); 3: meta.json
+# checksummed (`seal`). 1 and 2 are read too.
+VERSION = 3
+READS = (1, 2, 3)
 META_NAME = "meta.json"
 LATEST_NAME = "latest"
 LOCK_NAME = ".lock"
@@ -87,6 +92,20 @@ def resolve(path: str, tag: str = LATEST_NAME) -> str:
 
 
 
+def _meta_checksum(meta: dict) -> str:
+    """xxh3-64 (hex) of ``meta`` but its "checksum", as `write_json_atomic` writes it (compact,
+    in its own key order: what JSON parsing keeps)."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return "xxh3-64:" + xxhash.xxh3_64_hexdigest(json.dumps(body, separators=(",", ":")).encode())
+
+
+def seal(meta: dict) -> dict:
+    """``meta`` with its "checksum": the tensors are checksummed in their manifests, and meta.json
+    holds what they are not (the optimizer's groups, the LR scheduler, the RNG states,
+    client_state): an edit or a damaged byte there is refused at load, as one in a tensor is."""
+    return {**meta, "checksum": _meta_checksum(meta)}
+
+
 def load_meta(where: str) -> dict:
     """meta.json of the checkpoint directory ``where``, validated (CheckpointError names the key)."""
     path = os.path.join(where, META_NAME)
@@ -105,6 +124,10 @@ def load_meta(where: str) -> dict:
     if meta.get("version") not in READS:
         fail("version", f"unknown version {meta.get('version')!r} (this infinity reads versions "
                         f"{', '.join(map(str, READS))})")
+    if meta["version"] >= 3 and meta.get("checksum") != _meta_checksum(meta):
+        fail("checksum", f"{meta.get('checksum')!r} is not the file's ({_meta_checksum(meta)}): meta.json was "
+                         "edited or damaged after the save (the optimizer's groups, LR scheduler, RNG states and "
+                         "client_state it holds would load changed): restore it from a copy")
     for key, lo in (("step", 0), ("world_size", 1), ("stage", 1)):
         v = meta.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:

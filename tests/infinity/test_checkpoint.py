@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.checkpoint import CheckpointError
+from infinity.checkpoint import CheckpointError, seal
 from infinity.swap import SwapCorruption
 from infinity.tools import swap_inspect
 
@@ -271,8 +271,13 @@ def test_incomplete_foreign_and_tampered_checkpoints_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="version: unknown version 99"):
         engine.load_checkpoint(root)
     units = [dict(meta["units"][0], numel=7), *meta["units"][1:]]
-    json.dump({**meta, "units": units}, open(meta_path, "w"))
+    json.dump(seal({**meta, "units": units}), open(meta_path, "w"))  # (sealed: as another model's save)
     with pytest.raises(CheckpointError, match="not the same model"):
+        engine.load_checkpoint(root)
+    # An edit of what only meta.json holds (a group's learning rate): loaded silently before.
+    groups = [dict(meta["optimizer"]["param_groups"][0], lr=0.5), *meta["optimizer"]["param_groups"][1:]]
+    json.dump({**meta, "optimizer": dict(meta["optimizer"], param_groups=groups)}, open(meta_path, "w"))
+    with pytest.raises(CheckpointError, match="meta.json: checksum: .* edited or damaged after the save"):
         engine.load_checkpoint(root)
     json.dump(meta, open(meta_path, "w"))
     # A latest pointer or a manifest edited to point outside the checkpoint.
