@@ -1,8 +1,9 @@
 """The module's own ``state_dict()`` and ``load_state_dict()`` while its parameters live in tiers.
 
 Owns: the hooks on the user's module, and on each submodule holding a managed parameter, that
-make the two calls mean what they mean in plain PyTorch, called on the root or on a submodule. ``load_state_dict(sd)`` takes each managed parameter's value out of ``sd`` and writes
-it into the tiers (the fp32 master weights and the low-precision parameters; optimizer states
+make the two calls mean what they mean in plain PyTorch, called on the root or on a submodule.
+``load_state_dict(sd)`` takes each managed parameter's value out of ``sd`` and writes it into
+the tiers (the fp32 master weights and the low-precision parameters; optimizer states
 are left as they are, as torch leaves an optimizer's); the rest loads as usual, and a missing,
 unexpected or mis-shaped key is reported as torch reports it. ``state_dict()`` gives every
 managed parameter's weights (the fp32 masters in the parameter's own dtype) instead of its
@@ -67,14 +68,16 @@ class StateDictHooks:
         self.names = [(name, where[id(p)]) for name, p in module.named_parameters(remove_duplicate=False)
                       if id(p) in where]  # fmt: skip
         self._consumed: set[str] = set()
-        # The call being handled: (its outermost module, the call's missing_keys list, which
-        # every module of one load_state_dict shares) and (its outermost module, its prefix).
+        # The load being handled: its outermost module, and the call's missing_keys list, which
+        # every module of one load_state_dict shares.
         self._loading: tuple | None = None
-        self._saving: tuple | None = None
-        self._path: dict[int, str] = {}  # id(module) -> its path in the root
+        # The state_dict calls under way: (outermost module, prefix), the innermost call last.
+        self._saving: list[tuple] = []
+        self._paths: dict[int, list[str]] = {}  # id(module) -> its paths in the root (shared: several)
+        for path, sub in module.named_modules(remove_duplicate=False):
+            self._paths.setdefault(id(sub), []).append(path)
         self.handles = []
         for path, sub in module.named_modules():
-            self._path[id(sub)] = path
             names = self.names if not path else [(n[len(path) + 1 :], pieces) for n, pieces in self.names
                                                  if n.startswith(path + ".")]  # fmt: skip
             if names:
@@ -135,23 +138,28 @@ class StateDictHooks:
 
     # -- state_dict -------------------------------------------------------------------------
     def _before_state_dict(self, module, prefix, keep_vars) -> None:
-        if self._saving is None or not self._inside(module, prefix):
-            self._saving = (module, prefix)  # the call's outermost module: its post hook, the last, gathers
+        if not self._saving or not self._inside(module, prefix):
+            self._saving.append((module, prefix))  # a call's outermost module: its post hook, the last, gathers
 
     def _inside(self, module, prefix) -> bool:
-        """Whether ``module``'s state_dict at ``prefix`` is a part of the call `_saving` names:
-        below its module, at the prefix torch gives a child (``outer.`` + the path between).
-        A call left by an error is so replaced by the next, which no such prefix has."""
-        outer, outer_prefix = self._saving
-        top, mine = self._path[id(outer)], self._path[id(module)]
-        if module is outer or not (top == "" or mine.startswith(top + ".")):
+        """Whether ``module``'s state_dict at ``prefix`` is a part of the call on top of
+        `_saving`: below its module, at the prefix torch gives a child (``outer.`` and the path
+        between; a module registered at several paths: any). An entry an error left on the
+        stack is so passed over by the next call, which has no such prefix."""
+        outer, outer_prefix = self._saving[-1]
+        if module is outer:
             return False
-        return prefix == outer_prefix + (mine if top == "" else mine[len(top) + 1 :]) + "."
+        for top in self._paths[id(outer)]:
+            for mine in self._paths[id(module)]:
+                if top == "" or mine.startswith(top + "."):
+                    if prefix == outer_prefix + (mine if top == "" else mine[len(top) + 1 :]) + ".":
+                        return True
+        return False
 
     def _after_state_dict(self, names, module, state_dict, prefix, local_metadata) -> None:
-        if self._saving is None or self._saving[0] is not module or self._saving[1] != prefix:
+        if not self._saving or self._saving[-1][0] is not module or self._saving[-1][1] != prefix:
             return  # a module inside the call's outermost one, whose hook gathers every weight below it
-        self._saving = None
+        self._saving.pop()
         keys = [(prefix + name, pieces) for name, pieces in names if prefix + name in state_dict]
         if not keys or isinstance(state_dict[keys[0][0]], nn.Parameter):  # keep_vars=True: the parameters
             return

@@ -162,6 +162,40 @@ def test_a_submodule_s_state_dict_gives_its_weights(tmp_path):
         engine.close()
 
 
+class _Shared(nn.Module):
+    """One Linear registered twice (``a`` and ``b.inner``), as a model that reuses a layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Sequential()
+        self.b.inner = self.a
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.b(self.a(x)))
+
+
+def test_state_dict_of_a_shared_submodule_and_of_a_wrapper(tmp_path):
+    """The outermost module of a state_dict() call gathers: a module registered at two paths
+    is recognised as inside the call from either, and a user's wrapper around engine.module
+    (its prefix "model.") gets the weights too; each as plain PyTorch's."""
+    torch.manual_seed(0)
+    plain = _Shared()
+    engine = infinity.initialize(copy.deepcopy(plain), config(tmp_path, ("nvme", "nvme", "nvme")))
+    try:
+        for got, want in ((engine.module.state_dict(), plain.state_dict()),
+                          (engine.module.b.state_dict(), plain.b.state_dict())):  # fmt: skip
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in want)
+        wrapper = nn.Module()
+        wrapper.model = engine.module
+        got = wrapper.state_dict()
+        assert all(torch.equal(got[f"model.{k}"], v) for k, v in plain.state_dict().items())
+    finally:
+        engine.close()
+
+
 class _Tied(nn.Module):
     def __init__(self):
         super().__init__()
