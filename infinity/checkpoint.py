@@ -6,7 +6,8 @@ Layout of a checkpoint root ``DIR``::
     DIR/<tag>/meta.json     format, step, world size, stage, config, the loss scaler's state,
                             RNG states of every rank, the units' layout, the module's
                             state_dict keys (what an export writes under each; absent in older
-                            checkpoints), the user's client_state (JSON only)
+                            checkpoints), the user's client_state (JSON only), and a
+                            checksum of all that (since version 3)
     DIR/<tag>/rank<r>/      rank r's state in the swap format (manifest.json, arena-0.bin):
                             per unit "<unit>/param" (low precision), "<unit>/master",
                             "<unit>/exp_avg", "<unit>/exp_avg_sq" (fp32), each the rank's slice of
@@ -93,8 +94,8 @@ def resolve(path: str, tag: str = LATEST_NAME) -> str:
 
 
 def _meta_checksum(meta: dict) -> str:
-    """xxh3-64 (hex) of ``meta`` but its "checksum", as `write_json_atomic` writes it (compact,
-    in its own key order: what JSON parsing keeps)."""
+    """``"xxh3-64:<16 hex digits>"`` of ``meta`` but its "checksum", as `write_json_atomic`
+    writes it (compact, in its own key order: what JSON parsing keeps)."""
     body = {k: v for k, v in meta.items() if k != "checksum"}
     return "xxh3-64:" + xxhash.xxh3_64_hexdigest(json.dumps(body, separators=(",", ":")).encode())
 
