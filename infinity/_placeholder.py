@@ -101,11 +101,14 @@ _DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor of ``p.data``
 _NOTED: set[int] = set()
 
 
-def take_noted() -> set[int]:
-    """The ids noted since the last call (then none)."""
-    noted = set(_NOTED)
-    _NOTED.clear()
-    return noted
+def take_noted(ids: set[int]) -> set[int]:
+    """Those of ``ids`` (one engine's parameters) noted since they were last taken; they are
+    noted no more (another engine's stay noted for it)."""
+    if not _NOTED:
+        return set()
+    mine = _NOTED & ids
+    _NOTED.difference_update(mine)
+    return mine
 
 
 class _Bound:

@@ -132,6 +132,25 @@ def test_a_read_of_p_data_costs_the_master_no_precision(tmp_path):
         assert torch.equal(runs[0][key], runs[1][key]), key
 
 
+def test_a_write_into_p_data_is_its_own_engine_s_to_carry(tmp_path):
+    """Two engines in one process (a teacher and a student): the other engine's forward
+    looked for written parameters first; a ``p.data`` write into this one's must still be
+    carried by this one (the note of ``p.data`` taken is per parameter, not taken by any look)."""
+    engines = []
+    try:
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            engines.append(infinity.initialize(make_model(), config(tmp_path / name, ("device", "device", "cpu"), **BF16)))
+        a, b = engines
+        new = _new(torch.bfloat16)
+        b.module[3].weight.data.copy_(new["weight"])
+        train(a, 1, dtype=torch.bfloat16)
+        assert torch.equal(b.module.state_dict()["3.weight"], new["weight"])
+    finally:
+        for engine in engines:
+            engine.close()
+
+
 def test_a_placeholder_given_data_is_refused(tmp_path):
     """Parameters on nvme are empty placeholders between uses: ``p.data = t`` was accepted and
     dropped by the next fetch. Refused at the next forward, naming the parameter."""
