@@ -568,6 +568,7 @@ class Engine:
         owns, re-cut by rows where the modules are tiled otherwise ([Note: re-cut] in `_recut`)."""
         self._life.check_open()
         _gather.refuse_open(self, "engine.load_checkpoint()")
+        self._writes.carry()  # (else a parameter given new data before the load would be carried over it after)
         client_state = _checkpoint.load(self, path, tag, on_partial=self._life.refuse)
         self._accumulation.reset()  # a step starts over from its first micro-batch
         self._life.restore()

@@ -151,6 +151,22 @@ def test_a_write_into_p_data_is_its_own_engine_s_to_carry(tmp_path):
             engine.close()
 
 
+def test_a_checkpoint_loaded_after_a_write_wins_over_it(tmp_path):
+    """``p.data = t``, then load_checkpoint: the checkpoint's weights, as in plain PyTorch. The
+    write, not yet carried, was carried over the loaded weights at the next look."""
+    engine = infinity.initialize(make_model(), config(tmp_path, ("device", "device", "cpu"), **BF16))
+    try:
+        train(engine, 1, dtype=torch.bfloat16)
+        engine.save_checkpoint(tmp_path / "ck")
+        want = engine.module.state_dict()
+        engine.module[3].weight.data = torch.zeros(32, 32, dtype=torch.bfloat16)
+        engine.load_checkpoint(tmp_path / "ck")
+        got = engine.module.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    finally:
+        engine.close()
+
+
 def test_a_placeholder_given_data_is_refused(tmp_path):
     """Parameters on nvme are empty placeholders between uses: ``p.data = t`` was accepted and
     dropped by the next fetch. Refused at the next forward, naming the parameter."""
