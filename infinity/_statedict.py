@@ -76,17 +76,25 @@ class StateDictHooks:
         self._paths: dict[int, list[str]] = {}  # id(module) -> its paths in the root (shared: several)
         for path, sub in module.named_modules(remove_duplicate=False):
             self._paths.setdefault(id(sub), []).append(path)
+        # Each module's names below it, in one pass over the names (a name under every module
+        # on its path; a module registered twice: under its first path, whose subtree is the same).
+        first = dict(module.named_modules())  # path -> module, each module at its first path
+        below: dict[str, list] = {}
+        for name, pieces in self.names:
+            parts = name.split(".")
+            for k in range(len(parts)):
+                path = ".".join(parts[:k])
+                if path in first:
+                    below.setdefault(path, []).append((".".join(parts[k:]), pieces))
         self.handles = []
-        for path, sub in module.named_modules():
-            names = self.names if not path else [(n[len(path) + 1 :], pieces) for n, pieces in self.names
-                                                 if n.startswith(path + ".")]  # fmt: skip
-            if names:
-                self.handles += [
-                    sub.register_load_state_dict_pre_hook(functools.partial(self._before_load, names)),
-                    sub.register_load_state_dict_post_hook(self._after_load),
-                    sub.register_state_dict_pre_hook(self._before_state_dict),
-                    sub.register_state_dict_post_hook(functools.partial(self._after_state_dict, names)),
-                ]
+        for path, names in below.items():
+            sub = first[path]
+            self.handles += [
+                sub.register_load_state_dict_pre_hook(functools.partial(self._before_load, names)),
+                sub.register_load_state_dict_post_hook(self._after_load),
+                sub.register_state_dict_pre_hook(self._before_state_dict),
+                sub.register_state_dict_post_hook(functools.partial(self._after_state_dict, names)),
+            ]
 
     def remove(self) -> None:
         for h in self.handles:
