@@ -104,3 +104,27 @@ def adopted_gradients(engine, steps: int, plain_step=None) -> list[list[bool]]:
 def bias_free_mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 64, bias=False), nn.Tanh(), nn.Linear(64, 4, bias=False))
+
+
+def write_layer(module: nn.Module, name: str, how: str, new: dict, whole: dict | None = None) -> None:
+    """Give ``module``'s submodule ``name`` (a Linear) the weights ``new`` ({"weight", "bias"})
+    the way ``how`` says: "load" (the whole module's load_state_dict of ``whole``, its weights
+    as they are, with the new ones in), "subload" (the submodule's own load_state_dict),
+    "copy" (``p.copy_`` under no_grad), "data" (``p.data.copy_``), "assign" (``p.data = t``)."""
+    layer = module.get_submodule(name)
+    if how == "load":
+        module.load_state_dict({**whole, **{f"{name}.{k}": v for k, v in new.items()}})
+    elif how == "subload":
+        layer.load_state_dict(new)
+    elif how == "copy":
+        with torch.no_grad():
+            layer.weight.copy_(new["weight"])
+            layer.bias.copy_(new["bias"])
+    elif how == "data":
+        layer.weight.data.copy_(new["weight"])
+        layer.bias.data.copy_(new["bias"])
+    elif how == "assign":
+        layer.weight.data = new["weight"].to(layer.weight.dtype)
+        layer.bias.data = new["bias"].to(layer.bias.dtype)
+    else:
+        raise ValueError(f"{how=}")

@@ -1,10 +1,8 @@
 """One rank of test_inplace's several-rank runs; also run alone (1 rank).
 
 argv: output prefix, stage, swap directory, tiers ("device,device,cpu"), how, param dtype.
-One step, then new weights for the model's middle Linear, given ``how`` (every rank alike):
-"load" (the whole module's load_state_dict, the reference), "subload" (the Linear's own
-load_state_dict), "copy" (``p.copy_`` under no_grad), "data" (``p.data.copy_``); then two
-steps. Rank 0 writes the weights (``{out}.pt``): state_dict() right after the write and at the end.
+One step, then new weights for the model's middle Linear, given ``how`` (every rank alike, as
+`_common.write_layer` says; "load", of the whole module, is the reference); then two steps. Rank 0 writes the weights (``{out}.pt``): state_dict() right after the write and at the end.
 """
 
 import os
@@ -14,6 +12,9 @@ import torch
 from torch import nn
 
 import infinity
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import write_layer  # noqa: E402
 
 out, stage, swap, tiers, how, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].split(","), sys.argv[5], sys.argv[6]
 rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -39,20 +40,7 @@ def steps(start, n):
 steps(0, 1)
 g = torch.Generator().manual_seed(99)
 new = {"weight": torch.randn(32, 32, generator=g).to(low).float(), "bias": torch.randn(32, generator=g).to(low).float()}
-layer = engine.module[2]
-if how == "load":
-    whole = engine.gathered_weights()
-    whole.update({f"2.{k}": v for k, v in new.items()})
-    engine.module.load_state_dict(whole)
-elif how == "subload":
-    layer.load_state_dict(new)
-elif how == "copy":
-    with torch.no_grad():
-        layer.weight.copy_(new["weight"])
-        layer.bias.copy_(new["bias"])
-elif how == "data":
-    layer.weight.data.copy_(new["weight"])
-    layer.bias.data.copy_(new["bias"])
+write_layer(engine.module, "2", how, new, whole=engine.gathered_weights() if how == "load" else None)
 after_write = engine.module.state_dict()
 steps(1, 2)
 final = engine.module.state_dict()
