@@ -65,6 +65,19 @@ class Lifecycle:
             raise RuntimeError(self.why)
 
 
+# The engine clips the step's whole gradient once, at the step (its gradients are in the tiers,
+# not in .grad): a clip between micro-batches, which plain PyTorch applies to the sum so far
+# before the next micro-batch adds its own unclipped, would have clipped the whole instead
+# (2e-3 off plain AdamW in 4 micro-batches; an audit helper's repro). Refused before anything changes.
+CLIP_THEN_BACKWARD = (
+    "a forward with gradients enabled after clip_grad_norm_ (torch.nn.utils', accelerate's or the engine's) "
+    "and before the step: plain PyTorch clips the gradients summed so far and adds the next micro-batch's "
+    "unclipped, while the engine clips the step's whole gradient once, at step(); clip once a step, after "
+    "the last micro-batch's backward (accelerate: under `if accelerator.sync_gradients:`), or call "
+    "engine.zero_grad() to drop this step's gradients and the clip"
+)
+
+
 class TrainingGuard:
     """Before each forward and step: the engine usable (``lifecycle``), ``module`` still
     holding only the parameters the engine manages, each as trainable as it was and of the
@@ -76,18 +89,22 @@ class TrainingGuard:
 
     The walk over the module runs at a step only when no forward passed it since the last
     step: a parameter added after that forward had no part in it, and the next forward
-    refuses it."""
+    refuses it. A forward for backward after a clip asked this step is refused: see
+    `CLIP_THEN_BACKWARD`."""
 
     def __init__(self, lifecycle: Lifecycle, module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]],
-                 rebind: Callable[[], None], writes: InPlaceWrites):
+                 rebind: Callable[[], None], writes: InPlaceWrites, clip_asked: Callable[[], object] | None = None):
         self.lifecycle = lifecycle
         self.module = module
         self.managed = managed
         self.rebind = rebind  # points the bound parameters at the engine's memory again (after a cast)
         self.writes = writes  # in-place writes to bound parameters, carried into the masters
+        self.clip_asked = clip_asked  # the clip asked of the next step (`Engine.clip_grad_norm_`), or None
         self._walked = False  # a forward's check passed since the last step
 
     def before_forward(self) -> None:
+        if self.clip_asked is not None and torch.is_grad_enabled() and self.clip_asked() is not None:
+            raise RuntimeError(CLIP_THEN_BACKWARD)
         self._walked = False
         self._check(walk=True)
         self._walked = True

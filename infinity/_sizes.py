@@ -1,9 +1,9 @@
 """What a managed parameter says about itself: its size, and where its gradient's norm is.
 
 Owns: the size attributes of the parameters an engine manages, what ``numel()`` of a placeholder
-answers, and torch.nn.utils' gradient clipping over managed parameters. Touches: attributes of
-those parameters (set once, by `mark`, where the engine is built) and the clipping functions of
-``torch.nn.utils`` (wrapped once, at import).
+answers, and torch.nn.utils' gradient clipping and nn.Module.zero_grad over managed parameters.
+Touches: attributes of those parameters (set once, by `mark`, where the engine is built), the
+clipping functions of ``torch.nn.utils`` and ``nn.Module.zero_grad`` (wrapped once, at import).
 
 [Note: sizes of placeholders]
 A released parameter is an empty placeholder (see [Note: reads outside a module] in `_gather`):
@@ -41,6 +41,18 @@ so torch.nn.utils' functions are wrapped, once, and given managed parameters the
 Other parameters go to torch's functions unchanged. A reference to ``clip_grad_norm_`` taken
 before ``import infinity`` reaches torch's own, which clips through torch.nn.utils.clip_grad's
 module-level ``_clip_grads_with_norm_``: wrapped too, it raises rather than let the 0.0 pass.
+
+[Note: a module's zero_grad]
+For the same reason ``nn.Module.zero_grad`` found no ``.grad`` on a managed parameter and
+dropped nothing: ``model.zero_grad()`` between a backward and the step (a micro-batch thrown
+away) left its gradients in the tiers, and the step trained on them (1.5e-2 off plain SGD's
+update of the same size; an audit helper's repro). ``nn.Module.zero_grad`` is wrapped, once:
+torch's runs for the parameters no engine manages, and an engine whose trained parameters are
+all under the module drops its gradients (``engine.optimizer.zero_grad``, as
+``engine.zero_grad``). Under a module that holds part of them (a submodule), the engine has no
+way to drop some gradients and keep others: with gradients this step that is refused, naming
+``engine.zero_grad``; without, there is nothing to drop. The Trainer's ``model.zero_grad()``
+after each step finds none.
 """
 
 from __future__ import annotations
@@ -180,10 +192,40 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor,
     return _torch_clip_grads_with_norm_(given, max_norm, total_norm, foreach)
 
 
+_torch_module_zero_grad = torch.nn.Module.zero_grad
+
+
+def module_zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
+    """``nn.Module.zero_grad``; the gradients of engines whose parameters are under the module
+    dropped too ([Note: a module's zero_grad])."""
+    _torch_module_zero_grad(self, set_to_none)  # the parameters no engine manages (managed ones have no .grad)
+    engines = {}
+    for p in self.parameters():
+        if getattr(p, "_infinity_managed", False):
+            engine = p._infinity_engine()
+            if engine is not None:  # (a dropped engine's gradients went with it)
+                engines.setdefault(id(engine), (engine, set()))[1].add(id(p))
+    for engine, ids in engines.values():
+        trained = _trained(engine)
+        missing = [name for key, name in trained.items() if key not in ids]
+        if not missing:
+            engine.optimizer.zero_grad(set_to_none)
+        elif engine.grads.has_grad or any(u.arrived or u.grad is not None for u in engine.units):
+            name = type(self).__name__
+            raise RuntimeError(
+                f"{name}.zero_grad() over part of an infinity engine's trained parameters ({len(missing)} not under "
+                f"it, e.g. {missing[0]!r}) while it has gradients this step: the engine keeps one gradient per "
+                "step for all of them and cannot drop part; call engine.zero_grad() (or the root module's "
+                "zero_grad()) to drop them all"
+            )
+
+
 def _install() -> None:
-    """Wrap torch.nn.utils' clipping (see [Note: clipping managed parameters]), once."""
+    """Wrap torch.nn.utils' clipping (see [Note: clipping managed parameters]) and
+    ``nn.Module.zero_grad`` ([Note: a module's zero_grad]), once."""
     if getattr(_clip_grad.clip_grad_norm_, "_infinity", False):
         return
+    torch.nn.Module.zero_grad = module_zero_grad
     clip_grad_norm_._infinity = True
     for where in (torch.nn.utils, _clip_grad):
         where.clip_grad_norm_ = clip_grad_norm_

@@ -114,16 +114,17 @@ class StreamedUpdate:
         self.grads.flush()
         if self.transport is not None:
             self.transport.check_same_units()  # before anything is updated from the pass's reductions
+        # The smallest of [optimizer] max_grad_norm and a clip asked this step: clipping to one
+        # and then the other (torch's two clips) leaves the smaller bound. A clip asked is this
+        # step's, skipped or not: torch's scaled gradients the skip then drops.
+        limits = [c for c in (self.clip_next, self.max_grad_norm) if c is not None]
+        clip, self.clip_next = (min(limits) if limits else None), None
+        self.clipped_last = False
         if not self.grads.norms.all_finite():
             if overlap is not None:
                 overlap.discard()
             return False
         divide = loss_scale  # gradients are stored multiplied by the loss scale
-        # The smallest of [optimizer] max_grad_norm and a clip asked this step: clipping to one
-        # and then the other (torch's two clips) leaves the smaller bound.
-        limits = [c for c in (self.clip_next, self.max_grad_norm) if c is not None]
-        clip, self.clip_next = (min(limits) if limits else None), None
-        self.clipped_last = False
         if clip is not None:
             norm = self.grads.norms.global_norm() / loss_scale
             coef = clip_coef(clip, norm)

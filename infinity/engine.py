@@ -186,7 +186,9 @@ class Engine:
             unit.unbind()  # the module's own copies go; the tier holds the parameters now
         self._managed = {id(p): (p.requires_grad, p.dtype) for u in units for p in u.params}  # `_lifecycle.TrainingGuard`
         self._writes = InPlaceWrites(units, substates)  # see [Note: in-place writes to bound parameters]
-        self._guard = TrainingGuard(self._life, module, self._managed, functools.partial(_rebind, units), self._writes)
+        opt = self.optimizer
+        self._guard = TrainingGuard(self._life, module, self._managed, functools.partial(_rebind, units), self._writes,
+                                    clip_asked=lambda: opt.clip_next)  # fmt: skip
         plan = self.plan
         staging = None  # where early updates wait for the step: [Note: exact overlap] in `_overlap`
         if plan.overlap:
@@ -405,6 +407,7 @@ class Engine:
         if self.overlap is not None:
             self.overlap.discard()
         self.grads.zero()
+        self.optimizer.clip_next = None  # a clip asked goes with the gradients it was asked of, as torch's
         _units.forget_gradients(self.units)
         self._accumulation.reset()
 
@@ -570,6 +573,7 @@ class Engine:
         _gather.refuse_open(self, "engine.load_checkpoint()")
         self._writes.carry()  # (else a parameter given new data before the load would be carried over it after)
         client_state = _checkpoint.load(self, path, tag, on_partial=self._life.refuse)
+        self.optimizer.clip_next = None  # asked of the gradients before the load: none remain
         self._accumulation.reset()  # a step starts over from its first micro-batch
         self._life.restore()
         self._stats.start_step()

@@ -498,3 +498,92 @@ def test_sgd_momentum_turned_on_with_dampening_after_steps_without_is_refused(tm
         engine.backward(engine(torch.randn(2, 8)).sum())
         with pytest.raises(ValueError, match=r"momentum turned on \(0.9\) with dampening 0.5"):
             engine.step()
+
+
+def _plain_sgd_and_engine(tmp_path, tiers):
+    """The same model twice: plain with torch's SGD, and in an engine with the same SGD."""
+    model = _model()
+    plain = copy.deepcopy(model)
+    engine = infinity.initialize(model, config(tmp_path, tiers), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    return plain, torch.optim.SGD(plain.parameters(), lr=0.1), engine
+
+
+def _same_weights(engine, plain) -> None:
+    got = engine.gathered_weights()
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("tiers", _TIERS)
+def test_a_clip_asked_goes_with_the_gradients_dropped_or_skipped(tmp_path, tiers):
+    """A clip asked of gradients that zero_grad() then dropped, or of a step skipped for a
+    non-finite gradient, clips nothing after: torch's clip scaled those gradients and went with
+    them. The engine kept it for the next step (1.5e-2 off plain SGD's update of the same
+    size; an audit helper's repros)."""
+    plain, opt, engine = _plain_sgd_and_engine(tmp_path, tiers)
+    with engine:
+        _loss(engine.module, 0).backward()
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.01)
+        engine.optimizer.zero_grad()  # the micro-batch dropped, its clip with it
+        _loss(engine.module, 1).backward()
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+        engine.module(torch.full((8, 16), float("inf"))).sum().backward()
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.01)
+        assert engine.step() is False  # skipped, its clip with it
+        _loss(engine.module, 2).backward()
+        engine.step()
+        for step in (1, 2):  # plain: the two steps, unclipped
+            _loss(plain, step).backward()
+            opt.step()
+            opt.zero_grad()
+        _same_weights(engine, plain)
+
+
+@pytest.mark.parametrize("tiers", _TIERS)
+def test_the_modules_zero_grad_drops_the_engines_gradients(tmp_path, tiers):
+    """``model.zero_grad()`` (nn.Module's) between a backward and the step drops that
+    micro-batch, as in plain PyTorch: the parameters have no .grad (the gradients are in the
+    tiers), so torch's dropped nothing and the step trained on both (an audit helper's repro).
+    A submodule's zero_grad cannot drop part of them: refused while there are gradients,
+    nothing to do while there are none."""
+    plain, opt, engine = _plain_sgd_and_engine(tmp_path, tiers)
+    with engine:
+        engine.module[0].zero_grad()  # no gradients yet: nothing to drop
+        _loss(engine.module, 0).backward()
+        with pytest.raises(RuntimeError, match=r"Linear.zero_grad\(\) over part .* engine.zero_grad\(\)"):
+            engine.module[4].zero_grad()
+        engine.module.zero_grad()
+        _loss(engine.module, 1).backward()
+        engine.optimizer.step()
+        _loss(plain, 0).backward()
+        plain.zero_grad()
+        _loss(plain, 1).backward()
+        opt.step()
+        _same_weights(engine, plain)
+
+
+def test_a_forward_for_backward_after_a_clip_is_refused_until_the_step(tmp_path):
+    """A clip between micro-batches: plain PyTorch clips the sum so far and adds the next
+    micro-batch's unclipped; the engine would clip the whole at the step (2e-3 off plain AdamW
+    in 4 micro-batches; an audit helper's repro). Refused before anything changes; a no-grad
+    forward (an evaluation) passes; after the step, training goes on as plain PyTorch's."""
+    plain, opt, engine = _plain_sgd_and_engine(tmp_path, ("device", "device", "cpu"))
+    with engine:
+        _loss(engine.module, 0).backward()
+        norm = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.01)
+        with torch.no_grad():
+            engine.module(torch.randn(2, 16))
+        with pytest.raises(RuntimeError, match="after clip_grad_norm_ .*sync_gradients"):
+            engine.module(torch.randn(2, 16))
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+        _loss(engine.module, 1).backward()
+        engine.optimizer.step()
+        _loss(plain, 0).backward()
+        assert float(norm) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)), rel=1e-5)
+        opt.step()
+        opt.zero_grad()
+        _loss(plain, 1).backward()
+        opt.step()
+        _same_weights(engine, plain)
