@@ -117,6 +117,7 @@ class Engine:
 
     def _setup(self, module: nn.Module, cfg: TierConfig, optimizer_spec, scheduler_spec) -> None:
         _refuse_managed(module)
+        _say_mixed_dtypes(module, self.dtype)
         tiers = cfg.tiers
         all_device = tiers.params == tiers.grads == tiers.optimizer == "device"
         # Nothing moves with every tier on the device: tiles would only add work.
@@ -735,6 +736,32 @@ def _refuse_managed(module: nn.Module) -> None:
                 "load its weights from a checkpoint (engine.save_checkpoint / load_checkpoint) or an export "
                 "(engine.save_pretrained / infinity.from_pretrained)"
             )
+
+
+def _say_mixed_dtypes(module: nn.Module, dtype: torch.dtype) -> None:
+    """Say which parameters a low ``precision.param_dtype`` casts where the model kept them in
+    another float dtype beside parameters of that one: transformers' ``from_pretrained(...,
+    dtype=torch.bfloat16)`` keeps a model's ``_keep_in_fp32_modules`` (T5's ``wo``) in fp32, and
+    the engine runs every parameter in ``param_dtype``, as DeepSpeed's bf16 does, which no error
+    would show (an audit helper found it silent)."""
+    if dtype == torch.float32:
+        return
+    params = [(n, p) for n, p in module.named_parameters() if p.is_floating_point()]
+    kept = list(getattr(module, "_keep_in_fp32_modules", None) or ())
+    if any(p.dtype == dtype for _, p in params):
+        other = [n for n, p in params if p.dtype != dtype]
+        what = "the model holds in another dtype"
+    else:  # made in one dtype (fp32, say): the cast is the config's plain meaning, but for what the model keeps
+        other = [n for n, _ in params if any(k in n.split(".") for k in kept)]
+        what = "of the modules the model keeps in fp32"
+    if other:
+        name = str(dtype).removeprefix("torch.")
+        logger.warning(
+            "precision.param_dtype computes every parameter in %s, as DeepSpeed's bf16 and fp16 do, also the %d %s "
+            "(%s%s)%s; precision.param_dtype = \"fp32\" keeps them in fp32", name, len(other), what,
+            ", ".join(repr(n) for n in other[:3]), ", ..." if len(other) > 3 else "",
+            f"; transformers keeps the model's _keep_in_fp32_modules {sorted(kept)} in fp32" if kept else "",
+        )  # fmt: skip
 
 
 def _refuse_foreign_step(optimizer, args, kwargs):

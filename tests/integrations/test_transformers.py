@@ -199,3 +199,33 @@ def test_full_eval_in_another_dtype_than_the_engine_s_is_refused_before_training
                               train_dataset=_Tokens(), infinity_config=_nvme(tmp_path))  # fmt: skip
     with pytest.raises(ValueError, match="bf16_full_eval casts the model to bf16"):
         trainer.train()
+
+
+def test_parameters_a_model_keeps_in_fp32_are_named_when_bf16_casts_them(tmp_path, caplog):
+    """transformers keeps a model's _keep_in_fp32_modules (T5's ``wo``) in fp32 beside bf16
+    weights; the engine computes every parameter in precision.param_dtype, as DeepSpeed does,
+    which no error shows (an audit helper: the update's direction 0.98 of plain's): said at
+    initialize, naming them, whether the model came mixed or all in fp32. A model without such
+    modules, made in fp32, is cast without a word."""
+    import infinity
+
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    fp32 = transformers.T5ForConditionalGeneration(cfg)
+    mixed = transformers.T5ForConditionalGeneration(cfg).to(torch.bfloat16)
+    for name, module in mixed.named_modules():
+        if name.endswith(".wo"):
+            module.float()
+    tiers = {"tiers": {"params": "device", "grads": "device", "optimizer": "cpu"}, "precision": {"param_dtype": "bf16"}}
+    for model, what in ((mixed, "holds in another dtype"), (fp32, "of the modules the model keeps in fp32")):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="infinity"), infinity.initialize(model, tiers):
+            pass
+        said = [r.getMessage() for r in caplog.records if "computes every parameter" in r.getMessage()]
+        assert len(said) == 1 and what in said[0], said
+        assert "'encoder.block.0.layer.1.DenseReluDense.wo.weight'" in said[0] and "['wo']" in said[0], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="infinity"), infinity.initialize(_llama(), tiers):
+        pass
+    assert not [r for r in caplog.records if "computes every parameter" in r.getMessage()]
