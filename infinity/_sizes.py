@@ -197,27 +197,28 @@ _torch_module_zero_grad = torch.nn.Module.zero_grad
 
 def module_zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
     """``nn.Module.zero_grad``; the gradients of engines whose parameters are under the module
-    dropped too ([Note: a module's zero_grad])."""
-    _torch_module_zero_grad(self, set_to_none)  # the parameters no engine manages (managed ones have no .grad)
+    dropped too ([Note: a module's zero_grad]). A refusal comes before anything is dropped."""
     engines = {}
     for p in self.parameters():
         if getattr(p, "_infinity_managed", False):
             engine = p._infinity_engine()
             if engine is not None:  # (a dropped engine's gradients went with it)
                 engines.setdefault(id(engine), (engine, set()))[1].add(id(p))
+    whole = []
     for engine, ids in engines.values():
-        trained = _trained(engine)
-        missing = [name for key, name in trained.items() if key not in ids]
+        missing = [name for key, name in _trained(engine).items() if key not in ids]
         if not missing:
-            engine.optimizer.zero_grad(set_to_none)
+            whole.append(engine)
         elif engine.grads.has_grad or any(u.arrived or u.grad is not None for u in engine.units):
-            name = type(self).__name__
             raise RuntimeError(
-                f"{name}.zero_grad() over part of an infinity engine's trained parameters ({len(missing)} not under "
-                f"it, e.g. {missing[0]!r}) while it has gradients this step: the engine keeps one gradient per "
-                "step for all of them and cannot drop part; call engine.zero_grad() (or the root module's "
-                "zero_grad()) to drop them all"
+                f"{type(self).__name__}.zero_grad() over part of an infinity engine's trained parameters "
+                f"({len(missing)} not under it, e.g. {missing[0]!r}) while it has gradients this step: the engine "
+                "keeps one gradient per step for all of them and cannot drop part; call engine.zero_grad() (or the "
+                "root module's zero_grad()) to drop them all"
             )
+    _torch_module_zero_grad(self, set_to_none)  # the parameters no engine manages (managed ones have no .grad)
+    for engine in whole:
+        engine.optimizer.zero_grad(set_to_none)
 
 
 def _install() -> None:
