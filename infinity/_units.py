@@ -263,7 +263,11 @@ def holders(units: list[ParamUnit]) -> dict[int, list[tuple[ParamUnit, int]]]:
 def tileable(module: nn.Module) -> bool:
     """Modules whose forward `_tiled` computes tile by tile: plain ``nn.Linear`` and
     ``nn.Embedding`` (not subclasses, whose forward may differ), without the embedding options
-    that read or change the whole weight (``max_norm``, ``scale_grad_by_freq``, ``sparse``)."""
+    that read or change the whole weight (``max_norm``, ``scale_grad_by_freq``, ``sparse``), and
+    whose forward is the class's: one set on the instance (accelerate's ``add_hook_to_module``, a
+    user's wrapper) does more than the class's, and the tiled forward would replace it."""
+    if "forward" in module.__dict__:
+        return False
     if type(module) is nn.Linear:
         return True
     if type(module) is nn.Embedding:

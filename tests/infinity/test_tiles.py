@@ -5,6 +5,7 @@ whole module has (forward, backward, the optimizer, checkpoints, export, pretrai
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -508,6 +509,26 @@ class _Twice(Toy):
 def test_a_tiled_module_called_twice_in_one_forward(tmp_path):
     torch.manual_seed(0)
     _trains_as_plain(tmp_path, _Twice(), 3)
+
+
+def _wrap_forward(module: nn.Module) -> None:
+    """Replace ``module``'s forward on the instance the way accelerate's ``add_hook_to_module``
+    does (the class's forward kept as ``_old_forward``), here doubling the output."""
+    module._old_forward = module.forward
+    module.forward = functools.partial(lambda m, *args: 2 * m._old_forward(*args), module)
+
+
+def test_a_module_whose_forward_was_replaced_on_the_instance_stays_whole(tmp_path):
+    """A tiled forward would replace the instance's (accelerate's hooks, a user's wrapper) and
+    drop what it does: such a module is kept whole and computes through its own forward."""
+    torch.manual_seed(0)
+    model = Toy()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        _wrap_forward(m.out)
+    engine = _trains_as_plain(tmp_path, model, 3)
+    assert {u.path for u in engine.units if u.is_tile} == {"embed"}
+    assert model.out.__dict__["forward"].args == (model.out,)  # the wrapper is still the module's after close
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
