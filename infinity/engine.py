@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _build, _checkpoint, _deepspeed, _footprint, _gather, _onecopy, _overlap, _overlap_host, _resources, _sizes, _units, _wrap
+from . import _activations, _admission, _build, _checkpoint, _deepspeed, _footprint, _gather, _onecopy, _overlap, _overlap_host, _refusals, _resources, _sizes, _units, _wrap
 from ._accumulation import Accumulation
 from ._dist import Dist
 from ._export import export_safetensors
@@ -116,7 +116,7 @@ class Engine:
         self._finalizer = weakref.finalize(self, _close_dropped, self.space, self.pool, self.aio)
 
     def _setup(self, module: nn.Module, cfg: TierConfig, optimizer_spec, scheduler_spec) -> None:
-        _refuse_managed(module)
+        _refusals.refuse_managed(module)
         _say_mixed_dtypes(module, self.dtype)
         tiers = cfg.tiers
         all_device = tiers.params == tiers.grads == tiers.optimizer == "device"
@@ -132,6 +132,11 @@ class Engine:
         self.param_store = Store(tiers.params, "param", device=dev, space=space, stats=stats,
                                  keep_in_pool=cfg.memory.keep_params)  # fmt: skip
         grad_store = Store(tiers.grads, "grad", device=dev, space=space, stats=stats)
+        gather = self.params_sharded and self.dist.active  # whole parameters gathered from the ranks' slices
+        released = (f"at partition.stage 3 with {self.world_size} ranks each rank holds a slice of the weight between uses"
+                    if gather else None if self.param_store.in_place_on(dev) else
+                    f"with tiers.params = {tiers.params!r} the weight is released after each use")  # fmt: skip
+        _refusals.refuse_modules(module, released=released)
         params = list({id(p): p for u in units for p in u.params}.values())  # a tiled one is in each tile
         algorithm, param_groups, defaults, foreign = resolve(optimizer_spec, params,
                                                              cfg.optimizer, all_device=all_device)  # fmt: skip
@@ -214,7 +219,7 @@ class Engine:
         self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes, keep=cfg.prefetch.keep,
                                    keep_limit=plan.kept, device_budget=_device_budget(cfg, dev),
-                                   gather=self.params_sharded and self.dist.active, tiled=tiled,
+                                   gather=gather, tiled=tiled,
                                    admission=self.admission, activations=self.activations,
                                    listeners=(self._accumulation,) if overlap is not None else (),
                                    on_unit_final=overlap.unit_final if overlap is not None else None,
@@ -723,19 +728,6 @@ def _rebind(units) -> None:
     for unit in units:
         if unit.state is UnitState.READY:
             unit.bind(unit.full)
-
-
-def _refuse_managed(module: nn.Module) -> None:
-    """A module already given to an engine holds placeholders, not weights: initializing it
-    again would train empty tensors. Say where its weights are instead."""
-    for name, p in module.named_parameters():
-        if getattr(p, "_infinity_managed", False):
-            raise ValueError(
-                f"this module was already given to infinity.initialize (parameter {name!r} is an engine's "
-                "placeholder, not a weight): use that engine, or, once it is closed, build the model again and "
-                "load its weights from a checkpoint (engine.save_checkpoint / load_checkpoint) or an export "
-                "(engine.save_pretrained / infinity.from_pretrained)"
-            )
 
 
 def _say_mixed_dtypes(module: nn.Module, dtype: torch.dtype) -> None:

@@ -266,3 +266,67 @@ def test_two_ranks_keep_a_write_to_their_whole_parameters(tmp_path):
         for when in ("after_write", "final"):
             for key in ref[when]:
                 assert torch.equal(got[when][key], ref[when][key]), (how, when, key)
+
+
+class _Renormed(nn.Module):
+    """An embedding that renormalises the rows it looks up in place (``max_norm``), then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(40, 8, max_norm=0.5)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids)).sum(1)
+
+
+def _train_renormed(model, step_fn, steps=4):
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        ids, y = torch.randint(0, 40, (8, 6), generator=g), torch.randn(8, 4, generator=g)
+        loss = ((model(ids) - y) ** 2).mean()
+        step_fn(loss)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("tiers", [("cpu", "cpu", "cpu"), ("device", "device", "nvme")], ids=",".join)
+def test_an_embeddings_max_norm_renorm_is_kept_where_the_tier_lends_the_weight(tmp_path, tiers):
+    """``max_norm`` renormalises rows of the weight in place inside forward: where the module
+    holds the tier's own tensors the write is carried into the masters as any write is, and
+    training matches plain PyTorch."""
+    model = _Renormed()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+
+    def plain_step(loss):
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    with infinity.initialize(model, config(tmp_path, tiers)) as engine:
+        got = _train_renormed(engine, lambda loss: (engine.backward(loss), engine.step()))
+        weights = engine.gathered_weights()
+    assert got == pytest.approx(_train_renormed(ref, plain_step), abs=1e-6)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(weights[name].float(), p.detach(), rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("stage", [("nvme", "nvme", "nvme"), ("nvme", "cpu", "cpu")], ids=",".join)
+def test_an_embeddings_max_norm_is_refused_where_the_weight_is_released(tmp_path, stage):
+    """Parameters on nvme are released after each use: the rows ``max_norm`` renormalised in
+    forward would be lost at the release and the step would train the old rows, silently (an
+    audit found the weights 3.55 apart after 20 steps). Refused at initialize, naming the module."""
+    with pytest.raises(ValueError, match=r"'embed'.*max_norm=0\.5.*tiers\.params = 'nvme' the weight is released"):
+        infinity.initialize(_Renormed(), config(tmp_path, stage))
+
+
+def test_a_sparse_embedding_is_refused_naming_it(tmp_path):
+    """Sparse gradients have no place in the engine's dense gradient buffers: refused at
+    initialize, naming the module (it failed in backward with torch's "reshape is not
+    implemented for sparse tensors")."""
+    model = nn.Sequential(nn.Embedding(40, 8, sparse=True), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"'0'.*sparse=True"):
+        infinity.initialize(model, config(tmp_path, ("cpu", "cpu", "cpu")))

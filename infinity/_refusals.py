@@ -1,0 +1,53 @@
+"""Models the engine cannot train exactly, refused at `initialize` before anything moves.
+
+Owns: the checks of the module as the user hands it over, each error naming the module or
+parameter, the cause and what to do instead. Touches: the module (read only).
+
+- A module already given to an engine holds placeholders, not weights.
+- ``nn.Embedding(sparse=True)`` gives sparse gradients; the engine's gradient buffers are dense.
+- ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in place inside forward. Where
+  the params tier lends its tensors to the module (`_inplace` carries the write into the
+  masters, as any write in place) that is kept as plain PyTorch keeps it; where the parameters
+  are released after each use (nvme, or sharded at stage 3) the write would go with the
+  released buffer, and the step would train the rows as they were, silently.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def refuse_modules(module: nn.Module, *, released: str | None) -> None:
+    """Raise ValueError for the first module in ``module`` the engine cannot train exactly.
+    ``released``: why the module's parameters are placeholders between uses (a phrase naming
+    the config), or None where the params tier lends the module its own tensors."""
+    for name, m in module.named_modules():
+        if not isinstance(m, nn.Embedding):
+            continue
+        if m.sparse:
+            raise ValueError(
+                f"module {name!r} is an nn.Embedding with sparse=True: its sparse gradients have no place in the "
+                "engine's dense gradient buffers (as in DeepSpeed's ZeRO-3); build it with sparse=False, which "
+                "trains the same values"
+            )
+        if m.max_norm is not None and released is not None:
+            raise ValueError(
+                f"module {name!r} is an nn.Embedding with max_norm={m.max_norm}, which renormalises the rows it looks "
+                f"up in place inside forward; {released}, so that write would be lost and the step would train the "
+                "rows as they were. Keep the parameters where the module holds them (tiers.params = 'device' below "
+                "partition.stage 3, where the write is kept), or renormalise out of place in the model's forward "
+                "(F.embedding without max_norm, then scale the looked-up rows)"
+            )
+
+
+def refuse_managed(module: nn.Module) -> None:
+    """A module already given to an engine holds placeholders, not weights: initializing it
+    again would train empty tensors. Say where its weights are instead."""
+    for name, p in module.named_parameters():
+        if getattr(p, "_infinity_managed", False):
+            raise ValueError(
+                f"this module was already given to infinity.initialize (parameter {name!r} is an engine's "
+                "placeholder, not a weight): use that engine, or, once it is closed, build the model again and "
+                "load its weights from a checkpoint (engine.save_checkpoint / load_checkpoint) or an export "
+                "(engine.save_pretrained / infinity.from_pretrained)"
+            )
