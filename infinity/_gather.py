@@ -51,6 +51,7 @@ from torch import nn
 from . import _resources
 from ._interrupts import held_interrupts
 from ._placeholder import bind_param, is_placeholder, release_param
+from ._sizes import grad_of, set_grad
 from ._units import holders
 
 class _Assembled:
@@ -103,7 +104,8 @@ def _hook(scheduler, p: nn.Parameter, pieces) -> None:
     def after(param):
         live = ref()
         if pieces[0][0].is_tile:
-            grad, param.grad = param.grad, None
+            grad = grad_of(param)
+            set_grad(param, None)
             if live is not None and grad is not None:
                 for unit, i in pieces:
                     live.runtime.tile_grad(unit, i, grad[unit.rows[0] : unit.rows[1]])

@@ -37,6 +37,8 @@ class _Released:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _sets_grad(func) and args and type(args[0]) in _RELEASED_CLASSES:  # see [Note: .grad of a managed parameter]
+            _sizes.refuse_grad_set(args[0])
         if func in _sizes.COUNTS:  # the full count: see [Note: sizes of placeholders]
             return _sizes.count(args[0])
         if _sets_data(func) and args:  # ``p.data = t``: allowed (the engine binds so), noted
@@ -57,6 +59,11 @@ class _Released:
             # write through them is refused as one through ``p`` is (the values are not there).
             release_param(out, args[0]._infinity_name)
         return out
+
+
+def _sets_grad(func) -> bool:
+    """Whether ``func`` is the ``grad`` property's setter."""
+    return getattr(func, "__name__", "") == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "grad"
 
 
 def _sets_data(func) -> bool:
@@ -93,6 +100,7 @@ def _refusal(p: torch.Tensor, what: str) -> RuntimeError:
 _RELEASED_CLASSES: set[type] = set()
 _released_of: dict[type, type] = {}  # a parameter class -> its released subclass
 _DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor of ``p.data``
+_GRAD = torch._C.TensorBase.__dict__["grad"]
 
 
 # Ids of the parameters whose ``.data`` was taken or replaced since `take_noted` (a write into
@@ -113,7 +121,7 @@ def take_noted(ids: set[int]) -> set[int]:
 
 class _Bound:
     """Mixed into a bound parameter's class: taking or replacing ``p.data`` is noted
-    (`_NOTED`). Everything else is its own class's: no ``__torch_function__`` of its own, so
+    (`_NOTED`); setting ``.grad`` asks first ([Note: .grad of a managed parameter] in `_sizes`). Everything else is its own class's: no ``__torch_function__`` of its own, so
     nothing on the forward's path changes."""
 
     @property
@@ -125,6 +133,15 @@ class _Bound:
     def data(self, value):
         _DATA.__set__(self, value)
         _NOTED.add(id(self))
+
+    @property
+    def grad(self):  # see [Note: .grad of a managed parameter] in `_sizes`
+        return _GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value):
+        _sizes.refuse_grad_set(self)
+        _GRAD.__set__(self, value)
 
 
 _BOUND_CLASSES: set[type] = set()

@@ -28,6 +28,7 @@ from ._admission import FETCH, GRAD, OVERLAP, PREFETCH, Admission
 from ._grads import GradAccumulator
 from ._interrupts import held_interrupts
 from ._profile import region
+from ._sizes import grad_of, set_grad
 from ._stats import Stats
 from ._store import Store
 from ._transport import Transport
@@ -284,7 +285,7 @@ class UnitRuntime:
         takes it."""
         if not self._in_place or unit.grad is not None or unit.uses > 1:
             return False
-        grad = param.grad
+        grad = grad_of(param)
         if grad is None or unit.records[i].numel != unit.padded_numel or grad.device != self.device:
             return False
         own = _own_fp32(grad, unit.padded_numel)
@@ -292,7 +293,7 @@ class UnitRuntime:
         with held_interrupts:
             if not self.grads.take_whole(unit, flat, flat if own else None):
                 return False
-            param.grad = None
+            set_grad(param, None)
             unit.uses = 0
         self.release(unit)
         if self.on_unit_final is not None:
@@ -317,7 +318,8 @@ class UnitRuntime:
         try:
             with held_interrupts:
                 if param is not None:
-                    grad, param.grad = param.grad, None
+                    grad = grad_of(param)
+                    set_grad(param, None)
                 final = self._gather_grad(unit, i, grad, lease)
         except BaseException:
             self._unclaimed(unit, lease)
@@ -407,5 +409,5 @@ class UnitRuntime:
                 if not keep_uses:
                     unit.uses = 0
                 for r in unit.records:  # a tile's too: a gathered one's gradient passes through it
-                    if r.param.grad is not None:
-                        r.param.grad = None
+                    if grad_of(r.param) is not None:
+                        set_grad(r.param, None)

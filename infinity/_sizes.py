@@ -53,6 +53,23 @@ all under the module drops its gradients (``engine.optimizer.zero_grad``, as
 way to drop some gradients and keep others: with gradients this step that is refused, naming
 ``engine.zero_grad``; without, there is nothing to drop. The Trainer's ``model.zero_grad()``
 after each step finds none.
+
+[Note: .grad of a managed parameter]
+Beyond clipping and zero_grad, a loop of the user's own over ``p.grad`` between backward and
+the step finds None on every managed parameter. ``p.grad = None`` to drop a parameter's
+gradient (or the whole step's, parameter by parameter) did nothing, silently: the step then
+trained on what the loop meant to drop. So while an engine holds gradients of a finished
+backward for its step, setting a managed parameter's ``.grad`` raises (`refuse_grad_set`),
+naming the parameter and the engine's calls; at other times (before the first backward, after
+the step or ``zero_grad``) ``p.grad = None`` is torch's no-op, and a tensor set there is
+refused at the next forward or step (`_wrap.hand_set_grad`). Reads cannot be refused:
+accelerate's ``clip_grad_norm_`` and the Trainer's read every parameter's ``.grad`` (to find
+DTensors) before clipping through torch's function, which is the engine's; so a hand clamp or
+norm over ``p.grad`` sees None and does nothing (README: clip with `engine.clip_grad_norm_`,
+change a gradient with a hook). The bound parameter's class (`_placeholder._Bound`) has a
+``grad`` property whose setter asks, the released one asks in its ``__torch_function__``; the
+engine's own reads and writes of ``.grad`` (its hooks take what autograd put there) go past
+both (`grad_of`, `set_grad`).
 """
 
 from __future__ import annotations
@@ -87,6 +104,43 @@ def count(p: torch.Tensor) -> int:
         return n
     with torch._C.DisableTorchFunctionSubclass():
         return p.numel()
+
+
+# -- .grad ([Note: .grad of a managed parameter]) -------------------------------------------------
+_GRAD = torch._C.TensorBase.__dict__["grad"]
+_has_torch_function = torch._C._has_torch_function_unary
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """``p.grad`` as autograd left it, without the refusal: the engine's own read."""
+    if _has_torch_function(p):  # a released placeholder's class
+        with torch._C.DisableTorchFunctionSubclass():
+            return _GRAD.__get__(p)
+    return _GRAD.__get__(p)
+
+
+def set_grad(p: torch.Tensor, value: torch.Tensor | None) -> None:
+    """``p.grad = value`` without the refusal: the engine's own write."""
+    if _has_torch_function(p):
+        with torch._C.DisableTorchFunctionSubclass():
+            _GRAD.__set__(p, value)
+    else:
+        _GRAD.__set__(p, value)
+
+
+def refuse_grad_set(p: torch.Tensor) -> None:
+    """Raise while ``p``'s engine holds gradients of a finished backward for its step: setting
+    ``p.grad`` would drop or replace nothing (see the note)."""
+    ref = getattr(p, "_infinity_engine", None)
+    engine = ref() if ref is not None else None
+    if engine is None or not engine._accumulation.passes:
+        return
+    raise RuntimeError(
+        f"parameter {getattr(p, '_infinity_name', '?')!r}: .grad set while its infinity engine holds this step's "
+        "gradients in its tiers, not in .grad, so this would drop or replace nothing: engine.zero_grad() (or the "
+        "root module's zero_grad()) drops them all, engine.clip_grad_norm_(max_norm) clips them, and a gradient is "
+        "changed as backward makes it with a hook (p.register_hook)"
+    )
 
 
 # -- gradient clipping ([Note: clipping managed parameters]) ------------------------------------
@@ -216,9 +270,11 @@ def module_zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
                 "keeps one gradient per step for all of them and cannot drop part; call engine.zero_grad() (or the "
                 "root module's zero_grad()) to drop them all"
             )
-    _torch_module_zero_grad(self, set_to_none)  # the parameters no engine manages (managed ones have no .grad)
     for engine in whole:
         engine.optimizer.zero_grad(set_to_none)
+    # The parameters no engine manages (managed ones have no .grad; read after their engines
+    # dropped theirs: [Note: .grad of a managed parameter]).
+    _torch_module_zero_grad(self, set_to_none)
 
 
 def _install() -> None:

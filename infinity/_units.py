@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from . import _placeholder
+from ._sizes import set_grad
 
 logger = logging.getLogger("infinity")
 
@@ -329,4 +330,4 @@ def forget_gradients(units) -> None:
     for unit in units:
         unit.arrived = 0
         for r in unit.records:
-            r.param.grad = None
+            set_grad(r.param, None)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._sizes import grad_of
+
 _STANDIN_KEYS = ("_is_param", "_infinity_unloaded")  # what only the stand-in carries
 
 
@@ -122,7 +124,7 @@ def _unchanged(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]]) 
         for p in m._parameters.values():
             if p is not None:
                 kept = get(id(p))
-                if kept is None or kept[0] is not p.requires_grad or kept[1] is not p.dtype or p.grad is not None:
+                if kept is None or kept[0] is not p.requires_grad or kept[1] is not p.dtype or grad_of(p) is not None:
                     return False
         extend(m._modules.values())
     return True
@@ -175,7 +177,7 @@ def refuse_changed(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype
                 "set requires_grad before initialize, or make a new engine (save_checkpoint, then load it "
                 "into the new one)"
             )
-        if p.grad is not None:  # the engine's hooks take every gradient backward makes
+        if grad_of(p) is not None:  # the engine's hooks take every gradient backward makes
             raise hand_set_grad(name)
 
 
@@ -197,5 +199,5 @@ def refuse_hand_set_grads(units) -> None:
     """Before a step: no managed parameter holds a ``.grad`` (`hand_set_grad`)."""
     for unit in units:
         for i, r in enumerate(unit.records):
-            if r.param.grad is not None:
+            if grad_of(r.param) is not None:
                 raise hand_set_grad(unit.qualified_name(i))

@@ -242,3 +242,30 @@ def test_other_parameters_clip_as_torch_does(clip):
 def test_an_empty_generator_still_warns_as_torch_does():
     with pytest.warns(UserWarning, match="empty generator"):
         torch.nn.utils.clip_grad_norm_((p for p in []), 1.0)
+
+
+# -- .grad by hand ([Note: .grad of a managed parameter]) --------------------------------------
+@pytest.mark.parametrize("tiers", [NVME, ("cpu", "cpu", "cpu"), DEVICE], ids=["nvme", "cpu", "device"])
+def test_setting_grad_is_refused_while_the_engine_holds_gradients(tmp_path, engines, tiers):
+    """``p.grad = None`` over the parameters between backward and the step (to drop a
+    micro-batch) did nothing, and the step trained on it, silently. With gradients waiting for
+    the step it raises, naming the parameter and engine.zero_grad; without (before the first
+    backward, after the step or zero_grad) it is torch's no-op. Reads find None (accelerate's
+    and the Trainer's clipping read every ``.grad``)."""
+    torch.manual_seed(0)
+    engine = _engine(tmp_path, engines, _Model(tied=False), tiers)
+    params = list(engine.module.parameters())
+    for p in params:
+        p.grad = None  # nothing to drop yet
+    for step in range(2):
+        engine.backward(_loss(engine, step))
+        for p in params:
+            assert p.grad is None
+            with pytest.raises(RuntimeError, match=r"parameter '[\w.#]+': \.grad set.*engine\.zero_grad\(\)"):
+                p.grad = None
+        if step == 0:
+            engine.step()
+        else:
+            engine.zero_grad()
+        for p in params:
+            p.grad = None
