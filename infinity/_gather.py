@@ -117,8 +117,9 @@ def _hook(scheduler, p: nn.Parameter, pieces) -> None:
             else:  # bound meanwhile (fetched for its grad's hand-off): its view again
                 unit.bind(unit.full)
 
-    scheduler._handles.append(p.register_hook(before))
-    scheduler._handles.append(p.register_post_accumulate_grad_hook(after))
+    with torch._C.DisableTorchFunctionSubclass():  # the engine's own, on a tiled one too
+        scheduler._handles.append(torch.Tensor.register_hook(p, before))
+        scheduler._handles.append(torch.Tensor.register_post_accumulate_grad_hook(p, after))
 
 
 _hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> ids of hooked parameters

@@ -39,6 +39,8 @@ class _Released:
         kwargs = kwargs or {}
         if _sets_grad(func) and args and type(args[0]) in _RELEASED_CLASSES:  # see [Note: .grad of a managed parameter]
             _sizes.refuse_grad_set(args[0])
+        if args and getattr(func, "__name__", "") in _HOOKS:
+            refuse_tiled_hook(args[0])
         if func in _sizes.COUNTS:  # the full count: see [Note: sizes of placeholders]
             return _sizes.count(args[0])
         if _sets_data(func) and args:  # ``p.data = t``: allowed (the engine binds so), noted
@@ -59,6 +61,22 @@ class _Released:
             # write through them is refused as one through ``p`` is (the values are not there).
             release_param(out, args[0]._infinity_name)
         return out
+
+
+_HOOKS = frozenset({"register_hook", "register_post_accumulate_grad_hook"})
+
+
+def refuse_tiled_hook(p: torch.Tensor) -> None:
+    """A hook on a parameter cut into tiles would never run: each tile's gradient is made by the
+    tiled Function and never passes through the parameter. (A hook registered before
+    `initialize` keeps the module whole: `_units.tileable`.)"""
+    if getattr(p, "_infinity_tiled", False):
+        raise RuntimeError(
+            f"parameter {getattr(p, '_infinity_name', '?')!r} is cut into tiles (memory.tile_size): its gradient is "
+            "made tile by tile and never passes through the parameter, so a hook on it would never run. Register "
+            "the hook before infinity.initialize (the module then stays whole), or raise memory.tile_size above the "
+            "module's fp32 size"
+        )
 
 
 def _sets_grad(func) -> bool:
@@ -133,6 +151,14 @@ class _Bound:
     def data(self, value):
         _DATA.__set__(self, value)
         _NOTED.add(id(self))
+
+    def register_hook(self, hook):  # a tiled parameter bound whole for a gather of it
+        refuse_tiled_hook(self)
+        return super().register_hook(hook)
+
+    def register_post_accumulate_grad_hook(self, hook):
+        refuse_tiled_hook(self)
+        return super().register_post_accumulate_grad_hook(hook)
 
     @property
     def grad(self):  # see [Note: .grad of a managed parameter] in `_sizes`

@@ -376,8 +376,12 @@ def install(module: nn.Module, scheduler, tiles) -> None:
     state = _Tiles(scheduler, tiles)
     fn = _linear_forward if type(module) is nn.Linear else _embedding_forward
     module.forward = functools.partial(fn, module, state)
+    for p in module.parameters(recurse=False):
+        p._infinity_tiled = True  # a hook on it is refused: `_placeholder.refuse_tiled_hook`
 
 
 def remove(module: nn.Module) -> None:
     """Give ``module`` back its class's forward."""
     module.__dict__.pop("forward", None)
+    for p in module.parameters(recurse=False):
+        p.__dict__.pop("_infinity_tiled", None)

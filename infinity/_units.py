@@ -266,8 +266,12 @@ def tileable(module: nn.Module) -> bool:
     ``nn.Embedding`` (not subclasses, whose forward may differ), without the embedding options
     that read or change the whole weight (``max_norm``, ``scale_grad_by_freq``, ``sparse``), and
     whose forward is the class's: one set on the instance (accelerate's ``add_hook_to_module``, a
-    user's wrapper) does more than the class's, and the tiled forward would replace it."""
+    user's wrapper) does more than the class's, and the tiled forward would replace it; and
+    whose parameters carry no hook of the user's (``p.register_hook``): a tile's gradient is
+    made by its Function and never passes through the parameter, so the hook would not run."""
     if "forward" in module.__dict__:
+        return False
+    if any(p._backward_hooks or p._post_accumulate_grad_hooks for p in module.parameters(recurse=False)):
         return False
     if type(module) is nn.Linear:
         return True

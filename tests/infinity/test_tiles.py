@@ -531,6 +531,44 @@ def test_a_module_whose_forward_was_replaced_on_the_instance_stays_whole(tmp_pat
     assert model.out.__dict__["forward"].args == (model.out,)  # the wrapper is still the module's after close
 
 
+def _clamp(grad):
+    return grad.clamp(-1e-3, 1e-3)
+
+
+def _clamp_accumulated(p):
+    p.grad.clamp_(-1e-3, 1e-3)
+
+
+@pytest.mark.parametrize("which", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_module_whose_parameter_has_a_hook_stays_whole(tmp_path, which):
+    """A hook on a tiled parameter never ran (a tile's gradient is made by its Function, not
+    through the parameter): the clamp was dropped, 0.035 off plain SGD in 3 steps, silently.
+    A module whose parameter carries a hook at initialize is kept whole, and trains as plain."""
+    torch.manual_seed(0)
+    model = Toy()
+    ref = copy.deepcopy(model)  # (deepcopy carries no hooks: each model gets its own)
+    for m in (model, ref):
+        if which == "register_hook":
+            m.out.weight.register_hook(_clamp)
+        else:  # clamps the accumulated gradient in place, as a hand clip would
+            m.out.weight.register_post_accumulate_grad_hook(_clamp_accumulated)
+    with infinity.initialize(model, _cfg(tmp_path)) as engine:
+        assert {u.path for u in engine.units if u.is_tile} == {"embed"}
+        losses = _run(engine, 3)
+        weights = engine.gathered_weights()
+    assert losses == pytest.approx(_plain(ref, 3), abs=1e-5)
+    _close(weights, dict(ref.named_parameters()))
+
+
+@pytest.mark.parametrize("which", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_hook_on_a_tiled_parameter_after_initialize_is_refused(tmp_path, which):
+    with infinity.initialize(Toy(), _cfg(tmp_path)) as engine:
+        with pytest.raises(RuntimeError, match=r"parameter 'out\.weight' is cut into tiles.*before infinity\.initialize"):
+            getattr(engine.module.out.weight, which)(_clamp)
+        engine.module.hidden.weight.register_hook(_clamp)  # a whole one takes it
+        _run(engine, 1)
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_tiled_layers_under_activation_checkpointing(tmp_path, reentrant):
     """A Llama whose MLPs, embedding and output layer are tiled, trained with transformers'
