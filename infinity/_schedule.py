@@ -293,7 +293,9 @@ class Scheduler:
         }  # fmt: skip
         for module in self.module_units:
             if not self.always_ready:  # see [Note: always-ready units' uses]
-                self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook)))
+                # First of the module's pre-hooks: one of the model's own may read the parameters
+                # (torch.nn.utils' hook-based weight_norm and spectral_norm compute the weight).
+                self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook), prepend=True))
             if not self.always_ready or module in self.tiled:  # (a tile's uses: counted per call)
                 self._handles.append(module.register_forward_hook(eager(self._post_forward_hook)))
             if not self.always_ready:  # after the one above; also when the forward raised

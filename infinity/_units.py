@@ -268,10 +268,13 @@ def tileable(module: nn.Module) -> bool:
     whose forward is the class's: one set on the instance (accelerate's ``add_hook_to_module``, a
     user's wrapper) does more than the class's, and the tiled forward would replace it; and
     whose parameters carry no hook of the user's (``p.register_hook``): a tile's gradient is
-    made by its Function and never passes through the parameter, so the hook would not run."""
+    made by its Function and never passes through the parameter, so the hook would not run; nor
+    a forward pre-hook, which may read the whole weight (hook-based weight_norm)."""
     if "forward" in module.__dict__:
         return False
     if any(p._backward_hooks or p._post_accumulate_grad_hooks for p in module.parameters(recurse=False)):
+        return False
+    if module._forward_pre_hooks:  # (torch.nn.utils' hook-based weight_norm computes the weight in one)
         return False
     if type(module) is nn.Linear:
         return True

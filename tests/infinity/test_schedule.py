@@ -325,3 +325,36 @@ def test_what_plain_pytorch_allows_between_a_forward_and_its_backward_trains_as_
             assert torch.equal(got[name], p.detach()), name
     finally:
         engine.close()
+
+
+def _normed(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), getattr(nn.utils, kind)(nn.Linear(32, 64)), nn.Tanh(),
+                         nn.Linear(64, 4))  # fmt: skip
+
+
+@pytest.mark.parametrize("tile_size", [None, "4KiB"], ids=["whole", "tile_size"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_a_forward_pre_hook_of_the_model_reads_its_parameters_fetched(tmp_path, kind, tile_size):
+    """torch.nn.utils' hook-based weight_norm and spectral_norm compute the weight in a forward
+    pre-hook of the model's own, registered before the engine's: it read the parameters before
+    the engine fetched them and was refused as a read outside the module's forward. The engine's
+    pre-hook runs first, and the module (a Linear that tiles would otherwise cut) stays whole."""
+    model, ref = _normed(kind), _normed(kind)  # (a weight_norm'd module cannot be deepcopied)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    with infinity.initialize(model, config(tmp_path, NVME, memory={"tile_size": tile_size})) as engine:
+        assert not any(u.is_tile for u in engine.units)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = ((engine(x) - y) ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+            ref_loss = ((ref(x) - y) ** 2).mean()
+            ref_loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+        weights = engine.gathered_weights()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=1e-6, atol=1e-6, msg=name)
