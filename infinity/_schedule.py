@@ -267,8 +267,9 @@ class Scheduler:
         backward through its outputs ends with ``after_backward()``. ``owner``
         (`_owner.Owner`) is entered for each root call: a second thread's is refused."""
         # Every hook on a module runs eagerly under torch.compile: [Note: hooks under torch.compile].
-        self._handles.append(root.register_forward_pre_hook(eager(self._root_pre_hook), prepend=True))
         self._install_modules()
+        # After the modules' own: prepended, the root's runs before every other (its units' fetch too).
+        self._handles.append(root.register_forward_pre_hook(eager(self._root_pre_hook), prepend=True))
         if not self.always_ready:
             # Modules that hold none of a unit's parameters but contain some (a backbone, a
             # tower): called outside the root, their call is the pass, not each leaf's inside it.
