@@ -202,7 +202,10 @@ class SubGroupStates:
                 for i, r in enumerate(u.records):
                     gi = owner.get((u.index, i))
                     a, b = max(r.offset, lo), min(r.in_unit.stop, hi)
-                    if gi is None or a >= b:
+                    # A frozen parameter beside trainable ones in its unit (a frozen weight under
+                    # a trained bias) has a zero gradient there: stepped, weight decay and
+                    # momentum would move it, where torch skips a parameter without a gradient.
+                    if gi is None or a >= b or not r.requires_grad:
                         continue
                     per_group.setdefault(gi, []).append((u, slice(base + a - lo, base + b - lo), slice(a - lo, b - lo), i))
             out.append(per_group)

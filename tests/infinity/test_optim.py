@@ -202,6 +202,32 @@ def test_frozen_parameters_are_left_alone_even_beside_trained_ones(tmp_path):
     assert not torch.equal(got["0.weight"], _model()[0].weight.detach())
 
 
+@pytest.mark.parametrize("tiers", [NVME, ("device",) * 3], ids=["nvme", "device"])
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.5),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.5),
+], ids=["adamw", "sgd"])  # fmt: skip
+def test_a_frozen_parameter_in_a_torch_optimizers_group_is_left_alone(tmp_path, tiers, make):
+    """``AdamW(model.parameters())`` holds a frozen weight beside its trained bias: torch skips
+    it (no .grad); the engine stepped it on a zero gradient, and weight decay and momentum moved
+    it (an audit helper: 1.75e-3 in 5 AdamW steps, 6.1e-2 SGD), silently."""
+    model, ref = _model(), _model()
+    for m in (model, ref):
+        m[0].weight.requires_grad_(False)  # in the same unit as the trained model[0].bias
+    opt = make(ref.parameters())
+    with infinity.initialize(model, config(tmp_path, tiers), optimizer=make(model.parameters())) as engine:
+        for step in range(3):
+            engine.backward(_loss(engine, step))
+            engine.step()
+            _loss(ref, step).backward()
+            opt.step()
+            opt.zero_grad()
+        got = engine.gathered_weights()
+    assert torch.equal(got["0.weight"], _model()[0].weight.detach())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("spec, message", [
     (lambda m: torch.optim.RMSprop(m.parameters()), "RMSprop cannot run on offloaded state.*AdamW, Adam, SGD, Adagrad"),
     (lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True), r"AdamW\(amsgrad=True\) is not supported"),
