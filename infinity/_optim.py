@@ -218,14 +218,15 @@ class Optimizer(torch.optim.Optimizer):
 
 
 def _json_group(group: dict) -> dict:
-    """A parameter group's hyperparameters as JSON holds them (tuples as lists, tensors as floats)."""
-    out = {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, tuple):
-            value = list(value)
-        out[key] = value
-    return out
+    """A parameter group's hyperparameters as JSON holds them (tuples as lists, tensors as
+    floats, also inside them: betas of tensors). Values, not the live tensors: the overlap
+    compares a snapshot with the step's, and a tensor filled in place between them must differ."""
+    return {key: _json_value(value) for key, value in group.items() if key != "params"}
+
+
+def _json_value(value):
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [_json_value(v) for v in value]
+    return value

@@ -613,3 +613,30 @@ def test_a_forward_for_backward_after_a_clip_is_refused_until_the_step(tmp_path)
         _loss(plain, 1).backward()
         opt.step()
         _same_weights(engine, plain)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_tensor_betas_filled_in_place_before_the_step_take_effect(tmp_path, overlap):
+    """Betas given as tensors (torch allows it) and filled in place between backward and the
+    step: the update made early under backward with the old beta1 was committed, since its
+    snapshot of the hyperparameters held the live tensors (an audit helper: 1.02e-2 off torch
+    with the overlap on); it is taken again, as a changed lr's is."""
+    def make(m):
+        return torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+
+    model, ref = _model(), _model()
+    opt = make(ref)
+    cfg = config(tmp_path, ("cpu",) * 3, optimizer={"overlap": overlap})
+    with infinity.initialize(model, cfg, optimizer=make(model)) as engine:
+        for step in range(4):
+            engine.backward(_loss(engine, step))
+            _loss(ref, step).backward()
+            if step == 2:
+                engine.optimizer.param_groups[0]["betas"][0].fill_(0.5)
+                opt.param_groups[0]["betas"][0].fill_(0.5)
+            engine.step()
+            opt.step()
+            opt.zero_grad()
+        got = engine.gathered_weights()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
