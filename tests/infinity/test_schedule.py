@@ -358,3 +358,25 @@ def test_a_forward_pre_hook_of_the_model_reads_its_parameters_fetched(tmp_path, 
         weights = engine.gathered_weights()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_root_that_holds_parameters_is_fetched_after_the_roots_check(tmp_path):
+    """An nn.Linear given to initialize whole: its units' pre-hook and the root's are on the
+    same module, and the root's runs first (it opens the pass the fetch belongs to; fetched
+    before it, the weight stayed a placeholder and the forward was refused)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref = nn.Linear(4, 3)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    with infinity.initialize(model, config(tmp_path, NVME)) as engine:
+        for step in range(2):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+            loss = engine(x).pow(2).sum()
+            engine.backward(loss)
+            engine.step()
+            ref_loss = ref(x).pow(2).sum()
+            ref_loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
