@@ -67,7 +67,8 @@ class Optimizer(torch.optim.Optimizer):
     # -- torch.optim.Optimizer --------------------------------------------------------------
     def step(self, closure=None):
         """The engine's step (``engine.step()``): returns False when it was skipped (an fp16
-        overflow or a non-finite gradient)."""
+        overflow or a non-finite gradient). The gradients are dropped after it, as DeepSpeed's
+        step drops them (torch's keeps them until ``zero_grad()``)."""
         if closure is not None:
             raise ValueError("engine.optimizer.step(closure) is not supported: run forward and backward, then step()")
         _algorithms.refuse_flags(self.algorithm, self.param_groups)
