@@ -174,7 +174,7 @@ RULES: dict[str, Rule] = {
     "zero_optimization.round_robin_gradients": _i(_COMM),
     "zero_optimization.elastic_checkpoint": _i("a checkpoint loads into any world size here"),
     "zero_optimization.load_from_fp32_weights": _i("a checkpoint keeps the fp32 master weights, which it loads"),
-    "zero_optimization.ignore_unused_parameters": _i("a parameter with no gradient gets zeros, as in torch"),
+    "zero_optimization.ignore_unused_parameters": _i("a parameter with no gradient in a step is stepped on zeros when others of its module have one (as in DeepSpeed, and said in a warning; torch skips it), and left alone when none of its module has"),
     "zero_optimization.memory_efficient_linear": _i("Linear layers run torch's own"),
     "zero_optimization.cpu_offload": _m("tiers.optimizer", 'DeepSpeed\'s older name: true is offload_optimizer '
                                         '"cpu"'),  # fmt: skip
