@@ -28,7 +28,7 @@ from ._admission import FETCH, GRAD, OVERLAP, PREFETCH, Admission
 from ._grads import GradAccumulator
 from ._interrupts import held_interrupts
 from ._profile import region
-from ._sizes import grad_of, set_grad
+from ._sizes import clear_grads, grad_of, set_grad
 from ._stats import Stats
 from ._store import Store
 from ._transport import Transport
@@ -408,6 +408,5 @@ class UnitRuntime:
                 unit.grad = unit.grad_lease = None
                 if not keep_uses:
                     unit.uses = 0
-                for r in unit.records:  # a tile's too: a gathered one's gradient passes through it
-                    if grad_of(r.param) is not None:
-                        set_grad(r.param, None)
+            # A tile's too: a gathered one's gradient passes through it.
+            clear_grads(r.param for unit in self.units for r in unit.records)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from . import _placeholder
-from ._sizes import set_grad
+from ._sizes import clear_grads
 
 logger = logging.getLogger("infinity")
 
@@ -336,5 +336,4 @@ def forget_gradients(units) -> None:
     set by hand or left by an interrupted backward goes, as torch's ``set_to_none`` drops it."""
     for unit in units:
         unit.arrived = 0
-        for r in unit.records:
-            set_grad(r.param, None)
+    clear_grads(r.param for unit in units for r in unit.records)
