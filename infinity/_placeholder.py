@@ -139,8 +139,9 @@ def take_noted(ids: set[int]) -> set[int]:
 
 class _Bound:
     """Mixed into a bound parameter's class: taking or replacing ``p.data`` is noted
-    (`_NOTED`); setting ``.grad`` asks first ([Note: .grad of a managed parameter] in `_sizes`). Everything else is its own class's: no ``__torch_function__`` of its own, so
-    nothing on the forward's path changes."""
+    (`_NOTED`); setting ``.grad`` asks first ([Note: .grad of a managed parameter] in `_sizes`),
+    and a hook on a tiled one is refused (`refuse_tiled_hook`). Everything else is its own
+    class's: no ``__torch_function__`` of its own, so nothing on the forward's path changes."""
 
     @property
     def data(self):
