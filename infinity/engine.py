@@ -229,14 +229,16 @@ class Engine:
         if self.scheduler.always_ready:
             for unit in units:
                 self.scheduler.runtime.materialize(unit)
-        for mod in module.modules():  # buffers stay buffers, on the compute device
-            # A norm's running statistics take the parameters' dtype, as model.to(dtype) and
-            # DeepSpeed's bf16 give them: batch_norm refuses to mix bf16 weights and fp32 stats.
-            norm = isinstance(mod, nn.modules.batchnorm._NormBase) and self.dtype != torch.float32
+        # Buffers stay buffers, on the compute device. A norm's running statistics, and the
+        # buffers of a parametrization (spectral_norm's u and v, orthogonal's base), take the
+        # parameters' dtype, as model.to(dtype) and DeepSpeed's bf16 give them: batch_norm and
+        # the parametrizations' matmuls refuse to mix bf16 weights with fp32 buffers.
+        cast = set() if self.dtype == torch.float32 else _cast_buffers_of(module)
+        for mod in module.modules():
             for key, buf in mod._buffers.items():
                 if buf is None:
                     continue
-                dtype = self.dtype if norm and buf.is_floating_point() else buf.dtype
+                dtype = self.dtype if mod in cast and buf.is_floating_point() else buf.dtype
                 if buf.device != dev or buf.dtype != dtype:
                     mod._buffers[key] = buf.to(dev, dtype)
         self.scheduler.install(module)
@@ -728,6 +730,21 @@ def _rebind(units) -> None:
     for unit in units:
         if unit.state is UnitState.READY:
             unit.bind(unit.full)
+
+
+def _cast_buffers_of(module: nn.Module) -> set[nn.Module]:
+    """The modules whose floating buffers a low ``param_dtype`` casts: norms (running
+    statistics) and the modules of every parametrization (``torch.nn.utils.parametrize``)."""
+    from torch.nn.utils import parametrize
+
+    cast = set()
+    for mod in module.modules():
+        if isinstance(mod, nn.modules.batchnorm._NormBase):
+            cast.add(mod)
+        if parametrize.is_parametrized(mod):
+            for plist in mod.parametrizations.values():
+                cast.update(plist.modules())
+    return cast
 
 
 def _say_mixed_dtypes(module: nn.Module, dtype: torch.dtype) -> None:

@@ -487,3 +487,27 @@ def test_fp16_scale_backward_trains_as_engine_backward_and_a_plain_backward_is_r
     with pytest.raises(RuntimeError, match=r"needs engine.backward\(loss\).*engine.scale_backward\(loss\)"):
         engine(torch.randn(8, 16).half()).float().pow(2).mean().backward()
     engine.close()
+
+
+@pytest.mark.parametrize("tiers", [("device", "device", "cpu"), ("nvme", "nvme", "nvme")], ids=["ddc", "nvme"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "orthogonal"])
+def test_a_parametrizations_buffers_take_a_low_param_dtype(tmp_path, kind, tiers):
+    """spectral_norm's u and v and orthogonal's base are buffers of the parametrization: kept in
+    fp32 beside bf16 weights, its matmul refused to mix them (an audit helper's repro). They
+    take the parameters' dtype, as model.to(torch.bfloat16) gives them, and the forward is the
+    plain bf16 model's, bit for bit, step after step while the weights are equal."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), getattr(parametrizations, kind)(nn.Linear(8, 8)),
+                          nn.Linear(8, 2))  # fmt: skip
+    ref = copy.deepcopy(model).to(torch.bfloat16)
+    x = torch.randn(4, 8).bfloat16()
+    with infinity.initialize(model, _config(tmp_path, tiers, precision={"param_dtype": "bf16"})) as engine:
+        assert {b.dtype for b in engine.module.buffers()} == {torch.bfloat16}
+        for _ in range(2):  # (spectral_norm's power iteration moves u and v in each training forward)
+            with torch.no_grad():
+                assert torch.equal(engine(x), ref(x))
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        assert engine.step()
