@@ -110,7 +110,8 @@ RULES: dict[str, Rule] = {
     "optimizer.params.momentum": _m("optimizer.momentum"),
     "optimizer.params.nesterov": _m("optimizer.nesterov"),
     "optimizer.params.adam_w_mode": _m("optimizer.type", 'false: "adam" (L2 weight decay)'),
-    "optimizer.params.torch_adam": _i("the update is torch's fused CPU kernel or torch's own"),
+    "optimizer.params.torch_adam": _m("optimizer.weight_decay", "true: torch's AdamW, whose weight decay left out "
+                                      "is 0.01; the update is torch's fused CPU kernel either way"),  # fmt: skip
     "optimizer.params.bias_correction": _r("Adam without bias correction", allowed=(True,)),
     "optimizer.params.amsgrad": _r("AMSGrad"),
     "optimizer.params.dampening": _r("SGD with dampening"),
@@ -368,6 +369,17 @@ class _Reader:
     def arg(self, name: str):
         return getattr(self.args, name, None) if self.args is not None else None
 
+    def match(self, dotted: str, value, what: str):
+        """The value at ``dotted`` where it is set (not ``"auto"``), noted in ``mismatches``
+        where it disagrees with ``value``, the training arguments' ``what`` (computed: a batch,
+        the warm-up or total steps); ``value`` where ``"auto"`` or absent."""
+        set_to = self.get(dotted, None)
+        if set_to is None or self.args is None or value is None:
+            return value if set_to is None else set_to
+        if not _same(set_to, value):
+            self.mismatches.append(f"{dotted!r} = {json.dumps(set_to)} but TrainingArguments' {what} = {value!r}")
+        return set_to
+
 
 def _same(value, arg) -> bool:
     """Whether a DeepSpeed value says what a training argument says (numbers as numbers)."""
@@ -511,6 +523,13 @@ def _accumulation_steps(r: _Reader) -> int | None:
     steps = r.get("gradient_accumulation_steps", None, arg="gradient_accumulation_steps")
     steps = None if steps is None else _number("gradient_accumulation_steps", steps, int)
     if r.args is not None:  # transformers' arguments: the Trainer's loop, its batch sizes
+        # Set values must agree with the Trainer's, as transformers' HfTrainerDeepSpeedConfig asserts.
+        micro = r.arg("per_device_train_batch_size")
+        r.get("train_micro_batch_size_per_gpu", None, arg="per_device_train_batch_size")
+        world = getattr(r.args, "world_size", None)
+        accumulate = steps if steps is not None else r.arg("gradient_accumulation_steps")
+        if micro is not None and world is not None and accumulate is not None:
+            r.match("train_batch_size", micro * accumulate * world, "train_batch_size (calculated)")
         return steps
     batch, micro = r.get("train_batch_size"), r.get("train_micro_batch_size_per_gpu")
     batch = None if batch is None else _number("train_batch_size", batch, int)
@@ -554,6 +573,9 @@ def _read_optimizer(r: _Reader, out: dict) -> None:
     nesterov = r.get("optimizer.params.nesterov")
     if nesterov is not None:
         out["optimizer.nesterov"] = nesterov
+    if name == "adamw" and r.get("optimizer.params.torch_adam", False) is True:
+        # DeepSpeed's torch_adam builds torch.optim.AdamW from the params, with its weight decay 0.01.
+        out.setdefault("optimizer.weight_decay", 0.01)
     for key, value in _OPTIMIZER_DEFAULTS[name].items():
         out.setdefault(f"optimizer.{key}", value)
     if r.get("optimizer.params.bias_correction", True) is False:
@@ -588,10 +610,12 @@ class DeepSpeedWarmup(LRScheduler):
     ``warmup_min_lr``, as DeepSpeed's do (it sets the minimum when made, and its first
     ``step()`` computes the warm-up at iteration 0)."""
 
-    def __init__(self, optimizer, *, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
+    def __init__(self, optimizer, *, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000,
                  warmup_type="log", total_num_steps=None):  # fmt: skip
         if warmup_type not in ("log", "linear"):
             raise ValueError(f"DeepSpeed key 'scheduler.params.warmup_type' = {warmup_type!r}: expected log or linear")
+        if warmup_max_lr is None:  # DeepSpeed's WarmupLR: the optimizer's lr
+            warmup_max_lr = optimizer.param_groups[0]["lr"]
         self.min_lr, self.max_lr = float(warmup_min_lr), float(warmup_max_lr)
         self.warmup = max(2, int(warmup_num_steps))
         self.kind = warmup_type
@@ -635,22 +659,30 @@ def lr_scheduler(source, *, training_args=None, num_training_steps=None):
     if kind not in _SCHEDULES:
         _refuse_schedule(kind)
     args = training_args
-    lr = r.arg("learning_rate")
     warmup = None
     if args is not None and num_training_steps is not None and hasattr(args, "get_warmup_steps"):
-        warmup = args.get_warmup_steps(num_training_steps)
+        warmup = max(1, args.get_warmup_steps(num_training_steps))  # as transformers fills it
+    # An absent (or, without TrainingArguments, "auto") warmup_max_lr: DeepSpeed's WarmupLR takes
+    # the optimizer's (first group's) lr, its WarmupDecayLR keeps 1e-3 (deepspeed/runtime/lr_schedules.py).
+    max_lr = None if kind == "WarmupLR" else 0.001
     kwargs = {"warmup_min_lr": r.get("scheduler.params.warmup_min_lr", 0.0, 0.0 if args is not None else None),
-              "warmup_max_lr": r.get("scheduler.params.warmup_max_lr", 0.001, lr),
-              "warmup_num_steps": r.get("scheduler.params.warmup_num_steps", 1000, warmup),
+              "warmup_max_lr": r.get("scheduler.params.warmup_max_lr", max_lr, arg="learning_rate"),
+              "warmup_num_steps": r.match("scheduler.params.warmup_num_steps", warmup, "warmup_steps"),
               "warmup_type": r.get("scheduler.params.warmup_type", "log")}  # fmt: skip
+    if kwargs["warmup_num_steps"] is None:
+        kwargs["warmup_num_steps"] = 1000
     if kind == "WarmupDecayLR":
-        total = r.get("scheduler.params.total_num_steps", None, num_training_steps)
+        total = r.match("scheduler.params.total_num_steps", num_training_steps, "num_training_steps (calculated)")
         if total is None:
             raise ValueError("DeepSpeed key 'scheduler.params.total_num_steps': WarmupDecayLR needs it (\"auto\" "
                              "takes the Trainer's number of steps)")  # fmt: skip
         kwargs["total_num_steps"] = _number("scheduler.params.total_num_steps", total, int)
+    if r.mismatches:  # as transformers' HfTrainerDeepSpeedConfig refuses them
+        raise ValueError("values that disagree with the TrainingArguments (set them to \"auto\", or make them "
+                         "agree): " + "; ".join(r.mismatches))  # fmt: skip
     for key in ("warmup_min_lr", "warmup_max_lr"):
-        kwargs[key] = _number(f"scheduler.params.{key}", kwargs[key])
+        if kwargs[key] is not None:
+            kwargs[key] = _number(f"scheduler.params.{key}", kwargs[key])
     kwargs["warmup_num_steps"] = _number("scheduler.params.warmup_num_steps", kwargs["warmup_num_steps"], int)
     return lambda optimizer: DeepSpeedWarmup(optimizer, **kwargs)
 

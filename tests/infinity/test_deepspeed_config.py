@@ -333,6 +333,9 @@ def test_deepspeeds_batch_sizes_give_the_steps_at_the_world_size_and_must_agree(
     ("Adam", {}, {"type": "adamw", "lr": 1e-3, "weight_decay": 0.0}),
     ("SGD", {"lr": 0.5}, {"type": "sgd", "lr": 0.5, "weight_decay": 0.0, "momentum": 0.0}),
     ("Adagrad", {}, {"type": "adagrad", "lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0}),
+    # torch_adam builds torch.optim.AdamW from the params: its weight decay 0.01 (Adam's 0)
+    ("AdamW", {"torch_adam": True}, {"type": "adamw", "lr": 1e-3, "weight_decay": 0.01}),
+    ("Adam", {"torch_adam": True, "adam_w_mode": False}, {"type": "adam", "weight_decay": 0.0}),
 ])  # fmt: skip
 def test_what_deepspeeds_optimizer_params_leave_out_is_deepspeeds_default(kind, params, want):
     """DeepSpeed's optimizers have no weight decay unless asked (this engine's default is 0.01),
@@ -389,3 +392,51 @@ def test_deepspeeds_step_after_a_plain_backward_is_refused_and_the_optimizers_st
             opt.zero_grad()
     for name, p in plain.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _lrs(ds: dict, steps: int, lr: float = 5e-2, **kwargs) -> list[float]:
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+    schedule = infinity.deepspeed_lr_scheduler(ds, **kwargs)(opt)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+    return out
+
+
+def test_a_warmup_without_its_maximum_takes_deepspeeds_default():
+    """DeepSpeed's WarmupLR without warmup_max_lr warms up to the optimizer's lr (its
+    lr_schedules.py); the engine went to 1e-3 (20x a 5e-5 lr, silently). WarmupDecayLR keeps
+    DeepSpeed's 1e-3."""
+    warmup = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}
+    assert _lrs(warmup, 4) == [0.0, 0.0, 5e-2, 5e-2]
+    decay = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}}}
+    assert _lrs(decay, 3)[2] == 1e-3
+
+
+def test_set_batch_sizes_and_schedule_values_that_disagree_with_the_training_arguments_are_refused():
+    """transformers refuses these too (HfTrainerDeepSpeedConfig.fill_match); the engine took the
+    Trainer's batch sizes and the config's schedule values, with nothing said."""
+
+    class Args(_Args):
+        per_device_train_batch_size, world_size = 4, 1
+
+    ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 8, "train_batch_size": 16}
+    with pytest.raises(ValueError) as info:
+        infinity.TierConfig.from_deepspeed(ds, training_args=Args())
+    assert "'train_micro_batch_size_per_gpu' = 8 but TrainingArguments' per_device_train_batch_size = 4" in str(info.value)
+    assert "'train_batch_size' = 16 but TrainingArguments' train_batch_size (calculated) = 8" in str(info.value)
+    agreed = {**ds, "train_micro_batch_size_per_gpu": 4, "train_batch_size": 8}
+    infinity.TierConfig.from_deepspeed(agreed, training_args=Args())  # (the Trainer counts the micro-batches)
+    sched = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 5,
+                                                                "total_num_steps": 20}}}  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        infinity.deepspeed_lr_scheduler(sched, training_args=Args(), num_training_steps=10)
+    said = str(info.value)
+    assert "'scheduler.params.warmup_max_lr' = 0.01 but TrainingArguments' learning_rate = 0.003" in said
+    assert "'scheduler.params.warmup_num_steps' = 5 but TrainingArguments' warmup_steps = 4" in said
+    assert "'scheduler.params.total_num_steps' = 20 but TrainingArguments' num_training_steps (calculated) = 10" in said
+    auto = {"scheduler": {"type": "WarmupDecayLR", "params": dict.fromkeys(
+        ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"), "auto")}}  # fmt: skip
+    assert max(_lrs(auto, 10, training_args=Args(), num_training_steps=10)) == 3e-3
