@@ -14,7 +14,11 @@ GradScaler does.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger("infinity")
 
 
 class LossScaler:
@@ -27,6 +31,7 @@ class LossScaler:
         self.good_steps = 0
         self.hysteresis = precision.hysteresis  # overflows left before the scale backs off
         self.scaled_backward = False  # a backward since the last step went through `in_backward`
+        self._said_floor = False  # an overflow at the minimum scale said (once)
 
     def in_backward(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss``, the same value, whose backward starts from ``scale`` instead of 1: for a loop
@@ -38,6 +43,14 @@ class LossScaler:
         cfg = self.cfg
         if overflow:
             if self.hysteresis <= 1:
+                if self.scale <= cfg.min_scale and not self._said_floor:
+                    # The scale cannot back off further: the next steps may all be skipped, and
+                    # training stands still (DeepSpeed raises here).
+                    self._said_floor = True
+                    logger.warning(
+                        "fp16 overflow at the minimum loss scale (precision.min_scale = %g): the step was skipped "
+                        "and the scale cannot go lower, so the next steps may be skipped too (engine.stats() counts "
+                        "skipped_steps). Lower precision.min_scale, or train in bf16. (Said once.)", cfg.min_scale)  # fmt: skip
                 self.scale = max(self.scale * cfg.backoff_factor, cfg.min_scale)
             else:
                 self.hysteresis -= 1

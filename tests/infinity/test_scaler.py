@@ -71,3 +71,18 @@ def test_the_hysteresis_left_is_saved_and_restored():
         s.update(True)
         s.update(True)
     assert a.scale == b.scale == cfg.precision.initial_scale / 2
+
+
+def test_an_overflow_at_the_minimum_scale_is_said_once(caplog):
+    """The scale cannot back off below precision.min_scale: every later step may be skipped and
+    training stand still. DeepSpeed raises; it was silent here (an audit helper)."""
+    cfg = infinity.TierConfig.from_dict({"precision": {"param_dtype": "fp16", "initial_scale": 2.0, "min_scale": 1.0}})
+    scaler = LossScaler(cfg.precision)
+    with caplog.at_level("WARNING", logger="infinity"):
+        scaler.update(True)  # 2 -> 1: still backing off
+        assert not caplog.records
+        for _ in range(3):
+            scaler.update(True)
+    assert scaler.scale == 1.0
+    assert [r.getMessage() for r in caplog.records if "minimum loss scale" in r.getMessage()] != []
+    assert len(caplog.records) == 1
