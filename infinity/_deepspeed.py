@@ -525,7 +525,7 @@ def _accumulation_steps(r: _Reader) -> int | None:
     if r.args is not None:  # transformers' arguments: the Trainer's loop, its batch sizes
         # Set values must agree with the Trainer's, as transformers' HfTrainerDeepSpeedConfig asserts.
         micro = r.arg("per_device_train_batch_size")
-        r.get("train_micro_batch_size_per_gpu", None, arg="per_device_train_batch_size")
+        r.match("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
         world = getattr(r.args, "world_size", None)
         accumulate = steps if steps is not None else r.arg("gradient_accumulation_steps")
         if micro is not None and world is not None and accumulate is not None:

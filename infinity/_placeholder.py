@@ -37,10 +37,11 @@ class _Released:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _sets_grad(func) and args and type(args[0]) in _RELEASED_CLASSES:  # see [Note: .grad of a managed parameter]
-            _sizes.refuse_grad_set(args[0])
-        if args and getattr(func, "__name__", "") in _HOOKS:
-            refuse_tiled_hook(args[0])
+        if args and getattr(func, "__name__", "") in _GUARDED:
+            if _sets_grad(func) and type(args[0]) in _RELEASED_CLASSES:  # see [Note: .grad of a managed parameter]
+                _sizes.refuse_grad_set(args[0])
+            elif func.__name__ in _HOOKS:
+                refuse_tiled_hook(args[0])
         if func in _sizes.COUNTS:  # the full count: see [Note: sizes of placeholders]
             return _sizes.count(args[0])
         if _sets_data(func) and args:  # ``p.data = t``: allowed (the engine binds so), noted
@@ -64,6 +65,7 @@ class _Released:
 
 
 _HOOKS = frozenset({"register_hook", "register_post_accumulate_grad_hook"})
+_GUARDED = _HOOKS | {"__set__"}  # the names of what `_Released` checks before anything else
 
 
 def refuse_tiled_hook(p: torch.Tensor) -> None:
@@ -118,7 +120,6 @@ def _refusal(p: torch.Tensor, what: str) -> RuntimeError:
 _RELEASED_CLASSES: set[type] = set()
 _released_of: dict[type, type] = {}  # a parameter class -> its released subclass
 _DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor of ``p.data``
-_GRAD = torch._C.TensorBase.__dict__["grad"]
 
 
 # Ids of the parameters whose ``.data`` was taken or replaced since `take_noted` (a write into
@@ -163,12 +164,12 @@ class _Bound:
 
     @property
     def grad(self):  # see [Note: .grad of a managed parameter] in `_sizes`
-        return _GRAD.__get__(self)
+        return _sizes.GRAD.__get__(self)
 
     @grad.setter
     def grad(self, value):
         _sizes.refuse_grad_set(self)
-        _GRAD.__set__(self, value)
+        _sizes.GRAD.__set__(self, value)
 
 
 _BOUND_CLASSES: set[type] = set()

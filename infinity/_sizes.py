@@ -107,7 +107,7 @@ def count(p: torch.Tensor) -> int:
 
 
 # -- .grad ([Note: .grad of a managed parameter]) -------------------------------------------------
-_GRAD = torch._C.TensorBase.__dict__["grad"]
+GRAD = torch._C.TensorBase.__dict__["grad"]  # the ``.grad`` descriptor, past any subclass's property
 _has_torch_function = torch._C._has_torch_function_unary
 
 
@@ -115,23 +115,23 @@ def grad_of(p: torch.Tensor) -> torch.Tensor | None:
     """``p.grad`` as autograd left it, without the refusal: the engine's own read."""
     if _has_torch_function(p):  # a released placeholder's class
         with torch._C.DisableTorchFunctionSubclass():
-            return _GRAD.__get__(p)
-    return _GRAD.__get__(p)
+            return GRAD.__get__(p)
+    return GRAD.__get__(p)
 
 
 def set_grad(p: torch.Tensor, value: torch.Tensor | None) -> None:
     """``p.grad = value`` without the refusal: the engine's own write."""
     if _has_torch_function(p):
         with torch._C.DisableTorchFunctionSubclass():
-            _GRAD.__set__(p, value)
+            GRAD.__set__(p, value)
     else:
-        _GRAD.__set__(p, value)
+        GRAD.__set__(p, value)
 
 
 def clear_grads(params) -> None:
     """``p.grad = None`` for each of ``params`` that has one, without the refusal: the engine's
     own drop (in one pass with the placeholders' ``__torch_function__`` off)."""
-    get, put = _GRAD.__get__, _GRAD.__set__
+    get, put = GRAD.__get__, GRAD.__set__
     with torch._C.DisableTorchFunctionSubclass():
         for p in params:
             if get(p) is not None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._sizes import grad_of
+from ._sizes import GRAD, grad_of
 
 _STANDIN_KEYS = ("_is_param", "_infinity_unloaded")  # what only the stand-in carries
 
@@ -118,7 +118,7 @@ def _unchanged(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]]) 
     ``__torch_function__`` off, each attribute straight from the tensor (``.grad`` past the
     bound class's property: [Note: .grad of a managed parameter] in `_sizes`)."""
     stack = [module]
-    get, pop, extend, grad = managed.get, stack.pop, stack.extend, _GRAD.__get__
+    get, pop, extend, grad = managed.get, stack.pop, stack.extend, GRAD.__get__
     with torch._C.DisableTorchFunctionSubclass():
         while stack:
             m = pop()
@@ -132,8 +132,6 @@ def _unchanged(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]]) 
             extend(m._modules.values())
     return True
 
-
-_GRAD = torch._C.TensorBase.__dict__["grad"]
 
 
 class ParameterCast(RuntimeError):
@@ -203,7 +201,7 @@ def hand_set_grad(name: str) -> RuntimeError:
 
 def refuse_hand_set_grads(units) -> None:
     """Before a step: no managed parameter holds a ``.grad`` (`hand_set_grad`)."""
-    grad = _GRAD.__get__
+    grad = GRAD.__get__
     with torch._C.DisableTorchFunctionSubclass():  # (as in `_unchanged`)
         found = next(((unit, i) for unit in units for i, r in enumerate(unit.records) if grad(r.param) is not None), None)
     if found is not None:

@@ -51,6 +51,24 @@ def train(engine, steps: int, start: int = 0, dtype=torch.float32, out: int = 4)
     return losses
 
 
+class Plain:
+    """A plain model and its torch optimizer behind the engine's loop (``model(x)``,
+    ``backward(loss)``, ``step()``), so that `train` drives the plain PyTorch side too."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
 def cpu_unless_gpus(ranks: int) -> dict:
     """The environment that hides the GPUs when there are fewer than ``ranks`` (one H100, two
     ranks): the ranks then use gloo on the CPU, since NCCL needs a GPU per rank and the engine

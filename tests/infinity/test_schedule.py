@@ -15,7 +15,7 @@ import infinity
 from infinity import _schedule
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import GivesNoGrad, config, train  # noqa: E402
+from _common import GivesNoGrad, Plain, config, train  # noqa: E402
 
 NVME = ("nvme", "nvme", "nvme")
 
@@ -344,17 +344,7 @@ def test_a_forward_pre_hook_of_the_model_reads_its_parameters_fetched(tmp_path, 
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     with infinity.initialize(model, config(tmp_path, NVME, memory={"tile_size": tile_size})) as engine:
         assert not any(u.is_tile for u in engine.units)
-        for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            loss = ((engine(x) - y) ** 2).mean()
-            engine.backward(loss)
-            engine.step()
-            ref_loss = ((ref(x) - y) ** 2).mean()
-            ref_loss.backward()
-            opt.step()
-            opt.zero_grad()
-            assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+        assert train(engine, 3) == pytest.approx(train(Plain(ref, opt), 3), abs=1e-6)
         weights = engine.gathered_weights()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), rtol=1e-6, atol=1e-6, msg=name)
@@ -365,18 +355,9 @@ def test_a_root_that_holds_parameters_is_fetched_after_the_roots_check(tmp_path)
     same module, and the root's runs first (it opens the pass the fetch belongs to; fetched
     before it, the weight stayed a placeholder and the forward was refused)."""
     torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    ref = nn.Linear(4, 3)
+    model = nn.Linear(16, 4)
+    ref = nn.Linear(16, 4)
     ref.load_state_dict(model.state_dict())
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     with infinity.initialize(model, config(tmp_path, NVME)) as engine:
-        for step in range(2):
-            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
-            loss = engine(x).pow(2).sum()
-            engine.backward(loss)
-            engine.step()
-            ref_loss = ref(x).pow(2).sum()
-            ref_loss.backward()
-            opt.step()
-            opt.zero_grad()
-            assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+        assert train(engine, 2) == pytest.approx(train(Plain(ref, opt), 2), abs=1e-6)
