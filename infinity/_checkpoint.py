@@ -91,7 +91,8 @@ def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
         "param_dtype": engine.config.precision.param_dtype,
         "config": engine.config.to_dict(),
         "loss_scaler": None if scaler is None else scaler.state_dict(),
-        "optimizer": {k: v for k, v in parts["optimizer"].state_dict().items() if k != "unit_steps"},  # JSON
+        # JSON: the tensors go beside it (the steps, and a torch optimizer's state by name)
+        "optimizer": {k: v for k, v in parts["optimizer"].state_dict().items() if k not in ("unit_steps", "state")},
         "lr_scheduler": None if parts["lr_scheduler"] is None else parts["lr_scheduler"].state_dict(),
         "units": _units_layout(engine),
         # What engine.export writes under each key, so that a checkpoint consolidates offline

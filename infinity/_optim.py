@@ -117,18 +117,23 @@ class Optimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The groups' hyperparameters (JSON-able, parameters as indices as torch does) and each
         unit's step count. The master weights and states live in ``states`` and are streamed by
-        checkpoints, not here."""
+        checkpoints, not here. A torch optimizer run as it is keeps its state itself: its
+        per-parameter state is here too, as torch's own ``state_dict()`` gives it ("state", the
+        tensors themselves, for accelerate's save_state and a plain ``torch.save``), and named
+        ("torch_state", for the checkpoint's JSON, whose tensors `foreign_tensors` gives)."""
         out = {
             "type": self.kind,
             "param_groups": [_json_group(g) for g in self.param_groups],
             "unit_steps": self._unit_steps(),
         }
-        if self.foreign is not None:  # its per-parameter state: tensors by name (see foreign_tensors), the rest as is
+        if self.foreign is not None:
+            state = self.foreign.state_dict()["state"]
+            out["state"] = state
             out["torch_state"] = {
                 str(idx): {key: ({"tensor": f"torch_optimizer/{idx}/{key}", "shape": list(v.shape),
                                   "dtype": str(v.dtype).removeprefix("torch.")}
                                  if isinstance(v, torch.Tensor) else v) for key, v in st.items()}
-                for idx, st in self.foreign.state_dict()["state"].items()
+                for idx, st in state.items()
             }  # fmt: skip
         return out
 
@@ -150,7 +155,11 @@ class Optimizer(torch.optim.Optimizer):
         """The hyperparameters of what `state_dict` gave. Step counts other than the engine's
         own now, and a torch optimizer's state, are refused: the moments they go with live in the
         tiers, restored by ``engine.load_checkpoint`` only (restored alone, bias correction
-        resumed at step N on moments of zero)."""
+        resumed at step N on moments of zero). A torch optimizer run as it is (every tier on the
+        device) keeps its state itself: what its `state_dict` gave loads whole, as torch's does."""
+        if self.foreign is not None:
+            self._load_foreign(state)
+            return
         steps = state.get("unit_steps")
         # accelerate's AcceleratedOptimizer loads the state_dict it just took: the same steps.
         restores = steps is not None and not torch.equal(torch.as_tensor(steps).cpu(), self._unit_steps())
@@ -164,6 +173,19 @@ class Optimizer(torch.optim.Optimizer):
             )
         if "param_groups" in state:
             self.load_hyperparameters(state.get("type", self.kind), state["param_groups"])
+
+    def _load_foreign(self, state: dict) -> None:
+        """`load_state_dict` for a torch optimizer run as it is: its groups' hyperparameters and
+        its per-parameter state, from this engine's `state_dict` or from the torch optimizer's
+        own (an optimizer of the same class over the same parameters, as torch loads it)."""
+        kind = state.get("type", self.kind)
+        if kind != self.kind:
+            raise ValueError(f"engine.optimizer.load_state_dict: the dict is of optimizer {kind!r}; this engine runs "
+                             f"{type(self.foreign).__name__} as it is ({self.kind!r})")  # fmt: skip
+        if "param_groups" in state:
+            self.load_hyperparameters(self.kind, state["param_groups"])
+        if "state" in state:
+            self.load_foreign_state(state["state"])
 
     def load_hyperparameters(self, kind: str, groups: list[dict]) -> None:
         if kind != self.kind or len(groups) != len(self.param_groups):
