@@ -20,11 +20,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from typing import ClassVar
 
 import torch
 
 from . import _adam_int8, _compact
+
+logger = logging.getLogger("infinity")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,15 +55,18 @@ class StateKind:
         """Bytes per element."""
         return self.dtype.itemsize
 
-    def initial(self, master: torch.Tensor, per_group: dict[int, list], param_groups: list[dict]) -> torch.Tensor:
+    def initial(self, master: torch.Tensor, per_group: dict[int, list], param_groups: list[dict],
+                start: dict | None = None) -> torch.Tensor:  # fmt: skip
         """Its value before the first step for a sub-group whose master weights are ``master``
         (``per_group``: parameter group -> entries whose second item is the slice of the
-        sub-group's state it holds)."""
+        sub-group's state it holds); ``start``: hyperparameter -> the value every group starts
+        at, whatever the group holds (`Algorithm.start`)."""
         value = torch.zeros_like(master, dtype=self.dtype)
         if self.init is not None:
             for gi, entries in per_group.items():
+                v = start[self.init] if start and self.init in start else param_groups[gi][self.init]
                 for _, s, _, _ in entries:
-                    value[s] = param_groups[gi][self.init]
+                    value[s] = v
         return value
 
 
@@ -141,8 +147,11 @@ class Algorithm:
     states: ClassVar[tuple[StateKind, ...]] = ()  # its own kinds, besides the master weights, in fp32
     hyperparameters: ClassVar[tuple[str, ...]] = ()  # what a parameter group holds
 
-    def __init__(self, state_dtype: str = "fp32"):
+    def __init__(self, state_dtype: str = "fp32", start: dict | None = None):
         self.state_dtype = state_dtype  # how its own kinds are stored: fp32, bf16 or int8
+        # Hyperparameter -> the value each state starting at it starts at, whatever a group holds:
+        # torch's Adagrad starts every sum at its constructor's initial_accumulator_value.
+        self.start = dict(start or {})
         moments = tuple((k.name, k.signed) for k in self.states)
         self.codec = None if state_dtype == "fp32" else _compact.Codec(state_dtype, moments)  # fp32: none
 
@@ -190,7 +199,11 @@ class Algorithm:
             raise ValueError(f"optimizer.state_dtype={state_dtype!r}: the {self.name!r} optimizer keeps no state of "
                              "the engine's to store compact (a torch optimizer run as it is keeps its own, in fp32); "
                              "use state_dtype = 'fp32' or optimizer type adamw, adam, sgd or adagrad")  # fmt: skip
-        return type(self)(state_dtype)
+        return type(self)(state_dtype, self.start)
+
+    def starting_at(self, **values) -> Algorithm:
+        """This algorithm with its states starting at ``values`` in every group (`start`)."""
+        return type(self)(self.state_dtype, {**self.start, **values})
 
     @property
     def stored(self) -> tuple[StateKind, ...]:
@@ -217,7 +230,7 @@ class Algorithm:
                        slices: dict[int, slice]) -> list[tuple[str, torch.Tensor]]:  # fmt: skip
         """(kind, value) of each stored kind before the first step, for a sub-group whose master
         weights are ``master`` and units' parts ``slices``."""
-        values = [k.initial(master, per_group, param_groups) for k in self.states]
+        values = [k.initial(master, per_group, param_groups, self.start) for k in self.states]
         return self.encoded(values, slices)
 
     def encoded(self, values: list[torch.Tensor], slices: dict[int, slice]) -> list[tuple[str, torch.Tensor]]:
@@ -388,6 +401,20 @@ def algorithm(name: str) -> Algorithm:
         raise ValueError(f"no optimizer algorithm {name!r}; the engine runs {', '.join(ALGORITHMS)}") from None
 
 
+def _adagrad_start(algo: Algorithm, spec: torch.optim.Adagrad) -> Algorithm:
+    """``algo`` with every sum starting where torch's Adagrad starts it: at the constructor's
+    ``initial_accumulator_value``, which torch puts in every parameter's state and never reads
+    from a group again (a group's own value does nothing there; said, naming it)."""
+    value = spec.defaults["initial_accumulator_value"]
+    ignored = [i for i, g in enumerate(spec.param_groups) if g.get("initial_accumulator_value", value) != value]
+    if ignored:
+        logger.warning("Adagrad: param_groups %s set initial_accumulator_value %s, which torch's Adagrad does not use: "
+                       "it starts every sum at the constructor's, %s, and so does the engine; pass the value to "
+                       "the constructor", ignored,
+                       ", ".join(str(spec.param_groups[i]["initial_accumulator_value"]) for i in ignored), value)  # fmt: skip
+    return algo.starting_at(initial_accumulator_value=value)
+
+
 def resolve(spec, model_params: list, cfg, *, all_device: bool = False):
     """(algorithm, parameter groups, defaults, the torch optimizer to run as it is or None)
     from what `initialize` was given.
@@ -446,6 +473,8 @@ def _resolve(spec, model_params: list, cfg, *, all_device: bool):
         # The optimizer's own group dicts: a schedule made on it (LambdaLR(opt) before
         # initialize), or a change by hand to its param_groups, reaches the engine's steps.
         groups = spec.param_groups
+        if algo.name == "adagrad":
+            algo = _adagrad_start(algo, spec)
         return algo, groups, {k: spec.defaults[k] for k in keys}, None
     groups = list(spec)
     if groups and not isinstance(groups[0], dict):

@@ -7,6 +7,7 @@ CPU kernels, torch.optim its default (foreach) ones; the same arithmetic up to f
 
 import copy
 import functools
+import logging
 import math
 import os
 import sys
@@ -89,6 +90,35 @@ def test_each_optimizer_with_groups_and_a_schedule_matches_torch(tmp_path, name)
     for n, p in ref.named_parameters():
         torch.testing.assert_close(got[n], p.detach(), atol=1e-5, rtol=0)
     engine.close()
+
+
+def test_adagrad_starts_every_sum_at_the_constructor_s_value_as_torch_does(tmp_path, caplog):
+    """torch's Adagrad fills every parameter's sum from its constructor's
+    initial_accumulator_value and never reads a group's: a group that sets its own trained
+    0.22 off torch in 5 steps, the engine starting that group's sums at the group's value.
+    It now starts them where torch does, and says that the group's value is not used."""
+    model = _model()
+    ref = copy.deepcopy(model)
+
+    def make(m):
+        groups = _groups(m)
+        groups[1]["initial_accumulator_value"] = 0.3
+        return torch.optim.Adagrad(groups, lr=0.05, initial_accumulator_value=0.1)
+
+    ref_opt = make(ref)
+    with caplog.at_level(logging.WARNING, logger="infinity"):
+        engine = infinity.initialize(model, config(tmp_path, NVME), optimizer=make(model))
+    assert "param_groups [1] set initial_accumulator_value 0.3, which torch's Adagrad does not use" in caplog.text
+    with engine:
+        for step in range(5):
+            engine.backward(_loss(engine, step))
+            engine.step()
+            ref_opt.zero_grad()
+            _loss(ref, step).backward()
+            ref_opt.step()
+        got = engine.gathered_weights()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("form", ["groups", "class", "class-kwargs", "partial", "config-type"])
