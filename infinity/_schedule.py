@@ -105,6 +105,7 @@ units are fetched on demand: a departure costs speed, never correctness.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import sys
@@ -171,18 +172,35 @@ def _graph_task() -> int | None:
     return current() if current is not None else None
 
 
-def _map_tensors(obj, fn):
+def _each_tensor(obj, fn, depth: int = 8, _seen: set | None = None) -> None:
+    """Call ``fn`` on each tensor in ``obj`` (a module's output), as FSDP reaches into one:
+    tensors, tuples (namedtuples), lists, sets, dicts (transformers' ModelOutput), dataclasses,
+    and a plain object's attributes (``types.SimpleNamespace``, a model's own output class),
+    each object once, ``depth`` levels down; modules and classes are not looked into. A loss
+    the engine cannot find there is a backward it does not see begin: the recompute of
+    ``checkpoint(use_reentrant=False)`` taken for a new forward, a plain ``loss.backward()``
+    never ended (an audit helper's repros with a SimpleNamespace and a dataclass output)."""
     if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(o, fn) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):  # includes transformers' ModelOutput (an OrderedDict)
-        for k in list(obj.keys()):
-            obj[k] = _map_tensors(obj[k], fn)
-        return obj
-    return obj
+        fn(obj)
+        return
+    if depth == 0 or obj is None or isinstance(obj, (str, bytes, int, float, complex, nn.Module, type)):
+        return
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = obj
+    elif dataclasses.is_dataclass(obj):
+        items = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+    elif hasattr(obj, "__dict__"):
+        items = vars(obj).values()
+    else:
+        return
+    for item in items:
+        _each_tensor(item, fn, depth - 1, seen)
 
 
 class TrainingState(enum.Enum):
@@ -365,7 +383,7 @@ class Scheduler:
                 # The root's outputs get their gradients first in a backward pass, in its outermost
                 # graph task (also with reentrant checkpointing inside): the end of the pass is
                 # queued from there, so ``loss.backward()`` alone ends it as ``engine.backward`` does.
-                _map_tensors(output, lambda t: _on_grad(t, self.backward_started))
+                _each_tensor(output, lambda t: _on_grad(t, self.backward_started))
         finally:
             hooks, self._saved_hooks = self._saved_hooks, None
             if hooks is not None:
@@ -482,7 +500,7 @@ class Scheduler:
                 # The gradient of an output arrives just before the module's own backward runs.
                 # A hook on the tensor (not an identity Function, whose output would be a view
                 # that the model may not change in place) says so.
-                _map_tensors(output, lambda t: _on_grad(t, functools.partial(self.pre_backward, module)))
+                _each_tensor(output, lambda t: _on_grad(t, functools.partial(self.pre_backward, module)))
         if not self.always_ready:  # kept for backward or released: never where always bound
             for unit in units:
                 self.prefetcher.after_forward(unit)
