@@ -24,7 +24,9 @@ no precision). Each rank carries its own slice from its own whole parameter, as 
 keeps its own write. A write into ``p.data`` (``p.data.normal_()``, WGAN's ``p.data.clamp_``)
 bumps no counter of ``p``'s (``.data`` is a tensor with a counter of its own), so a bound
 parameter's class notes ``p.data`` taken (`_placeholder._Bound`), and such a parameter is
-compared the same way (a read only costs the compare). A parameter whose data was replaced
+compared the same way (a read only costs the compare); it keeps the ``.data`` tensors taken,
+weakly, with their own counters, so that one held across looks and written later (a helper
+that keeps them) notes its parameter again. A parameter whose data was replaced
 (``p.data = t``) is carried too, and its data put back in the unit's memory; a released one
 given data that way is refused (its next fetch would drop it).
 Released parameters (nvme, stage 3) are placeholders that refuse writes (`_placeholder`).

@@ -10,6 +10,8 @@ to save one (`refuse_placeholder`); `_gather` gathers them for reads outside a m
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
@@ -126,16 +128,40 @@ _DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor of ``p.data``
 # ``p.data`` bumps no version counter of ``p``'s: [Note: in-place writes to bound parameters]
 # in `_inplace`). The engine's own binds and releases take theirs out.
 _NOTED: set[int] = set()
+# Id -> the ``p.data`` tensors taken from a bound parameter and alive since, each weakly with
+# its own version counter as `take_noted` last saw it (None: not seen yet). A write through one
+# held across looks (``d = p.data`` kept by a helper, written steps later) moves its counter,
+# not ``p``'s: such a parameter is noted again. Dropped when the parameter is bound or released
+# (a tensor of the data it had then is not its data any more, as in plain PyTorch).
+_HELD: dict[int, list[tuple[weakref.ref, int | None]]] = {}
 
 
 def take_noted(ids: set[int]) -> set[int]:
-    """Those of ``ids`` (one engine's parameters) noted since they were last taken; they are
-    noted no more (another engine's stay noted for it)."""
-    if not _NOTED:
-        return set()
-    mine = _NOTED & ids
+    """Those of ``ids`` (one engine's parameters) noted since they were last taken, or one of
+    whose ``.data`` tensors still held was written since; they are noted no more (another
+    engine's stay noted for it)."""
+    mine = _NOTED & ids if _NOTED else set()
     _NOTED.difference_update(mine)
+    for pid in [pid for pid in _HELD if pid in ids] if _HELD else ():
+        alive = []
+        for ref, seen in _HELD[pid]:
+            t = ref()
+            if t is None:
+                continue
+            if seen is not None and t._version != seen:
+                mine.add(pid)
+            alive.append((ref, t._version))
+        if alive:
+            _HELD[pid] = alive
+        else:
+            del _HELD[pid]
     return mine
+
+
+def _forget_data(p: torch.Tensor) -> None:
+    """The engine's own ``p.data = ...`` (a bind or a release): nothing of ``p``'s is noted."""
+    _NOTED.discard(id(p))
+    _HELD.pop(id(p), None)
 
 
 class _Bound:
@@ -147,7 +173,9 @@ class _Bound:
     @property
     def data(self):
         _NOTED.add(id(self))
-        return _DATA.__get__(self)
+        data = _DATA.__get__(self)
+        _HELD.setdefault(id(self), []).append((weakref.ref(data), None))
+        return data
 
     @data.setter
     def data(self, value):
@@ -185,7 +213,7 @@ def release_param(p: torch.Tensor, name: str) -> None:
     """``p`` is a placeholder now (its data empty): reads of its data are refused, naming it (a
     parameter, or a plain tensor of its data: ``p.data``, ``p.detach()``)."""
     p._infinity_name = name
-    _NOTED.discard(id(p))  # (the engine's own ``p.data = empty``)
+    _forget_data(p)  # (the engine's own ``p.data = empty``)
     cls = type(p)
     if cls in _RELEASED_CLASSES:
         return
@@ -201,7 +229,7 @@ def release_param(p: torch.Tensor, name: str) -> None:
 def bind_param(p: nn.Parameter) -> None:
     """``p`` holds its values: its own class again, with the bound class's note of ``p.data``
     taken (`_Bound`); named as its own class is."""
-    _NOTED.discard(id(p))  # (the engine's own ``p.data = view``)
+    _forget_data(p)  # (the engine's own ``p.data = view``)
     cls = type(p)
     if cls in _BOUND_CLASSES:
         return

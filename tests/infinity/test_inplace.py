@@ -112,6 +112,42 @@ def test_a_write_of_one_element_costs_the_others_no_precision(tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("tiers,dtype", [(("device", "device", "cpu"), "bf16"), (("cpu", "cpu", "nvme"), "fp32")],
+                         ids=["bf16-device,device,cpu", "fp32-cpu,cpu,nvme"])  # fmt: skip
+def test_a_write_through_p_data_held_across_steps_is_kept(tmp_path, tiers, dtype):
+    """``p.data`` taken once and kept (a helper that averages the weights holds the tensors),
+    written steps later: the forward used the write, then state_dict and the next step undid
+    it (0.044 off plain PyTorch's lm_head in an audit helper's repro): the note of ``p.data``
+    taken was forgotten at the first look, and a write through the held tensor bumps only its
+    own version counter. Now kept, as a load of the same values keeps it, bit for bit."""
+    sections = BF16 if dtype == "bf16" else {}
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    results = {}
+    for how in ("load", "held"):
+        (tmp_path / how).mkdir()
+        engine = infinity.initialize(make_model(), config(tmp_path / how, tiers, **sections))
+        try:
+            engine.module.eval()
+            held = engine.module[3].weight.data, engine.module[3].bias.data
+            train(engine, 2, dtype=tdtype)  # looks at the versions before each forward and step
+            new = _new(tdtype)
+            if how == "held":
+                with torch.no_grad():
+                    held[0].copy_(new["weight"])
+                    held[1].copy_(new["bias"])
+            else:
+                engine.module[3].load_state_dict(new)
+            after = engine.module.state_dict()
+            train(engine, 2, start=2, dtype=tdtype)
+            results[how] = after, engine.module.state_dict()
+        finally:
+            engine.close()
+    assert torch.equal(results["held"][0]["3.weight"], _new(tdtype)["weight"])
+    for i in range(2):
+        for key, value in results["load"][i].items():
+            assert torch.equal(results["held"][i][key], value), (i, key)
+
+
 def test_a_write_into_p_data_is_its_own_engine_s_to_carry(tmp_path):
     """Two engines in one process (a teacher and a student): the other engine's forward
     looked for written parameters first; a ``p.data`` write into this one's must still be
