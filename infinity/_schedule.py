@@ -172,14 +172,17 @@ def _graph_task() -> int | None:
     return current() if current is not None else None
 
 
-def _each_tensor(obj, fn, depth: int = 8, _seen: set | None = None) -> None:
+def _each_tensor(obj, fn, *, objects: bool = False, depth: int = 8, _seen: set | None = None) -> None:
     """Call ``fn`` on each tensor in ``obj`` (a module's output), as FSDP reaches into one:
-    tensors, tuples (namedtuples), lists, sets, dicts (transformers' ModelOutput), dataclasses,
-    and a plain object's attributes (``types.SimpleNamespace``, a model's own output class),
-    each object once, ``depth`` levels down; modules and classes are not looked into. A loss
-    the engine cannot find there is a backward it does not see begin: the recompute of
-    ``checkpoint(use_reentrant=False)`` taken for a new forward, a plain ``loss.backward()``
-    never ended (an audit helper's repros with a SimpleNamespace and a dataclass output)."""
+    tensors, tuples (namedtuples), lists, sets, dicts (transformers' ModelOutput) and
+    dataclasses, each object once, ``depth`` levels down; with ``objects``, a plain object's
+    attributes too (``types.SimpleNamespace``, a model's own output class; not a module or a
+    class). A root's loss the engine cannot find is a backward it does not see begin: the
+    recompute of ``checkpoint(use_reentrant=False)`` taken for a new forward, a plain
+    ``loss.backward()`` never ended (an audit helper's repros with a SimpleNamespace and a
+    dataclass output). A submodule's output is not looked into so far: an object there may
+    hold tensors other modules made (transformers' Cache, the attention layers' keys and
+    values), whose gradients arrive in the middle of backward, out of the predicted order."""
     if isinstance(obj, torch.Tensor):
         fn(obj)
         return
@@ -195,12 +198,12 @@ def _each_tensor(obj, fn, depth: int = 8, _seen: set | None = None) -> None:
         items = obj
     elif dataclasses.is_dataclass(obj):
         items = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
-    elif hasattr(obj, "__dict__"):
+    elif objects and hasattr(obj, "__dict__"):
         items = vars(obj).values()
     else:
         return
     for item in items:
-        _each_tensor(item, fn, depth - 1, seen)
+        _each_tensor(item, fn, objects=objects, depth=depth - 1, _seen=seen)
 
 
 class TrainingState(enum.Enum):
@@ -383,7 +386,7 @@ class Scheduler:
                 # The root's outputs get their gradients first in a backward pass, in its outermost
                 # graph task (also with reentrant checkpointing inside): the end of the pass is
                 # queued from there, so ``loss.backward()`` alone ends it as ``engine.backward`` does.
-                _each_tensor(output, lambda t: _on_grad(t, self.backward_started))
+                _each_tensor(output, lambda t: _on_grad(t, self.backward_started), objects=True)
         finally:
             hooks, self._saved_hooks = self._saved_hooks, None
             if hooks is not None:

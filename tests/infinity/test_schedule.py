@@ -404,8 +404,9 @@ class _Block(nn.Module):
 
 @pytest.mark.parametrize("namespace", [True, False], ids=["namespace", "dataclass"])
 def test_a_loss_inside_an_output_object_of_the_model_s_own_trains_as_in_plain_pytorch(tmp_path, namespace):
-    """The engine finds the loss, and a submodule's output, inside an object of the model's own
-    (a types.SimpleNamespace, a dataclass), as FSDP does: a backward it did not see begin made
+    """The engine finds the loss inside an output object of the model's own (a
+    types.SimpleNamespace, a dataclass; a submodule returns its activation so too), as FSDP
+    reaches into one: a backward it did not see begin made
     checkpoint(use_reentrant=False)'s recompute fail ("a different number of tensors was saved")
     and the second micro-batch of a plain loss.backward() read a released weight (an audit
     helper's repros); both on nvme. Two micro-batches a step, as plain PyTorch trains them."""
