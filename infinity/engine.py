@@ -42,6 +42,7 @@ from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
 from ._inplace import InPlaceWrites
+from ._interrupts import held_interrupts
 from ._layout import Layout
 from ._lifecycle import Lifecycle, TrainingGuard
 from ._algorithms import resolve
@@ -388,20 +389,24 @@ class Engine:
             except Exception as cleanup:  # noqa: BLE001 - the first error is the one to see
                 e.add_note(f"(dropping the gradients after that also failed: {cleanup})")
             raise
-        self._accumulation.stepped()
-        if self._scaler is not None:
-            self._scaler.update(overflow=not stepped)
-        if not stepped:
-            for c in self._stats.both():
-                c.skipped_steps += 1
-            if self._scaler is None:
-                logger.warning("non-finite gradient: step %d skipped", self._stats.steps + 1)
-        self.grads.zero()  # resident parameters are views of the tier, updated in place: nothing to rebind
-        if stepped and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        _resources.trim_malloc(_resources.STEP_TRIM_SLACK)  # see [Note: malloc threshold]
-        last = self._stats.end_step()
-        self._last_step = last
+        # The parameters are updated: what counts the step runs whole, a Ctrl-C held to its end
+        # (one in the middle left the update uncounted, the step, the schedule and the gradients
+        # as before it, and a redone step updated twice: an audit helper's repro).
+        with held_interrupts:
+            self._accumulation.stepped()
+            if self._scaler is not None:
+                self._scaler.update(overflow=not stepped)
+            if not stepped:
+                for c in self._stats.both():
+                    c.skipped_steps += 1
+                if self._scaler is None:
+                    logger.warning("non-finite gradient: step %d skipped", self._stats.steps + 1)
+            self.grads.zero()  # resident parameters are views of the tier, updated in place: nothing to rebind
+            if stepped and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            _resources.trim_malloc(_resources.STEP_TRIM_SLACK)  # see [Note: malloc threshold]
+            last = self._stats.end_step()
+            self._last_step = last
         if self.log_every and self._stats.steps % self.log_every == 0:
             logger.info("step %d: %s", self._stats.steps, _one_line(last))
         return stepped
