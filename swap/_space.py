@@ -311,7 +311,8 @@ class SwapSpace:
             return self._records[name]
         except KeyError:
             failed = self._inflight.failed.get(name)
-            why = f" (its last write failed: {failed})" if failed is not None else ""
+            why = f" (its last write failed: {type(failed).__name__}{f': {failed}' if str(failed) else ''})" \
+                if failed is not None else ""
             raise KeyError(f"no tensor {name!r} in swap space {self.rank_dirs[0]}{why}") from None
 
     def __contains__(self, name: str) -> bool:

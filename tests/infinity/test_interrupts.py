@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import infinity
+import infinity.swap._space
 from infinity import _runtime, _schedule, _tiled
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -117,6 +118,77 @@ def test_an_interrupted_step_refuses_to_train_on(tmp_path, monkeypatch):
     engine.close()
 
 
+
+
+def _train(engine, steps, start=0) -> None:
+    for step in range(start, start + steps):
+        engine.backward(_loss(engine, step))
+        engine.step()
+
+
+def test_a_ctrl_c_after_the_update_counts_the_step(tmp_path, monkeypatch):
+    """A real SIGINT once the step's update is done (here in its heap trim): the step is whole
+    (counted, its gradients dropped, the schedule stepped) and the KeyboardInterrupt comes at
+    its end. It came in the middle: the weights updated, the step uncounted, and the step the
+    user redid updated them twice (an audit helper's repro)."""
+    ref = infinity.initialize(_mlp(), _cfg(tmp_path / "ref", False))
+    _train(ref, 3)
+    expected = ref.gathered_weights()
+    ref.close()
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", False))
+    _train(engine, 1)
+    real = infinity._resources.trim_malloc
+
+    def trim(*args):
+        monkeypatch.setattr(infinity._resources, "trim_malloc", real)
+        signal.raise_signal(signal.SIGINT)
+        real(*args)
+
+    monkeypatch.setattr(infinity._resources, "trim_malloc", trim)
+    with pytest.raises(KeyboardInterrupt):
+        _train(engine, 1, start=1)
+    assert engine.stats()["steps"] == 2
+    _train(engine, 1, start=2)
+    got = engine.gathered_weights()
+    engine.close()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, functools.partial(OSError, 28, "No space left on device")],
+                         ids=["ctrl-c", "enospc"])  # fmt: skip
+def test_a_write_failed_in_the_step_then_load_checkpoint_trains_on_exactly(tmp_path, monkeypatch, error):
+    """A write of the step that fails (a full disk, a Ctrl-C) drops its tensor's record from the
+    swap space; the engine refuses and asks for the last checkpoint, whose load then failed
+    looking up that tensor's shape ("no tensor 'optimizer.0/exp_avg' in swap space"): stuck
+    for good (an audit helper's repro). The load now writes it again, and training goes on as
+    from the checkpoint."""
+    ref = infinity.initialize(_mlp(), _cfg(tmp_path / "ref", False))
+    _train(ref, 1)
+    ref.save_checkpoint(tmp_path / "ckpt")
+    _train(ref, 2, start=1)
+    expected = ref.gathered_weights()
+    ref.close()
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", False))
+    engine.backward(_loss(engine, 0))
+    real = infinity.swap._space.Transfer
+
+    class Failing(real):
+        def __init__(self, *args, name="", write=False, **kwargs):
+            if write and name.endswith("exp_avg"):
+                raise error()
+            super().__init__(*args, name=name, write=write, **kwargs)
+
+    monkeypatch.setattr(infinity.swap._space, "Transfer", Failing)
+    with pytest.raises((KeyboardInterrupt, OSError)):
+        engine.step()
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="optimizer step failed part-way .*load the last checkpoint"):
+        engine(_batch(1)[0])
+    engine.load_checkpoint(tmp_path / "ckpt")
+    _train(engine, 2, start=1)
+    got = engine.gathered_weights()
+    engine.close()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
 def test_an_interrupted_save_leaves_the_engine_training_and_the_next_save_whole(tmp_path, monkeypatch):
