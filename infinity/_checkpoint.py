@@ -135,9 +135,18 @@ class _RootLock:
 
     def __init__(self, root: str):
         self.path = os.path.join(root, LOCK_NAME)
+        self.fd = None
+        me = f"{os.getpid()} {socket.gethostname()}\n".encode()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        locked = False
+        # Closing is what releases the flock: a lock kept after any failure here (ENOSPC on a
+        # full disk, a Ctrl-C right after the flock) refused every later save to this root from
+        # this process, naming this process as "another save" (an audit helper's repro).
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+            os.pwrite(fd, me, 0)  # written before truncating: a reader never finds the file empty
+            os.ftruncate(fd, len(me))
         except BlockingIOError:
             pid, _, host = os.pread(fd, 300, 0).decode(errors="replace").strip().partition(" ")
             os.close(fd)
@@ -148,26 +157,22 @@ class _RootLock:
             ) from None
         except OSError as e:
             os.close(fd)
-            raise OSError(e.errno, f"cannot lock the checkpoint root ({e.strerror}): its filesystem must "
-                          "support flock", self.path) from None  # fmt: skip
-        me = f"{os.getpid()} {socket.gethostname()}\n".encode()
-        try:
-            os.pwrite(fd, me, 0)  # written before truncating: a reader never finds the file empty
-            os.ftruncate(fd, len(me))
-        except BaseException as e:
-            # Closing is what releases the flock: a lock kept after a failure (ENOSPC on a full
-            # disk) would refuse every later save to this root from this process.
+            what = ("cannot write the saving process's name into the checkpoint root's lock file" if locked else
+                    "cannot lock the checkpoint root")  # fmt: skip
+            hint = "" if locked else ": its filesystem must support flock"
+            raise OSError(e.errno, f"{what} ({e.strerror}){hint}", self.path) from None
+        except BaseException:
             os.close(fd)
-            if isinstance(e, OSError):
-                raise OSError(e.errno, f"cannot write the saving process's name into the checkpoint root's lock "
-                              f"file ({e.strerror})", self.path) from None  # fmt: skip
             raise
         self.fd = fd
 
     def release(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)  # releases the flock
-            self.fd = None
+            fd, self.fd = self.fd, None
+            os.close(fd)  # releases the flock
+
+    def __del__(self):  # a lock its taker never got (a Ctrl-C as the constructor returned) goes with it
+        self.release()
 
 
 def _own_name(prefix: str, tag: str) -> str:

@@ -4,16 +4,19 @@ inconsistent. Interrupts are injected at fixed points (deterministic), as Keyboa
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import signal
 import sys
+import types
 
 import pytest
 import torch
 from torch import nn
 
 import infinity
+import infinity._checkpoint
 import infinity.swap._space
 from infinity import _runtime, _schedule, _tiled
 
@@ -189,6 +192,29 @@ def test_a_write_failed_in_the_step_then_load_checkpoint_trains_on_exactly(tmp_p
     got = engine.gathered_weights()
     engine.close()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_a_ctrl_c_right_after_the_checkpoint_root_is_locked_leaves_it_unlocked(tmp_path, monkeypatch):
+    """A Ctrl-C as the flock on the checkpoint root's lock file returns: the lock went with the
+    interrupt. It stayed held by a leaked descriptor, and every later save to that root from
+    this process was refused as "in use by another save", naming this very process (an audit
+    helper's repro)."""
+    engine = infinity.initialize(_mlp(), _cfg(tmp_path / "a", False))
+    _train(engine, 1)
+    real = fcntl.flock
+
+    def flock_then_ctrl_c(fd, op):
+        real(fd, op)
+        monkeypatch.setattr(infinity._checkpoint, "fcntl", fcntl)
+        raise KeyboardInterrupt  # where a SIGINT lands as the call returns
+
+    monkeypatch.setattr(infinity._checkpoint, "fcntl", types.SimpleNamespace(
+        flock=flock_then_ctrl_c, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB))  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(tmp_path / "ckpt")
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.load_checkpoint(tmp_path / "ckpt")
+    engine.close()
 
 
 def test_an_interrupted_save_leaves_the_engine_training_and_the_next_save_whole(tmp_path, monkeypatch):
