@@ -107,7 +107,7 @@ class HostBuffer:
         if self._tensor is None:
             return
         pool = self._pool
-        if pool._owner == threading.get_ident():  # see [Note: pool re-entrance]
+        if pool._mutex._is_owned():  # see [Note: pool re-entrance]
             if self not in pool._aside:
                 self._finalizer.detach()
                 self._tensor = None
@@ -118,6 +118,7 @@ class HostBuffer:
         # One locked section: a buffer aside whose room an acquire takes meanwhile is released
         # by that acquire (`Aside.reclaim`), and its extent, the acquirer's now, must not be freed here.
         with pool._locked():
+            pool._drain()
             self._let_go()
 
     def _let_go(self) -> None:
@@ -140,6 +141,7 @@ class HostBuffer:
             raise RuntimeError(f"this host buffer of {self.nbytes} bytes was released to its pool")
         pool = self._pool
         with pool._locked():
+            pool._drain()
             if pool._aside.set(self):
                 return True
         self.release()
@@ -151,6 +153,7 @@ class HostBuffer:
         from `acquire`. False: the pool gave its room to an acquire (the buffer is released)."""
         pool = self._pool
         with pool._locked():
+            pool._drain()
             return pool._aside.take(self, traffic or pool._counts.label())
 
     def __enter__(self) -> "HostBuffer":
@@ -177,6 +180,7 @@ class Reservation:
         pool, self._pool = self._pool, None
         if pool is not None:
             with pool._locked():
+                pool._drain()
                 pool._aside.reserved -= self.nbytes
                 pool._cond.notify_all()
 
@@ -260,14 +264,18 @@ class HostBufferPool:
         self._slabs = Slabs(budget_bytes, alignment, self.slab_size, engine)
         self._counts = _Counts()
         self._closed = False
-        self._cond = threading.Condition(threading.Lock())
+        # Taken through the lock itself (`_locked`), not the condition: Condition.__enter__ is
+        # Python, and a Ctrl-C as its acquire returned left the lock held for good, every later
+        # release and acquire (a read's verify threads) waiting on it (an audit helper's hang).
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         # Buffers set aside, and the budget reserved beside the pool: [Note: buffers set aside] in `_aside`.
         self._aside = Aside(budget_bytes, self._counts, self._cond)
         # [Note: pool re-entrance] A forgotten buffer's finaliser can run in any thread at any
         # allocation, including in a thread that holds the pool lock (cyclic GC inside acquire).
-        # That thread must not block on its own lock nor change the allocators mid-operation,
-        # so it queues the extent in _pending, which the owner drains before it lets go.
-        self._owner: int | None = None
+        # That thread must not change the allocators mid-operation, so it queues the extent in
+        # _pending, which the next locked section drains first (a section's end is the lock's
+        # own: no Python runs there for a Ctrl-C to cut off), and a wait looks again often.
         self._pending: deque[tuple[Slab, int, int, str] | HostBuffer] = deque()
 
     @contextmanager
@@ -305,6 +313,7 @@ class HostBufferPool:
         deadline = time.monotonic() + timeout
         with self._locked():
             while True:
+                self._drain()
                 self._check_open()
                 placed = self._place(size)
                 if placed is not None:
@@ -345,6 +354,7 @@ class HostBufferPool:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= self.budget_bytes:
             raise ValueError(f"{nbytes=} must be an int from 0 to the budget ({self.budget_bytes})")
         with self._locked():
+            self._drain()
             self._aside.reserved += nbytes
         return Reservation(self, nbytes)
 
@@ -355,10 +365,11 @@ class HostBufferPool:
                 ResourceWarning,
                 stacklevel=2,
             )
-        if self._owner == threading.get_ident():  # see [Note: pool re-entrance]
+        if self._mutex._is_owned():  # see [Note: pool re-entrance]
             self._pending.append((slab, offset, size, traffic))
             return
         with self._locked():
+            self._drain()
             self._free(slab, offset, size, traffic)
 
     def _free(self, slab: Slab, offset: int, size: int, traffic: str = OTHER) -> None:
@@ -380,15 +391,13 @@ class HostBufferPool:
         """Bytes of the buffers set aside now (free to any acquire that needs them)."""
         return self._aside.bytes
 
-    @contextmanager
-    def _locked(self):
-        with self._cond:
-            self._owner = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._drain()
-                self._owner = None
+    def _locked(self) -> threading.RLock:
+        """The pool's lock, for a ``with``: its own enter and exit are C, so a Ctrl-C lands
+        before the lock is taken or inside the block, never between (a generator's section, or
+        threading.Condition's Python enter, left it held when one landed as the acquire
+        returned, and the next release, a read's verify thread, waited for good: an audit
+        helper's hang). Sections drain `_pending` first ([Note: pool re-entrance])."""
+        return self._mutex
 
     def _drain(self) -> None:
         while self._pending:
@@ -400,10 +409,9 @@ class HostBufferPool:
 
     def _wait(self, timeout: float) -> None:
         self._drain()
-        # _owner stays set into the wait (a finaliser run by this thread before the lock is let
-        # go must not block on it) and is set again after: another thread owned it meanwhile.
-        self._cond.wait(timeout)
-        self._owner = threading.get_ident()
+        # (A finaliser this thread runs inside the wait before the lock is let go finds it owned
+        # and queues.) Extents another section left queued wake no one: look again within 50 ms.
+        self._cond.wait(min(timeout, 0.05))
         self._drain()
 
     def _check_open(self) -> None:
@@ -419,6 +427,9 @@ class HostBufferPool:
     @property
     def in_use_bytes(self) -> int:
         """Bytes taken by buffers not yet released (each rounded up to the alignment)."""
+        if self._pending and not self._mutex._is_owned():  # releases a section queued: counted now
+            with self._locked():
+                self._drain()
         return self._counts.in_use
 
     @property
@@ -433,6 +444,7 @@ class HostBufferPool:
 
     def stats(self) -> dict:
         with self._locked():
+            self._drain()
             self._reap()
             c = self._counts
             return {
@@ -452,6 +464,7 @@ class HostBufferPool:
         """Drop the slabs that hold no buffer (the buffers set aside give their room up first);
         returns the bytes given back."""
         with self._locked():
+            self._drain()
             self._aside.reclaim_all()
             return self._slabs.drop_empty()
 
@@ -462,6 +475,7 @@ class HostBufferPool:
         tensors keep the mapping alive), but no longer count against anything.
         """
         with self._locked():
+            self._drain()
             if self._closed:
                 return
             self._closed = True

@@ -6,9 +6,11 @@ The interrupt is injected (the transfer's wait raises KeyboardInterrupt once), n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -255,3 +257,48 @@ def test_a_buffer_released_after_a_wait_was_interrupted_is_held_until_its_read_e
         pool.close()
     finally:
         engine.close()
+
+
+def test_a_sigint_anywhere_in_an_acquire_or_release_leaves_the_pool_lock_free(no_hang):
+    """A real SIGINT where Python delivers one (as a function of the pool's, of threading's or
+    of contextlib's begins or returns: a trace function raises it there), at each such point of
+    an acquire and a release in turn: whatever the KeyboardInterrupt left, the pool's lock is
+    free afterwards. Taken through threading.Condition's Python __enter__, a Ctrl-C as its
+    acquire returned left the lock held for good, and the next release (a read's verify
+    thread) waited on it forever (an audit helper's hang)."""
+    pool = HostBufferPool(1 << 20, slab_size=1 << 20)
+    files = {HostBufferPool.acquire.__code__.co_filename, threading.__file__, contextlib.__file__}
+    hit = {"at": -1, "seen": 0}
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename not in files:
+            return None
+        if event in ("call", "return"):
+            hit["seen"] += 1
+            if hit["seen"] == hit["at"]:
+                signal.raise_signal(signal.SIGINT)
+        return trace
+
+    at = 1
+    while True:
+        hit["at"], hit["seen"] = at, 0
+        lease = None
+        try:
+            sys.settrace(trace)
+            try:
+                lease = pool.acquire(NBYTES)
+                lease.release()
+            finally:
+                sys.settrace(None)
+        except KeyboardInterrupt:
+            pass
+        if lease is not None:
+            lease.release()  # (a second release does nothing)
+        lock = pool._cond._lock  # the pool's lock, however its sections take it
+        assert lock.acquire(timeout=2), f"the pool lock was left held by a SIGINT at point {at}"
+        lock.release()
+        if hit["seen"] < at:  # the acquire and the release ran whole without reaching point ``at``
+            break
+        at += 1
+    assert at > 10
+    pool.close()
