@@ -368,8 +368,11 @@ def _write_compact(opt, group, out: _Writer) -> None:
 
 def _save_rank(engine, tmp: str) -> int:
     """Write this rank's state under ``tmp``; returns the bytes written."""
+    # The arena takes the checkpoint's size at its first tensor: grown by doubling up to it, the
+    # last tensors asked for up to as much again, and a save the disk had room for failed with
+    # ENOSPC (32.1 MiB with 50 MiB free; an audit helper's repro).
     space = SwapSpace(tmp, rank=engine.rank, engine=engine.aio, pool=engine.pool, fresh=True,
-                      grow_step=_rank_bytes(engine))  # fmt: skip
+                      grow_step=_rank_bytes(engine), doubling=False)  # fmt: skip
     out = _Writer(space, engine.pool)
     try:
         _write_state(engine, out)

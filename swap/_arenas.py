@@ -55,8 +55,9 @@ class Arenas:
     empty); `records_at_open` are the tensors a resumed manifest lists (none for a new space)."""
 
     def __init__(self, dirs: Sequence[str], *, rank: int, fresh: bool, allow_foreign: bool, stripe_size: int,
-                 stripe_threshold: int, grow_step: int):  # fmt: skip
+                 stripe_threshold: int, grow_step: int, doubling: bool = True):  # fmt: skip
         self.rank = rank
+        self.doubling = doubling  # grow by doubling from GROW_FLOOR up to grow_step, else by grow_step
         self.stripe_size = stripe_size
         self.stripe_threshold = stripe_threshold
         self.grow_step = grow_step
@@ -258,7 +259,7 @@ class Arenas:
 
     def _allocator(self, capacity: int) -> ExtentAllocator:
         return ExtentAllocator(alignment=ALIGNMENT, grow_step=self.grow_step, capacity=capacity,
-                               grow_floor=min(GROW_FLOOR, self.grow_step))  # fmt: skip
+                               grow_floor=min(GROW_FLOOR, self.grow_step) if self.doubling else None)  # fmt: skip
 
     def _resume(self, old: Manifest) -> dict[str, TensorRecord]:
         if old.directories != len(self.rank_dirs) or old.rank != self.rank:

@@ -78,7 +78,9 @@ class SwapSpace:
     parallel; a smaller one goes to the directory with the least data.
 
     Arena files grow (preallocated) as tensors need room: by doubling from 1 MiB up to
-    ``grow_step`` at a time. `close` shrinks each to the end of its last tensor, so a closed
+    ``grow_step`` at a time, or, with ``doubling=False``, by ``grow_step`` from the first
+    tensor on (for a space whose size is known: a checkpoint's, which doubling could grow to
+    twice what it holds, failing on a disk that had room for it). `close` shrinks each to the end of its last tensor, so a closed
     space takes the disk its tensors need; with ``keep=False`` it removes the space's files
     (and the directories it created, once empty) instead: for scratch nothing reads later.
 
@@ -109,6 +111,7 @@ class SwapSpace:
         stripe_threshold: int = 8 << 20,
         grow_step: int = 256 << 20,
         host_budget: int = 1 << 30,
+        doubling: bool = True,
     ):
         dirs = [dirs] if isinstance(dirs, (str, os.PathLike)) else list(dirs)
         if not dirs:
@@ -134,7 +137,8 @@ class SwapSpace:
         self.engine = engine
         self.pool = pool
         self._arenas = Arenas([os.fspath(d) for d in dirs], rank=rank, fresh=fresh, allow_foreign=allow_foreign,
-                              stripe_size=stripe_size, stripe_threshold=stripe_threshold, grow_step=grow_step)  # fmt: skip
+                              stripe_size=stripe_size, stripe_threshold=stripe_threshold, grow_step=grow_step,
+                              doubling=doubling)  # fmt: skip
         self.rank_dirs = self._arenas.rank_dirs
         self._records: dict[str, TensorRecord] = self._arenas.records_at_open  # names whose bytes are on disk
         self._checker: Checker | None = None

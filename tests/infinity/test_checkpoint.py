@@ -478,3 +478,31 @@ def test_persistent_buffers_resume_as_saved(tmp_path):
         engine.load_checkpoint(tmp_path / "ck")
         _assert_equal(engine.gathered_weights(), want_w)
         assert int(engine.module.state_dict()["1.num_batches_tracked"]) == 0  # its own, as the log says
+
+
+def test_a_checkpoint_s_arena_takes_the_disk_its_tensors_need_at_once(tmp_path, monkeypatch):
+    """The checkpoint's arena is grown once to the bytes the rank's tensors take: grown by
+    doubling up to that size, its last tensors asked for up to as much again, and a save the
+    disk had room for failed with ENOSPC (a 32.1 MiB checkpoint on 50 MiB free; an audit
+    helper's repro). Every growth of the checkpoint's arena file is counted here."""
+    from infinity import _checkpoint
+    from infinity.swap import _arenas
+
+    ends = []
+    real = os.posix_fallocate
+
+    def fallocate(fd, offset, length):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "ckpt")):
+            ends.append(offset + length)
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(_arenas.os, "posix_fallocate", fallocate)
+    engine = infinity.initialize(make_model(width=400), config(tmp_path, ("cpu", "cpu", "cpu")))
+    try:
+        train(engine, 1)
+        need = _checkpoint._rank_bytes(engine)
+        assert need > 2 << 20  # (past the doubling's first steps: it would overshoot)
+        engine.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        engine.close()
+    assert ends and max(ends) == need, (ends, need)
