@@ -530,6 +530,9 @@ def _naming(error: BaseException, what: str, path: str) -> BaseException:
 def _prepare(root: str, tmp: str) -> _RootLock:
     """Rank 0: the checkpoint root exists and is locked (the lock is returned), what saves that
     did not finish left is gone, ``tmp`` is new."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise NotADirectoryError(errno.ENOTDIR, "the checkpoint root is a file: save_checkpoint takes a directory, "
+                                 "under which each checkpoint is a directory of its own", root)  # fmt: skip
     os.makedirs(root, mode=0o700, exist_ok=True)
     lock = _RootLock(root)
     try:

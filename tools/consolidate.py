@@ -57,11 +57,12 @@ description:
     FILE.bin, FILE.pt   one torch.save'd state dict (zero_to_fp32's pytorch_model.bin): the
                         whole model is in memory at once.
 
-  A checkpoint holds no buffer values: a model with persistent buffers is refused, naming
-  them, unless --skip-buffers (a model made from its config then has the buffers it is made
-  with). A checkpoint saved by an older infinity does not list the model's keys: its
-  parameters are written under their own names in fp32 (unless --dtype), without tied
-  aliases, and a note says so.
+  A checkpoint holds the model's persistent buffers (since version 2), written as saved. One
+  saved by infinity before that holds no buffer values: a model with persistent buffers is
+  refused, naming them, unless --skip-buffers (a model made from its config then has the
+  buffers it is made with). A checkpoint saved by an older infinity still does not list the
+  model's keys: its parameters are written under their own names in fp32 (unless --dtype),
+  without tied aliases, and a note says so.
 """
 
 EPILOG = """\
@@ -96,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", "--max_shard_size", default="2GB", metavar="SIZE",
                    help="a Hugging Face directory's largest shard, as in save_pretrained (default: 2GB)")
     p.add_argument("--skip-buffers", action="store_true",
-                   help="write the parameters of a model that has persistent buffers (their values are not saved)")
+                   help="a checkpoint of version 1, which holds no buffer values: write the parameters of a model "
+                        "that has persistent buffers")
     p.add_argument("--exclude-frozen-parameters", "--exclude_frozen_parameters", action="store_true",
                    help="leave out the parameters that did not train")
     p.add_argument("--safe_serialization", "--safe-serialization", action="store_true", help=argparse.SUPPRESS)

@@ -252,3 +252,14 @@ def test_an_io_error_that_names_no_file_is_given_the_checkpoint_being_written(tm
     assert engine.save_checkpoint(root) == str(root / "step-0")
     assert swap_inspect.main([str(root / "step-0"), "--verify"]) == 0
     engine.close()
+
+
+def test_a_root_that_is_a_file_is_refused_naming_it(tmp_path):
+    """save_checkpoint given a file's path: refused naming it and what it takes (a bare
+    FileExistsError before, from making the directory)."""
+    root = tmp_path / "afile"
+    root.write_text("mine")
+    with infinity.initialize(make_model(), config(tmp_path, ("cpu", "cpu", "cpu"))) as engine:
+        with pytest.raises(NotADirectoryError, match="the checkpoint root is a file: save_checkpoint takes a directory"):
+            engine.save_checkpoint(root)
+    assert root.read_text() == "mine"
