@@ -80,9 +80,10 @@ class SwapSpace:
     Arena files grow (preallocated) as tensors need room: by doubling from 1 MiB up to
     ``grow_step`` at a time, or, with ``doubling=False``, by ``grow_step`` from the first
     tensor on (for a space whose size is known: a checkpoint's, which doubling could grow to
-    twice what it holds, failing on a disk that had room for it). `close` shrinks each to the end of its last tensor, so a closed
-    space takes the disk its tensors need; with ``keep=False`` it removes the space's files
-    (and the directories it created, once empty) instead: for scratch nothing reads later.
+    twice what it holds, failing on a disk that had room for it). `close` shrinks each to the
+    end of its last tensor, so a closed space takes the disk its tensors need; with
+    ``keep=False`` it removes the space's files (and the directories it created, once empty)
+    instead: for scratch nothing reads later.
 
     Every put records an xxh3-64 checksum of the tensor ([Note: checksums]). ``verify`` says
     when reads check it: "always" (the default), every `get`, before its result is handed out,
