@@ -253,6 +253,9 @@ class NvmeConfig:
             what = repr(d) if len(fixed) == len(parts) else f"{d!r} (the fixed part of {p!r})"
             if not os.path.lexists(d) and len(fixed) == len(parts):
                 parent = os.path.dirname(os.path.abspath(d))
+                if os.path.lexists(parent) and not os.path.isdir(parent):
+                    raise ValueError(f"nvme.paths[{i}]: {what} does not exist, and its parent {parent!r} is a file, "
+                                     "not a directory")  # fmt: skip
                 if not os.path.isdir(parent):
                     raise ValueError(f"nvme.paths[{i}]: {what} does not exist, nor does its parent {parent!r}")
                 if not os.access(parent, os.W_OK | os.X_OK):

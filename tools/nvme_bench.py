@@ -33,6 +33,7 @@ import torch
 
 from infinity import aio
 from infinity.config import format_size, parse_size  # one grammar for sizes, here and in configs
+from infinity.swap import human_size
 from infinity.tools._cli import BadInput, Progress
 
 ENGINE_BACKENDS = aio.BACKENDS  # the candidates for the [aio] snippet
@@ -66,7 +67,7 @@ def check_directory(directory: str, size: int) -> None:
     st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize  # what a non-root writer may use: the cautious figure
     if size > free:
-        raise BadInput(f"--size={format_size(size)} does not fit in {directory!r}: {free / 2**30:.1f}GiB free")
+        raise BadInput(f"--size={format_size(size)} does not fit in {directory!r}: {human_size(free)} free")
 
 
 def create_test_file(directory: str) -> str:

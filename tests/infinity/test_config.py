@@ -444,6 +444,10 @@ def test_a_missing_directory_is_fine_but_a_missing_parent_is_an_error(tmp_path, 
     deeper = str(tmp_path / "absent" / "swap")
     with pytest.raises(ValueError, match=rf"nvme\.paths\[1\]: '{deeper}' does not exist, nor does its parent"):
         TierConfig.from_dict({"tiers": {"params": "nvme"}, "nvme": {"paths": [drives[0], deeper]}})
+    (tmp_path / "afile").write_text("")  # a parent that is a file is said as such (it said "does not exist")
+    under = str(tmp_path / "afile" / "swap")
+    with pytest.raises(ValueError, match=rf"'{under}' does not exist, and its parent '.*afile' is a file, not a dir"):
+        TierConfig.from_dict({"tiers": {"params": "nvme"}, "nvme": {"paths": [under]}})
 
 
 def test_a_file_is_not_a_directory(tmp_path):

@@ -190,6 +190,15 @@ def test_bad_input(tmp_path, capsys, case, args, named):
     assert sorted(tmp_path.iterdir()) == before
 
 
+def test_no_room_says_a_small_free_space_in_its_own_unit(tmp_path, monkeypatch):
+    """50 MiB free was said as "0.0GiB free" (an audit helper's note)."""
+    real = os.statvfs
+    monkeypatch.setattr(nvme_bench.os, "statvfs", lambda d: os.statvfs_result(
+        (4096, 4096, 1 << 20, 12800, 12800, 0, 0, 0, 0, 255)) if d == str(tmp_path) else real(d))  # fmt: skip
+    with pytest.raises(nvme_bench.BadInput, match=r"--size=1GiB does not fit in .*: 50(\.0)? ?MiB free"):
+        nvme_bench.check_directory(str(tmp_path), 1 << 30)
+
+
 def test_bad_input_exit_status_of_the_command(tmp_path):
     proc = run_cli(str(tmp_path), "--backends", "nope", "--quick")
     assert proc.returncode == 2
