@@ -17,7 +17,8 @@ import sys
 import torch
 
 from infinity import aio
-from infinity.checkpoint import LATEST_NAME, META_NAME, load_meta
+from infinity.checkpoint import LATEST_NAME, META_NAME, TMP_PREFIX, load_meta
+from infinity.checkpoint import LOCK_NAME as ROOT_LOCK_NAME
 from infinity.checkpoint import resolve as resolve_checkpoint
 from infinity.swap import (
     LOCK_NAME,
@@ -52,6 +53,15 @@ def find_ranks(directory: str) -> list[str]:
     found = [d for d in subdirs if os.path.isfile(os.path.join(d, MANIFEST_NAME))]
     if found:
         return found
+    tags = [os.path.basename(d) for d in subdirs if os.path.isfile(os.path.join(d, META_NAME))]
+    unfinished = [d for d in subdirs if os.path.basename(d).startswith(TMP_PREFIX)]
+    if tags or unfinished or os.path.isfile(os.path.join(directory, ROOT_LOCK_NAME)):
+        why = f"{directory!r} is a checkpoint root with no '{LATEST_NAME}' file: no save into it finished"
+        if unfinished:
+            why += f" ({len(unfinished)} did not: {', '.join(os.path.basename(d) for d in unfinished)})"
+        if tags:
+            why += f"; give one checkpoint's directory: {', '.join(tags)}"
+        raise BadInput(why)
     why = f"{directory!r} is not a swap space: no {MANIFEST_NAME} in it or its subdirectories"
     if any(os.path.isfile(os.path.join(d, SPACE_NAME)) for d in [directory, *subdirs]):
         why += " (it holds a member's space.json: give the directory of the space's first member)"

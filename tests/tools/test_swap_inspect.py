@@ -317,6 +317,18 @@ def test_empty_directory(tmp_path, capsys):
     assert_error(capsys, [tmp_path], "not a swap space")
 
 
+def test_a_checkpoint_root_without_latest_says_so(tmp_path, capsys):
+    """A checkpoint root whose saves never finished (a `.tmp-` directory, the root's lock, no
+    `latest`), and one whose `latest` is gone beside a whole checkpoint: each is said as what it
+    is, not as "not a swap space" (an audit helper's note)."""
+    (tmp_path / ".lock").write_text("1 host\n")
+    (tmp_path / ".tmp-step-3.123.abcd").mkdir()
+    assert_error(capsys, [tmp_path], "is a checkpoint root with no 'latest' file", ".tmp-step-3.123.abcd")
+    (tmp_path / "step-2").mkdir()
+    (tmp_path / "step-2" / "meta.json").write_text("{}")
+    assert_error(capsys, [tmp_path], "give one checkpoint's directory: step-2")
+
+
 def test_member_directory_is_not_the_space(space, capsys):
     rank_dir, _ = space
     assert_error(capsys, [rank_dir.parent.parent / "d1"], "not a swap space", "first member")
