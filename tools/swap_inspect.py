@@ -18,7 +18,6 @@ import torch
 
 from infinity import aio
 from infinity.checkpoint import LATEST_NAME, META_NAME, TMP_PREFIX, load_meta
-from infinity.checkpoint import LOCK_NAME as ROOT_LOCK_NAME
 from infinity.checkpoint import resolve as resolve_checkpoint
 from infinity.swap import (
     LOCK_NAME,
@@ -55,7 +54,7 @@ def find_ranks(directory: str) -> list[str]:
         return found
     tags = [os.path.basename(d) for d in subdirs if os.path.isfile(os.path.join(d, META_NAME))]
     unfinished = [d for d in subdirs if os.path.basename(d).startswith(TMP_PREFIX)]
-    if tags or unfinished or os.path.isfile(os.path.join(directory, ROOT_LOCK_NAME)):
+    if tags or unfinished:  # (not the root's .lock alone: a swap space's rank directory has one too)
         why = f"{directory!r} is a checkpoint root with no '{LATEST_NAME}' file: no save into it finished"
         if unfinished:
             why += f" ({len(unfinished)} did not: {', '.join(os.path.basename(d) for d in unfinished)})"
