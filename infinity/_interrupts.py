@@ -14,8 +14,9 @@ and delivers it again at the end of the section, to whatever handler was install
 A section never waits (no I/O, no pool wait, no collective), so a Ctrl-C is late by
 microseconds at most; one exception: the step's bookkeeping once its update is done
 (`Engine._step`: counted whole, or a redone step would update twice) waits there, on a GPU, for
-the gradients' copies still landing, milliseconds. The waits stay interruptible and are written so that an interrupt there
-changes nothing: a `_store.Pending` interrupted while it waits waits again on the next call.
+the gradients' copies still landing, milliseconds. The waits stay interruptible and are
+written so that an interrupt there changes nothing: a `_store.Pending` interrupted while it
+waits waits again on the next call.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ asynchronous; `held_bytes` reports what the resident tiers hold (in ``Engine.sta
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Sequence
 
@@ -116,10 +115,6 @@ class Store:
         # nvme, ``keep_in_pool``: buffers kept in the pool between uses ([Note: parameters kept
         # in the pool] in `_param_cache`), lent to `get(..., kept=True)`.
         self._kept = ParamCache(stats) if tier == "nvme" and keep_in_pool else None
-        # nvme: name -> (stored dtype, shape) of its last put here, which the space forgets with
-        # a write that fails (a full disk, a Ctrl-C): `writable` still knows what to fill, so a
-        # checkpoint's load can write the name again (the recovery a failed step asks for).
-        self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
 
     # -- what the tier is like, for the callers' plans ---------------------------------------
     def in_place_on(self, device: torch.device) -> bool:
@@ -180,7 +175,6 @@ class Store:
             tensor = view
         nbytes = tensor.numel() * tensor.element_size()
         span = self._stats.io("nvme", True, nbytes, self.kind)
-        self._layout[name] = (tensor.dtype, tuple(tensor.shape))
         try:
             future = self._space.put(key, tensor)
         except BaseException:
@@ -335,14 +329,11 @@ class Store:
         tier (filling it is the write), a pool buffer on nvme (its contents undefined)."""
         if self._resident is not None:
             return Lease(self._resident[name])
-        key = self._key(name)
-        if key in self._space or name not in self._layout:
-            record = self._space.info(key)
-            dtype, shape = DTYPES[record.dtype], record.shape
-        else:  # its last write failed: shaped as that put was
-            dtype, shape = self._layout[name]
-        buffer = self._space.pool.acquire(max(math.prod(shape) * dtype.itemsize, 1))
-        return Lease(buffer.view(dtype, shape), buffer)
+        # (Also a name whose last write failed: a checkpoint's load writes it again, the
+        # recovery a failed step asks for.)
+        record = self._space.written_as(self._key(name))
+        buffer = self._space.pool.acquire(max(record.nbytes, 1))
+        return Lease(buffer.view(DTYPES[record.dtype], record.shape), buffer)
 
 
 def release_unused(pendings) -> None:

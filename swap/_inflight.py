@@ -3,7 +3,7 @@ whose last write failed.
 
 Owns: the futures `SwapSpace.put` and `SwapSpace.get` hand out until each finishes, the one
 unfinished write of a name (a read of that name reads after it), and the error of each name's
-failed write (kept until the name is written again, renamed over or deleted, so `info` can say
+failed write with the record it was for (kept until the name is written again, renamed over or deleted, so `info` can say
 why the name has no bytes). Touches: `SwapFuture.result` only. `SwapSpace` calls it; a future's
 own ``finish`` reports back through `done`.
 """
@@ -28,7 +28,7 @@ class InFlight:
     def __init__(self):
         self._pending: dict[str, list] = {}  # every unfinished put/get, by name
         self._writes: dict[str, object] = {}  # the unfinished put of a name, if any
-        self.failed: dict[str, BaseException] = {}  # names whose last write failed
+        self.failed: dict[str, tuple] = {}  # names whose last write failed: (its error, the record it was for)
 
     def add(self, name: str, fut, *, write: bool = False) -> None:
         """``fut`` is an operation on ``name`` now under way (``write``: a put)."""

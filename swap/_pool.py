@@ -118,7 +118,6 @@ class HostBuffer:
         # One locked section: a buffer aside whose room an acquire takes meanwhile is released
         # by that acquire (`Aside.reclaim`), and its extent, the acquirer's now, must not be freed here.
         with pool._locked():
-            pool._drain()
             self._let_go()
 
     def _let_go(self) -> None:
@@ -141,7 +140,6 @@ class HostBuffer:
             raise RuntimeError(f"this host buffer of {self.nbytes} bytes was released to its pool")
         pool = self._pool
         with pool._locked():
-            pool._drain()
             if pool._aside.set(self):
                 return True
         self.release()
@@ -153,7 +151,6 @@ class HostBuffer:
         from `acquire`. False: the pool gave its room to an acquire (the buffer is released)."""
         pool = self._pool
         with pool._locked():
-            pool._drain()
             return pool._aside.take(self, traffic or pool._counts.label())
 
     def __enter__(self) -> "HostBuffer":
@@ -180,7 +177,6 @@ class Reservation:
         pool, self._pool = self._pool, None
         if pool is not None:
             with pool._locked():
-                pool._drain()
                 pool._aside.reserved -= self.nbytes
                 pool._cond.notify_all()
 
@@ -313,7 +309,6 @@ class HostBufferPool:
         deadline = time.monotonic() + timeout
         with self._locked():
             while True:
-                self._drain()
                 self._check_open()
                 placed = self._place(size)
                 if placed is not None:
@@ -354,7 +349,6 @@ class HostBufferPool:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= self.budget_bytes:
             raise ValueError(f"{nbytes=} must be an int from 0 to the budget ({self.budget_bytes})")
         with self._locked():
-            self._drain()
             self._aside.reserved += nbytes
         return Reservation(self, nbytes)
 
@@ -369,7 +363,6 @@ class HostBufferPool:
             self._pending.append((slab, offset, size, traffic))
             return
         with self._locked():
-            self._drain()
             self._free(slab, offset, size, traffic)
 
     def _free(self, slab: Slab, offset: int, size: int, traffic: str = OTHER) -> None:
@@ -396,7 +389,11 @@ class HostBufferPool:
         before the lock is taken or inside the block, never between (a generator's section, or
         threading.Condition's Python enter, left it held when one landed as the acquire
         returned, and the next release, a read's verify thread, waited for good: an audit
-        helper's hang). Sections drain `_pending` first ([Note: pool re-entrance])."""
+        helper's hang). What a section left in `_pending` is drained first ([Note: pool
+        re-entrance])."""
+        if self._pending and not self._mutex._is_owned():
+            with self._mutex:
+                self._drain()
         return self._mutex
 
     def _drain(self) -> None:
@@ -427,9 +424,7 @@ class HostBufferPool:
     @property
     def in_use_bytes(self) -> int:
         """Bytes taken by buffers not yet released (each rounded up to the alignment)."""
-        if self._pending and not self._mutex._is_owned():  # releases a section queued: counted now
-            with self._locked():
-                self._drain()
+        self._locked()  # releases a section queued: counted now
         return self._counts.in_use
 
     @property
@@ -444,7 +439,6 @@ class HostBufferPool:
 
     def stats(self) -> dict:
         with self._locked():
-            self._drain()
             self._reap()
             c = self._counts
             return {
@@ -464,7 +458,6 @@ class HostBufferPool:
         """Drop the slabs that hold no buffer (the buffers set aside give their room up first);
         returns the bytes given back."""
         with self._locked():
-            self._drain()
             self._aside.reclaim_all()
             return self._slabs.drop_empty()
 
@@ -475,7 +468,6 @@ class HostBufferPool:
         tensors keep the mapping alive), but no longer count against anything.
         """
         with self._locked():
-            self._drain()
             if self._closed:
                 return
             self._closed = True

@@ -193,7 +193,7 @@ class SwapSpace:
                                 name=name) if extents else None  # fmt: skip
         except BaseException as e:
             self._arenas.free(record)
-            self._inflight.failed[name] = e
+            self._inflight.failed[name] = (e, record)
             raise
 
         def finish(error):
@@ -202,8 +202,8 @@ class SwapSpace:
                 if record.checksum is None:  # put was interrupted before it computed it
                     record.checksum = compute_checksum(data.numpy())
                 self._records[name] = record
-            elif self._inflight.failed.get(name) is not error:
-                self._inflight.failed[name] = error
+            elif self._inflight.failed.get(name, (None,))[0] is not error:
+                self._inflight.failed[name] = (error, record)
                 self._arenas.free(record)  # the bytes are not what the name says: forget it
             self._inflight.done(name, fut)
             if error is not None:
@@ -315,10 +315,18 @@ class SwapSpace:
         try:
             return self._records[name]
         except KeyError:
-            failed = self._inflight.failed.get(name)
+            failed, _ = self._inflight.failed.get(name, (None, None))
             why = f" (its last write failed: {type(failed).__name__}{f': {failed}' if str(failed) else ''})" \
                 if failed is not None else ""
             raise KeyError(f"no tensor {name!r} in swap space {self.rank_dirs[0]}{why}") from None
+
+    def written_as(self, name: str) -> TensorRecord:
+        """``name``'s record, or, where its last write failed (a full disk, a Ctrl-C), the record
+        that write was for: its dtype and shape, to write the name again with (its bytes are
+        not there). KeyError as `info` otherwise."""
+        self._inflight.settle_write(name)
+        failed = self._inflight.failed.get(name)
+        return failed[1] if failed is not None and name not in self._records else self.info(name)
 
     def __contains__(self, name: str) -> bool:
         self._inflight.settle_write(name)
