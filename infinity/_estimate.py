@@ -2,18 +2,18 @@
 a step moves, for each placement, without training or writing its state.
 
 Owns: the estimate (`estimate`, one `Estimate` per placement) and the machine it is compared
-with (`Machine`). Touches: `Engine` (read only), through a subclass that stops at the memory
-check; `_admission`'s plan, `_footprint`'s layout and check (called, not copied).
+with (`Machine`). Touches: `_assembly.lay_out` (what `initialize` lays out, called);
+`_admission`'s plan, `_footprint`'s layout and check (called, not copied).
 
 [Note: estimate from the engine's own plan]
-Figures computed a second time drift from the engine's. So the estimate builds the engine as
-`initialize` does, up to `Engine._check_memory` (units, tiles, sub-groups, stores, the
-optimizer's records: no tensor is made, a model from `infinity.build` stays on the meta
-device), and there, given the engine's `_layout.Layout` as `initialize` plans the host budget
-and checks the disk from it, it runs
-those same functions (`_admission.make_plan` and `finish`, `_footprint.plan` and `check`)
-with the budgets it wants, then stops the engine before anything is written; the swap space it
-opened under a directory of its own is discarded with it. What the engine does not compute
+Figures computed a second time drift from the engine's. So the estimate lays the model out
+with the function `initialize` lays it out with, `_assembly.lay_out` (units, tiles,
+sub-groups, stores, the optimizer's records: no tensor is made, a model from `infinity.build`
+stays on the meta device), and, given the `_layout.Layout` that `initialize` plans the host
+budget and checks the disk from (`_assembly.plan_memory`), it runs those same functions
+(`_admission.make_plan` and `finish`, `_footprint.plan` and `check`) with the budgets it
+wants; nothing is written, and the swap space it opened under a directory of its own is
+discarded. What the engine does not compute
 before a step, the bytes a step moves, follows docs/architecture.md "The bytes of a step" from
 the same records. tests/tools/test_estimate.py holds every figure to a real `initialize` and
 `engine.stats()`.
@@ -34,9 +34,10 @@ from torch import nn
 
 from infinity.swap import ALIGNMENT, round_up
 
-from . import _activations, _admission, _bytes, _footprint, _resources
+from . import _activations, _admission, _assembly, _bytes, _footprint, _resources
+from ._dist import Dist
+from ._stats import Stats
 from .config import TierConfig
-from .engine import Engine
 
 logger = logging.getLogger("infinity")
 
@@ -115,14 +116,6 @@ class Estimate:
         return out
 
 
-class _Stop(Exception):
-    """Ends the dry engine's construction at its memory check, carrying the figures."""
-
-    def __init__(self, figures: dict):
-        super().__init__("estimate taken")
-        self.figures = figures
-
-
 def estimate(make_model: Callable[[], nn.Module], config=None, *, placements=None, host_budget=None,
              machine: Machine | None = None) -> list[Estimate]:  # fmt: skip
     """The figures of the model ``make_model()`` (called inside ``infinity.build``, once per
@@ -139,7 +132,6 @@ def estimate(make_model: Callable[[], nn.Module], config=None, *, placements=Non
         machine = Machine.detect(paths)
     if len(machine.disk_free) != len(paths):
         raise ValueError(f"the machine has {len(machine.disk_free)} disk figures for {len(paths)} nvme.paths {paths}")
-    dry = _dry_engine(machine.disk_free, paths)
     out = []
     level = logger.level
     # The bisection plans dozens of budgets; what the engine logs about each is not the user's.
@@ -151,33 +143,30 @@ def estimate(make_model: Callable[[], nn.Module], config=None, *, placements=Non
                 run = cfg.replace(tiers=tiers, nvme={"paths": dirs})
                 with _build.build(run):
                     model = make_model()
-                try:
-                    engine = dry(model, run)
-                except _Stop as stop:
-                    figures = stop.figures
-                else:
-                    engine.close()
-                    raise RuntimeError("the estimate's engine ran past its memory check: Engine no longer calls "
-                                       "_check_memory before writing the state (see infinity/_estimate.py)")  # fmt: skip
+                figures = _figures(model, run, machine.disk_free, paths)
             out.append(_finish(name, tiers, figures, machine, paths, cfg))
     finally:
         logger.setLevel(level)
     return out
 
 
-def _dry_engine(disk_free: list[int], paths: list[str]) -> type:
-    """`Engine` up to its memory check, where it measures (with ``disk_free`` as the free space
-    of each of the drives ``paths``) and stops ([Note: estimate from the engine's own plan])."""
-
-    class DryEngine(Engine):
-        def _check_memory(self, cfg: TierConfig, layout) -> None:
-            raise _Stop(_measure(layout, cfg, disk_free, paths))
-
-    return DryEngine
+def _figures(model: nn.Module, cfg: TierConfig, disk_free: list[int], paths: list[str]) -> dict:
+    """`_measure` of what `initialize` lays out for ``model`` under ``cfg`` (`_assembly.lay_out`,
+    its stores in a swap space under ``cfg``'s scratch directories, discarded after), with
+    ``disk_free`` as the free space of each of the drives ``paths`` ([Note: estimate from the
+    engine's own plan]). Nothing is written."""
+    dist = Dist(cfg.partition.timeout)
+    aio, pool, space = _resources.open_io(cfg, dist.rank, dist.local_rank)
+    try:
+        parts = _assembly.lay_out(model, cfg, device=_assembly.device_of(dist), dist=dist, space=space, pool=pool,
+                                  stats=Stats())  # fmt: skip
+        return _measure(parts.layout, cfg, disk_free, paths)
+    finally:
+        _resources.close_io(space, pool, aio, discard=True)
 
 
 def _measure(layout, cfg: TierConfig, disk_free: list[int], paths: list[str]) -> dict:
-    """What `Engine._check_memory` would plan and check for ``cfg`` and ``layout`` (the
+    """What `_assembly.plan_memory` would plan and check for ``cfg`` and ``layout`` (the
     engine's `_layout.Layout`) on a machine with ``disk_free`` bytes free on each drive of
     ``paths``, and the floor."""
     in_pool = _activations.in_pool(cfg)

@@ -5,9 +5,9 @@ and before the components that run with the plan are made: its units, the stores
 sub-groups and their state records (`_substates.SubGroupStates`), the transport, the swap
 space, the ranks. `_admission.make_plan` and `finish`, `_footprint.plan` and `fit`,
 `_overlap_host.fit`, `_update.step_bytes`, `_bytes.state_tensors` and the estimate read those
-and nothing else. `Engine._setup` makes it once and hands it to `Engine._check_memory` (which
-the estimate's dry engine replaces: [Note: estimate from the engine's own plan] in
-`_estimate`), then makes the gradient accumulator and the optimizer with the plan it returns.
+and nothing else. `_assembly.lay_out` makes it once, for `Engine._setup` (which hands it to
+`_assembly.plan_memory`, then makes the gradient accumulator and the optimizer with the plan
+it returns) and for the estimate ([Note: estimate from the engine's own plan] in `_estimate`).
 """
 
 from __future__ import annotations

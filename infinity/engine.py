@@ -2,6 +2,7 @@
 user's unmodified module. It owns no policy of its own; each piece lives in its module:
 
     _lifecycle.py  whether the engine can be used (one state), the checks before each pass and step
+    _assembly.py   the parts made before any tensor is written, and the memory plan made from them
     _accumulation.py the backward passes since the last step, and whether they are whole
     _resources.py  what a run opens (I/O engine, host pool, swap space) and the memory checks
     _admission.py  the host budget's shares by class of traffic, and what gives way to a fetch
@@ -36,18 +37,15 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _build, _checkpoint, _deepspeed, _footprint, _gather, _onecopy, _overlap, _overlap_host, _refusals, _resources, _sizes, _units, _wrap
+from . import _activations, _admission, _assembly, _build, _checkpoint, _deepspeed, _gather, _overlap, _overlap_host, _resources, _sizes, _units, _wrap
 from ._accumulation import Accumulation
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
 from ._inplace import InPlaceWrites
 from ._interrupts import held_interrupts
-from ._layout import Layout
 from ._lifecycle import Lifecycle, TrainingGuard
-from ._algorithms import resolve
 from ._optim import Optimizer
-from ._substates import SubGroupStates, make_groups
 from ._overlap import OnDisk, Overlap
 from ._overlap_host import InMemory
 from ._owner import Owner, entry
@@ -55,9 +53,7 @@ from ._scaler import LossScaler
 from ._schedule import Scheduler
 from ._statedict import StateDictHooks
 from ._stats import Stats, peak_rss_bytes
-from ._store import Store
-from ._transport import Transport
-from ._units import UnitState, build_units
+from ._units import UnitState
 from ._update import clip_coef
 from .config import TierConfig
 
@@ -82,10 +78,7 @@ class Engine:
         self.dist.agree(cfg.to_dict())  # a mismatch is an error on every rank, not a hang later
         rank, local_rank = self.dist.rank, self.dist.local_rank
         self.rank, self.world_size = rank, self.dist.world_size
-        self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        # ZeRO stages; at world size 1 they coincide (a shard is the whole).
-        self.params_sharded = cfg.partition.stage == 3
-        self.grads_full = cfg.partition.stage == 1 and self.world_size > 1
+        self.device = _assembly.device_of(self.dist)
         self.dtype = cfg.precision.torch_dtype
         self.log_every = log_every
         self._stats = Stats()
@@ -117,53 +110,22 @@ class Engine:
         self._finalizer = weakref.finalize(self, _close_dropped, self.space, self.pool, self.aio)
 
     def _setup(self, module: nn.Module, cfg: TierConfig, optimizer_spec, scheduler_spec) -> None:
-        _refusals.refuse_managed(module)
-        _say_mixed_dtypes(module, self.dtype)
-        tiers = cfg.tiers
-        all_device = tiers.params == tiers.grads == tiers.optimizer == "device"
-        # Nothing moves with every tier on the device: tiles would only add work.
-        tile_bytes = None if all_device else cfg.memory.tile_size
-        units, module_units, tiled = build_units(module, self.world_size, self.rank, tile_bytes)
-        if not units:
-            raise ValueError("the module has no parameters: there is nothing to offload or train")
-        if tiled:
-            logger.info("memory.tile_size=%d: %s", tile_bytes, ", ".join(
-                f"{tiles[0].path} in {len(tiles)} tiles" for tiles in tiled.values()))  # fmt: skip
         dev, stats, space = self.device, self._stats, self.space
-        self.param_store = Store(tiers.params, "param", device=dev, space=space, stats=stats,
-                                 keep_in_pool=cfg.memory.keep_params)  # fmt: skip
-        grad_store = Store(tiers.grads, "grad", device=dev, space=space, stats=stats)
-        gather = self.params_sharded and self.dist.active  # whole parameters gathered from the ranks' slices
-        released = (f"at partition.stage 3 with {self.world_size} ranks each rank holds a slice of the weight between uses"
-                    if gather else None if self.param_store.in_place_on(dev) else
-                    f"with tiers.params = {tiers.params!r} the weight is released after each use")  # fmt: skip
-        _refusals.refuse_modules(module, released=released)
-        params = list({id(p): p for u in units for p in u.params}.values())  # a tiled one is in each tile
-        algorithm, param_groups, defaults, foreign = resolve(optimizer_spec, params,
-                                                             cfg.optimizer, all_device=all_device)  # fmt: skip
-        states = {k: Store(tiers.optimizer, k, device=dev, space=space, stats=stats) for k in algorithm.kind_names}
-        trainable = [u for u in units if u.trainable]  # frozen units get no optimizer state
-        # See [Note: one copy of the fp32 weights] in `_onecopy`.
-        one_copy = _onecopy.applies(tiers.params, tiers.optimizer, self.dtype,
-                                    not self.params_sharded and self.dist.active, algorithm)  # fmt: skip
-        groups = make_groups(trainable, cfg.optimizer.sub_group_size, algorithm, align=_onecopy.ALIGN if one_copy else 1)
-        if one_copy:
-            states["master"] = _onecopy.MasterView(self.param_store, groups, stats)
-        self.units = units
-        self.transport = Transport(dev, self.dtype, self.pool, self.dist, stats)
-        substates = SubGroupStates(algorithm, param_groups, units=units, groups=groups, stores=states,
-                                   param_store=self.param_store, param_dtype=self.dtype, dist=self.dist,
-                                   params_sharded=self.params_sharded, foreign=foreign, one_copy=one_copy)  # fmt: skip
-        # What the host budget's plan and the disk's footprint are computed from (`_layout`),
-        # before the parts that run with the plan: they are made with it, finished.
-        layout = Layout(units, dev, self.dtype, self.param_store, grad_store, substates, self.transport, space,
-                        self.dist, self.grads_full)  # fmt: skip
-        self.plan = self._check_memory(cfg, layout)  # before anything is written: that needs the pool too
+        # What the host budget's plan and the disk's footprint are computed from, before the
+        # parts that run with the plan: they are made with it, finished.
+        parts = _assembly.lay_out(module, cfg, device=dev, dist=self.dist, space=space, pool=self.pool, stats=stats,
+                                  optimizer_spec=optimizer_spec)  # fmt: skip
+        layout = parts.layout
+        self.params_sharded, self.grads_full = parts.params_sharded, layout.grads_full  # the ZeRO stage's meaning
+        units, substates = layout.units, layout.states
+        self.units, self.param_store, self.transport = units, layout.param_store, layout.transport
+        # Before anything is written: that needs the pool too.
+        self.plan, self.footprint = _assembly.plan_memory(cfg, layout)  # footprint: [Note: disk footprint]
         self.admission = _admission.Admission(self.pool, self.plan)
-        self.grads = GradAccumulator(grad_store, self.transport, grads_full=self.grads_full,
+        self.grads = GradAccumulator(layout.grad_store, self.transport, grads_full=self.grads_full,
                                      copier=self.transport.copies,  # on a GPU: [Note: gradients copied back]
                                      plan=self.plan, admission=self.admission)  # fmt: skip
-        self.optimizer = Optimizer(substates, defaults, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
+        self.optimizer = Optimizer(substates, parts.defaults, grads=self.grads, max_grad_norm=cfg.optimizer.max_grad_norm,
                                    engine_step=self._step, engine_zero_grad=self.zero_grad, plan=self.plan)  # fmt: skip
         # Everything else that can refuse the user's arguments, before the module's weights move.
         self.lr_scheduler = _lr_scheduler(scheduler_spec, self.optimizer)
@@ -217,10 +179,10 @@ class Engine:
         self.activations = _activations.build(cfg, rank=self.rank, local_rank=self.dist.local_rank, aio=self.aio,
                                               pool=self.pool, transport=self.transport, stats=stats,
                                               params=module.parameters, admission=self.admission)  # fmt: skip
-        self.scheduler = Scheduler(units, module_units, self.param_store, self.grads, stats, self.transport,
+        self.scheduler = Scheduler(units, parts.module_units, self.param_store, self.grads, stats, self.transport,
                                    depth=cfg.prefetch.depth, prefetch_bytes=cfg.prefetch.bytes, keep=cfg.prefetch.keep,
                                    keep_limit=plan.kept, device_budget=_device_budget(cfg, dev),
-                                   gather=gather, tiled=tiled,
+                                   gather=parts.gather, tiled=parts.tiled,
                                    admission=self.admission, activations=self.activations,
                                    listeners=(self._accumulation,) if overlap is not None else (),
                                    on_unit_final=overlap.unit_final if overlap is not None else None,
@@ -255,32 +217,6 @@ class Engine:
         if self.overlap is not None:
             self.admission.give_way(_admission.OVERLAP, self.overlap.relieve)
         self.admission.give_way(_admission.GRAD, self.grads.held.spill)
-
-    def _check_memory(self, cfg: TierConfig, layout: Layout) -> _admission.Plan:
-        """Refuse at initialize a host budget the pipelines cannot run in, or a placement the
-        machine's memory cannot hold (see `_resources`); plan the budget's shares
-        ([Note: traffic classes] in `_admission`) and return the plan. Called before anything
-        is written: the estimate stops here ([Note: estimate from the engine's own plan] in
-        `_estimate`)."""
-        plan = _admission.make_plan(layout, cfg, activations_in_pool=_activations.in_pool(cfg))
-        units, st = layout.units, layout.states
-        # State the resident tiers keep in host memory: the cpu tier, and the device tier on a
-        # machine without a GPU.
-        shard = sum(u.shard_numel for u in units)
-        full = sum(u.padded_numel for u in units)
-        kinds = {
-            "params": (layout.param_store, (full if st.gather_params else shard) * layout.dtype.itemsize),
-            "grads": (layout.grad_store, (full if layout.grads_full else shard) * 4),
-            "optimizer": (st.stores["master"], sum(g.record.state_bytes(st.kinds) for g in st.groups)),
-        }
-        host = torch.device("cpu")
-        resident = {k: n for k, (store, n) in kinds.items() if store.in_place_on(host)}
-        _resources.check_host_memory(resident, max(plan.needs.values()))
-        self.footprint = None  # the disk the swap space takes ([Note: disk footprint])
-        if self.space is not None:
-            self.footprint = _footprint.fit(layout, cfg, plan)
-        _admission.finish(plan, layout, self.footprint)
-        return plan
 
     # -- training ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -750,32 +686,6 @@ def _cast_buffers_of(module: nn.Module) -> set[nn.Module]:
             for plist in mod.parametrizations.values():
                 cast.update(plist.modules())
     return cast
-
-
-def _say_mixed_dtypes(module: nn.Module, dtype: torch.dtype) -> None:
-    """Say which parameters a low ``precision.param_dtype`` casts where the model kept them in
-    another float dtype beside parameters of that one: transformers' ``from_pretrained(...,
-    dtype=torch.bfloat16)`` keeps a model's ``_keep_in_fp32_modules`` (T5's ``wo``) in fp32, and
-    the engine runs every parameter in ``param_dtype``, as DeepSpeed's bf16 does, which no error
-    would show (an audit helper found it silent)."""
-    if dtype == torch.float32:
-        return
-    params = [(n, p) for n, p in module.named_parameters() if p.is_floating_point()]
-    kept = list(getattr(module, "_keep_in_fp32_modules", None) or ())
-    if any(p.dtype == dtype for _, p in params):
-        other = [n for n, p in params if p.dtype != dtype]
-        what = "the model holds in another dtype"
-    else:  # made in one dtype (fp32, say): the cast is the config's plain meaning, but for what the model keeps
-        other = [n for n, _ in params if any(k in n.split(".") for k in kept)]
-        what = "of the modules the model keeps in fp32"
-    if other:
-        name = str(dtype).removeprefix("torch.")
-        logger.warning(
-            "precision.param_dtype computes every parameter in %s, as DeepSpeed's bf16 and fp16 do, also the %d %s "
-            "(%s%s)%s; precision.param_dtype = \"fp32\" keeps them in fp32", name, len(other), what,
-            ", ".join(repr(n) for n in other[:3]), ", ..." if len(other) > 3 else "",
-            f"; transformers keeps the model's _keep_in_fp32_modules {sorted(kept)} in fp32" if kept else "",
-        )  # fmt: skip
 
 
 def _refuse_foreign_step(optimizer, args, kwargs):
