@@ -101,6 +101,8 @@ def _shares_data(func) -> bool:
 
 
 def _allowed(func) -> bool:
+    if func is torch.autograd.grad or func is torch.autograd.backward:
+        return True  # a parameter as a graph input (``inputs=``): its gradient asked for, its values not read
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):  # a property: metadata, unless a view of the data
         return getattr(getattr(func, "__self__", None), "__name__", "") not in _DATA_PROPERTIES

@@ -261,6 +261,31 @@ def test_a_parameter_frozen_or_unfrozen_after_initialize_is_refused_naming_it(tm
         engine.close()
 
 
+@pytest.mark.parametrize("tiers", [("nvme", "cpu", "cpu"), ("nvme", "cpu", "nvme"), ("cpu",) * 3],
+                         ids=["nvme-cpu-cpu", "nvme-cpu-nvme", "cpu"])  # fmt: skip
+def test_autograd_grad_over_the_parameters_gives_torchs_gradients_and_leaves_none_behind(tmp_path, tiers):
+    """torch.autograd.grad(loss, params) (and backward(inputs=params)) take the parameters as
+    the graph's inputs, not reading their values: with the parameters released after forward
+    (tiers.params = "nvme") the placeholders refused the call as a read outside the forward
+    (an audit helper's repro), where every other placement gave torch's gradients."""
+    model, ref = make_model().eval(), make_model().eval()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    with infinity.initialize(model, config(tmp_path, tiers, optimizer={"lr": 1e-2, "weight_decay": 0.01})) as engine:
+        params = list(engine.module.parameters())
+        got = torch.autograd.grad(engine(x).pow(2).mean(), params)
+        want = torch.autograd.grad(ref(x).pow(2).mean(), list(ref.parameters()))
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        engine(x).pow(2).mean().backward(inputs=params)  # a backward of them alone: a micro-batch
+        ref(x).pow(2).mean().backward(inputs=list(ref.parameters()))
+        assert engine.step()
+        opt.step()
+        weights = engine.gathered_weights()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(weights[k], v, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("tiers", [("cpu",) * 3, ("device", "device", "cpu")], ids=["cpu", "device-device-cpu"])
 def test_a_grad_set_by_hand_is_refused_at_the_step_and_zero_grad_drops_it(tmp_path, tiers):
     """Gradients written to p.grad by hand (torch.autograd.grad(loss, params), then p.grad = g:
