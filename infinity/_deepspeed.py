@@ -410,6 +410,13 @@ def _read(ds: dict, args) -> dict[str, Any]:
     # -- precision
     bf16 = r.get("bf16.enabled", False, arg="bf16") or r.get("bfloat16.enabled", False)
     fp16 = r.get("fp16.enabled", False, arg="fp16")
+    # A section the config leaves out is the training arguments' mixed precision, as accelerate's
+    # DeepSpeedPlugin.set_mixed_precision adds it under the Trainer (without, a TrainingArguments(bf16=True)
+    # run kept fp32 parameters, twice the bytes on every tier and other numerics, saying nothing).
+    if r.arg("bf16") and "bf16" not in ds and "bfloat16" not in ds:
+        bf16 = True
+    if r.arg("fp16") and "fp16" not in ds:
+        fp16 = True
     if bf16 and fp16:
         raise ValueError("DeepSpeed keys 'bf16.enabled' and 'fp16.enabled' are both true: choose one")
     dtype = "bf16" if bf16 else "fp16" if fp16 else "fp32"

@@ -361,6 +361,22 @@ def test_values_that_disagree_with_the_training_arguments_are_refused_naming_the
     assert infinity.TierConfig.from_deepspeed(agreed, training_args=_Args()).optimizer.lr == 3e-3
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_precision_section_left_out_is_the_training_arguments_mixed_precision(precision):
+    """Under the Trainer, accelerate adds the section a DeepSpeed config leaves out from the
+    arguments' bf16 or fp16 (DeepSpeedPlugin.set_mixed_precision), so DeepSpeed trains 16-bit
+    parameters; the engine kept fp32 ones, with nothing said (an audit helper's repro). A
+    section the config has is its own, and one that disagrees is refused, as before."""
+    args = type("Args", (_Args,), {precision: True})()
+    ds = {"zero_optimization": {"stage": 3}}
+    assert infinity.TierConfig.from_deepspeed(ds, training_args=args).precision.param_dtype == precision
+    assert infinity.TierConfig.from_deepspeed(ds, training_args=_Args()).precision.param_dtype == "fp32"
+    assert infinity.TierConfig.from_deepspeed({**ds, precision: {"enabled": "auto"}},
+                                              training_args=args).precision.param_dtype == precision  # fmt: skip
+    with pytest.raises(ValueError, match=rf"'{precision}.enabled' = false but TrainingArguments' {precision} = True"):
+        infinity.TierConfig.from_deepspeed({**ds, precision: {"enabled": False}}, training_args=args)
+
+
 def test_deepspeeds_step_after_a_plain_backward_is_refused_and_the_optimizers_step_steps(tmp_path):
     """engine.step() counts the micro-batches for engine.backward, which divides each loss: after
     a plain loss.backward() (nothing divided) the step would take the sum of the gradients, so it
