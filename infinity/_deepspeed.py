@@ -652,6 +652,23 @@ def _refuse_schedule(kind) -> None:
                      "(transformers' get_*_schedule_with_warmup)")  # fmt: skip
 
 
+def refuse_without_optimizer(source, model) -> None:
+    """DeepSpeed builds no optimizer from a config without an ``"optimizer"`` section where the
+    caller gives none (its backward then refuses to run): training on here, on an AdamW at this
+    engine's defaults, would be another run than any DeepSpeed one, with nothing said (an audit
+    helper's repro). Refused where ``model`` has a parameter to train; a frozen model (inference
+    only) needs no optimizer."""
+    if load(source).get("optimizer") or not any(p.requires_grad for p in model.parameters()):
+        return
+    raise ValueError(
+        "the DeepSpeed config has no \"optimizer\" section and initialize was given no optimizer=: DeepSpeed builds "
+        "no optimizer then (its engine.backward refuses), and this engine would train on an AdamW of defaults of its "
+        "own. Add an \"optimizer\" section ({\"type\": \"AdamW\", \"params\": {\"lr\": ...}}), pass optimizer= "
+        "(a torch optimizer, its class, or parameter groups), or freeze the model (model.requires_grad_(False)) to "
+        "run it for inference only"
+    )
+
+
 def lr_scheduler(source, *, training_args=None, num_training_steps=None):
     """The DeepSpeed config's ``scheduler`` as what `infinity.initialize` takes for
     ``lr_scheduler=`` (a callable of the optimizer), or None where it has none. Its ``"auto"``

@@ -742,7 +742,11 @@ def initialize(model: nn.Module, config=None, *, optimizer=None, lr_scheduler=No
 
     A DeepSpeed config (its dict, or a path to ``ds_config.json``) is read as the tier config
     it means (`TierConfig.from_deepspeed`), its ``scheduler`` as ``lr_scheduler`` when none is
-    given."""
-    if lr_scheduler is None and _deepspeed.is_deepspeed(config):
-        lr_scheduler = _deepspeed.lr_scheduler(config)
+    given; one without an ``"optimizer"`` section needs ``optimizer=`` (DeepSpeed builds none
+    then), unless no parameter requires grad."""
+    if _deepspeed.is_deepspeed(config):
+        if optimizer is None and isinstance(model, nn.Module):
+            _deepspeed.refuse_without_optimizer(config, model)
+        if lr_scheduler is None:
+            lr_scheduler = _deepspeed.lr_scheduler(config)
     return Engine(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler, log_every=log_every)

@@ -361,6 +361,19 @@ def test_values_that_disagree_with_the_training_arguments_are_refused_naming_the
     assert infinity.TierConfig.from_deepspeed(agreed, training_args=_Args()).optimizer.lr == 3e-3
 
 
+def test_a_ds_config_without_an_optimizer_needs_one_given(tmp_path):
+    """DeepSpeed builds no optimizer from a config without an "optimizer" section where none is
+    given (its backward refuses); the engine trained on an AdamW of its own defaults (lr 1e-4,
+    weight decay 0.01), with nothing said (an audit helper's repro). Refused, saying what to
+    give; an optimizer given, or a frozen model (inference), is taken."""
+    ds = {"zero_optimization": {"stage": 3}}
+    with pytest.raises(ValueError, match=r'no "optimizer" section and initialize was given no optimizer='):
+        infinity.initialize(make_model(), ds)
+    model = make_model()
+    infinity.initialize(model, ds, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).close()
+    infinity.initialize(make_model().requires_grad_(False), ds).close()
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_a_precision_section_left_out_is_the_training_arguments_mixed_precision(precision):
     """Under the Trainer, accelerate adds the section a DeepSpeed config leaves out from the
