@@ -23,6 +23,7 @@ DeepSpeed's ``"type": "Adam"`` runs AdamW (decoupled weight decay) unless its pa
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from typing import Any
 from torch.optim.lr_scheduler import LRScheduler
 
 from .config import TierConfig, _loads_json
+
+logger = logging.getLogger("infinity")
 
 MAP, IGNORE, REFUSE = "mapped", "ignored", "refused"
 
@@ -628,8 +631,12 @@ class DeepSpeedWarmup(LRScheduler):
         self.kind = warmup_type
         self.total = None if total_num_steps is None else int(total_num_steps)
         if self.total is not None and self.total < self.warmup:
-            raise ValueError(f"DeepSpeed key 'scheduler.params.total_num_steps' = {self.total}: less than "
-                             f"warmup_num_steps ({self.warmup})")  # fmt: skip
+            # DeepSpeed's WarmupDecayLR warns and trains: the warm-up, then the minimum from its
+            # end on (`gamma`). Refused, it stopped a Trainer run with max_steps=1 and every
+            # value "auto" (the warm-up is at least 2; an audit helper's repro).
+            logger.warning("DeepSpeed key 'scheduler.params.total_num_steps' = %d is less than warmup_num_steps (%d%s): "
+                           "the lr warms up, then stays at warmup_min_lr, as DeepSpeed's does",
+                           self.total, self.warmup, ", at least 2" if int(warmup_num_steps) < 2 else "")  # fmt: skip
         super().__init__(optimizer)
 
     def gamma(self, k: int) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import sys
@@ -432,6 +433,21 @@ def _lrs(ds: dict, steps: int, lr: float = 5e-2, **kwargs) -> list[float]:
         opt.step()
         schedule.step()
     return out
+
+
+@pytest.mark.parametrize("warmup, total", [(5, 3), (1, 1), (0, 1)])
+def test_a_decay_shorter_than_its_warmup_trains_as_deepspeeds(warmup, total, caplog):
+    """DeepSpeed's WarmupDecayLR with total_num_steps under warmup_num_steps (at least 2) warns
+    and trains: the warm-up, then the minimum. The engine refused it, which stopped a Trainer run
+    with max_steps=1 and every value "auto" (an audit helper's repro)."""
+    ds = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
+                                                             "warmup_num_steps": warmup, "total_num_steps": total}}}
+    with caplog.at_level(logging.WARNING, logger="infinity"):
+        got = _lrs(ds, 8)
+    assert "is less than warmup_num_steps" in caplog.text
+    steps = max(2, warmup)
+    want = [0.0] + [0.1 * math.log(k + 1) / math.log(steps) for k in range(steps)] + [0.0] * (7 - steps)
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
 
 
 def test_a_warmup_without_its_maximum_takes_deepspeeds_default():
