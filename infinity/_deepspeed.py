@@ -87,7 +87,8 @@ RULES: dict[str, Rule] = {
     "fp16.loss_scale_window": _m("precision.growth_interval"),
     "fp16.hysteresis": _m("precision.hysteresis", "2 when absent, DeepSpeed's default"),
     "fp16.consecutive_hysteresis": _m("precision.consecutive_hysteresis"),
-    "fp16.min_loss_scale": _m("precision.min_scale"),
+    "fp16.min_loss_scale": _m("precision.min_scale", "an overflow there raises, as DeepSpeed's "
+                                                      "(`precision.stop_at_min_scale`, set with fp16)"),
     "bf16": _i("the section: its keys below"),
     "bf16.enabled": _m("precision.param_dtype", '"bf16" when true'),
     "bf16.immediate_grad_update": _i("gradients are accumulated in fp32 as they arrive"),
@@ -435,6 +436,9 @@ def _read(ds: dict, args) -> dict[str, Any]:
         if low is not None:
             out["precision.min_scale"] = _number("fp16.min_loss_scale", low)
         out["precision.hysteresis"] = _number("fp16.hysteresis", r.get("fp16.hysteresis", 2), int)
+        # DeepSpeed's DynamicLossScaler raises at an overflow at its minimum (raise_error_at_min_scale,
+        # which its config cannot turn off); skipping on, the run stood still where DeepSpeed's stops.
+        out["precision.stop_at_min_scale"] = True
         consecutive = r.get("fp16.consecutive_hysteresis", False)
         if not isinstance(consecutive, bool):
             raise ValueError(f"DeepSpeed key 'fp16.consecutive_hysteresis': expected true or false, got {consecutive!r}")

@@ -32,6 +32,7 @@ class LossScaler:
         self.hysteresis = precision.hysteresis  # overflows left before the scale backs off
         self.scaled_backward = False  # a backward since the last step went through `in_backward`
         self._said_floor = False  # an overflow at the minimum scale said (once)
+        self.at_floor = False  # the last update was an overflow at the minimum scale, with stop_at_min_scale
 
     def in_backward(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss``, the same value, whose backward starts from ``scale`` instead of 1: for a loop
@@ -41,9 +42,12 @@ class LossScaler:
     def update(self, overflow: bool) -> None:
         self.scaled_backward = False
         cfg = self.cfg
+        self.at_floor = False
         if overflow:
             if self.hysteresis <= 1:
-                if self.scale <= cfg.min_scale and not self._said_floor:
+                if self.scale <= cfg.min_scale and cfg.stop_at_min_scale:
+                    self.at_floor = True  # the engine raises once the step is counted (`floor_error`)
+                elif self.scale <= cfg.min_scale and not self._said_floor:
                     # The scale cannot back off further: the next steps may all be skipped, and
                     # training stands still (DeepSpeed raises here).
                     self._said_floor = True
@@ -63,6 +67,14 @@ class LossScaler:
             self.hysteresis = cfg.hysteresis
             self.scale *= cfg.growth_factor
             self.good_steps = 0
+
+    def floor_error(self) -> FloatingPointError:
+        return FloatingPointError(
+            f"fp16 overflow at the minimum loss scale (precision.min_scale = {self.cfg.min_scale:g}, DeepSpeed's "
+            "fp16.min_loss_scale): the step was skipped and the scale cannot go lower, so training would stand still. "
+            "precision.stop_at_min_scale (which a DeepSpeed config sets, as DeepSpeed stops its run here) raises "
+            "this; lower min_scale, train in bf16, or set stop_at_min_scale = false to skip such steps and go on"
+        )
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps, "hysteresis": self.hysteresis}

@@ -400,12 +400,17 @@ class PrecisionConfig:
     renewed when the scale grows (or, with ``consecutive_hysteresis``, at every clean step)."""
     consecutive_hysteresis: bool = False
     """fp16 only: renew the hysteresis count at every clean step, not only when the scale grows."""
+    stop_at_min_scale: bool = False
+    """fp16 only: an overflow that would back the scale off below min_scale raises (after the
+    step is skipped) instead of skipping on, as DeepSpeed stops its run there; a DeepSpeed
+    config sets it."""
 
     def __post_init__(self) -> None:
         _choice(self, "param_dtype", PARAM_DTYPES)
         _int(self, "hysteresis", 1)
-        if not isinstance(self.consecutive_hysteresis, bool):
-            raise _type_error(self, "consecutive_hysteresis", "true or false", self.consecutive_hysteresis)
+        for key in ("consecutive_hysteresis", "stop_at_min_scale"):
+            if not isinstance(getattr(self, key), bool):
+                raise _type_error(self, key, "true or false", getattr(self, key))
         _float(self, "initial_scale", lo=0.0, open_lo=True)
         _int(self, "growth_interval", 1)
         _float(self, "min_scale", lo=0.0, hi=self.initial_scale, open_lo=True)

@@ -343,6 +343,8 @@ class Engine:
             _resources.trim_malloc(_resources.STEP_TRIM_SLACK)  # see [Note: malloc threshold]
             last = self._stats.end_step()
             self._last_step = last
+        if self._scaler is not None and self._scaler.at_floor:  # the step counted, skipped: the run stops here
+            raise self._scaler.floor_error()
         if self.log_every and self._stats.steps % self.log_every == 0:
             logger.info("step %d: %s", self._stats.steps, _one_line(last))
         return stepped

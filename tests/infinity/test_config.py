@@ -122,6 +122,7 @@ BAD = [
     ({"precision": {"hysteresis": 0}}, "precision.hysteresis: 0 must be at least 1"),
     ({"precision": {"hysteresis": 2.0}}, "precision.hysteresis: expected an int"),
     ({"precision": {"consecutive_hysteresis": 1}}, "precision.consecutive_hysteresis: expected true or false"),
+    ({"precision": {"stop_at_min_scale": "yes"}}, "precision.stop_at_min_scale: expected true or false"),
     ({"optimizer": {"lr": -1e-4}}, "optimizer.lr: -0.0001 must be in [0.0, inf)"),
     ({"optimizer": {"lr": "fast"}}, "optimizer.lr"),
     ({"optimizer": {"lr": True}}, "optimizer.lr: expected a number, got bool True"),
@@ -212,7 +213,8 @@ _RIGHT_TYPE = {
 }
 
 
-_EVERY_VALUE_IN_RANGE = {"nvme.keep", "prefetch.keep", "memory.keep_params", "precision.consecutive_hysteresis"}
+_EVERY_VALUE_IN_RANGE = {"nvme.keep", "prefetch.keep", "memory.keep_params", "precision.consecutive_hysteresis",
+                         "precision.stop_at_min_scale"}
 
 
 def test_the_table_has_a_wrong_type_and_an_out_of_range_value_for_every_key():

@@ -284,6 +284,31 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path):
     engine.close()
 
 
+def test_fp16_overflow_at_the_minimum_scale_stops_the_run_as_deepspeeds_with_stop_at_min_scale(tmp_path):
+    """DeepSpeed raises at an overflow with its scale at fp16.min_loss_scale; the engine skipped
+    on, said once, and a run whose every step overflows there stood still (an audit helper's
+    repro). precision.stop_at_min_scale (a DeepSpeed config's) raises once the skipped step is
+    counted; the engine trains on after it where the scale allows."""
+    torch.manual_seed(0)
+    ds = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "fp16": {"enabled": True, "initial_scale_power": 61, "min_loss_scale": 2.0**60, "hysteresis": 1}}  # fmt: skip
+    cfg = infinity.TierConfig.from_deepspeed(ds)
+    assert cfg.precision.stop_at_min_scale
+    engine = infinity.initialize(_mlp(), cfg)
+    x = torch.randn(8, 16).half()
+    before = _weights(engine)
+    engine.backward(engine(x).float().pow(2).mean())
+    assert engine.step() is False  # 2^61 -> 2^60: backing off
+    engine.backward(engine(x).float().pow(2).mean())
+    with pytest.raises(FloatingPointError, match=r"minimum loss scale \(precision.min_scale = 1.15292e\+18"):
+        engine.step()
+    assert engine.stats()["total"]["skipped_steps"] == 2 and engine.stats()["loss_scale"] == 2.0**60
+    assert all(torch.equal(before[k], v) for k, v in _weights(engine).items())
+    engine.backward(engine(x).float().pow(2).mean() * 0)  # a clean step (zero gradients): trains on
+    assert engine.step() is True
+    engine.close()
+
+
 def test_module_used_several_times_per_step(tmp_path):
     torch.manual_seed(0)
     shared = nn.Linear(8, 8)
