@@ -8,7 +8,8 @@
 
 Everything the Trainer does stays the Trainer's: its data loading, logging, evaluation,
 gradient accumulation, LR schedule (``lr_scheduler_type``, ``warmup_steps``), weight-decay
-groups (no decay on biases and norms), ``save_steps`` and ``resume_from_checkpoint``. What
+groups (no decay on biases and norms; a DeepSpeed config's optimizer section decays every
+parameter, as under DeepSpeed), ``save_steps`` and ``resume_from_checkpoint``. What
 changes, when training starts:
 
 - the optimizer the Trainer would make (``TrainingArguments.optim``: the adamw_torch family,
@@ -139,20 +140,22 @@ class InfinityTrainer(transformers.Trainer):
             cfg = cfg.replace(optimizer={"gradient_accumulation_steps": self.args.gradient_accumulation_steps,
                                          "accumulation": "caller"})  # fmt: skip
             # A DeepSpeed config's optimizer section is the optimizer (its "auto" values the
-            # arguments'), over the Trainer's groups (no decay on biases and norms).
-            opt = self._torch_optimizer() if ds is None or "optimizer" not in ds else self._groups(cfg)
+            # arguments'), over every trainable parameter with its weight decay, as transformers
+            # gives DeepSpeed a flat list (DummyOptim(params=model_parameters)); it ran over the
+            # Trainer's groups, no decay on biases and norms, other weights than DeepSpeed's (an
+            # audit helper's repro). Without a section, the Trainer's optimizer and groups.
+            opt = self._torch_optimizer() if ds is None or "optimizer" not in ds else None
             self.engine = infinity.initialize(self.model, cfg, optimizer=opt)
         self.optimizer = self.engine.optimizer
         return self.optimizer
 
-    def _groups(self, cfg=None) -> list[dict]:
-        """The Trainer's parameter groups: decay on what it decays (``cfg``'s weight decay, or
-        the arguments'), none on biases and norms."""
+    def _groups(self) -> list[dict]:
+        """The Trainer's parameter groups: decay on what it decays (the arguments' weight
+        decay), none on biases and norms."""
         decay = set(self.get_decay_parameter_names(self.model))
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        rate = cfg.optimizer.weight_decay if cfg is not None else self.args.weight_decay
         groups = [
-            {"params": [p for n, p in named if n in decay], "weight_decay": rate},
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
         return [g for g in groups if g["params"]]

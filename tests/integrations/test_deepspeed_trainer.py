@@ -44,9 +44,32 @@ def _history(trainer) -> dict:
     return {h["step"]: h for h in trainer.state.log_history if "loss" in h}
 
 
+class _DecayAll(integration.InfinityTrainer):
+    """The Trainer's optimizer over one group that decays every parameter: what transformers
+    gives DeepSpeed for a config's optimizer section (a flat list of the trainable ones)."""
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        return [n for n, _ in model.named_parameters()]
+
+
+def test_a_deepspeed_optimizer_section_decays_every_parameter_as_under_deepspeed(tmp_path):
+    """transformers gives DeepSpeed the trainable parameters as one flat list
+    (DummyOptim(params=model_parameters)), so a config's optimizer section decays biases and
+    norms too; the engine ran it over the Trainer's groups, no decay on them, and trained other
+    weights than DeepSpeed's with nothing said (an audit helper's repro)."""
+    args = integration.TrainingArguments(**{**_kw(tmp_path / "a"), "max_steps": 1}, deepspeed=_ds(tmp_path))
+    ours = integration.InfinityTrainer(model=_llama(), args=args, train_dataset=_Tokens())
+    ours.train()
+    groups = ours.engine.optimizer.param_groups
+    assert len(groups) == 1 and groups[0]["weight_decay"] == 0.1
+    assert len(groups[0]["params"]) == sum(1 for p in ours.model.parameters() if p.requires_grad)
+    ours.engine.close()
+
+
 def test_training_arguments_deepspeed_trains_as_the_native_config_it_means(tmp_path):
     """One changed import: the DeepSpeed config's tiers, its "auto" values from the arguments,
-    the Trainer's own schedule (the config has none), bit for bit the native config's run."""
+    the Trainer's own schedule (the config has none), bit for bit the native config's run (with
+    every parameter decayed, as the config's optimizer section decays them)."""
     ds = _ds(tmp_path)
     ours = integration.InfinityTrainer(model=_llama(), args=integration.TrainingArguments(**_kw(tmp_path / "a"),
                                                                                           deepspeed=ds),
@@ -59,8 +82,8 @@ def test_training_arguments_deepspeed_trains_as_the_native_config_it_means(tmp_p
     native = {"tiers": {"params": "nvme", "grads": "cpu", "optimizer": "nvme"},
               "nvme": {"paths": [str(tmp_path / "swap")]}, "prefetch": cfg.to_dict()["prefetch"],
               "optimizer": {"sub_group_size": cfg.optimizer.sub_group_size, "max_grad_norm": 1.0}}  # fmt: skip
-    plain = integration.InfinityTrainer(model=_llama(), args=transformers.TrainingArguments(**_kw(tmp_path / "b")),
-                                        train_dataset=_Tokens(), infinity_config=native)  # fmt: skip
+    plain = _DecayAll(model=_llama(), args=transformers.TrainingArguments(**_kw(tmp_path / "b")),
+                      train_dataset=_Tokens(), infinity_config=native)
     plain.train()
     got, want = _history(ours), _history(plain)
     assert len(got) == STEPS
@@ -192,7 +215,7 @@ def test_a_deepspeed_config_without_gradient_clipping_does_not_clip(tmp_path):
     native = {"tiers": {"params": "nvme", "grads": "cpu", "optimizer": "nvme"},
               "nvme": {"paths": [str(tmp_path / "swap")]}, "prefetch": cfg.to_dict()["prefetch"],
               "optimizer": {"sub_group_size": cfg.optimizer.sub_group_size}}  # fmt: skip
-    plain = integration.InfinityTrainer(model=_llama(), args=transformers.TrainingArguments(
+    plain = _DecayAll(model=_llama(), args=transformers.TrainingArguments(
         **{**kw, "output_dir": str(tmp_path / "b"), "max_grad_norm": 0.0}), train_dataset=_Tokens(),
         infinity_config=native)  # fmt: skip
     plain.train()
