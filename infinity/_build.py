@@ -48,11 +48,7 @@ def build(config=None, *, init: bool = True):
     accepted for symmetry with `initialize` and not needed. ``init=False``: the values are
     zeros, for weights that a checkpoint overwrites anyway (`from_pretrained`)."""
 
-    # The random state at the start (or, once the model's code makes an init call, at the first
-    # one): `initialize` draws the initial values from it, so a model built after
-    # torch.manual_seed(s) gets the same values on every run (and, for a model whose
-    # constructor draws them module by module in order, the values it would have had).
-    state = torch.get_rng_state()
+    # The random streams `initialize` draws the initial values from: [Note: random streams of a build].
     _resources.pin_malloc_threshold()  # before the parameters made and dropped here (see [Note: malloc threshold])
 
     made = []
@@ -66,7 +62,8 @@ def build(config=None, *, init: bool = True):
             meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
             if init:
                 _init_record.keep_value(meta, param, recorder)
-        meta._infinity_rng = state
+        if recorder is not None:  # (an init call in the block may give it the stream current then)
+            meta._infinity_rng = recorder.rng.current()
         meta._infinity_init = init
         made.append(meta)
         meta._infinity_where = f"{type(module).__name__}.{name}"
@@ -86,11 +83,8 @@ def build(config=None, *, init: bool = True):
             + "; ".join(dict.fromkeys(recorder.errors))
             + ". Construct the model outside build(), or initialise it in a way build records"
         )
-    if recorder is not None and recorder.rng is not None:
-        # Draw from the state the model's first init call saw: a torch.manual_seed inside the
-        # block (at the top of the model's own constructor) then counts, as in a plain build.
-        for p in made:
-            p._infinity_rng = recorder.rng
+    if recorder is not None and made:
+        recorder.move_on()
 
 
 def _refuse_hf_from_pretrained():
@@ -121,13 +115,20 @@ def on_meta(unit) -> bool:
     return any(p.device.type == "meta" for p in unit.params)
 
 
-def rng_of(units) -> torch.Tensor | None:
-    """The random state `build` started from, for the first of ``units`` it made."""
-    for u in units:
-        for p in u.params:
-            if p.is_meta and hasattr(p, "_infinity_rng"):
-                return p._infinity_rng
-    return None
+@contextlib.contextmanager
+def _drawing(params):
+    """Draw the values of ``params`` (a unit's built ones) from the random stream of the first,
+    on from where the last unit drawn from it left it (the global random state as it was is
+    back after `initialize`: torch.random.fork_rng)."""
+    stream = next((p._infinity_rng for p in params if getattr(p, "_infinity_rng", None) is not None), None)
+    if stream is None:
+        yield
+        return
+    torch.set_rng_state(stream.state)
+    try:
+        yield
+    finally:
+        stream.state = torch.get_rng_state()
 
 
 def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
@@ -150,7 +151,14 @@ def materialize(model: nn.Module, unit, modules: dict[str, nn.Module]) -> None:
     chain = [path]  # the module, then its ancestors up to the root: post_init's order
     while chain[-1]:
         chain.append(chain[-1].rpartition(".")[0])
-    init = _hf_init(model, chain, modules)
+    with _drawing(empty):
+        _initialise(unit, owner, chain, empty, modules, _hf_init(model, chain, modules))
+
+
+def _initialise(unit, owner, chain, empty, modules, init) -> None:
+    """``unit``'s built parameters (``empty``, real now) get the model's initialisation: ``init``
+    (where -> transformers' ``_init_weights``) or the calls recorded in the block, else
+    ``owner.reset_parameters()``."""
     if init is None:  # the model's own calls, recorded in the block (see [Note: recorded initialisation])
         for p in empty:
             if _init_record.replayable(p):

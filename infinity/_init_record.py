@@ -15,8 +15,8 @@ in-place method (``normal_``, ``fill_``, ``copy_``, ``p[...] = v``, ...) on it o
 A small parameter (at most `KEEP_BYTES`) keeps the values it was registered with (LayerNorm's
 ``torch.ones``), as the start the calls apply to. At `initialize` the calls from the last one
 that overwrites the whole tensor on are run again, in order, on the real tensor, drawing from
-the random state the first recorded call saw (a ``torch.manual_seed`` in the block counts). Values are bit-equal to a plain build when the model
-draws them parameter by parameter in unit order (each module's constructor initialising its
+the parameter's random stream ([Note: random streams of a build]). Values are bit-equal to a
+plain build when the model draws them parameter by parameter in unit order (each module's constructor initialising its
 own, as ``nn.Linear`` does); a second pass over the model (``apply(init)``) draws in a
 different order, so the values are other draws of the same distributions. A call that cannot
 be done again (its arguments include another tensor on the meta device, or it writes a view
@@ -24,11 +24,32 @@ of a parameter that build could not follow) is an error when the ``build()`` blo
 naming the parameter and the call. A larger parameter registered with values the constructor
 computed (not ``torch.empty``) that nothing in the block overwrites is refused at `initialize`,
 naming it: its values are gone, and another init in their place would be silent.
+
+[Note: random streams of a build]
+On the meta device nothing is drawn: the global random generator, and a torch.Generator the
+model's code passes to its init calls, stay where they were while the block runs. So a change
+of one's state in the block is a reseed (``torch.manual_seed`` in a constructor) or a real
+draw, and starts a new stream (`Stream`): its state then. A parameter's values are drawn at
+`initialize` from the global stream current at its first recorded call (at its registration
+where it has none), a call given a generator from that generator's stream; the units of one
+stream draw from it in unit order, each on from where the one before left it, across engines
+too. So a model built after ``torch.manual_seed(s)`` gets the same values on every run; one
+whose constructor draws them parameter by parameter in unit order gets a plain build's values,
+after a reseed between its layers and for calls that share a generator too; and models built
+one after another in a block, initialised in that order, get a plain build's values each. At
+the end of the block each generator it drew from (`Recorder.move_on`) goes on from a stream
+apart from the one the values come from, seeded from a hash of that one's state (the same on
+every run): numbers drawn after the block (data, dropout) are not those the weights are made
+of, as they were when it stayed where it began, and a model in a second block gets other
+values than the first. They are not the numbers a plain build leaves it at, which exist only
+once the values are drawn, at `initialize`. A real draw in the block (a buffer from
+``torch.rand``) still takes the numbers the parameters before it are drawn from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import weakref
 
 import torch
@@ -77,6 +98,47 @@ def _meta_args(args, kwargs) -> bool:
     return any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values()))
 
 
+class Stream:
+    """A random stream the initial values are drawn from at `initialize`, one per segment of the
+    block's draws: the state a random generator had when the segment began (see [Note: random
+    streams of a build]), moved on as each unit's values are drawn from it."""
+
+    __slots__ = ("state", "_generator")
+
+    def __init__(self, state: torch.Tensor):
+        self.state = state
+        self._generator = None
+
+    def generator(self) -> torch.Generator:
+        """A generator of its own, drawing on where the last call that used it left off (a
+        torch.Generator the model's code passed to its init calls)."""
+        if self._generator is None:
+            self._generator = torch.Generator()
+            self._generator.set_state(self.state)
+        return self._generator
+
+
+def derived_seed(state: torch.Tensor) -> int:
+    """A seed for a stream apart from the one ``state`` starts (see [Note: random streams of a build])."""
+    digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8, person=b"infinity.build").digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class _Source:
+    """The streams of one random generator in the block: a new one each time its state changed
+    since the last look (a reseed, or a real draw), since nothing drawn on the meta device moves it."""
+
+    def __init__(self, get_state):
+        self.get_state = get_state
+        self.stream = None
+
+    def current(self) -> Stream:
+        now = self.get_state()
+        if self.stream is None or not torch.equal(now, self.stream.state):
+            self.stream = Stream(now)
+        return self.stream
+
+
 class Recorder(TorchFunctionMode):
     def __init__(self):
         super().__init__()
@@ -84,7 +146,10 @@ class Recorder(TorchFunctionMode):
         # parameter): `p.data` (no calls), `p[0]`, `p.data.view(-1)`, ...
         self.aliases = {}
         self.errors = []
-        self.rng = None  # the random state at the first recorded call: see `build`
+        # The global random state's streams ([Note: random streams of a build]), and those of
+        # each torch.Generator the model's code passed (id -> (the generator, its streams)).
+        self.rng = _Source(torch.get_rng_state)
+        self.generators: dict[int, tuple[torch.Generator, _Source]] = {}
         # data_ptr -> True for the tensors torch.empty made in the block: a parameter registered
         # with one of those has no values of its own to lose (nn.Linear's, before its init).
         self.empties = {}
@@ -110,14 +175,33 @@ class Recorder(TorchFunctionMode):
                 "the meta device, whose values do not exist until initialize"
             )
             return
-        if self.rng is None:
-            self.rng = torch.get_rng_state()
+        if not param.__dict__.get("_infinity_ops"):  # its values are drawn from the stream of its first call
+            param._infinity_rng = self.rng.current()
         ops = param.__dict__.setdefault("_infinity_ops", [])
         if not chain and (_name(func) in _OVERWRITE or what.startswith("torch.nn.init")):
             ops.clear()  # what came before is overwritten: not run again (and not kept)
             param.__dict__.pop("_infinity_value", None)
             param.__dict__.pop("_infinity_lost", None)
-        ops.append((_OnView(chain, func) if chain else func, tuple(args[1:]), dict(kwargs), _generator_states(args, kwargs)))
+        ops.append((_OnView(chain, func) if chain else func, tuple(args[1:]), dict(kwargs), self._stream_of(kwargs)))
+
+    def _stream_of(self, kwargs) -> Stream | None:
+        """The stream of the generator passed to the call (None: the global one's, the
+        parameter's). Calls that share a generator draw on from one another at `initialize`."""
+        gen = kwargs.get("generator")
+        if not isinstance(gen, torch.Generator):
+            return None
+        if id(gen) not in self.generators:
+            self.generators[id(gen)] = (gen, _Source(gen.get_state))
+        return self.generators[id(gen)][1].current()
+
+    def move_on(self) -> None:
+        """At the end of the block: each generator the block drew from on the meta device (the
+        global one, and those passed to init calls) goes on from a stream apart from the one
+        `initialize` draws the values from, not from where it began ([Note: random streams of a build])."""
+        if self.rng.stream is not None:
+            torch.default_generator.manual_seed(derived_seed(self.rng.stream.state))
+        for gen, source in self.generators.values():
+            gen.manual_seed(derived_seed(source.stream.state))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -150,13 +234,6 @@ class Recorder(TorchFunctionMode):
                 step = () if name in ("__get__", "detach") else ((func, tuple(args[1:]), dict(kwargs)),)
                 self.aliases[id(out)] = (weakref.ref(out), param, (*chain, *step))
         return out
-
-
-def _generator_states(args, kwargs):
-    """A generator passed to the call is cloned as it is now, so the replay draws what the call
-    would have drawn from it."""
-    gen = kwargs.get("generator")
-    return None if not isinstance(gen, torch.Generator) else gen.get_state()
 
 
 @contextlib.contextmanager
@@ -211,11 +288,9 @@ def replay(p: torch.Tensor) -> None:
         value = getattr(p, "_infinity_value", None)
         if value is not None:
             p.copy_(value)
-        for func, rest, kwargs, gen_state in getattr(p, "_infinity_ops", ()):
-            if gen_state is not None:
-                gen = torch.Generator()
-                gen.set_state(gen_state)
-                kwargs = {**kwargs, "generator": gen}
+        for func, rest, kwargs, stream in getattr(p, "_infinity_ops", ()):
+            if stream is not None:  # the generator the call was given: the values it would draw
+                kwargs = {**kwargs, "generator": stream.generator()}
             func(p, *rest, **kwargs)
     # Done once (a tiled module's first tile makes it whole): the copies and call arguments go.
     p.__dict__.pop("_infinity_value", None)

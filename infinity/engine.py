@@ -133,10 +133,8 @@ class Engine:
         # their tier. A model made in `infinity.build` gets its values now, one unit at a time.
         built = {u.index for u in units if _build.on_meta(u)}
         modules = dict(module.named_modules(remove_duplicate=False)) if built else {}
-        state = _build.rng_of(units)
-        with torch.random.fork_rng(devices=[], enabled=state is not None):
-            if state is not None:
-                torch.set_rng_state(state)
+        # Each unit drawn from its stream of the block; the random state as it was is back after.
+        with torch.random.fork_rng(devices=[], enabled=bool(built)):
             trim = _resources.TrimEvery()  # see [Note: malloc threshold]
 
             def done(u):

@@ -332,3 +332,76 @@ def test_a_large_parameter_with_constructor_values_and_no_init_in_the_block_is_r
         nn.init.normal_(model[0].mix, std=0.02)
     with infinity.initialize(model, config(tmp_path / "b", ("nvme",) * 3)) as engine:
         assert abs(engine.gathered_weights()["0.mix"].std() - 0.02) < 0.001
+
+
+def _built_and_plain_equal(tmp_path, built: nn.Module, plain: nn.Module) -> None:
+    with infinity.initialize(built, config(tmp_path, ("cpu",) * 3)) as engine:
+        got = engine.gathered_weights()
+    for name, p in plain.named_parameters():
+        assert torch.equal(got[name], p.detach()), name
+
+
+class _FromOneGenerator(nn.Module):
+    """Two parameters the constructor draws from one torch.Generator, and between them a layer
+    drawn from the global generator after a reseed."""
+
+    def __init__(self, gen: torch.Generator):
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(8, 8))
+        nn.init.normal_(self.a, generator=gen)
+        torch.manual_seed(7)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Parameter(torch.empty(8, 8))
+        nn.init.normal_(self.c, generator=gen)
+
+
+def test_draws_from_one_generator_and_after_a_reseed_are_a_plain_builds(tmp_path):
+    """Each init call with a generator replayed from that generator's state at its own call:
+    nothing moves a generator on the meta device, so a second call replayed the first one's
+    draws, and two weights came out equal (an audit helper's repro). Calls that share a
+    generator now draw on from one another, and a torch.manual_seed between a constructor's
+    layers counts for the layers after it (only the first state counted): bit for bit a plain
+    build."""
+    torch.manual_seed(0)
+    plain = _FromOneGenerator(torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    with infinity.build():
+        built = _FromOneGenerator(torch.Generator().manual_seed(5))
+    _built_and_plain_equal(tmp_path, built, plain)
+    assert not torch.equal(plain.a, plain.c)
+
+
+def test_models_built_one_after_another_get_their_own_values_and_the_stream_moves_on(tmp_path):
+    """Nothing is drawn in the block, so the random state stayed where it began: two models
+    built after one seed came out equal, and the numbers drawn after the block (data, dropout)
+    were the very ones the weights were drawn from (an audit helper's repro). Models built in
+    one block draw on from one another at initialize (a plain build's values, initialised in
+    order); after the block the generator goes on from a stream apart from the weights',
+    the same on every run, so a model in a second block gets other values."""
+
+    def make():
+        return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+
+    torch.manual_seed(0)
+    plain = [make(), make()]
+    torch.manual_seed(0)
+    with infinity.build():
+        built = [make(), make()]
+    after = torch.rand(64)
+    second_block = []
+    for _ in range(2):
+        with infinity.build():
+            second_block.append(make())
+    for i, (b, p) in enumerate(zip(built, plain)):
+        _built_and_plain_equal(tmp_path / str(i), b, p)
+    torch.manual_seed(0)
+    with infinity.build():
+        make()
+    assert torch.equal(torch.rand(64), after)  # the same stream on every run
+    torch.manual_seed(0)
+    assert not torch.equal(torch.rand(64), after)  # not the one the weights come from
+    got = []
+    for i, m in enumerate(second_block):
+        with infinity.initialize(m, config(tmp_path / f"s{i}", ("cpu",) * 3)) as engine:
+            got.append(engine.gathered_weights())
+    assert not torch.equal(got[0]["0.weight"], got[1]["0.weight"])
