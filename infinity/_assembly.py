@@ -60,6 +60,7 @@ def lay_out(module: nn.Module, cfg: TierConfig, *, device: torch.device, dist, s
     params_sharded = cfg.partition.stage == 3
     grads_full = cfg.partition.stage == 1 and dist.active
     _refusals.refuse_managed(module)
+    _refusals.refuse_meta_buffers(module)
     _say_mixed_dtypes(module, dtype)
     tiers = cfg.tiers
     all_device = tiers.params == tiers.grads == tiers.optimizer == "device"

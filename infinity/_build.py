@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 
 import torch
 from torch import nn
@@ -58,6 +59,14 @@ def build(config=None, *, init: bool = True):
         if param is None:
             return None
         meta = param  # made on the meta device in the block (torchtitan's way): build's all the same
+        computed = recorder.computed_from(param) if recorder is not None and param.is_meta else None
+        if computed is not None:
+            recorder.errors.append(
+                f"parameter '{type(module).__name__}.{name}' {tuple(param.shape)} is registered with values "
+                f"computed from another built parameter ({computed}), which exist only once initialize has made "
+                "them, and build does not record the computation: register it with torch.empty and write it with "
+                "an nn.init function or an in-place method (p.copy_(...) of a real tensor)"
+            )
         if param.device.type != "meta":
             meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
             if init:
@@ -67,6 +76,8 @@ def build(config=None, *, init: bool = True):
         meta._infinity_init = init
         made.append(meta)
         meta._infinity_where = f"{type(module).__name__}.{name}"
+        if isinstance(module, nn.RNNBase):  # its weak references to its weights: see `_units.swap_contents`
+            meta._infinity_rnn = weakref.ref(module)
         return meta if meta is not param else None
 
     handle = nn.modules.module.register_module_parameter_registration_hook(on_parameter)

@@ -19,9 +19,11 @@ the parameter's random stream ([Note: random streams of a build]). Values are bi
 plain build when the model draws them parameter by parameter in unit order (each module's constructor initialising its
 own, as ``nn.Linear`` does); a second pass over the model (``apply(init)``) draws in a
 different order, so the values are other draws of the same distributions. A call that cannot
-be done again (its arguments include another tensor on the meta device, or it writes a view
-of a parameter that build could not follow) is an error when the ``build()`` block ends,
-naming the parameter and the call. A larger parameter registered with values the constructor
+be done again (its arguments include another tensor on the meta device, it writes a view
+of a parameter that build could not follow, or writes through ``out=`` or a ``torch._foreach_``
+call), and a parameter registered with values computed from a built one
+(``nn.Parameter(w.data * 0.1)``), are errors when the ``build()`` block ends, naming the
+parameter and the call. A larger parameter registered with values the constructor
 computed (not ``torch.empty``) that nothing in the block overwrites is refused at `initialize`,
 naming it: its values are gone, and another init in their place would be silent.
 
@@ -153,6 +155,17 @@ class Recorder(TorchFunctionMode):
         # data_ptr -> True for the tensors torch.empty made in the block: a parameter registered
         # with one of those has no values of its own to lose (nn.Linear's, before its init).
         self.empties = {}
+        # The meta tensors computed from a built parameter's values, by storage (a Parameter
+        # made of one shares it): storage id -> (the storage, kept for the block, so that its id
+        # is not another's; the call and the parameter, for the error). See `computed_from`.
+        self.computed = {}
+
+    def computed_from(self, t) -> str | None:
+        """What a meta tensor registered as a parameter was computed from, where it was computed
+        from a built parameter (``nn.Parameter(layer.weight.data * 0.1)``): its values would
+        exist only at `initialize`, and nothing records the computation."""
+        entry = self.computed.get(t.untyped_storage()._cdata)
+        return None if entry is None else entry[1]
 
     def made_empty(self, t) -> bool:
         return self.empties.pop(t.data_ptr(), False)
@@ -214,6 +227,7 @@ class Recorder(TorchFunctionMode):
             return out
         if not args:
             return out
+        self._unrecorded_writes(name, args, kwargs)
         found = self.target(args[0])
         if found is not None and name == "__get__" and getattr(func, "__self__", None) is not _DATA:
             return out  # p.shape, p.is_meta, ...: not a tensor of the parameter's values
@@ -233,7 +247,35 @@ class Recorder(TorchFunctionMode):
                 param, chain = found
                 step = () if name in ("__get__", "detach") else ((func, tuple(args[1:]), dict(kwargs)),)
                 self.aliases[id(out)] = (weakref.ref(out), param, (*chain, *step))
+        elif isinstance(out, torch.Tensor) and out.is_meta and not aliased:
+            source = found or next((f for a in (*args[1:], *kwargs.values()) if (f := self.target(a)) is not None), None)
+            if source is None and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+                storage = self.computed.get(args[0].untyped_storage()._cdata)  # computed on from a computed one
+                source = None if storage is None else (None, storage[1])
+            if source is not None:
+                what = source[1] if source[0] is None else f"{name} of parameter {_where(source[0])}"
+                storage = out.untyped_storage()
+                self.computed[storage._cdata] = (storage, what)
         return out
+
+    def _unrecorded_writes(self, name, args, kwargs) -> None:
+        """Writes into a built parameter build cannot do again (the values would be the
+        registered ones, or torch.empty's, with nothing said): through ``out=``, and torch's
+        ``_foreach_`` in-place calls over lists of tensors."""
+        outs = kwargs.get("out")
+        for t in outs if isinstance(outs, (list, tuple)) else (outs,):
+            found = self.target(t) if isinstance(t, torch.Tensor) else None
+            if found is not None:
+                self.errors.append(f"torch.{name}(..., out=...) writes parameter {_where(found[0])}, which build "
+                                   "does not record: write it with an nn.init function or an in-place method "
+                                   "(p.normal_(...), p.copy_(...))")  # fmt: skip
+        if name.startswith("_foreach_") and name.endswith("_") and isinstance(args[0], (list, tuple)):
+            for t in args[0]:
+                found = self.target(t)
+                if found is not None:
+                    self.errors.append(f"torch.{name} writes parameter {_where(found[0])}, which build does not "
+                                       "record: write each parameter with its in-place method (p.mul_(...))")  # fmt: skip
+                    break
 
 
 @contextlib.contextmanager

@@ -4,6 +4,9 @@ Owns: the checks of the module as the user hands it over, each error naming the 
 parameter, the cause and what to do instead. Touches: the module (read only).
 
 - A module already given to an engine holds placeholders, not weights.
+- A buffer on the meta device has no values (one computed in `infinity.build` from a
+  parameter's values, which exist only at `initialize`): moving it to the device would fail
+  later, naming nothing.
 - ``nn.Embedding(sparse=True)`` gives sparse gradients; the engine's gradient buffers are dense.
 - ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in place inside forward. Where
   the params tier lends its tensors to the module (`_inplace` carries the write into the
@@ -50,4 +53,18 @@ def refuse_managed(module: nn.Module) -> None:
                 "placeholder, not a weight): use that engine, or, once it is closed, build the model again and "
                 "load its weights from a checkpoint (engine.save_checkpoint / load_checkpoint) or an export "
                 "(engine.save_pretrained / infinity.from_pretrained)"
+            )
+
+
+def refuse_meta_buffers(module: nn.Module) -> None:
+    """A buffer on the meta device has no values to compute with: `infinity.build` keeps the
+    buffers a constructor makes real, but one computed from a built parameter
+    (``register_buffer("ref", layer.weight.detach().clone())``) is on the meta device with it."""
+    for name, b in module.named_buffers():
+        if b.is_meta:
+            raise ValueError(
+                f"buffer {name!r} {tuple(b.shape)} is on the meta device, without values: inside infinity.build a "
+                "buffer computed from a parameter's values (which exist only once initialize has made them) is "
+                "made there. Compute it after initialize (engine.module, under infinity.GatheredParameters), from "
+                "real tensors in the constructor, or construct the model outside build()"
             )

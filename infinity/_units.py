@@ -206,10 +206,23 @@ def swap_contents(p: nn.Parameter, value: torch.Tensor) -> None:
     """Give ``p`` the contents of ``value`` in place, where ``.data`` cannot (off the meta
     device). ``torch.utils.swap_tensors`` exchanges the Python attributes too: ``p`` keeps its
     own, or the engine's mark (``_infinity_managed``, what refuses a foreign optimizer and a
-    second initialize) would leave with the discarded tensor."""
+    second initialize) would leave with the discarded tensor. An RNN (GRU, LSTM) keeps weak
+    references to its weights, which swap_tensors refuses: `build` marks its parameters
+    (``_infinity_rnn``), whose references are dropped for the swap and made again, as the RNN's
+    own ``_apply`` does around a swap (a built GRU failed with "Cannot swap t1 because it has
+    weakref associated with it"; an audit helper's repro)."""
     new = nn.Parameter(value, requires_grad=p.requires_grad)
     new.__dict__.update(p.__dict__)
-    torch.utils.swap_tensors(p, new)
+    rnn = p.__dict__.get("_infinity_rnn")
+    rnn = rnn() if rnn is not None else None
+    if rnn is None:
+        torch.utils.swap_tensors(p, new)
+        return
+    rnn._flat_weight_refs = []
+    try:
+        torch.utils.swap_tensors(p, new)
+    finally:
+        rnn._init_flat_weights()
 
 
 def build_units(model: nn.Module, world_size: int = 1, rank: int = 0, tile_bytes: int | None = None):

@@ -313,6 +313,72 @@ def test_an_init_that_cannot_be_done_again_is_an_error_at_the_end_of_the_block()
             nn.init.normal_(a.bias, std=a.weight.std())
 
 
+@pytest.mark.parametrize("how", ["parameter-computed", "out=", "foreach"])
+def test_writes_build_cannot_do_again_are_errors_at_the_end_of_the_block(how):
+    """A parameter made of another built one's values (nn.Parameter(w.data * 0.1)), a write
+    through out=, a torch._foreach_ in-place call: none recorded, each lost with nothing said
+    (the module's reset_parameters() in their place, or torch.empty's memory; an audit helper's
+    repros). Each is an error naming the parameter."""
+    said = {"parameter-computed": r"parameter 'Linear.weight' \(4, 4\) is registered with values computed from another "
+                                  r"built parameter \(mul of parameter 'Linear.weight'",
+            "out=": r"torch.normal\(..., out=...\) writes parameter 'Linear.weight' \(4, 4\)",
+            "foreach": r"torch._foreach_mul_ writes parameter 'Linear.weight' \(4, 4\)"}[how]  # fmt: skip
+    with pytest.raises(ValueError, match=said):
+        with infinity.build():
+            m = nn.Linear(4, 4)
+            with torch.no_grad():
+                if how == "parameter-computed":
+                    m.weight = nn.Parameter(m.weight.data * 0.1)
+                elif how == "out=":
+                    torch.normal(0.0, 1.0, size=(4, 4), out=m.weight.data)
+                else:
+                    torch._foreach_mul_([m.weight], 0.01)
+
+
+class _WithRecurrence(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru, self.lstm, self.out = nn.GRU(8, 16, batch_first=True), nn.LSTM(16, 8, batch_first=True), nn.Linear(8, 2)
+        self.register_buffer("scale", torch.full((2,), 0.5))
+
+    def forward(self, x):
+        return self.out(self.lstm(self.gru(x)[0])[0]) * self.scale
+
+
+def test_a_built_gru_and_lstm_train_as_plain_ones(tmp_path):
+    """An RNN keeps weak references to its weights, which torch.utils.swap_tensors refuses:
+    a built GRU failed at initialize with "Cannot swap t1 because it has weakref associated
+    with it" (an audit helper's repro). Now bit-equal to a plain build, and it trains as one."""
+    torch.manual_seed(0)
+    plain = _WithRecurrence()
+    torch.manual_seed(0)
+    with infinity.build():
+        built = _WithRecurrence()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
+    x = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(1))
+    with infinity.initialize(built, config(tmp_path, ("nvme",) * 3)) as engine:
+        for _ in range(2):
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+            plain(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        got = engine.gathered_weights()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_buffer_computed_from_a_built_parameter_is_refused_by_name(tmp_path):
+    """A buffer made from a built parameter's values is on the meta device with it: initialize
+    failed late, in the buffers' move, with torch's "Cannot copy out of meta tensor" naming
+    nothing (an audit helper's repro)."""
+    with infinity.build():
+        model = nn.Sequential(nn.Linear(4, 4))
+        model[0].register_buffer("ref", model[0].weight.detach().clone())
+    with pytest.raises(ValueError, match=r"buffer '0.ref' \(4, 4\) is on the meta device, without values"):
+        infinity.initialize(model, config(tmp_path, ("cpu",) * 3))
+
+
 class _Scaled(nn.Linear):
     """A parameter computed in the constructor (128 KiB, beyond what build keeps) that the
     module's reset_parameters() does not make: it got that init's values without a word."""
