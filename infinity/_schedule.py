@@ -318,6 +318,8 @@ class Scheduler:
                 # First of the module's pre-hooks: one of the model's own may read the parameters
                 # (torch.nn.utils' hook-based weight_norm and spectral_norm compute the weight).
                 self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook), prepend=True))
+            if not self.always_ready:  # first of its forward hooks, and also when the forward raised
+                self._handles.append(module.register_forward_hook(eager(self._call_over_hook), always_call=True))
             if not self.always_ready or module in self.tiled:  # (a tile's uses: counted per call)
                 self._handles.append(module.register_forward_hook(eager(self._post_forward_hook)))
             if not self.always_ready:  # after the one above; also when the forward raised
@@ -478,11 +480,19 @@ class Scheduler:
             unit.active += 1
         self.prefetcher.ahead(pos)
 
+    def _call_over_hook(self, module, args, output):
+        """The module's call is over (``always_call``: also when its forward raised): the units
+        its pre-hook counted active are not. torch's non-reentrant checkpoint stops a
+        recomputation by raising inside the module whose saved tensors it needs last: that
+        module's units stayed active, never released until backward ended, one unit more held
+        per recomputed block, and backward ran out of a host budget initialize had accepted (an
+        audit helper's repro)."""
+        for unit in self._held(module):
+            unit.active -= 1
+        return output
+
     def _post_forward_hook(self, module, args, output):
         units = self.module_units[module]
-        if not self.always_ready:  # (its pre-hook counted the units active: none runs where they always are)
-            for unit in self._held(module):
-                unit.active -= 1
         if self.state is not TrainingState.IDLE:
             # A forward recomputed inside backward (activation checkpointing): its units stay
             # until their gradients arrive. Its uses were counted by the first forward, unless

@@ -427,3 +427,45 @@ def test_a_loss_inside_an_output_object_of_the_model_s_own_trains_as_in_plain_py
         got = engine.gathered_weights()
     for name, p in plain.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), atol=1e-6, rtol=0)
+
+
+class _StoppedEarly(nn.Module):
+    """Blocks of Linear, GELU, Linear, each under torch's non-reentrant checkpoint, which stops
+    a block's recomputation by raising inside its last Linear once it has what backward needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_a_recomputation_stopped_early_leaves_no_unit_held(tmp_path):
+    """The units of a module whose forward raised stayed counted active (its post-hook never
+    ran): each block's last Linear, where the checkpoint stops its recomputation, stayed held
+    until backward ended, one unit more per block, and backward ran out of a host budget
+    initialize had accepted (an audit helper's repro: PoolExhausted at the floor with
+    activations on nvme). Now no unit is active when the first block's backward runs, and
+    training is plain PyTorch's."""
+    torch.manual_seed(0)
+    model, ref = _StoppedEarly(), _StoppedEarly()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with infinity.initialize(model, config(tmp_path, ("nvme",) * 3)) as engine:
+        active = []
+        engine.module.blocks[0][0].register_full_backward_pre_hook(
+            lambda m, g: active.append([u.name for u in engine.units if u.active]))
+        for _ in range(2):
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+            ref(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        got = engine.gathered_weights()
+    assert active == [[], []]
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
