@@ -32,8 +32,9 @@ On the meta device nothing is drawn: the global random generator, and a torch.Ge
 model's code passes to its init calls, stay where they were while the block runs. So a change
 of one's state in the block is a reseed (``torch.manual_seed`` in a constructor) or a real
 draw, and starts a new stream (`Stream`): its state then. A parameter's values are drawn at
-`initialize` from the global stream current at its first recorded call (at its registration
-where it has none), a call given a generator from that generator's stream; the units of one
+`initialize` from the global stream current at the recorded call they start from (the last
+that overwrites it whole, else its first; its registration where it has none), a call given
+a generator from that generator's stream; the units of one
 stream draw from it in unit order, each on from where the one before left it, across engines
 too. So a model built after ``torch.manual_seed(s)`` gets the same values on every run; one
 whose constructor draws them parameter by parameter in unit order gets a plain build's values,
@@ -188,10 +189,11 @@ class Recorder(TorchFunctionMode):
                 "the meta device, whose values do not exist until initialize"
             )
             return
-        if not param.__dict__.get("_infinity_ops"):  # its values are drawn from the stream of its first call
-            param._infinity_rng = self.rng.current()
+        overwrites = not chain and (_name(func) in _OVERWRITE or what.startswith("torch.nn.init"))
         ops = param.__dict__.setdefault("_infinity_ops", [])
-        if not chain and (_name(func) in _OVERWRITE or what.startswith("torch.nn.init")):
+        if overwrites or not ops:  # its values are drawn from the stream current at the call they start from
+            param._infinity_rng = self.rng.current()
+        if overwrites:
             ops.clear()  # what came before is overwritten: not run again (and not kept)
             param.__dict__.pop("_infinity_value", None)
             param.__dict__.pop("_infinity_lost", None)

@@ -471,3 +471,24 @@ def test_models_built_one_after_another_get_their_own_values_and_the_stream_move
         with infinity.initialize(m, config(tmp_path / f"s{i}", ("cpu",) * 3)) as engine:
             got.append(engine.gathered_weights())
     assert not torch.equal(got[0]["0.weight"], got[1]["0.weight"])
+
+
+def test_an_init_pass_after_a_reseed_draws_from_the_reseeded_state(tmp_path):
+    """A model that reseeds, then initialises every layer again (nanoGPT's apply(init) after a
+    torch.manual_seed): the values come from the reseeded state, as a plain build's do, not
+    from the state the constructor's own inits saw."""
+
+    def make():
+        m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        torch.manual_seed(11)
+        for layer in m:
+            nn.init.normal_(layer.weight, std=0.02)
+            nn.init.zeros_(layer.bias)
+        return m
+
+    torch.manual_seed(0)
+    plain = make()
+    torch.manual_seed(0)
+    with infinity.build():
+        built = make()
+    _built_and_plain_equal(tmp_path, built, plain)
