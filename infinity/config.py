@@ -401,9 +401,9 @@ class PrecisionConfig:
     consecutive_hysteresis: bool = False
     """fp16 only: renew the hysteresis count at every clean step, not only when the scale grows."""
     stop_at_min_scale: bool = False
-    """fp16 only: an overflow that would back the scale off below min_scale raises (after the
-    step is skipped) instead of skipping on, as DeepSpeed stops its run there; a DeepSpeed
-    config sets it."""
+    """fp16 only: an overflow with the scale at min_scale (its hysteresis spent) raises, once
+    the skipped step is counted, instead of skipping on, as DeepSpeed stops its run there; a
+    DeepSpeed config sets it."""
 
     def __post_init__(self) -> None:
         _choice(self, "param_dtype", PARAM_DTYPES)
