@@ -69,6 +69,20 @@ class Plain:
         self.optimizer.zero_grad()
 
 
+def trains_as_plain(engine, plain: nn.Module, x: torch.Tensor, steps: int = 2) -> None:
+    """``steps`` steps of the loss ``model(x).pow(2).mean()`` on ``engine`` and on ``plain``
+    (torch's AdamW at `config`'s lr and weight decay), then the engine's weights checked against
+    plain's (to fp32 rounding)."""
+    sides = (engine, Plain(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)))
+    for _ in range(steps):
+        for side in sides:
+            side.backward(side(x).pow(2).mean())
+            side.step()
+    got = engine.gathered_weights()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+
+
 def cpu_unless_gpus(ranks: int) -> dict:
     """The environment that hides the GPUs when there are fewer than ``ranks`` (one H100, two
     ranks): the ranks then use gloo on the CPU, since NCCL needs a GPU per rank and the engine

@@ -12,7 +12,7 @@ import infinity
 from infinity.swap import SwapSpace
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import config, train  # noqa: E402
+from _common import config, train, trains_as_plain  # noqa: E402
 
 
 class _Boom(RuntimeError):
@@ -354,18 +354,9 @@ def test_a_built_gru_and_lstm_train_as_plain_ones(tmp_path):
     torch.manual_seed(0)
     with infinity.build():
         built = _WithRecurrence()
-    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
     x = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(1))
     with infinity.initialize(built, config(tmp_path, ("nvme",) * 3)) as engine:
-        for _ in range(2):
-            engine.backward(engine(x).pow(2).mean())
-            engine.step()
-            plain(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-        got = engine.gathered_weights()
-    for name, p in plain.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+        trains_as_plain(engine, plain, x)
 
 
 def test_a_buffer_computed_from_a_built_parameter_is_refused_by_name(tmp_path):
