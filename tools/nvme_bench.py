@@ -235,14 +235,14 @@ class Result:
         return statistics.median(self.gbps)
 
     def to_json(self) -> dict:
-        runs = [round(g, 4) for g in self.gbps]  # 0.1 MB/s is plenty
+        runs = [_figure(g) for g in self.gbps]
         out = dict(type="measurement", backend=self.backend, op=self.op, block_size=self.block_size,
-                   queue_depth=self.queue_depth, gbps_median=round(self.median, 4), gbps_min=min(runs),
+                   queue_depth=self.queue_depth, gbps_median=_figure(self.median), gbps_min=min(runs),
                    gbps_max=max(runs), repeats=runs)  # fmt: skip
         if self.fio_gbps:
             fio = statistics.median(self.fio_gbps)
-            out.update(fio_gbps=round(fio, 4), fio_repeats=[round(g, 4) for g in self.fio_gbps])
-            out.update(ratio=round(self.median / fio, 4))
+            out.update(fio_gbps=_figure(fio), fio_repeats=[_figure(g) for g in self.fio_gbps])
+            out.update(ratio=_figure(self.median / fio))
         return out
 
     def row(self) -> str:
@@ -252,6 +252,12 @@ class Result:
             fio = statistics.median(self.fio_gbps)
             text += f" {fio:>7.2f} {self.median / fio:>8.2f}"
         return text
+
+
+def _figure(x: float) -> float:
+    """x to 5 significant digits: fixed decimals lost the precision of slow runs (a ratio of
+    0.0112 printed for 0.01123), so figures derived from the printed ones drifted."""
+    return float(f"{x:.5g}")
 
 
 def choose(results: list[Result], ops: tuple[str, ...]) -> tuple[dict[str, Result], tuple | None, str]:

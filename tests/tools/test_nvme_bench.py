@@ -129,6 +129,17 @@ def test_buffered_fallback_is_said(tmp_path, capsys, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_slow_figures_keep_their_precision_in_json():
+    # A run 90x slower than fio printed ratio 0.0112 for 0.011230, 1.9e-3 off the ratio of the
+    # printed figures themselves (the CI failure of test_fio_comparison).
+    r = nvme_bench.Result(backend="threads", op="read", block_size=1 << 20, queue_depth=4,
+                          gbps=[0.0312299, 0.0312201, 0.03121], fio_gbps=[2.780962])  # fmt: skip
+    out = r.to_json()
+    assert out["gbps_median"] == pytest.approx(0.03122, rel=1e-4)
+    assert out["ratio"] == pytest.approx(0.0312201 / 2.780962, rel=1e-4)
+    assert out["ratio"] == pytest.approx(out["gbps_median"] / out["fio_gbps"], rel=1e-4)
+
+
 @pytest.mark.fio
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
 def test_fio_comparison(tmp_path):
