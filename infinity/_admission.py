@@ -44,7 +44,9 @@ room, the classes that wait for later give way one at a time, in the order regis
 GPU first the buffers of copies to it that are done, which go back otherwise only at the next
 copy; then prefetches, activations read ahead, kept units, the overlap's early work, held
 gradients), and it tries again after each; only when all have given way does it wait (the
-pool's timeout).
+pool's timeout). Backward's gradient buffers spare the prefetches, which backward needs next,
+until the rest gave way and a brief wait for writes ending found no room: at the floor the
+pool can have the bytes but not in one piece, prefetches between them.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ COPIES = "copies"  # host buffers of copies to a GPU that are done (fetch, prefe
 ACTIVATION_CHUNK = 16 << 20
 ACTIVATION_CHUNKS = 4
 _PAGE = 4096
+# Seconds a transfer needed now waits for buffers on their way back before what it spares gives way.
+BRIEF_WAIT = 0.05
 
 T = TypeVar("T")
 
@@ -246,30 +250,46 @@ class Admission:
         after those registered before it."""
         self._give_way.append((what, fn))
 
-    def take_now(self, take: Callable[[float | None], T], *, skip: tuple[str, ...] = ()) -> T:
+    def take_now(self, take: Callable[[float | None], T], *, last: tuple[str, ...] = ()) -> T:
         """``take(timeout)`` (a pool acquire, or a read into a pool buffer) for a transfer needed
-        now: first without waiting; then after each of the registered (but ``skip``) gives way in
-        turn; then waiting for a release (``timeout=None``: the pool's)."""
+        now: first without waiting; then after each of the registered gives way in turn, but
+        those ``last`` names; then, with ``last``, after a brief wait for what is on its way back
+        (writes ending), after those too; then waiting for a release (``timeout=None``: the pool's)."""
         try:
             return take(0)
         except PoolExhausted:
             pass
         for what, fn in self._give_way:
-            if what in skip:
+            if what in last:
                 continue
             fn()
             try:
                 return take(0)
             except PoolExhausted:
                 pass
+        if last:
+            try:
+                return take(BRIEF_WAIT)
+            except PoolExhausted:
+                pass
+            for what, fn in self._give_way:
+                if what in last:
+                    fn()
+                    try:
+                        return take(0)
+                    except PoolExhausted:
+                        pass
         return take(None)
 
     def take_for_backward(self, nbytes: int):
         """A pool buffer for backward's own use (a gradient gathered on the host, or copied back
         from a GPU: [Note: gradients copied back] in `_grads`), counted as ``grad``: what waits
         in the pool for later gives way first if the pool has no room (the optimizer's work
-        under backward never makes backward wait), but the prefetches, which backward needs next."""
-        return self.take_now(lambda t: self.pool.acquire(nbytes, timeout=t, traffic=GRAD), skip=(PREFETCH,))
+        under backward never makes backward wait), the prefetches, which backward needs next,
+        last. At the floor budget the pool can have the bytes but not in one piece (its extents
+        first-fit): the prefetches kept were then all that could give them, and backward waited
+        on reads only it would use, until the pool's timeout."""
+        return self.take_now(lambda t: self.pool.acquire(nbytes, timeout=t, traffic=GRAD), last=(PREFETCH,))
 
     def stats(self) -> dict:
         """Each class's bytes held now and at most, and the plan's shares ("pool" in `engine.stats()`)."""
