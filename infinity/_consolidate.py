@@ -341,11 +341,18 @@ def _path(unit: str, params: list[str], known: dict) -> str:
 
 
 def to_state_dict(weights: CheckpointWeights) -> dict[str, torch.Tensor]:
-    """Every key's tensor, whole, in memory (for ``torch.save``: the model's size in RAM)."""
+    """Every key's tensor, whole, in memory (for ``torch.save``: the model's size in RAM): the
+    parameters (tied aliases under each of their keys) and the persistent buffers as saved."""
     tensors: dict[int, torch.Tensor] = {}
     for unit, full in weights.unit_weights():
         for r in unit.records:
             if id(r.param) not in tensors:
                 tensors[id(r.param)] = torch.empty(r.full_shape, dtype=r.dtype)
             tensors[id(r.param)].view(-1)[r.in_param] = full[r.in_unit]
-    return {key: tensors[id(p)] for key, p in weights.module.state_dict().items() if id(p) in tensors}
+    out = {}
+    for key, p in weights.module.state_dict().items():
+        if id(p) in tensors:
+            out[key] = tensors[id(p)]
+        elif p.device.type != "meta":  # a buffer's values (a parameter's stand-in is on meta)
+            out[key] = p
+    return out

@@ -21,6 +21,7 @@ from torch import nn
 
 import infinity
 from infinity import _consolidate
+from infinity.swap import human_size
 from infinity.tools.consolidate import main
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "infinity"))
@@ -175,12 +176,20 @@ class _WithBuffer(nn.Module):
 
 def test_persistent_buffers_are_written_as_saved(tmp_path, capsys):
     """A checkpoint holds the persistent buffers (version 2): the file is the export's, buffers
-    (BatchNorm's running statistics, trained) included, bit for bit."""
+    (BatchNorm's running statistics, trained) included, bit for bit; in a torch.save file too
+    (which wrote the parameters alone: a strict load_state_dict failed, a loose one kept fresh
+    statistics)."""
     ckpt, export = _saved(tmp_path, _WithBuffer())
     code, _, err = _run(capsys, ckpt, tmp_path / "out.safetensors")
     assert code == 0, err
     _assert_same_file(tmp_path / "out.safetensors", export)
-    assert safetensors_torch.load_file(export)["norm.num_batches_tracked"].item() > 0
+    want = safetensors_torch.load_file(export)
+    assert want["norm.num_batches_tracked"].item() > 0
+    code, _, err = _run(capsys, ckpt, tmp_path / "out.bin")
+    assert code == 0, err
+    got = torch.load(tmp_path / "out.bin", weights_only=True)
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    _WithBuffer().load_state_dict(got)  # strict
 
 
 def test_persistent_buffers_a_checkpoint_lacks_are_refused_by_name_or_skipped(tmp_path, capsys):
@@ -293,6 +302,27 @@ def test_an_infinity_trainer_checkpoint_is_read_with_its_config(tmp_path, capsys
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "tied", "dtype": "float32"}
     # a directory holds a tied weight once, under its first key, as transformers' save_pretrained writes it
     _assert_same_file(tmp_path / "hf" / "model.safetensors", export, without=("head.weight",))
+
+
+def test_the_summary_counts_what_the_reader_takes(tmp_path, capsys):
+    """A directory holds the tied head once (5 tensors, where it said 6), and a stale shard
+    already there is not counted in the size (it added every .safetensors and .json there);
+    a torch.save file holds both tied keys (6)."""
+    ckpt, _ = _saved(tmp_path)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model-00001-of-00009.safetensors").write_bytes(b"x" * (1 << 20))  # another run's
+    code, out, err = _run(capsys, ckpt, tmp_path / "hf")
+    assert code == 0, err
+    size = sum((tmp_path / "hf" / n).stat().st_size for n in ("model.safetensors", "config.json")
+               if (tmp_path / "hf" / n).exists())  # fmt: skip
+    assert out.startswith(f"wrote {tmp_path / 'hf'}: 5 tensors, {human_size(size)},"), out
+    assert "note: no config.json written (--config PATH): from_pretrained needs the model's" in out
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "another"}')
+    code, out, err = _run(capsys, ckpt, tmp_path / "hf")
+    assert "the one in the directory is as it was, not this checkpoint's" in out, out
+    code, out, err = _run(capsys, ckpt, tmp_path / "out.bin")
+    assert code == 0, err
+    assert out.startswith(f"wrote {tmp_path / 'out.bin'}: 6 tensors, {human_size((tmp_path / 'out.bin').stat().st_size)},")
 
 
 def test_progress_lines_name_each_unit(tmp_path, capsys):
