@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 
@@ -203,11 +204,32 @@ def _save_atomic(tensors: dict, path: str) -> None:
         out.discard()
 
 
-def _size(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
-               if n.endswith((".safetensors", ".json")) and not n.startswith("."))  # fmt: skip
+def _written(output: str, kind: str) -> tuple[int, int]:
+    """The tensors and bytes of what was written: the files a reader takes (a directory's
+    single model.safetensors, else the shards its index names, and its configs), not other
+    files already there; each file's tensors as it holds them (tied aliases once where the
+    writer drops them)."""
+    from safetensors import safe_open
+
+    def tensors_in(path: str) -> int:
+        with safe_open(path, framework="pt") as f:
+            return len(list(f.keys()))
+
+    if kind == "safetensors":
+        return tensors_in(output), os.path.getsize(output)
+    if kind != "directory":
+        return len(torch.load(output, mmap=True, weights_only=True)), os.path.getsize(output)
+    single = os.path.join(output, "model.safetensors")
+    if os.path.isfile(single):  # it wins over an index (infinity/_hf_save.py)
+        files, count = [single], tensors_in(single)
+    else:
+        index = os.path.join(output, "model.safetensors.index.json")
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [index] + [os.path.join(output, n) for n in sorted(set(weight_map.values()))]
+        count = len(weight_map)
+    files += [p for p in (os.path.join(output, n) for n in ("config.json", "generation_config.json")) if os.path.isfile(p)]
+    return count, sum(os.path.getsize(p) for p in files)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,12 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
     meta = weights.meta
-    keys = len(weights.module.state_dict())
-    print(f"wrote {output}: {keys} tensors, {human_size(_size(output))}, from checkpoint {meta.get('tag', '?')} "
+    keys, size = _written(output, _output_kind(args.output))
+    print(f"wrote {output}: {keys} tensors, {human_size(size)}, from checkpoint {meta.get('tag', '?')} "
           f"(step {meta['step']}, saved by {meta['world_size']} rank(s))")  # fmt: skip
     notes = list(weights.notes)
     if _output_kind(args.output) == "directory" and weights.module.config is None:
-        notes.append("no config.json written (--config PATH): from_pretrained needs the model's")
+        if os.path.isfile(os.path.join(output, "config.json")):  # another save's, maybe another model's
+            notes.append("no config.json written (--config PATH): the one in the directory is as it was, "
+                         "not this checkpoint's")  # fmt: skip
+        else:
+            notes.append("no config.json written (--config PATH): from_pretrained needs the model's")
     for note in notes:
         print(f"note: {note}")
     return 0
