@@ -68,6 +68,40 @@ def open_io(cfg: TierConfig, rank: int, local_rank: int):
     return engine, pool, space
 
 
+def remove_stale_ranks(cfg: TierConfig, world: int, engine, pool) -> None:
+    """Rank 0's: remove what ranks at or past ``world`` of an earlier run left under nvme.paths
+    (theirs and the activation tier's), as each rank's fresh space removes what its own rank
+    left: a 2-rank run's rank1 stayed beside a 1-rank run's rank0, its disk never given back,
+    and swap-inspect showed it as current. Paths with a placeholder (a directory per rank) are
+    left alone, and so is a rank directory another live process holds (its lock)."""
+    if "nvme" not in (cfg.tiers.params, cfg.tiers.grads, cfg.tiers.optimizer, cfg.activations.tier):
+        return
+    if any(p.format(rank=0, local_rank=0) != p.format(rank=1, local_rank=1) for p in cfg.nvme.paths):
+        return
+    paths = list(cfg.nvme.resolve_paths())
+    for dirs in (paths, [os.path.join(p, "activations") for p in paths]):
+        stale = set()
+        for d in dirs:
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            stale.update(int(n[4:]) for n in names if n.startswith("rank") and n[4:].isdigit() and int(n[4:]) >= world)
+        for r in sorted(stale):
+            rank_dirs = [os.path.join(d, f"rank{r}") for d in dirs]
+            try:
+                SwapSpace(dirs, rank=r, engine=engine, pool=pool, fresh=True, keep=False, allow_foreign=True).discard()
+            except (OSError, RuntimeError, ValueError) as e:  # in use, or not a space's: leave it
+                logger.warning("left %s of an earlier run as it is: %s", " ".join(rank_dirs), e)
+                continue
+            for rank_dir in rank_dirs:
+                try:
+                    os.rmdir(rank_dir)
+                except OSError:
+                    pass  # files a space did not make stay, and so does their directory
+            logger.info("removed the swap files rank %d of an earlier run left in %s", r, ", ".join(dirs))
+
+
 def _swap_paths(cfg: TierConfig, rank: int, local_rank: int) -> list[str]:
     cfg.nvme.check_paths()  # again: a drive may have gone since the config was made
     paths = list(cfg.nvme.resolve_paths(rank, local_rank))

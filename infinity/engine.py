@@ -92,6 +92,8 @@ class Engine:
         self.overlap = None  # the optimizer under backward, where it applies (`_overlap`, `_overlap_host`)
         try:
             self.aio, self.pool, self.space = _resources.open_io(cfg, rank, local_rank)
+            if rank == 0:
+                _resources.remove_stale_ranks(cfg, self.world_size, self.aio, self.pool)
             self._setup(module, cfg, optimizer, lr_scheduler)
         except BaseException as e:
             try:

@@ -90,6 +90,31 @@ def test_a_stale_unreadable_swap_manifest_does_not_block_initialize(tmp_path):
         train(engine, 1)
 
 
+def test_the_ranks_an_earlier_wider_run_left_are_removed_unless_live(tmp_path, caplog):
+    """A 3-rank run's rank1 and rank2 (state and activations) stayed beside a 1-rank run's
+    rank0 on the same nvme.paths, their disk never given back; a rank directory a live space
+    holds stays, said in a warning; files a space did not make stay."""
+    from infinity.swap import SwapSpace
+
+    swap = tmp_path / "swap"
+    for dirs, rank in (([swap], 1), ([swap], 2), ([swap / "activations"], 1)):
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        with SwapSpace([str(d) for d in dirs], rank=rank) as space:
+            space.put("w", torch.ones(1000)).result()
+    (swap / "rank2" / "notes.txt").write_text("mine")
+    live = SwapSpace([str(swap / "activations")], rank=3)  # another process's, say: its lock held
+    try:
+        with infinity.initialize(make_model(), config(swap, ("nvme", "nvme", "nvme"))) as engine:
+            train(engine, 1)
+        assert sorted(os.listdir(swap)) == ["activations", "rank0", "rank2"]
+        assert os.listdir(swap / "rank2") == ["notes.txt"]
+        assert sorted(os.listdir(swap / "activations")) == ["rank3"]
+        assert "left " + str(swap / "activations" / "rank3") + " of an earlier run as it is" in caplog.text
+    finally:
+        live.close()
+
+
 def test_the_budget_a_refusal_names_is_accepted(tmp_path):
     """HostBudgetError carries the need it names, and that need is a budget initialize takes:
     what benchmarks/budget_floor.py reports as a model's floor."""
