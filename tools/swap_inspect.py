@@ -120,6 +120,28 @@ def checkpoint_summary(directory: str) -> dict | None:
                 client_state_keys=sorted(client) if isinstance(client, dict) else None)  # fmt: skip
 
 
+def checkpoint_ranks(checkpoint: dict, readers: list[SpaceReader]) -> list[str]:
+    """What is wrong with the checkpoint's ranks, in words (none: rank q of its world size is
+    ``rank<q>/`` holding rank q, for every q, and nothing else), as a load refuses it: a rank
+    missing, one in another's place, one the save did not write."""
+    world = checkpoint.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool):
+        return []
+    where = checkpoint["directory"]
+    problems = []
+    held = {os.path.basename(r.rank_dir): r.manifest.rank for r in readers}
+    for q in range(world):
+        name = f"rank{q}"
+        if name not in held:
+            problems.append(f"{os.path.join(where, name)}: rank {q} of {world} is missing: the checkpoint is incomplete")
+        elif held[name] != q:
+            problems.append(f"{os.path.join(where, name)}: holds rank {held[name]}, not rank {q}")
+    for name in sorted(set(held) - {f"rank{q}" for q in range(world)}):
+        problems.append(f"{os.path.join(where, name)}: rank {held[name]} is not one of the {world} rank(s) that saved "
+                        "the checkpoint")  # fmt: skip
+    return problems
+
+
 def shown(text) -> str:
     """``text`` as the human output prints it: itself when every character is printable, else
     its Python repr (quoted, control characters escaped), so that a name read from disk cannot
@@ -344,7 +366,10 @@ description:
   subdirectories are such rank directories (every rank found is shown, sorted by rank).
   Nothing is locked or written: a space that a running engine holds may be inspected, and
   then shows its last manifest. The manifest and every member's space.json are checked as
-  the engine checks them on resume.
+  the engine checks them on resume. DIR may also be a checkpoint (save_checkpoint's
+  directory, or the root it saves into, whose "latest" names the newest): a line on the
+  checkpoint first (tag, step, ranks, stage, dtypes), and a BAD line for each rank that is
+  missing, holds another rank, or is not one of those that saved it, as a load refuses them.
 """
 
 EPILOG = """\
@@ -379,14 +404,16 @@ output:
   "leaked_bytes", "leaked": [{"path", "size", "why"}], "kinds", "tensors": [{"name",
   "kind", "dtype", "shape", "nbytes", "generation", "checksum", "extents": [[file, offset,
   nbytes]], with --verify "status" (ok, unverified, bad) and "error"}]}], with --verify
-  "verify": {"tensors", "verified", "bad", "unverified"}}; with --tensor {"path", "tensor", "records":
+  "verify": {"tensors", "verified", "bad", "unverified"}}, for a checkpoint "checkpoint": {"tag",
+  "step", "world_size", "stage", "param_dtype", "saved_at", "directory", "units", "state_dtype",
+  "client_state_keys", "problems"}; with --tensor {"path", "tensor", "records":
   [the record, "status", "error", "stats"]}.
 
 exit status:
   0 inspected (and with --verify or --tensor, every checksum matched; with --verify, every
   tensor had one);
-  1 a checksum mismatch, an error reading a tensor back, or (--verify) a tensor that could
-  not be verified for want of a checksum;
+  1 a checksum mismatch, an error reading a tensor back, (--verify) a tensor that could
+  not be verified for want of a checksum, or a checkpoint's rank missing or out of place;
   2 DIR missing or not a swap space, a manifest, space.json or meta.json that cannot be
   trusted (not UTF-8 or not JSON, a key twice, nested too deep, unknown version, bad field,
   a shape or extent no tensor can have, a path that escapes the space, a member of another
@@ -424,8 +451,13 @@ def main(argv: list[str] | None = None) -> int:
                 return int(any(r["status"] == "bad" for r in records))
             summaries = [rank_summary(r) for r in readers]
             checkpoint = checkpoint_summary(os.path.dirname(rank_dirs[0]))
+            problems = checkpoint_ranks(checkpoint, readers) if checkpoint is not None else []
+            if checkpoint is not None:
+                checkpoint["problems"] = problems
             if checkpoint is not None and not args.json:
                 print_checkpoint(checkpoint)
+                for problem in problems:
+                    print(f"BAD {shown(problem)}")
             for s in [] if args.json else summaries:
                 print_summary(s, tensors=not args.summary)
             sys.stdout.flush()
@@ -439,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{v['unverified']} not verified (no checksum)")  # fmt: skip
             if args.json:
                 print(json.dumps(result))
-            return int(bool(args.verify and (v["bad"] or v["unverified"])))
+            return int(bool(problems or (args.verify and (v["bad"] or v["unverified"]))))
     except BadInput as e:
         print(f"swap-inspect: error: {shown(e)}", file=sys.stderr)
         return 2

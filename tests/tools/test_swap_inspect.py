@@ -407,6 +407,45 @@ def test_a_checkpoint_root_shows_its_newest_checkpoint(tmp_path, capsys):
     assert "checkpoint tag '../elsewhere'" in capsys.readouterr().err
 
 
+def _world_size(ckpt: Path, world: int) -> None:
+    """meta.json as if ``world`` ranks had saved the checkpoint (sealed again)."""
+    from infinity.checkpoint import seal
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["world_size"], meta["rng"] = world, [meta["rng"][0]] * world  # each rank's RNG states
+    (ckpt / "meta.json").write_text(json.dumps(seal(meta)))
+
+
+def test_a_checkpoint_with_a_rank_missing_or_out_of_place_is_bad(tmp_path, capsys):
+    """The ranks a checkpoint's meta.json says saved it must each be there, in their own
+    directory, and no other: it said "N verified, 0 bad" and exit 0 for a 2-rank checkpoint
+    with rank1/ gone, or a copy of rank0/ (an audit helper's repro), which a load refuses."""
+    import shutil
+
+    import infinity
+    from torch import nn
+
+    engine = infinity.initialize(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), {})
+    engine.backward(engine(torch.randn(2, 8)).sum())
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    ckpt = tmp_path / "ck" / "step-1"
+    assert main([str(ckpt), "--verify"]) == 0
+    assert "BAD" not in capsys.readouterr().out
+    _world_size(ckpt, 2)  # as saved by 2 ranks, rank1/ gone
+    assert main([str(tmp_path / "ck"), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {ckpt / 'rank1'}: rank 1 of 2 is missing: the checkpoint is incomplete" in out
+    shutil.copytree(ckpt / "rank0", ckpt / "rank1")  # rank 0's copy in its place
+    assert main([str(ckpt), "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["checkpoint"]["problems"]
+    assert problems == [f"{ckpt / 'rank1'}: holds rank 0, not rank 1"]
+    _world_size(ckpt, 1)  # a rank the save did not write
+    assert main([str(ckpt)]) == 1
+    assert f"BAD {ckpt / 'rank1'}: rank 0 is not one of the 1 rank(s) that saved the checkpoint" in capsys.readouterr().out
+
+
 # -- files that cannot be read: one line, exit status 2 ---------------------------------------
 def _with_bad_byte(path: Path) -> int:
     """Put a byte that is not UTF-8 into ``path`` (inside a key); return its offset."""
