@@ -34,8 +34,10 @@ params-cpu, zero-infinity, nvme, and the --config file's own):
     does);
   - the smallest memory.host_budget initialize accepts, and the budget from which the
     optimizer runs under backward (optimizer.overlap);
-  - the disk each swap directory takes at most: the state and optimizer.overlap_disk of it
-    for the overlap's staged copies, as initialize checks it;
+  - the disk each swap directory takes at most: the tensors' bytes (the state and
+    optimizer.overlap_disk of it for the overlap's staged copies), and the most its arena
+    file may grow to (it grows in preallocated steps, never past that cap), as initialize
+    checks them;
   - the nvme bytes of one step, by kind: the floor (every unit kept for backward, every
     gradient held), the most (none), and the expected figure (what the plan at --host-budget
     holds and keeps is not moved again);
@@ -255,8 +257,11 @@ def print_text(out: dict) -> None:
         print(f"  host budget: {human_size(e['host_budget'])} ({_yes(e['fits']['budget'])}); initialize accepts "
               f"{floor}; optimizer under backward {overlap}{' (on here)' if e['overlap'] else ''}")  # fmt: skip
         for d, free in zip(e["disk"], mach["disk_free"]):
-            print(f"  disk: {human_size(d['peak_bytes'])} at most under {d['path']} (state {human_size(d['state_bytes'])}"
-                  f", cap {human_size(d['cap_bytes'])}), {human_size(free)} free ({_yes(e['fits']['disk'])})")
+            # The tensors' bytes, not the arena's: it grows in preallocated steps (by doubling
+            # from 1 MiB up to nvme.grow_step), holes and alignment on top, never past the cap.
+            print(f"  disk: {human_size(d['peak_bytes'])} of tensors at most under {d['path']} (state "
+                  f"{human_size(d['state_bytes'])}), in an arena grown in steps to at most {human_size(d['cap_bytes'])}"
+                  f"; {human_size(free)} free ({_yes(e['fits']['disk'])})")  # fmt: skip
         if e["disk_refused"]:
             print(f"  disk: initialize would refuse it: {e['disk_refused']}")
         if e["step_floor"]:

@@ -306,6 +306,8 @@ def test_text_output_names_every_placement(tmp_path, capsys):
     for name in _estimate.PLACEMENTS:
         assert f"\n{name} (params " in text
     assert "initialize accepts" in text and "B/param expected" in text
+    # the tensors' bytes, which the arena (grown in preallocated steps) may pass, up to its cap
+    assert f"of tensors at most under {tmp_path} (state " in text and "in an arena grown in steps to at most" in text
 
 
 def test_params_choose_a_llama_shape():
