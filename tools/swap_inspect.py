@@ -170,6 +170,23 @@ def _leak_reason(name: str) -> str:
     return "arena file the manifest does not list" if is_space_file(name) else "not a swap space file"
 
 
+def lock_holder(rank_dir: str) -> int | None:
+    """The process holding ``rank_dir``'s lock (a space open on it: a running engine), read from
+    /proc/locks without touching the lock; None when none holds it or it cannot be told."""
+    try:
+        st = os.stat(os.path.join(rank_dir, LOCK_NAME), follow_symlinks=False)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        if "->" not in fields and len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key:
+            return int(fields[4]) if fields[4].isdigit() else None
+    return None
+
+
 def rank_summary(reader: SpaceReader) -> dict:
     """The rank's members, arena files (as they are on disk), space and tensors; sizes in bytes."""
     m = reader.manifest
@@ -201,7 +218,8 @@ def rank_summary(reader: SpaceReader) -> dict:
              checksum=t.checksum, extents=[[e.file, e.offset, e.nbytes] for e in t.extents])
         for t in m.tensors.values()
     ]  # fmt: skip
-    return dict(rank=m.rank, rank_dir=reader.rank_dir, space_id=m.space_id, generation=m.generation,
+    return dict(rank=m.rank, rank_dir=reader.rank_dir, in_use_by=lock_holder(reader.rank_dir), space_id=m.space_id,
+                generation=m.generation,
                 alignment=m.alignment, members=reader.member_dirs, files=files, capacity=capacity, used=used,
                 tensor_bytes=sum(t.nbytes for t in m.tensors.values()),
                 free=capacity - used, leaked_bytes=sum(x["size"] for x in leaked), leaked=leaked,
@@ -217,6 +235,9 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 def print_summary(s: dict, tensors: bool = True) -> None:
     print(f"rank {s['rank']}: {shown(s['rank_dir'])} (space {shown(s['space_id'])}, manifest generation "
           f"{s['generation']})")  # fmt: skip
+    if s["in_use_by"] is not None:
+        print(f"  in use by process {s['in_use_by']}: a space open on it (a running engine), whose tensors "
+              "since its last commit are not in the manifest shown")  # fmt: skip
     for k, member in enumerate(s["members"]):
         print(f"  member {k}: {shown(member)}")
     for f in s["files"]:
@@ -365,7 +386,7 @@ description:
   manifest.json, in the space's first directory), or a directory whose immediate
   subdirectories are such rank directories (every rank found is shown, sorted by rank).
   Nothing is locked or written: a space that a running engine holds may be inspected, and
-  then shows its last manifest. The manifest and every member's space.json are checked as
+  then shows its last manifest, and the process that holds it (from /proc/locks). The manifest and every member's space.json are checked as
   the engine checks them on resume. DIR may also be a checkpoint (save_checkpoint's
   directory, or the root it saves into, whose "latest" names the newest): a line on the
   checkpoint first (tag, step, ranks, stage, dtypes), and a BAD line for each rank that is
@@ -399,8 +420,9 @@ output:
   file, a tag) holding a character that is not printable, such as a terminal escape
   sequence, is shown as its Python repr, quoted.
   --json: the same as one JSON object on stdout, sizes in bytes, names exact: {"path", "ranks": [{
-  "rank", "rank_dir", "space_id", "generation", "alignment", "members", "files": [{"index",
-  "member", "name", "path", "size", "on_disk", "status"}], "capacity", "used", "free",
+  "rank", "rank_dir", "in_use_by" (a pid, or null), "space_id", "generation", "alignment",
+  "members", "files": [{"index", "member", "name", "path", "size", "on_disk", "status"}],
+  "capacity", "used", "free",
   "leaked_bytes", "leaked": [{"path", "size", "why"}], "kinds", "tensors": [{"name",
   "kind", "dtype", "shape", "nbytes", "generation", "checksum", "extents": [[file, offset,
   nbytes]], with --verify "status" (ok, unverified, bad) and "error"}]}], with --verify

@@ -116,6 +116,23 @@ def test_summary_and_table(space, capsys):
     assert "leaked 0B" in out and "leaked:" not in out
 
 
+def test_a_space_open_now_names_the_process_that_holds_it(tmp_path, capsys):
+    """A running engine's space showed its last manifest ("tensors: 0") with nothing to say it
+    was live: the process holding its lock is named (from /proc/locks; the lock untouched)."""
+    live = SwapSpace(str(tmp_path))
+    try:
+        code, out, _ = run(capsys, tmp_path / "rank0")
+        assert code == 0 and f"in use by process {os.getpid()}: a space open on it" in out
+        code, out, _ = run(capsys, tmp_path / "rank0", "--json")
+        assert json.loads(out)["ranks"][0]["in_use_by"] == os.getpid()
+    finally:
+        live.close()
+    code, out, _ = run(capsys, tmp_path / "rank0", "--json")
+    assert json.loads(out)["ranks"][0]["in_use_by"] is None
+    code, out, _ = run(capsys, tmp_path / "rank0")
+    assert "in use by" not in out
+
+
 def test_summary_shows_the_arena_against_the_tensor_bytes(space, capsys):
     rank_dir, _ = space
     code, out, err = run(capsys, rank_dir, "--json")
