@@ -38,6 +38,7 @@ import torch
 
 from . import _placeholder
 from ._units import ParamUnit, UnitState
+from ._wrap import dtype_refusal
 
 
 class InPlaceWrites:
@@ -81,6 +82,17 @@ class InPlaceWrites:
         values, moved = self.changed()
         if not values:
             return 0
+        cast = [(u, i) for u, i in moved if values[(u.index, i)].dtype != u.full.dtype]  # (param_dtype)
+        if cast:
+            # A cast inside a forward (transformers' Switch router runs self.classifier.to(fp32)
+            # at each call), after the check before it: carried, the masters took the
+            # parameters' rounded values at every step, silently. Refused as a cast before a
+            # forward is, the parameters the engine's again.
+            for u in {id(u): u for u, _ in moved}.values():
+                u.bind(u.full)
+            self.versions = [p._version for _, _, p in self.params]
+            u, i = cast[0]
+            raise dtype_refusal(u.qualified_name(i), values[(u.index, i)].dtype, u.full.dtype)
         self.substates.load_master(values, merge=True)
         with torch.no_grad():
             for u, i in moved:
