@@ -31,7 +31,9 @@ root call does: the engine's checks, the saved-tensor hooks around it ([Note: sa
 views]: without them the views autograd saves read pool memory another unit has taken since,
 and the weights train wrong where units are released before backward), and its outputs' end
 of backward. Its nested calls are part of it. A module called inside backward (recomputation
-by activation checkpointing) begins none: it is part of that backward.
+by activation checkpointing) begins none: it is part of that backward. Where units are always
+bound, modules have no hooks ([Note: always-ready units' uses]): there the first gradient of a
+backward that no pass began begins one, and its end is queued with autograd (`_weak_grad_hook`).
 
 [Note: kept for backward]
 Backward uses the units in the reverse of forward's order, so the units forward used last are
@@ -140,17 +142,25 @@ def _called(fn, grad) -> None:
     fn()  # and return None: the gradient goes on unchanged
 
 
-def _weak_grad_hook(runtime, unit, i: int):
-    """The hook a parameter runs once its gradient is accumulated. It holds the runtime
+def _weak_grad_hook(scheduler, unit, i: int):
+    """The hook a parameter runs once its gradient is accumulated. It holds the scheduler
     weakly: hooks on tensors live in C++, where the garbage collector cannot see the cycle
-    parameter -> hook -> runtime -> model -> parameter, so a strong one would keep an engine
-    dropped without close() (and its locked swap directory) alive for good."""
-    ref = weakref.ref(runtime)
+    parameter -> hook -> scheduler -> model -> parameter, so a strong one would keep an engine
+    dropped without close() (and its locked swap directory) alive for good.
+
+    Where units are always bound, modules have no hooks: a forward through submodules outside
+    a call of the root (``model.backbone(x)`` then ``model.head(h)``) began no pass, and its
+    backward ended none: the engine's end of backward never ran (fp16's plain-backward
+    refusal, accumulation = "engine"'s mean, the passes counted). The first gradient of a
+    backward with no pass begun begins one, its end queued with autograd as a root call's."""
+    ref = weakref.ref(scheduler)
 
     def hook(param: torch.Tensor) -> None:
         live = ref()
         if live is not None:
-            live.grad_arrived(unit, i, param)
+            if live.always_ready and live.state is TrainingState.IDLE:
+                live.backward_started()
+            live.runtime.grad_arrived(unit, i, param)
 
     return hook
 
@@ -329,7 +339,7 @@ class Scheduler:
             hooked = 0
             for i, r in enumerate(unit.records):
                 if r.requires_grad and not unit.is_tile:  # a tile's gradients come from its Function (tile_grad)
-                    hook = _weak_grad_hook(self.runtime, unit, i)
+                    hook = _weak_grad_hook(self, unit, i)
                     self._handles.append(r.param.register_post_accumulate_grad_hook(hook))
                     hooked += 1
             if hooked:

@@ -138,6 +138,34 @@ def test_fp16_with_a_plain_backward_is_refused_not_trained_unscaled(tmp_path):
         assert engine.step()
 
 
+@pytest.mark.parametrize("tiers", [("device", "device", "device"), ("device", "device", "cpu")], ids=str)
+def test_a_backward_of_layers_called_outside_the_root_ends_its_pass_where_units_are_always_bound(tmp_path, tiers,
+                                                                                                 caplog):  # fmt: skip
+    """Where units are always bound modules have no hooks, so layers called one by one outside
+    a call of the root began no pass and their backward ended none (an audit helper's repros):
+    fp16's plain backward stepped on unscaled gradients, accumulation = "engine" on the sum
+    of the micro-batches, and the overlap warned of "0 backward passes" at every step."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+    def layers(engine, x):
+        return engine.module[2](engine.module[1](engine.module[0](x)))
+
+    with infinity.initialize(copy.deepcopy(model), config(tmp_path / "fp16", tiers, precision={"param_dtype": "fp16"})) as engine:
+        with pytest.raises(RuntimeError, match="needs engine.backward"):
+            layers(engine, torch.randn(3, 4).half()).float().sum().backward()
+    cfg = config(tmp_path / "ds", tiers, optimizer={"accumulation": "engine", "gradient_accumulation_steps": 2})
+    with infinity.initialize(copy.deepcopy(model), cfg) as engine:
+        layers(engine, torch.randn(3, 4)).sum().backward()
+        with pytest.raises(RuntimeError, match=r"came from a plain loss.backward\(\)"):
+            engine.step()
+    with infinity.initialize(copy.deepcopy(model), config(tmp_path / "overlap", tiers, optimizer={"overlap": True})) as engine:
+        with caplog.at_level("WARNING", logger="infinity"):
+            for _ in range(2):
+                layers(engine, torch.randn(3, 4)).sum().backward()
+                engine.step()
+    assert "backward passes" not in caplog.text
+
+
 def test_a_forward_that_raises_ends_its_pass_and_the_next_one_runs(tmp_path):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     with infinity.initialize(model, config(tmp_path, NVME)) as engine:
