@@ -119,9 +119,11 @@ class MixedPrecision:
 
     def __init__(self, model, device="cpu"):
         self.model = copy.deepcopy(model).to(device)
+        # The masters from the fp32 weights, as the engine keeps them (from the bf16 ones,
+        # rounded, they were 7.8e-3 apart in 5 steps: an audit helper's finding)
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model.parameters()]
         for p in self.model.parameters():
             p.data = p.data.to(torch.bfloat16)
-        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model.parameters()]
         self.opt = torch.optim.AdamW(self.master, lr=1e-3, weight_decay=0.01)
 
     def step(self, batch):
@@ -178,7 +180,13 @@ def test_bf16_matches_mixed_precision_in_plain_torch(tmp_path, family, tiles):
         engine.step()
         ref_loss = ref.step(_cast(batch(step), torch.bfloat16))
         got, want = loss.float().item(), ref_loss.float().item()
-        if step == 0:  # the same bf16 weights from the same fp32 ones: the same bits
-            assert got == want, (family, got, want)
-        assert abs(got - want) <= 2 * 2**-7 * abs(want), (family, step, got, want)
+        assert got == want, (family, step, got, want)  # the same bf16 weights every step: the same bits
+    weights = engine.gathered_weights()  # the fp32 masters
     engine.close()
+    # Within an fp32 ulp or so (torch's AdamW here, the fused kernel there); tiled, a tile's
+    # weight gradient is its own matmul, whose threads may sum otherwise, Adam-amplified where a
+    # gradient is near zero (bert's, 13 of 2048 elements 3.9e-6 off at 2 threads).
+    tol = 2e-5 if tiles else 2e-7
+    for (name, _), master in zip(ref.model.named_parameters(), ref.master):
+        if name in weights:
+            torch.testing.assert_close(weights[name], master.detach(), atol=tol, rtol=0, msg=lambda m: f"{family} {name}: {m}")
