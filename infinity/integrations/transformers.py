@@ -127,6 +127,13 @@ class InfinityTrainer(transformers.Trainer):
 
     # -- the optimizer is the engine's ------------------------------------------------------
     def create_optimizer(self, model=None):
+        if self.engine is not None and self.engine.module is not self.model:
+            # model_init made a new model (Trainer.train does at each call with one, as
+            # hyperparameter_search's trials do): the last engine's is not it. Kept, the new
+            # model trained on nothing (grad_norm 0.0, weights unchanged) and save_model wrote
+            # the old one's weights (an audit helper's repro). Its engine goes, the new one's comes.
+            self.engine.close()
+            self.engine = None
         if self.engine is None:
             # The engine overlaps the optimizer with the last micro-batch's backward: it needs
             # the Trainer's accumulation to know which that is.

@@ -88,6 +88,31 @@ def test_the_trainer_on_nvme_logs_the_losses_of_plain_trainer_and_resumes_identi
     resumed.engine.close()
 
 
+def test_model_init_trains_the_new_model_at_each_train_call(tmp_path):
+    """Trainer.train makes a new model at each call with model_init (hyperparameter_search's
+    trials): the second trained on the first's engine, which held the old model, so the new
+    one trained on nothing (grad_norm 0.0) and save_model wrote the old weights (an audit
+    helper's repro). Each call now logs plain Trainer's losses and saves the live weights."""
+    from safetensors.torch import load_file
+
+    args = dict(max_steps=4, gradient_accumulation_steps=1, save_strategy="no")
+    plain = transformers.Trainer(model_init=_llama, args=_args(tmp_path / "plain", **args), train_dataset=_Tokens())
+    ours = InfinityTrainer(model_init=_llama, args=_args(tmp_path / "ours", **args), train_dataset=_Tokens(),
+                           infinity_config=_nvme(tmp_path))  # fmt: skip
+    for call in range(2):
+        plain.train()
+        want = _losses(plain)
+        ours.train()
+        got = _losses(ours)
+        assert got.keys() == want.keys(), call
+        for step in want:
+            assert got[step][:2] == pytest.approx(want[step][:2], abs=1e-4), (call, step, got[step], want[step])
+    ours.save_model(str(tmp_path / "final"))
+    saved, live = load_file(str(tmp_path / "final" / "model.safetensors")), ours.engine.gathered_weights()
+    assert all(torch.equal(saved[k], live[k]) for k in saved)
+    ours.engine.close()
+
+
 def test_a_trainer_given_its_own_optimizer_is_refused(tmp_path):
     model = _llama()
     with pytest.raises(ValueError, match="makes its optimizer from TrainingArguments"):
