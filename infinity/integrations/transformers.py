@@ -114,6 +114,16 @@ class InfinityTrainer(transformers.Trainer):
         if log_engine_stats:
             log_stats(self, lambda: self.engine)
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # fp16 on a GPU: accelerate makes a GradScaler (this Trainer is not in DeepSpeed mode),
+        # which scaled the loss on top of the engine's scale and then, stepping the engine's
+        # optimizer, found no .grad to unscale ("No inf checks were recorded for this
+        # optimizer": an audit helper's repro, a GradScaler put where accelerate puts it on a
+        # GPU). The engine scales fp16 losses itself (`compute_loss`), as
+        # DeepSpeed's engine does under the Trainer: accelerate's goes.
+        self.accelerator.scaler = None
+
     def _deepspeed_config(self) -> dict | None:
         return _deepspeed.load(self.infinity_config) if _deepspeed.is_deepspeed(self.infinity_config) else None
 

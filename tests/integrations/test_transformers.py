@@ -176,6 +176,29 @@ def test_the_trainer_trains_fp16_parameters_with_the_engines_loss_scale(tmp_path
     trainer.engine.close()
 
 
+def test_accelerates_fp16_grad_scaler_is_not_put_over_the_engines(tmp_path, monkeypatch):
+    """With fp16 on a GPU accelerate makes a GradScaler; over the engine's it scaled the loss
+    twice and, stepping, found no .grad to unscale ("No inf checks were recorded": an audit
+    helper's repro). Here accelerate's GPU scaler is put where it puts it: the run trains as
+    the one without."""
+    made = transformers.Trainer.create_accelerator_and_postprocess
+
+    def as_on_a_gpu(self):
+        made(self)
+        self.accelerator.scaler = torch.amp.GradScaler("cpu")
+
+    def run(out):
+        trainer = InfinityTrainer(model=_llama(), args=_args(out, max_steps=3, save_strategy="no"), train_dataset=_Tokens(),
+                                  infinity_config={"precision": {"param_dtype": "fp16"}})  # fmt: skip
+        trainer.train()
+        trainer.engine.close()
+        return _losses(trainer)
+
+    want = run(tmp_path / "cpu")
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", as_on_a_gpu)
+    assert run(tmp_path / "gpu") == want
+
+
 def test_a_step_the_engine_skips_does_not_step_the_lr_schedule(tmp_path):
     """fp16 from a loss scale that overflows: the engine skips those steps, and the Trainer
     does not step the LR schedule for them, as under torch's GradScaler or DeepSpeed (it did:
