@@ -325,8 +325,10 @@ def _engine_state(checkpoint) -> str:
     if not os.path.isdir(saved):
         raise FileNotFoundError(
             f"resume_from_checkpoint: {saved} is missing, which holds the engine's optimizer state (moments, step "
-            f"counts, master weights) that InfinityTrainer saves in every checkpoint; {os.fspath(checkpoint)} was not "
-            "saved by InfinityTrainer or has lost it, and resuming would restart the optimizer state silently")
+            f"counts, master weights) that InfinityTrainer saves in every checkpoint but with save_only_model=True; "
+            f"{os.fspath(checkpoint)} was saved with save_only_model=True (no optimizer, scheduler or RNG state: "
+            "transformers documents it as not resumable), or not by InfinityTrainer, or has lost it, and resuming "
+            "would restart the optimizer state silently")
     return saved
 
 

@@ -157,8 +157,9 @@ def test_a_resume_from_a_checkpoint_without_the_engines_state_is_refused_naming_
 
     again = InfinityTrainer(model=_llama(), args=_args(out, max_steps=4, save_steps=2), train_dataset=_Tokens(),
                             infinity_config=_nvme(tmp_path))  # fmt: skip
-    with pytest.raises(FileNotFoundError, match=str(missing)):
+    with pytest.raises(FileNotFoundError, match=str(missing)) as refused:
         again.train(resume_from_checkpoint=str(out / "checkpoint-2") if resume == "path" else True)
+    assert "save_only_model=True" in str(refused.value)  # the likely cause, named
     assert again.engine is None  # refused before an engine (and its swap space) was made
 
 
