@@ -123,7 +123,11 @@ class _Kept:
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor):
-        self.tensor, self.version = t, t._version
+        # Detached (its storage and version counter, no grad_fn; autograd puts its own back
+        # on unpack): an output its own op saves (sigmoid's, exp's) held its node, which holds
+        # this, a cycle through C++ the collector cannot see, so a forward with no backward
+        # kept its graph for good (20 of 20 in an audit helper's repro; plain PyTorch frees them).
+        self.tensor, self.version = t.detach(), t._version
 
     def check(self) -> torch.Tensor:
         t = self.tensor
