@@ -374,7 +374,11 @@ class Scheduler:
             # Units always bound are never placeholders nor moved: with no other handler (the
             # activation tier), nothing to do for a saved tensor.
             if not (self.always_ready and len(self.saved.handlers) == 1):
-                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack)
+                # Run eagerly as the module hooks are: dynamo compiled them (and the pool code the
+                # activation tier's pack calls) where a compiled forward breaks its graph, and
+                # failed on its own guard ("Guard failed on the same frame it was created").
+                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(eager(self.saved.pack),
+                                                                             eager(self.saved.unpack))  # fmt: skip
                 self._saved_hooks.__enter__()
 
     def _root_post_hook(self, module, args, output):

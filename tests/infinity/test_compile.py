@@ -85,6 +85,54 @@ def test_compiled_module_matches_eager(tmp_path):
     _assert_same(eager, compiled)
 
 
+class _Gated(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.a, self.b, self.act = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.act(self.a(x))
+        return x + self.b(h * torch.sigmoid(h))
+
+
+class _Rooted(nn.Module):
+    """A weight the root uses itself, then a block whose ops save their own outputs (an audit
+    helper's repro): dynamo breaks the graph around the engine's saved-tensor hooks."""
+
+    def __init__(self, d: int = 48):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) * 0.2)
+        self.blocks = nn.ModuleList([_Gated(d)])
+
+    def forward(self, x):
+        h = x @ self.w
+        for block in self.blocks:
+            h = block(h)
+        return (h**2).mean()
+
+
+def test_compiled_module_with_activations_on_nvme_matches_eager(tmp_path):
+    """The saved-tensor hooks run eagerly, as the module hooks do: dynamo compiled them and the
+    pool code the activation tier's pack calls, and failed on its own guard ("Guard failed on
+    the same frame it was created") at the first forward."""
+
+    def run(name, prepare):
+        torch.manual_seed(0)
+        cfg = config(tmp_path / name, NVME, activations={"tier": "nvme", "min_bytes": 0})
+        with infinity.initialize(_Rooted(), cfg) as engine:
+            call, losses = prepare(engine.module), []
+            for step in range(3):
+                loss = call(torch.randn(256, 48, generator=torch.Generator().manual_seed(step)))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            assert engine.stats()["step"]["activation_out_bytes"] > 0
+        return losses
+
+    eager = run("eager", lambda m: m)
+    assert run("compiled", lambda m: torch.compile(m, backend="aot_eager")) == pytest.approx(eager, abs=1e-5, rel=0)
+
+
 def test_compiled_blocks_match_eager_with_tiles(tmp_path):
     """Each block compiled in place (torchtitan's way), the 32 x 64 Linears in 4 KiB tiles."""
 
