@@ -218,10 +218,9 @@ def rank_summary(reader: SpaceReader) -> dict:
              checksum=t.checksum, extents=[[e.file, e.offset, e.nbytes] for e in t.extents])
         for t in m.tensors.values()
     ]  # fmt: skip
-    return dict(rank=m.rank, rank_dir=reader.rank_dir, in_use_by=lock_holder(reader.rank_dir), space_id=m.space_id,
-                generation=m.generation,
-                alignment=m.alignment, members=reader.member_dirs, files=files, capacity=capacity, used=used,
-                tensor_bytes=sum(t.nbytes for t in m.tensors.values()),
+    return dict(rank=m.rank, rank_dir=reader.rank_dir, in_use_by=lock_holder(reader.rank_dir),
+                space_id=m.space_id, generation=m.generation, alignment=m.alignment, members=reader.member_dirs,
+                files=files, capacity=capacity, used=used, tensor_bytes=sum(t.nbytes for t in m.tensors.values()),
                 free=capacity - used, leaked_bytes=sum(x["size"] for x in leaked), leaked=leaked,
                 kinds=dict(sorted(kinds.items())), tensors=tensors)  # fmt: skip
 
@@ -386,11 +385,12 @@ description:
   manifest.json, in the space's first directory), or a directory whose immediate
   subdirectories are such rank directories (every rank found is shown, sorted by rank).
   Nothing is locked or written: a space that a running engine holds may be inspected, and
-  then shows its last manifest, and the process that holds it (from /proc/locks). The manifest and every member's space.json are checked as
-  the engine checks them on resume. DIR may also be a checkpoint (save_checkpoint's
-  directory, or the root it saves into, whose "latest" names the newest): a line on the
-  checkpoint first (tag, step, ranks, stage, dtypes), and a BAD line for each rank that is
-  missing, holds another rank, or is not one of those that saved it, as a load refuses them.
+  then shows its last manifest and the process that holds it (from /proc/locks). The
+  manifest and every member's space.json are checked as the engine checks them on resume.
+  DIR may also be a checkpoint (save_checkpoint's directory, or the root it saves into,
+  whose "latest" names the newest): a line on the checkpoint first (tag, step, ranks, stage,
+  dtypes), and a BAD line for each rank that is missing, holds another rank, or is not one
+  of those that saved it, as a load refuses them.
 """
 
 EPILOG = """\
@@ -422,8 +422,8 @@ output:
   --json: the same as one JSON object on stdout, sizes in bytes, names exact: {"path", "ranks": [{
   "rank", "rank_dir", "in_use_by" (a pid, or null), "space_id", "generation", "alignment",
   "members", "files": [{"index", "member", "name", "path", "size", "on_disk", "status"}],
-  "capacity", "used", "free",
-  "leaked_bytes", "leaked": [{"path", "size", "why"}], "kinds", "tensors": [{"name",
+  "capacity", "used", "free", "leaked_bytes", "leaked": [{"path", "size", "why"}], "kinds",
+  "tensors": [{"name",
   "kind", "dtype", "shape", "nbytes", "generation", "checksum", "extents": [[file, offset,
   nbytes]], with --verify "status" (ok, unverified, bad) and "error"}]}], with --verify
   "verify": {"tensors", "verified", "bad", "unverified"}}, for a checkpoint "checkpoint": {"tag",
