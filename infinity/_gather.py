@@ -118,8 +118,8 @@ def _hook(scheduler, p: nn.Parameter, pieces) -> None:
                 unit.bind(unit.full)
 
     with torch._C.DisableTorchFunctionSubclass():  # the engine's own, on a tiled one too
-        scheduler._handles.append(torch.Tensor.register_hook(p, before))
-        scheduler._handles.append(torch.Tensor.register_post_accumulate_grad_hook(p, after))
+        scheduler.hooks.add(torch.Tensor.register_hook(p, before))
+        scheduler.hooks.add(torch.Tensor.register_post_accumulate_grad_hook(p, after))
 
 
 _hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> ids of hooked parameters

@@ -1,11 +1,16 @@
 """The pass hooks: what fetches and releases parameter units around each module's forward and
 backward, and where a pass begins and ends.
 
-Owns: the module hooks, the root module's hooks (a pass begins and ends there, also when a
-forward raised or a Ctrl-C left it), the uses of each unit's gradients counted per call, and
-the saved-tensor hooks of a pass. Touches: units only through `_runtime.UnitRuntime` (fetch,
-bind, release, gradients gathered and handed on) and `_prefetch.Prefetcher` (the predicted
-order, reads ahead, units kept for backward), which it builds and owns.
+Owns: what the module hooks and the root module's hooks do (a pass begins and ends at the
+root, also when a forward raised or a Ctrl-C left it), the uses of each unit's gradients
+counted per call, and the saved-tensor hooks of a pass. Touches: units only through
+`_runtime.UnitRuntime` (fetch, bind, release, gradients gathered and handed on),
+`_prefetch.Prefetcher` (the predicted order, reads ahead, units kept for backward) and
+`_hooks.ModuleHooks` (where the hooks are registered, their handles), which it builds and owns.
+Calling the root (what ``engine(...)``, transformers' Trainer and accelerate do alike) runs a
+whole pass: the constructor's ``before_forward()`` first, the saved-tensor hooks around it; a
+backward through its outputs ends with ``after_backward()``; ``owner`` (`_owner.Owner`) is
+entered for each root call, so a second thread's is refused.
 
 Forward: a module's pre-hook materialises its units (waiting for a prefetch, or reading on
 demand) and issues the reads of the units of the next ``depth`` modules of the predicted
@@ -116,11 +121,12 @@ import weakref
 import torch
 from torch import nn
 
-from . import _placeholder, _tiled
+from . import _placeholder
 from ._activations import SavedTensors
 from ._admission import GRAD, Admission
 from ._compile import eager
 from ._grads import GradAccumulator
+from ._hooks import ModuleHooks, PassHooks
 from ._interrupts import held_interrupts
 from ._pass import PassListener
 from ._prefetch import Prefetcher
@@ -266,8 +272,14 @@ class Scheduler:
         self.prefetcher = Prefetcher(self.runtime, module_units, self.tiled, depth=depth, prefetch_bytes=prefetch_bytes,
                                      keep=keep, keep_limit=keep_limit, device_budget=device_budget)  # fmt: skip
         self.always_ready = self.runtime.always_ready
-        self._handles = []
-        self._hooked_grads: list[tuple[ParamUnit, int]] = []  # (unit, gradient hooks on its parameters)
+        # Where the hooks below go, and their handles: `install` is ``hooks.install(root)``.
+        self.hooks = ModuleHooks(units, module_units, self.tiled, always_ready=self.always_ready, scheduler=self,
+                                 fns=PassHooks(root_pre=self._root_pre_hook, root_post=self._root_post_hook,
+                                               container_pre=self._container_pre_hook,
+                                               sub_root_post=self._sub_root_post_hook,
+                                               pre_forward=self._pre_forward_hook, call_over=self._call_over_hook,
+                                               post_forward=self._post_forward_hook,
+                                               grad=functools.partial(_weak_grad_hook, self)))  # fmt: skip
         self.state = TrainingState.IDLE
         # Per module, grad-enabled calls whose gradient uses were counted in forward, and calls
         # run again inside backward (activation checkpointing): a reentrant checkpoint's first
@@ -290,68 +302,7 @@ class Scheduler:
         self._before_forward = before_forward  # the engine's checks, before each pass (None: none)
         self._after_backward = after_backward  # the engine's end of a backward pass (None: none)
 
-    # -- hooks ------------------------------------------------------------------------------
-    def install(self, root: nn.Module) -> None:
-        """Hook ``root`` and every module that uses a unit. Calling ``root`` itself (what
-        ``engine(...)``, transformers' Trainer and accelerate do alike) runs a whole pass: the
-        constructor's ``before_forward()`` first, the saved-tensor hooks around it; and a
-        backward through its outputs ends with ``after_backward()``. ``owner``
-        (`_owner.Owner`) is entered for each root call: a second thread's is refused."""
-        # Every hook on a module runs eagerly under torch.compile: [Note: hooks under torch.compile].
-        self._install_modules()
-        # After the modules' own: prepended, the root's runs before every other (its units' fetch too).
-        self._handles.append(root.register_forward_pre_hook(eager(self._root_pre_hook), prepend=True))
-        if not self.always_ready:
-            # Modules that hold none of a unit's parameters but contain some (a backbone, a
-            # tower): called outside the root, their call is the pass, not each leaf's inside it.
-            for module in root.modules():
-                if module is not root and module not in self.module_units and any(
-                        m in self.module_units for m in module.modules()):  # fmt: skip
-                    self._handles.append(module.register_forward_pre_hook(eager(self._container_pre_hook)))
-                    self._handles.append(module.register_forward_hook(eager(self._sub_root_post_hook), always_call=True))
-        for module, tiles in self.tiled.items():
-            _tiled.install(module, self, tiles)
-            module.forward = eager(module.forward)  # it reads tiles from the tiers
-        self._handles.append(root.register_forward_hook(eager(self._root_post_hook), always_call=True))
-
-    def _install_modules(self) -> None:
-        # Per module: for each unit, how many of its gradients one grad-enabled call will bring
-        # (the parameters the module holds itself that require grad). Fixed: counted once here.
-        self._uses_per_call = {
-            module: [(u, sum(1 for r in u.records
-                             if r.requires_grad and any(q is r.param for q in module._parameters.values())))
-                     for u in units]
-            for module, units in self.module_units.items()
-        }  # fmt: skip
-        for module in self.module_units:
-            if not self.always_ready:  # see [Note: always-ready units' uses]
-                # First of the module's pre-hooks: one of the model's own may read the parameters
-                # (torch.nn.utils' hook-based weight_norm and spectral_norm compute the weight).
-                self._handles.append(module.register_forward_pre_hook(eager(self._pre_forward_hook), prepend=True))
-            if not self.always_ready:  # first of its forward hooks, and also when the forward raised
-                self._handles.append(module.register_forward_hook(eager(self._call_over_hook), always_call=True))
-            if not self.always_ready or module in self.tiled:  # (a tile's uses: counted per call)
-                self._handles.append(module.register_forward_hook(eager(self._post_forward_hook)))
-            if not self.always_ready:  # after the one above; also when the forward raised
-                self._handles.append(module.register_forward_hook(eager(self._sub_root_post_hook), always_call=True))
-        self._hooked_grads = []
-        for unit in self.units:
-            hooked = 0
-            for i, r in enumerate(unit.records):
-                if r.requires_grad and not unit.is_tile:  # a tile's gradients come from its Function (tile_grad)
-                    hook = _weak_grad_hook(self, unit, i)
-                    self._handles.append(r.param.register_post_accumulate_grad_hook(hook))
-                    hooked += 1
-            if hooked:
-                self._hooked_grads.append((unit, hooked))
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        for module in self.tiled:
-            _tiled.remove(module)
-
+    # -- hooks (`_hooks.ModuleHooks` registers them) -----------------------------------------
     def _root_pre_hook(self, module, args):
         with held_interrupts:  # one owner entry per root call counted in _depth (see end_interrupted_pass)
             if self.owner is not None:
@@ -368,7 +319,7 @@ class Scheduler:
             self.begin_forward(module)
             self._began = True
             if self.always_ready and self.state is TrainingState.IDLE and torch.is_grad_enabled():
-                for unit, hooked in self._hooked_grads:  # see [Note: always-ready units' uses]
+                for unit, hooked in self.hooks.hooked_grads:  # see [Note: always-ready units' uses]
                     unit.uses = hooked
             # See [Note: saved parameter views].
             # Units always bound are never placeholders nor moved: with no other handler (the
@@ -514,12 +465,12 @@ class Scheduler:
             if torch.is_grad_enabled():
                 self._recomputed[module] = self._recomputed.get(module, 0) + 1
                 if self._recomputed[module] > self._calls.get(module, 0):
-                    for unit, uses in self._uses_per_call[module]:
+                    for unit, uses in self.hooks.uses_per_call[module]:
                         unit.uses += uses
             return output
         if torch.is_grad_enabled():
             self._calls[module] = self._calls.get(module, 0) + 1
-            for unit, uses in self._uses_per_call[module]:
+            for unit, uses in self.hooks.uses_per_call[module]:
                 unit.uses += uses
             if not self.always_ready and units:
                 # (Units always bound need no fetch in backward: no hook. Frozen units are

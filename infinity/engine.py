@@ -204,7 +204,7 @@ class Engine:
                 dtype = self.dtype if mod in cast and buf.is_floating_point() else buf.dtype
                 if buf.device != dev or buf.dtype != dtype:
                     mod._buffers[key] = buf.to(dev, dtype)
-        self.scheduler.install(module)
+        self.scheduler.hooks.install(module)
         self._state_hooks = StateDictHooks(self, module)
         # What waits in the pool for later gives way to a transfer needed now, in this order
         # ([Note: traffic classes] in `_admission`).
@@ -221,7 +221,7 @@ class Engine:
     # -- training ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         """The module's forward. Calling ``engine.module(...)`` is the same: the engine's work
-        is in hooks on the module itself (see `_schedule.Scheduler.install`)."""
+        is in hooks on the module itself (`_hooks.ModuleHooks.install`)."""
         outermost = not self.scheduler.in_forward
         try:
             return self.module(*args, **kwargs)
@@ -570,7 +570,7 @@ class Engine:
             try:
                 if self.activations is not None:
                     self.activations.close()
-                self.scheduler.remove()
+                self.scheduler.hooks.remove()
                 self._state_hooks.remove()
             finally:
                 _resources.close_io(self.space, self.pool, self.aio)
