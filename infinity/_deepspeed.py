@@ -532,6 +532,18 @@ def _device(r: _Reader, key: str) -> str:
 # transformers' arguments the Trainer counts: InfinityTrainer sets "caller" and its own steps.
 
 
+def _world_size() -> int:
+    """The ranks the config is for: the process group's where one is up, as DeepSpeed takes it
+    (dist.get_world_size()), else torchrun's WORLD_SIZE, else 1. WORLD_SIZE alone missed the
+    ranks torch.multiprocessing.spawn starts (init_process_group(rank=, world_size=) sets no
+    variable): 2 ranks derived twice DeepSpeed's accumulation steps (an audit helper's repro)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _accumulation_steps(r: _Reader) -> int | None:
     """The micro-batches per step a DeepSpeed config means (None: not said)."""
     steps = r.get("gradient_accumulation_steps", None, arg="gradient_accumulation_steps")
@@ -548,7 +560,7 @@ def _accumulation_steps(r: _Reader) -> int | None:
     batch, micro = r.get("train_batch_size"), r.get("train_micro_batch_size_per_gpu")
     batch = None if batch is None else _number("train_batch_size", batch, int)
     micro = None if micro is None else _number("train_micro_batch_size_per_gpu", micro, int)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _world_size()
     if batch is not None and micro is not None:
         derived = batch // (micro * world) if micro * world else 0
         if steps is None:

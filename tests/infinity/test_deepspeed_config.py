@@ -485,3 +485,19 @@ def test_set_batch_sizes_and_schedule_values_that_disagree_with_the_training_arg
     auto = {"scheduler": {"type": "WarmupDecayLR", "params": dict.fromkeys(
         ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"), "auto")}}  # fmt: skip
     assert max(_lrs(auto, 10, training_args=Args(), num_training_steps=10)) == 3e-3
+
+
+def test_the_accumulation_steps_derived_from_the_batch_sizes_take_the_process_groups_world_size(monkeypatch):
+    """train_batch_size = micro x steps x world: the world is the process group's, as DeepSpeed
+    takes it. From WORLD_SIZE alone, ranks that torch.multiprocessing.spawn started (no such
+    variable) took 1, and 2 ranks accumulated 4 micro-batches where DeepSpeed does 2, each loss
+    divided by 4 (an audit helper's repro)."""
+    import torch.distributed as dist
+
+    ds = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "zero_optimization": {"stage": 2}}
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert infinity.TierConfig.from_deepspeed(ds).optimizer.gradient_accumulation_steps == 4  # one rank
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert infinity.TierConfig.from_deepspeed(ds).optimizer.gradient_accumulation_steps == 2
