@@ -208,6 +208,28 @@ def test_modifier_rank_is_refused_naming_it(tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("tiers,memory", [(("nvme", "nvme", "nvme"), {}), (("device", "device", "device"), {}),
+                                          (("nvme", "nvme", "nvme"), {"tile_size": "4KiB"})],
+                         ids=["nvme", "device", "tiled"])  # fmt: skip
+def test_a_write_inside_gathered_parameters_is_refused_at_the_exit_naming_it(tmp_path, tiers, memory):
+    """A write inside reached some of the engine's copies and not others (params on nvme: the
+    next forward computed with it, the master weights never had it, 0.017 from either outcome
+    a step later), was kept where the parameter is bound, dropped where it is assembled from
+    tiles (an audit helper's repros). Refused at the exit; a read-only context is not."""
+    (tmp_path / "swap").mkdir()
+    engine = infinity.initialize(_model(), config(tmp_path / "swap", tiers, memory=memory))
+    try:
+        head = engine.module.head
+        with infinity.GatheredParameters([head.weight, head.bias]):
+            head(torch.eye(16)).sum()  # reads
+        with pytest.raises(RuntimeError, match="'head.weight' written in place inside infinity.GatheredParameters"):
+            with infinity.GatheredParameters([head.weight, head.bias]):
+                with torch.no_grad():
+                    head.weight.mul_(0.5)
+    finally:
+        engine.close()
+
+
 def test_a_gathered_unit_saved_for_backward_is_kept_by_position(tmp_path):
     """The saved weight is packed as a view of its unit (by the first handler of the saved-tensor
     hooks), not kept as the parameter, whose data is a placeholder again by backward time."""
