@@ -10,11 +10,21 @@ before and after `allocate`, `reserve` or `grow_to` and extends (fallocates) the
 capacity before it writes into the extent. Shrinking is never done here.
 
 Not thread-safe: the owner holds its own lock around every call.
+
+[Note: a Ctrl-C inside the indexes]
+Four indexes describe the free extents (by start, by end, by size, the used ones); a
+KeyboardInterrupt between two of their updates (Python raises it between any two bytecodes)
+left them out of step, and a later allocate handed out an extent overlapping one in use: two
+live buffers sharing memory, silently (an audit helper's sweep over every line of `allocate`
+and `free`). Each change runs with SIGINT held back (`infinity._interrupts.held_interrupts`)
+and delivered at its end.
 """
 
 from __future__ import annotations
 
 import bisect
+
+from infinity._interrupts import held_interrupts
 
 from ._common import round_up
 
@@ -144,12 +154,13 @@ class ExtentAllocator:
         """
         _check_int("nbytes", nbytes, minimum=1)
         size = self.round_up(nbytes)
-        i = bisect.bisect_left(self._by_size, (size, -1))
-        if i == len(self._by_size):
-            self._grow_for(size)
+        with held_interrupts:  # see [Note: a Ctrl-C inside the indexes]
             i = bisect.bisect_left(self._by_size, (size, -1))
-        _, start = self._by_size[i]
-        self._take(start, start + size)
+            if i == len(self._by_size):
+                self._grow_for(size)
+                i = bisect.bisect_left(self._by_size, (size, -1))
+            _, start = self._by_size[i]
+            self._take(start, start + size)
         return start
 
     def _grow_for(self, size: int) -> None:
@@ -205,9 +216,10 @@ class ExtentAllocator:
             )
         if used != size:
             raise ValueError(f"{where}: the extent in use at this offset is {used} bytes, not {size}")
-        del self._used[offset]
-        self._used_total -= size
-        self._add_free(offset, offset + size)
+        with held_interrupts:
+            del self._used[offset]
+            self._used_total -= size
+            self._add_free(offset, offset + size)
 
     def reserve(self, offset: int, nbytes: int) -> None:
         """Mark ``[offset, offset + round_up(nbytes))`` in use, e.g. an extent a manifest records.
@@ -228,9 +240,10 @@ class ExtentAllocator:
             hit = self._free_containing(offset)
             if hit is None or hit[1] < min(end, self._capacity):
                     raise ValueError(f"{where}: overlaps the extent in use {self._used_overlapping(offset, end)}")
-        if end > self._capacity:
-            self.grow_to(end)
-        self._take(offset, end)
+        with held_interrupts:
+            if end > self._capacity:
+                self.grow_to(end)
+            self._take(offset, end)
 
     def grow_to(self, capacity: int) -> None:
         """Raise the capacity to ``capacity`` (a multiple of the alignment); the new space is free."""
@@ -250,8 +263,9 @@ class ExtentAllocator:
             )
         if capacity == self._capacity:
             return
-        old, self._capacity = self._capacity, capacity
-        self._add_free(old, capacity)
+        with held_interrupts:
+            old, self._capacity = self._capacity, capacity
+            self._add_free(old, capacity)
 
     # -- free-extent bookkeeping ------------------------------------------------------------------
     def _insert_free(self, start: int, end: int) -> None:
