@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -170,6 +171,32 @@ def _write_unit(out: "_AtomicFile", layout: _Layout, unit, full: torch.Tensor) -
             out.write(full[r.in_unit].to(dtype), offset + r.start * dtype.itemsize)
 
 
+def _collect_dead(parent: str, name: str) -> None:
+    """Remove the temporary files of ``name`` that killed writers left in ``parent``: each is
+    the whole file's size, preallocated, and a killed export's was never removed (the next
+    exports to the same path left it: an audit helper's repro). A live writer holds a flock
+    on its own (`_AtomicFile`), and is left alone."""
+    prefix = f".{name}.tmp-"
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(prefix)]
+    except OSError:
+        return
+    for n in names:
+        tmp = os.path.join(parent, n)
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(tmp)
+            logger.info("removed %s, which a killed write of %s left", tmp, os.path.join(parent, name))
+        except OSError:
+            pass  # held: a writer is at it
+        finally:
+            os.close(fd)
+
+
 class _AtomicFile:
     """A temporary file beside ``path`` that `commit` renames onto it and `discard` removes.
     Its OSErrors name ``path``."""
@@ -181,7 +208,9 @@ class _AtomicFile:
             raise FileNotFoundError(errno.ENOENT, "the export's directory does not exist", parent)
         try:
             with self._naming():
+                _collect_dead(parent, name)  # their space, preallocated whole, first
                 self.fd, self.tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # alive while held: `_collect_dead`
                 os.fchmod(self.fd, 0o666 & ~_umask())  # mkstemp makes 0600; an export is for sharing
                 try:  # reserve the space: a full disk fails now, not after hours of reading
                     os.posix_fallocate(self.fd, 0, size)

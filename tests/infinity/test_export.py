@@ -246,6 +246,30 @@ def test_a_failed_export_leaves_the_old_file_and_no_temporary(tmp_path, monkeypa
     engine.close()
 
 
+def test_a_killed_exports_temporary_file_is_removed_by_the_next_and_a_live_ones_is_not(tmp_path):
+    """A kill -9 during an export left its temporary file, preallocated to the whole file's size,
+    and no later export to the path removed it (an audit helper's repro). One whose writer is
+    alive (holding its flock) is left to it."""
+    import fcntl
+
+    engine, _ = _trained(tmp_path, "mlp", steps=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".m.safetensors.tmp-killed").write_bytes(b"\0" * 65536)
+    live = out / ".m.safetensors.tmp-alive"
+    live.write_bytes(b"\0" * 4096)
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        engine.export(out / "m.safetensors")
+        assert sorted(os.listdir(out)) == [".m.safetensors.tmp-alive", "m.safetensors"]
+    finally:
+        os.close(fd)
+    engine.export(out / "m.safetensors")  # its writer gone now: collected
+    assert os.listdir(out) == ["m.safetensors"]
+    engine.close()
+
+
 def test_short_writes_are_resumed(tmp_path, monkeypatch):
     """pwrite may write less than asked (Linux: 2 GiB at most a call); here 5 bytes at most."""
     engine, _ = _trained(tmp_path, "tied", steps=1)
