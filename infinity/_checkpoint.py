@@ -366,8 +366,8 @@ def _write_compact(opt, group, out: _Writer) -> None:
             lease.release()
 
 
-def _save_rank(engine, tmp: str) -> int:
-    """Write this rank's state under ``tmp``; returns the bytes written."""
+def _save_rank(engine, tmp: str) -> tuple[int, str]:
+    """Write this rank's state under ``tmp``; returns the bytes written and its space's id."""
     # The arena takes the checkpoint's size at its first tensor: grown by doubling up to it, the
     # last tensors asked for up to as much again, and a save the disk had room for failed with
     # ENOSPC (32.1 MiB with 50 MiB free; an audit helper's repro).
@@ -386,7 +386,7 @@ def _save_rank(engine, tmp: str) -> int:
             except Exception as other:  # noqa: BLE001
                 e.add_note(f"(then, cleaning up the checkpoint's swap space: {other})")
         raise
-    return out.bytes
+    return out.bytes, space.space_id
 
 
 _RENAME_EXCHANGE = 2
@@ -487,12 +487,14 @@ def save(engine, path, tag: str | None = None, client_state=None, keep_last: int
             except BaseException as e:  # noqa: BLE001 - every rank learns of it (see [Note: atomic checkpoint])
                 error = _naming(e, "preparing the checkpoint root", root)
             _agree(dist, error, "preparing the checkpoint directory")
-            nbytes = 0
+            nbytes, space_id = 0, ""
             try:
-                nbytes = _save_rank(engine, tmp)
+                nbytes, space_id = _save_rank(engine, tmp)
             except BaseException as e:  # noqa: BLE001
                 error = _naming(e, "writing the checkpoint", tmp)
             _agree(dist, error, "writing the checkpoint", cleanup=tmp if dist.rank == 0 else None)
+            # Each rank's space of this save, which a load checks its rank directories against.
+            meta["spaces"] = dist.gather_text(space_id, "checkpoint spaces")
             if dist.rank == 0:
                 try:
                     write_json_atomic(os.path.join(tmp, META_NAME), seal(meta))
@@ -573,7 +575,7 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
             where = resolve(path, tag)
             meta = load_meta(where)
             cut = _recut.plan(engine.units, meta, where)
-            src = _saved.Sources(where, meta["world_size"], engine.aio)
+            src = _saved.Sources(where, meta["world_size"], engine.aio, spaces=meta.get("spaces"))
             try:
                 _refuse_other_optimizer(engine.optimizer, meta, where)
                 steps = _unit_steps(engine, src, meta, cut)  # refused here, before any state is replaced

@@ -175,7 +175,7 @@ class CheckpointWeights:
         self.notes: list[str] = []  # what the result lacks or how it differs from an export, for the user
         self.missing: list[str] = []  # keys of the module not written (persistent buffers)
         self.on_unit = None  # called with (units done, unit) as each unit has been handed on
-        self._src = Sources(self.where, self.world, aio_engine)
+        self._src = Sources(self.where, self.world, aio_engine, spaces=self.meta.get("spaces"))
         try:
             self._build(dtype, buffers, exclude_frozen, config, generation_config)
         except BaseException:

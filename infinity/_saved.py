@@ -24,9 +24,10 @@ BUFFER_PREFIX = "buffer/"  # a persistent buffer's tensor in rank 0's space: buf
 class Sources:
     """The saved ranks' swap spaces (read-only, opened on first use), for one load."""
 
-    def __init__(self, where: str, world: int, aio=None):
-        """``aio``: the io_uring engine to read with (None: a reader's own)."""
-        self.where, self.world, self.aio = where, world, aio
+    def __init__(self, where: str, world: int, aio=None, spaces: list[str] | None = None):
+        """``aio``: the io_uring engine to read with (None: a reader's own); ``spaces``: each
+        saved rank's space id, as meta.json records it (None: a checkpoint from before it did)."""
+        self.where, self.world, self.aio, self.spaces = where, world, aio, spaces
         self.readers: dict[int, SpaceReader] = {}
         self.cache: dict[tuple[int, str], torch.Tensor] = {}  # (saved rank, tensor) -> 1-D, CPU; see _slice
 
@@ -40,6 +41,15 @@ class Sources:
             if r.manifest.rank != q:
                 r.close()
                 raise CheckpointError(f"{rank_dir}: holds rank {r.manifest.rank}, not rank {q}")
+            if self.spaces is not None and r.manifest.space_id != self.spaces[q]:
+                # Another save's files under this meta.json: the tag saved again while it was being
+                # read (a loader beside a run that re-saves one tag), whose step, RNG states and
+                # client_state would have come with the other save's tensors, silently (an audit
+                # helper's repro).
+                r.close()
+                raise CheckpointError(f"{rank_dir}: holds the files of another save than {self.where}'s meta.json "
+                                      f"(space {r.manifest.space_id}, not {self.spaces[q]}): the checkpoint was saved "
+                                      "again while it was being read; load it again")  # fmt: skip
             self.readers[q] = r
         return self.readers[q]
 

@@ -147,6 +147,10 @@ def load_meta(where: str) -> dict:
     rng = meta.get("rng")
     if not isinstance(rng, list) or len(rng) != meta["world_size"] or not all(isinstance(r, dict) for r in rng):
         fail("rng", f"not a list of {meta['world_size']} RNG states")
+    spaces = meta.get("spaces")  # (absent before it was recorded)
+    if spaces is not None and not (isinstance(spaces, list) and len(spaces) == meta["world_size"]
+                                   and all(isinstance(s, str) for s in spaces)):  # fmt: skip
+        fail("spaces", f"not a list of {meta['world_size']} space ids")
     scaler = meta.get("loss_scaler")
     if scaler is not None and not (isinstance(scaler, dict) and isinstance(scaler.get("scale"), (int, float))
                                    and isinstance(scaler.get("good_steps"), int)):  # fmt: skip

@@ -141,6 +141,7 @@ class SwapSpace:
                               stripe_size=stripe_size, stripe_threshold=stripe_threshold, grow_step=grow_step,
                               doubling=doubling)  # fmt: skip
         self.rank_dirs = self._arenas.rank_dirs
+        self.space_id = self._arenas.manifest.space_id  # the manifest's and every member's space.json
         self._records: dict[str, TensorRecord] = self._arenas.records_at_open  # names whose bytes are on disk
         self._checker: Checker | None = None
         try:

@@ -129,6 +129,25 @@ def test_saving_a_tag_again_replaces_it_atomically(tmp_path):
     engine.close()
 
 
+def test_a_rank_directory_of_another_save_under_a_meta_json_is_refused(tmp_path):
+    """A loader beside a run that saves one tag again and again (its own process, reading the
+    tag as it is replaced) read meta.json of one save and the tensors of the next: their step,
+    RNG states and client_state apart, with no error (an audit helper's repro). meta.json now
+    names each rank's space of its save, and a rank directory of another save is refused."""
+    import shutil
+
+    engine = _engine(tmp_path)
+    engine.save_checkpoint(tmp_path / "a", tag="last", client_state={"at": 0})
+    train(engine, 1)
+    engine.save_checkpoint(tmp_path / "b", tag="last", client_state={"at": 1})
+    shutil.rmtree(tmp_path / "a" / "last" / "rank0")  # a's meta.json, b's tensors
+    shutil.copytree(tmp_path / "b" / "last" / "rank0", tmp_path / "a" / "last" / "rank0")
+    with pytest.raises(CheckpointError, match="holds the files of another save than .* saved again while it was"):
+        engine.load_checkpoint(tmp_path / "a")
+    assert engine.load_checkpoint(tmp_path / "b") == {"at": 1}  # a whole one loads
+    engine.close()
+
+
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     """ENOSPC while the new checkpoint's arena grows: an OSError naming the file and the bytes;
     latest still names the old checkpoint, which loads; no temporary directory is left; the

@@ -430,6 +430,7 @@ def _world_size(ckpt: Path, world: int) -> None:
 
     meta = json.loads((ckpt / "meta.json").read_text())
     meta["world_size"], meta["rng"] = world, [meta["rng"][0]] * world  # each rank's RNG states
+    meta["spaces"] = [meta["spaces"][0]] * world  # and spaces
     (ckpt / "meta.json").write_text(json.dumps(seal(meta)))
 
 
