@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from infinity import aio
+from infinity._interrupts import held_interrupts
 
 from ._arenas import Arenas, run_all
 from ._checksum import Checker, SwapCorruption
@@ -182,8 +183,12 @@ class SwapSpace:
             extents = tuple(Extent(e.file, e.offset, n) for e, (_, n) in zip(old.extents, plan))  # in place
         else:
             if old is not None:
-                self._arenas.free(old)
-                del self._records[name]
+                # Forgotten and freed as one: a Ctrl-C between them (caught by a training loop)
+                # left the name on free space, which the next tensor written took; read back, the
+                # name gave that tensor's bytes (an audit helper's repro).
+                with held_interrupts:
+                    del self._records[name]
+                    self._arenas.free(old)
             extents = self._arenas.allocate(plan)
         record = TensorRecord(name=name, dtype=dtype, shape=tuple(tensor.shape), nbytes=data.numel(),
                               extents=extents, generation=(old.generation + 1) if old else 1)  # fmt: skip
@@ -295,12 +300,13 @@ class SwapSpace:
         self._inflight.settle(src)
         self._inflight.settle(dst)
         record = self.info(src)  # raises naming src (and its failed write) when it has none
-        old = self._records.pop(dst, None)
-        if old is not None:
-            self._arenas.free(old)
-        del self._records[src]
-        self._inflight.failed.pop(dst, None)
-        self._records[dst] = dataclasses.replace(record, name=dst, generation=(old.generation + 1) if old else 1)
+        with held_interrupts:  # one change (see `put`)
+            old = self._records.pop(dst, None)
+            if old is not None:
+                self._arenas.free(old)
+            del self._records[src]
+            self._inflight.failed.pop(dst, None)
+            self._records[dst] = dataclasses.replace(record, name=dst, generation=(old.generation + 1) if old else 1)
 
     def names(self) -> list[str]:
         return list(self._records)
