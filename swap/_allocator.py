@@ -14,9 +14,9 @@ Not thread-safe: the owner holds its own lock around every call.
 [Note: a Ctrl-C inside the indexes]
 Four indexes describe the free extents (by start, by end, by size, the used ones); a
 KeyboardInterrupt between two of their updates (Python raises it between any two bytecodes)
-left them out of step, and a later allocate handed out an extent overlapping one in use: two
-live buffers sharing memory, silently (an audit helper's sweep over every line of `allocate`
-and `free`). Each change runs with SIGINT held back (`infinity._interrupts.held_interrupts`)
+left them out of step: a later call raised KeyError or IndexError, or could hand out an
+extent overlapping one in use, two live buffers sharing memory (an audit helper's sweep over
+every line of `allocate` and `free`). Each change runs with SIGINT held back (`infinity._interrupts.held_interrupts`)
 and delivered at its end.
 """
 
