@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from infinity.swap import ExtentAllocator, OutOfSpace, round_up
 
+from ._common import sigint_at_line
+
 KiB = 1 << 10
 MiB = 1 << 20
 A = 4096  # alignment in every test unless said otherwise
@@ -378,8 +380,6 @@ def test_a_ctrl_c_at_any_line_of_allocate_or_free_leaves_the_indexes_whole():
     two of their updates it left them apart, and a later allocate handed out an extent that
     overlapped one in use, or raised KeyError/IndexError (an audit helper's sweep)."""
     import random
-    import signal
-    import sys
 
     import infinity.swap._allocator as module
 
@@ -396,28 +396,11 @@ def test_a_ctrl_c_at_any_line_of_allocate_or_free_leaves_the_indexes_whole():
     while True:
         rng, alloc, live = random.Random(5), ExtentAllocator(alignment=4096, grow_step=1 << 20), {}
         workload(alloc, rng, live, 40)
-        seen = [0]
-
-        def tracer(frame, event, arg):
-            if frame.f_code.co_filename != module.__file__:
-                return None
-
-            def line(frame, event, arg):
-                if event == "line":
-                    seen[0] += 1
-                    if seen[0] == k:
-                        signal.raise_signal(signal.SIGINT)
-                return line
-
-            return line
-
-        sys.settrace(tracer)
         try:
-            workload(alloc, rng, live, 6)
+            with sigint_at_line(k, lambda code: code.co_filename == module.__file__) as seen:
+                workload(alloc, rng, live, 6)
         except KeyboardInterrupt:
             landed.append(k)
-        finally:
-            sys.settrace(None)
         if seen[0] < k:
             break
         live = dict(alloc.used_extents())  # the one operation interrupted: the allocator's word

@@ -12,6 +12,8 @@ import torch
 import infinity.swap as swap
 from infinity.swap import _manifest
 
+from ._common import sigint_at_line
+
 MiB = 1 << 20
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
@@ -366,40 +368,20 @@ def test_a_ctrl_c_at_any_line_of_put_or_rename_never_leaves_a_name_on_another_te
     gone, never another's. Freed before it was forgotten, a name stayed on free space that the
     next tensor took, and read back that tensor's bytes (silently with verify="off"; an audit
     helper's repro)."""
-    import signal
-    import sys
-
     code = getattr(swap.SwapSpace, op).__code__
     k = 1
     while True:
         space = swap.SwapSpace(str(tmp_path / f"s{k}"), verify="off")
         space.put("a", torch.full((1024,), 1.0)).result()
         space.put("b", torch.full((512,), 3.0)).result()
-        seen = [0]
-
-        def tracer(frame, event, arg):
-            if frame.f_code is not code:
-                return None
-
-            def line(frame, event, arg):
-                if event == "line":
-                    seen[0] += 1
-                    if seen[0] == k:
-                        signal.raise_signal(signal.SIGINT)
-                return line
-
-            return line
-
-        sys.settrace(tracer)
         try:
-            if op == "put":
-                space.put("a", torch.full((2048,), 2.0)).result()
-            else:
-                space.rename("b", "a")
+            with sigint_at_line(k, lambda c: c is code) as seen:
+                if op == "put":
+                    space.put("a", torch.full((2048,), 2.0)).result()
+                else:
+                    space.rename("b", "a")
         except KeyboardInterrupt:
             pass
-        finally:
-            sys.settrace(None)
         space.put("c", torch.full((1024,), 7.0)).result()  # takes the room a freed
         want = {"a": {1.0, 2.0, 3.0}, "b": {3.0}, "c": {7.0}}
         for name in space.names():
