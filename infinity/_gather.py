@@ -155,15 +155,17 @@ class GatheredParameters:
 
     def __enter__(self):
         stack = contextlib.ExitStack()
+        gathered = []
         try:
             for engine, params in _by_engine(self._params):
                 self._gather(stack, engine, params)
+                gathered += params
         except BaseException:
             stack.close()
             raise
         self._stack = stack
         # Each parameter's version as gathered: a write inside changes it (see `__exit__`).
-        self._versions = [(p, p._version) for _, params in _by_engine(self._params) for p in params]
+        self._versions = [(p, p._version) for p in gathered]
         return self
 
     def __exit__(self, *exc):

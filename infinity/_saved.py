@@ -21,6 +21,14 @@ from .checkpoint import CheckpointError
 BUFFER_PREFIX = "buffer/"  # a persistent buffer's tensor in rank 0's space: buffer/<state_dict key>
 
 
+def rank_missing(rank_dir: str, q: int, world: int) -> str:
+    return f"{rank_dir}: rank {q} of {world} is missing: the checkpoint is incomplete"
+
+
+def rank_misplaced(rank_dir: str, held: int, q: int) -> str:
+    return f"{rank_dir}: holds rank {held}, not rank {q}"
+
+
 class Sources:
     """The saved ranks' swap spaces (read-only, opened on first use), for one load."""
 
@@ -37,10 +45,10 @@ class Sources:
             try:
                 r = SpaceReader(rank_dir, engine=self.aio)
             except FileNotFoundError:
-                raise CheckpointError(f"{rank_dir}: rank {q} of {self.world} is missing: the checkpoint is incomplete") from None
+                raise CheckpointError(rank_missing(rank_dir, q, self.world)) from None
             if r.manifest.rank != q:
                 r.close()
-                raise CheckpointError(f"{rank_dir}: holds rank {r.manifest.rank}, not rank {q}")
+                raise CheckpointError(rank_misplaced(rank_dir, r.manifest.rank, q))
             if self.spaces is not None and r.manifest.space_id != self.spaces[q]:
                 # Another save's files under this meta.json: the tag saved again while it was being
                 # read (a loader beside a run that re-saves one tag), whose step, RNG states and

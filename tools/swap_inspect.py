@@ -17,6 +17,7 @@ import sys
 import torch
 
 from infinity import aio
+from infinity._saved import rank_misplaced, rank_missing
 from infinity.checkpoint import LATEST_NAME, META_NAME, TMP_PREFIX, load_meta
 from infinity.checkpoint import resolve as resolve_checkpoint
 from infinity.swap import (
@@ -133,9 +134,9 @@ def checkpoint_ranks(checkpoint: dict, readers: list[SpaceReader]) -> list[str]:
     for q in range(world):
         name = f"rank{q}"
         if name not in held:
-            problems.append(f"{os.path.join(where, name)}: rank {q} of {world} is missing: the checkpoint is incomplete")
+            problems.append(rank_missing(os.path.join(where, name), q, world))
         elif held[name] != q:
-            problems.append(f"{os.path.join(where, name)}: holds rank {held[name]}, not rank {q}")
+            problems.append(rank_misplaced(os.path.join(where, name), held[name], q))
     for name in sorted(set(held) - {f"rank{q}" for q in range(world)}):
         problems.append(f"{os.path.join(where, name)}: rank {held[name]} is not one of the {world} rank(s) that saved "
                         "the checkpoint")  # fmt: skip
