@@ -17,7 +17,9 @@ changes, when training starts:
   `infinity.initialize`, and the Trainer uses ``engine.optimizer``;
 - fp16 parameters (``precision.param_dtype = "fp16"``, a DeepSpeed config's ``fp16``) train with
   the engine's loss scale, brought in by the loss the Trainer backpropagates
-  (`Engine.scale_backward`: its value, which the Trainer reports, unchanged);
+  (`Engine.scale_backward`: its value, which the Trainer reports, unchanged); ``fp16=True`` on
+  a GPU (fp16 autocast, whose gradients need a loss scale) over fp32 or bf16 parameters is
+  refused, as the engine scales none;
 - gradient clipping (``max_grad_norm``; with a DeepSpeed config its ``gradient_clipping``, as
   under DeepSpeed) is the engine's, at its step, on the gradients in the tiers; the logged
   ``grad_norm`` is their global norm before clipping;
@@ -121,7 +123,10 @@ class InfinityTrainer(transformers.Trainer):
         # optimizer, found no .grad to unscale ("No inf checks were recorded for this
         # optimizer": an audit helper's repro, a GradScaler put where accelerate puts it on a
         # GPU). The engine scales fp16 losses itself (`compute_loss`), as
-        # DeepSpeed's engine does under the Trainer: accelerate's goes.
+        # DeepSpeed's engine does under the Trainer: accelerate's goes. Whether it made one is
+        # kept: its fp16 autocast still runs, and without fp16 parameters the engine scales
+        # nothing (`_refuse_unscaled_fp16`).
+        self._autocast_scaled = self.accelerator.scaler is not None
         self.accelerator.scaler = None
 
     def _deepspeed_config(self) -> dict | None:
@@ -153,6 +158,7 @@ class InfinityTrainer(transformers.Trainer):
             else:
                 cfg = _trainer_owned(as_config(self.infinity_config), self.args)
             _refuse_full_eval_cast(cfg, self.args)
+            _refuse_unscaled_fp16(cfg, self._autocast_scaled)
             # The Trainer counts the micro-batches (and scales the loss): the engine steps when told.
             cfg = cfg.replace(optimizer={"gradient_accumulation_steps": self.args.gradient_accumulation_steps,
                                          "accumulation": "caller"})  # fmt: skip
@@ -313,6 +319,23 @@ def _refuse_full_eval_cast(cfg, args) -> None:
                 f"mid-run: set precision.param_dtype = {dtype!r} in the engine's config to train and evaluate in "
                 f"it, or evaluate without {flag} (bf16=True / fp16=True evaluate under autocast)"
             )
+
+
+def _refuse_unscaled_fp16(cfg, autocast_scaled: bool) -> None:
+    """fp16=True on a GPU: accelerate runs the forward under fp16 autocast, whose backward
+    needs a loss scale, and makes a GradScaler for it, which cannot step the engine's optimizer
+    (`create_accelerator_and_postprocess` drops it). The engine scales the loss only with fp16
+    parameters: with fp32 or bf16 ones the backward ran unscaled and small gradients flushed to
+    zero with nothing said (an audit helper's repro: grad_norm 0.0 and no weight moved, where
+    plain Trainer's GradScaler trained)."""
+    if autocast_scaled and cfg.precision.param_dtype != "fp16":
+        raise ValueError(
+            f"TrainingArguments(fp16=True) runs the forward under fp16 autocast, whose gradients need a loss "
+            f"scale, but the engine keeps its parameters in precision.param_dtype = {cfg.precision.param_dtype!r} "
+            "and scales losses only with fp16 parameters (accelerate's GradScaler cannot step the engine's "
+            "optimizer): set precision.param_dtype = \"fp16\" in the engine's config (the engine's dynamic loss "
+            "scale, as DeepSpeed's fp16), or train with bf16=True, which needs no scale"
+        )
 
 
 def _engine_state(checkpoint) -> str:

@@ -200,6 +200,32 @@ def test_accelerates_fp16_grad_scaler_is_not_put_over_the_engines(tmp_path, monk
     assert run(tmp_path / "gpu") == want
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fp16_autocast_over_parameters_the_engine_does_not_scale_is_refused(tmp_path, monkeypatch, dtype):
+    """fp16=True on a GPU: accelerate's fp16 autocast and GradScaler, which the engine drops.
+    With fp32 or bf16 parameters the engine scales nothing, and the backward ran unscaled:
+    small gradients flushed to zero (an audit helper's repro, a GradScaler put where accelerate
+    puts it on a GPU: grad_norm 0.0 and no weight moved, where plain Trainer trained). Refused
+    before training, naming the key. Without accelerate's scaler (fp16=True on the CPU, no
+    autocast) nothing is refused."""
+    made = transformers.Trainer.create_accelerator_and_postprocess
+
+    def as_on_a_gpu(self):
+        made(self)
+        self.accelerator.scaler = torch.amp.GradScaler("cpu")
+
+    def trainer(out):
+        return InfinityTrainer(model=_llama(), args=_args(out, max_steps=1, save_strategy="no", fp16=True),
+                               train_dataset=_Tokens(), infinity_config={"precision": {"param_dtype": dtype}})  # fmt: skip
+
+    on_cpu = trainer(tmp_path / "cpu")
+    on_cpu.train()
+    on_cpu.engine.close()
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", as_on_a_gpu)
+    with pytest.raises(ValueError, match=f"fp16 autocast.*param_dtype = '{dtype}'.*param_dtype = \"fp16\""):
+        trainer(tmp_path / "gpu").train()
+
+
 def test_a_step_the_engine_skips_does_not_step_the_lr_schedule(tmp_path):
     """fp16 from a loss scale that overflows: the engine skips those steps, and the Trainer
     does not step the LR schedule for them, as under torch's GradScaler or DeepSpeed (it did:
