@@ -595,13 +595,20 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
     parts = components(engine)
     if parts["loss_scaler"] is not None and meta["loss_scaler"] is not None:
         parts["loss_scaler"].load_state_dict(meta["loss_scaler"])
+    restored = True  # the groups' hyperparameters, which the schedule's state goes with
     if meta.get("optimizer") is not None:  # the groups' hyperparameters (the LR schedule's lr, say)
         saved = meta["optimizer"]
         try:
             parts["optimizer"].load_hyperparameters(saved["type"], saved["param_groups"])
         except (KeyError, TypeError, ValueError) as e:
-            logger.warning("checkpoint %s: optimizer hyperparameters not restored (%s)", where, e)
-    if parts["lr_scheduler"] is not None and meta.get("lr_scheduler") is not None:
+            restored = False
+            logger.warning("checkpoint %s: optimizer hyperparameters not restored (%s)%s", where, e,
+                           "; nor the lr_scheduler's state: the schedule starts over from this engine's learning rates"
+                           if parts["lr_scheduler"] is not None and meta.get("lr_scheduler") is not None else "")  # fmt: skip
+    if restored and parts["lr_scheduler"] is not None and meta.get("lr_scheduler") is not None:
+        # Without the groups' (another optimizer, another number of groups) the schedule's epoch
+        # and base_lrs went on from this engine's lr: a StepLR ran 8x the saved run's lr two
+        # steps on (an audit helper's repro), and base_lrs held a saved group's that is not here.
         parts["lr_scheduler"].load_state_dict(_jsonstate.decode(meta["lr_scheduler"]))
     parts["stats"].load_state_dict({"steps": meta["step"]})
     rank = engine.rank

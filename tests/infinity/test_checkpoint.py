@@ -466,6 +466,39 @@ def test_a_scheduler_keeping_a_counter_and_a_client_state_with_int_keys_resume_a
     assert type(back["counts"]).__name__ == "Counter" and back["nan"] != back["nan"]
 
 
+def _step_lr(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+@pytest.mark.parametrize("saved,loaded", [("adam", "adamw"), ("two groups", "adamw")])
+def test_a_schedule_is_not_restored_over_learning_rates_the_load_did_not_restore(tmp_path, caplog, saved, loaded):
+    """Where the optimizer's hyperparameters are not restored (Adam's checkpoint into AdamW,
+    which load into each other; 2 parameter groups into 1), the schedule's state was: its
+    epoch and base_lrs went on from this engine's lr, and a StepLR ran at 8x the saved run's lr
+    two steps on (an audit helper's repro). Neither is restored now, and the warning says so:
+    the schedule starts over as in a new run, its lr the engine's."""
+    def engine_of(kind, seed):
+        model = make_model(seed)
+        groups = None
+        if kind == "two groups":
+            weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+            biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+            groups = [{"params": weights}, {"params": biases, "lr": 1e-3}]
+        cfg = config(str(tmp_path / "swap"), ("device", "device", "cpu"),
+                     optimizer={"type": "adam" if kind == "adam" else "adamw"})  # fmt: skip
+        return infinity.initialize(model, cfg, optimizer=groups, lr_scheduler=_step_lr)
+
+    with engine_of(saved, 0) as engine:
+        train(engine, 3)
+        engine.save_checkpoint(tmp_path / "ck")
+    with caplog.at_level("WARNING", logger="infinity"), engine_of(loaded, 1) as engine:
+        engine.load_checkpoint(tmp_path / "ck")
+        assert engine.lr_scheduler.last_epoch == 0 and engine.lr_scheduler.base_lrs == [1e-2]
+        train(engine, 2, start=3)
+        assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25, rel=1e-12)  # as a new run's
+    assert "nor the lr_scheduler's state" in caplog.text
+
+
 def test_persistent_buffers_resume_as_saved(tmp_path):
     """BatchNorm's running statistics (and its count) are in the checkpoint and come back; a
     checkpoint of version 1, which holds none, loads too and leaves the module's own, saying so."""
