@@ -8,9 +8,12 @@ resumed schedule never decayed), any dict's int keys into strings and tuples int
 silently; here those are tagged:
 
     {"__infinity_type__": "Counter" | "dict" | "tuple", "items": [...]}
+    {"__infinity_type__": "tensor", "dtype": "float32", "shape": [], "items": [0.01]}
 
-("dict": one whose keys are not all strings, as [key, value] pairs). Anything else JSON cannot
-hold (a tensor, a numpy scalar, a function) is refused, naming where it is.
+("dict": one whose keys are not all strings, as [key, value] pairs; "tensor": one of a single
+element, as a scheduler over a tensor learning rate keeps its ``base_lrs``, loaded back on the
+CPU in its dtype and shape). Anything else JSON cannot hold (a larger tensor, a numpy scalar, a
+function) is refused, naming where it is.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import sys
 
 TAG = "__infinity_type__"
 
@@ -36,8 +40,24 @@ def encode(obj, where: str = "state"):
         if all(type(k) is str for k in obj) and TAG not in obj:
             return {k: encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
         return {TAG: "dict", "items": [[encode(k, where), encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
-    raise TypeError(f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a checkpoint's JSON cannot "
-                    "hold (checkpoints hold no pickle): convert tensors with .tolist() and numpy values with .item()")
+    if _scalar_tensor(obj):
+        return {TAG: "tensor", "dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape),
+                "items": [obj.item()]}  # fmt: skip
+    raise TypeError(f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}{_size(obj)}, which a checkpoint's "
+                    "JSON cannot hold (checkpoints hold no pickle): convert tensors of more than one element with "
+                    ".tolist() and numpy values with .item()")
+
+
+def _scalar_tensor(obj) -> bool:
+    """A real-valued tensor of one element (torch is loaded where there is one)."""
+    torch = sys.modules.get("torch")
+    return (torch is not None and isinstance(obj, torch.Tensor) and obj.numel() == 1
+            and not obj.is_complex() and obj.layout == torch.strided)  # fmt: skip
+
+
+def _size(obj) -> str:
+    shape = getattr(obj, "shape", None)
+    return f" of shape {tuple(shape)}" if shape is not None else ""
 
 
 def decode(obj):
@@ -57,6 +77,13 @@ def decode(obj):
     if kind in ("Counter", "dict"):
         pairs = {_key(decode(k)): decode(v) for k, v in items}
         return collections.Counter(pairs) if kind == "Counter" else pairs
+    if kind == "tensor":
+        import torch
+
+        dtype = getattr(torch, str(obj.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype) or len(items) != 1 or not isinstance(obj.get("shape"), list):
+            raise ValueError(f"a tagged tensor {obj!r} is not one element of a torch dtype")
+        return torch.tensor(items[0], dtype=dtype).reshape(obj["shape"])
     raise ValueError(f"unknown tagged value {kind!r} (a checkpoint written by a newer infinity?)")
 
 
@@ -81,6 +108,9 @@ def same(a, b) -> bool:
         return False
     if isinstance(a, float):
         return a == b or (math.isnan(a) and math.isnan(b))
+    if _scalar_tensor(a) or _scalar_tensor(b):  # (back on the CPU: the device is not compared)
+        return (_scalar_tensor(a) and _scalar_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+                and same(a.item(), b.item()))  # fmt: skip
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):

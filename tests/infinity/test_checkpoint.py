@@ -466,6 +466,44 @@ def test_a_scheduler_keeping_a_counter_and_a_client_state_with_int_keys_resume_a
     assert type(back["counts"]).__name__ == "Counter" and back["nan"] != back["nan"]
 
 
+def test_a_tensor_learning_rate_s_schedule_resumes_as_saved(tmp_path):
+    """torch's optimizers take a tensor lr, and a scheduler over one keeps tensors in its
+    state (``base_lrs``, ``_last_lr``): save_checkpoint raised TypeError, advising a
+    ``.tolist()`` inside torch's scheduler (an audit helper's repro). A one-element tensor is
+    tagged now (`_jsonstate`): the run resumes the learning rates and weights of the one that
+    went straight on, and a client_state's scalar tensor comes back a tensor of its dtype."""
+    def engine_of(seed):
+        model = make_model(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), weight_decay=0.01)
+        return infinity.initialize(model, config(str(tmp_path / "swap"), ("device", "device", "cpu")), optimizer=opt,
+                                   lr_scheduler=_step_lr)  # fmt: skip
+
+    def run(engine, steps, start=0):
+        lrs = []
+        for k in range(steps):
+            lrs.append(float(engine.optimizer.param_groups[0]["lr"]))
+            train(engine, 1, start=start + k)
+        return lrs
+
+    torch.manual_seed(0)
+    with engine_of(0) as engine:
+        want = run(engine, 6)
+        want_w = engine.gathered_weights()
+    torch.manual_seed(0)
+    with engine_of(0) as engine:
+        got = run(engine, 3)
+        engine.save_checkpoint(tmp_path / "ck", client_state={"loss": torch.tensor(2.5, dtype=torch.bfloat16)})
+    with engine_of(1) as engine:
+        back = engine.load_checkpoint(tmp_path / "ck")
+        assert isinstance(engine.lr_scheduler.base_lrs[0], torch.Tensor)
+        got += run(engine, 3, start=3)
+        _assert_equal(engine.gathered_weights(), want_w)
+    assert got == want and want[3] == pytest.approx(1e-2 / 8, rel=1e-6)
+    assert back["loss"].dtype == torch.bfloat16 and back["loss"].item() == 2.5
+    with engine_of(0) as engine, pytest.raises(TypeError, match=r"client_state\['big'\] is a torch.Tensor of shape \(2,\)"):
+        engine.save_checkpoint(tmp_path / "ck2", client_state={"big": torch.zeros(2)})
+
+
 def _step_lr(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
