@@ -336,7 +336,8 @@ class Engine:
                 for c in self._stats.both():
                     c.skipped_steps += 1
                 if self._scaler is None:
-                    logger.warning("non-finite gradient: step %d skipped", self._stats.steps + 1)
+                    logger.warning("non-finite gradient norm (an inf or NaN element, or squares summing past fp32's "
+                                   "3.4e38, as torch's fp32 norm does): step %d skipped", self._stats.steps + 1)
             self.grads.zero()  # resident parameters are views of the tier, updated in place: nothing to rebind
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
