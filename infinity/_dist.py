@@ -64,16 +64,30 @@ def _own_gpu(local_rank: int | None = None) -> int:
 # the same way (`same_from_rank0`: rank 0's, as DDP's constructor broadcasts them).
 
 
+def _group_timeout() -> float | None:
+    """The default process group's timeout in seconds, where torch says (a private field)."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+        return group._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - only a message's detail
+        return None
+
+
 class Dist:
     def __init__(self, timeout: int):
         self.timeout = timeout
         self._meetings = f"{_MET}{next(_DISTS)}/"  # this Dist's keys: another engine's were set before
         self._met: dict[str, int] = {}  # name -> how many times this rank has met the others there
+        self._own_group = False
         env_world = int(os.environ.get("WORLD_SIZE", "1"))
         if not dist.is_available() or (not dist.is_initialized() and env_world <= 1):
             self.rank, self.world_size, self.local_rank, self.store = 0, 1, 0, None
             return
-        if not dist.is_initialized():
+        # The process group's timeout bounds its collectives: partition.timeout where the engine
+        # makes the group, the group's own where it was made before (`_why` names which).
+        self._own_group = not dist.is_initialized()
+        if self._own_group:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(_own_gpu())
@@ -270,8 +284,16 @@ class Dist:
         if failed:
             who = "; ".join(f"rank {r} failed: {msg}" for r, msg in sorted(failed.items()))
             return f"{what} on rank {self.rank} could not complete because {who}"
-        return (f"{what} on rank {self.rank} failed or timed out after partition.timeout="
-                f"{self.timeout}s; another rank died or stopped calling the engine ({error})")
+        if self._own_group:
+            limit = f"partition.timeout={self.timeout}s"
+        else:  # (partition.timeout applies to a group the engine makes: docs/config.md)
+            seconds = _group_timeout()
+            limit = (f"the process group's own timeout{f' of {seconds:g}s' if seconds is not None else ''}, "
+                     "set by the init_process_group made before the engine (partition.timeout applies to a group the "
+                     "engine makes)")  # fmt: skip
+        return (f"{what} on rank {self.rank} failed or timed out after {limit}; another rank died, stopped calling "
+                "the engine, or called another collective (ranks that ran other modules, or gave gradients to other "
+                f"parameters of them: see [partition] in docs/config.md) ({error})")
 
     # -- agreement and failures -------------------------------------------------------------
     def agree(self, config: dict) -> None:

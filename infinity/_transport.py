@@ -277,7 +277,9 @@ class Transport:
         if self.dist is not None and not self.dist.same_everywhere(digest, "the check of the units each rank reduced"):
             raise RuntimeError(
                 "the ranks gathered or reduced other parameter units since the last step (a forward that ran other "
-                "modules on some ranks: a head or expert chosen by each rank's data): their collectives paired "
+                "modules on some ranks: a head or expert chosen by each rank's data; or gave gradients to other "
+                "parameters of them, so that a unit's gradient was whole at another point of backward: an expert no "
+                "token of one rank's batch reached, an output one rank dropped): their collectives paired "
                 "different units' gradients, so this step is refused. Every rank must run the same modules in each "
                 "pass, as with DeepSpeed's ZeRO and FSDP (a module a rank does not need can run on zeros); call "
                 "engine.zero_grad() and run the step again"

@@ -324,3 +324,25 @@ def test_more_ranks_than_gpus_is_refused_with_the_counts(monkeypatch):
         _dist._own_gpu()
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert _dist._own_gpu() == 0
+
+
+def test_a_collective_s_failure_names_the_timeout_that_bounds_it(tmp_path):
+    """partition.timeout is the timeout of a process group the engine makes; one made before
+    it (as DDP scripts, accelerate and the Trainer make theirs) keeps its own, and a failed
+    collective quoted partition.timeout all the same (an audit helper's repro: "after
+    partition.timeout=10s" where gloo had waited its group's 45 s). The message names the
+    group's own now, and says what mismatched collectives come from."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from infinity._dist import Dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=45))  # fmt: skip
+    try:
+        why = Dist(10)._why("gradient reduction of layer", RuntimeError("gloo's own words"))
+    finally:
+        dist.destroy_process_group()
+    assert "after the process group's own timeout of 45s" in why and "partition.timeout=10s" not in why, why
+    assert "gave gradients to other parameters" in why and "gloo's own words" in why
