@@ -281,6 +281,10 @@ class Scheduler:
                                                post_forward=self._post_forward_hook,
                                                grad=functools.partial(_weak_grad_hook, self)))  # fmt: skip
         self.state = TrainingState.IDLE
+        # Per module, its units no gradient comes to (every parameter frozen): [Note: frozen
+        # units in backward].
+        self._frozen = {m: [u for u in us if not u.trainable]
+                        for m, us in module_units.items() if m not in self.tiled}  # fmt: skip
         # Per module, grad-enabled calls whose gradient uses were counted in forward, and calls
         # run again inside backward (activation checkpointing): a reentrant checkpoint's first
         # forward runs without grad, so its uses are counted when backward runs it again.
@@ -467,6 +471,7 @@ class Scheduler:
                 if self._recomputed[module] > self._calls.get(module, 0):
                     for unit, uses in self.hooks.uses_per_call[module]:
                         unit.uses += uses
+                    self._release_frozen_after(module, args)  # (a reentrant checkpoint's graph is this one)
             return output
         if torch.is_grad_enabled():
             self._calls[module] = self._calls.get(module, 0) + 1
@@ -479,6 +484,7 @@ class Scheduler:
                 # A hook on the tensor (not an identity Function, whose output would be a view
                 # that the model may not change in place) says so.
                 _each_tensor(output, lambda t: _on_grad(t, functools.partial(self.pre_backward, module)))
+                self._release_frozen_after(module, args)
         if not self.always_ready:  # kept for backward or released: never where always bound
             for unit in units:
                 self.prefetcher.after_forward(unit)
@@ -493,6 +499,31 @@ class Scheduler:
             return output  # it called itself: the outer call goes on
         self._sub_root = None
         return self._root_post_hook(module, args, output)
+
+    def _release_frozen_after(self, module: nn.Module, args) -> None:
+        """[Note: frozen units in backward]
+        A unit is released in backward when its last gradient arrives; a unit of frozen
+        parameters gets none, so one that backward fetched (its weights compute the gradient of
+        the module's input: the base layers of a LoRA model) stayed bound until backward ended,
+        and backward held the whole frozen base in the host pool: PoolExhausted at a budget
+        initialize had accepted, where the same model with every parameter trainable stepped
+        (an audit helper's repro). Such units are released once the gradient of one of the
+        call's inputs is computed, which is when the module's backward has used them; a saved
+        weight read after that (a module whose backward goes on past one of its inputs) is
+        fetched again (`unpack_view`). A call whose inputs need no gradient has none computed
+        through its frozen weights, so backward never fetches them."""
+        frozen = self._frozen.get(module)
+        if not frozen:
+            return
+        done = []
+
+        def release() -> None:
+            if not done:  # the first of the call's inputs
+                done.append(True)
+                for unit in frozen:
+                    self.runtime.release(unit)
+
+        _each_tensor(args, lambda t: _on_grad(t, release))
 
     def pre_backward(self, module: nn.Module) -> None:
         # Several outputs of one call each run this; the first materialises, the rest find it ready.

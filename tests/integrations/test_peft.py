@@ -17,9 +17,9 @@ transformers = pytest.importorskip("transformers")
 import infinity  # noqa: E402
 
 
-def _lora_llama():
+def _lora_llama(layers: int = 2):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
     base = transformers.LlamaForCausalLM(cfg)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
@@ -62,6 +62,49 @@ def test_lora_on_a_frozen_nvme_base_matches_plain_peft_and_never_writes_the_base
             assert engine.stats()["step"]["nvme"]["write_bytes"] == per_step
     for u in frozen:
         assert engine.space.info(f"{u.name}/param").generation == 1, u.name  # written at initialize only
+    got = engine.gathered_weights()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=0)
+    engine.close()
+
+
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
+def test_backward_lets_go_of_the_frozen_base_as_it_goes(tmp_path, checkpointing):
+    """A unit is released in backward when its last gradient arrives: the frozen base layers
+    of a LoRA model get none, so every one backward fetched stayed bound to its end, and
+    backward held the whole base in the host pool (an audit helper's repro: PoolExhausted
+    in the first backward of a base twice the host budget, where the same model with every
+    parameter trainable stepped). Now each is let go once its module's input has its
+    gradient: when backward reaches the embeddings, the layers' frozen units are released
+    (all 36 were bound), and the run still trains as plain peft."""
+    model = _lora_llama(layers=4)
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.enable_input_require_grads()  # (as the Trainer does under gradient checkpointing with peft)
+        if checkpointing is not None:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    engine = infinity.initialize(model, _nvme(tmp_path))
+    layers = [u for u in engine.optimizer.frozen if ".layers." in u.name]
+    bound = []
+
+    def on_embeddings(module, args, out):
+        out.register_hook(lambda grad: bound.append(sum(u.full is not None for u in layers)))
+
+    model.get_input_embeddings().register_forward_hook(on_embeddings)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    model.train()
+    ref.train()
+    for step in range(3):
+        loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert abs(loss.item() - ref_loss.item()) < 1e-5
+    # (At most layer 0's input norm, whose input is this very tensor: its hook runs after this one.)
+    assert len(layers) == 36 and bound == [bound[0]] * 3 and bound[0] <= 1, bound
     got = engine.gathered_weights()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=0)
