@@ -18,7 +18,7 @@ from torch import nn
 
 from . import _tiled
 from ._compile import eager
-from ._units import ParamUnit
+from ._units import ParamUnit, held_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +78,10 @@ class ModuleHooks:
     def _install_modules(self) -> None:
         fns, add, ready = self.fns, self.handles.append, self.always_ready
         self.uses_per_call = {
-            module: [(u, sum(1 for r in u.records
-                             if r.requires_grad and any(q is r.param for q in module._parameters.values())))
+            module: [(u, sum(1 for r in u.records if r.requires_grad and any(q is r.param for q in held)))
                      for u in units]
             for module, units in self.module_units.items()
+            for held in (held_params(module),)
         }  # fmt: skip
         for module in self.module_units:
             if not ready:  # see [Note: always-ready units' uses]

@@ -261,7 +261,41 @@ def build_units(model: nn.Module, world_size: int = 1, rank: int = 0, tile_bytes
             module_units[module] = used
             if row_blocks:
                 tiled[module] = used
-    return units, module_units, tiled
+    return units, _containers_to_parents(model, module_units), tiled
+
+
+CONTAINERS = (nn.ParameterDict, nn.ParameterList)
+
+
+def _containers_to_parents(model: nn.Module, module_units: dict[nn.Module, list[ParamUnit]]) -> dict:
+    """[Note: parameter containers]
+    An ``nn.ParameterDict`` or ``nn.ParameterList`` has no forward: the module holding it reads
+    its parameters in its own (peft's ``lora_embedding_A``, ``lora_magnitude_vector``, IA3's
+    vectors). Its units are that module's too, fetched around that module's calls and counted
+    in its gradient uses (`held_params`); a parameter released between uses was refused there as
+    "read outside the forward of the module that holds it" (an audit helper's repro). Returned
+    in registration order (the first pass's predicted order)."""
+    out: dict[nn.Module, list[ParamUnit]] = {}
+    for module in model.modules():
+        mine = list(module_units.get(module, ()))
+        if not isinstance(module, CONTAINERS):
+            for child in module.children():
+                if isinstance(child, CONTAINERS):
+                    for held in child.modules():  # (a container of containers too)
+                        mine += [u for u in module_units.get(held, ()) if u not in mine]
+        if mine:
+            out[module] = mine
+    return out
+
+
+def held_params(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``module`` computes with itself: its own, and those of the parameter
+    containers it holds ([Note: parameter containers])."""
+    out = [p for p in module._parameters.values() if p is not None]
+    for child in module.children():
+        if isinstance(child, CONTAINERS):
+            out += [p for m in child.modules() for p in m._parameters.values() if p is not None]
+    return out
 
 
 def holders(units: list[ParamUnit]) -> dict[int, list[tuple[ParamUnit, int]]]:

@@ -460,3 +460,32 @@ def test_a_recomputation_stopped_early_leaves_no_unit_held(tmp_path):
             lambda m, g: active.append([u.name for u in engine.units if u.active]))
         trains_as_plain(engine, ref, x)
     assert active == [[], []]
+
+
+class _Scaled(nn.Module):
+    """A module that reads the parameters of the containers it holds in its own forward, as
+    peft's LoRA on embeddings (``lora_embedding_A``, a ParameterDict) and IA3 do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scales = nn.ParameterDict({"a": nn.Parameter(torch.linspace(0.5, 1.5, 16))})
+        self.shifts = nn.ParameterList([nn.Parameter(torch.full((16,), 0.1)), nn.Parameter(torch.zeros(16))])
+
+    def forward(self, x):
+        return self.lin(x) * self.scales["a"] + self.shifts[0] - self.shifts[1]
+
+
+@pytest.mark.parametrize("tiers", [("nvme", "nvme", "nvme"), ("device", "device", "device")], ids=["nvme", "device"])
+def test_parameters_in_a_container_its_module_reads_train_as_plain(tmp_path, tiers):
+    """An nn.ParameterDict or nn.ParameterList has no forward: its parameters were fetched by
+    no hook, and the module holding it, reading them in its forward, was refused ("read
+    outside the forward of the module that holds it": an audit helper's repro with peft's LoRA
+    on embeddings and IA3). They are that module's units now ([Note: parameter containers] in
+    `_units`): it trains as plain PyTorch, once with the parameters released between uses."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Scaled(), nn.GELU(), _Scaled(), nn.Linear(16, 4))
+    plain = copy.deepcopy(model)
+    engine = infinity.initialize(model, config(str(tmp_path), tiers))
+    trains_as_plain(engine, plain, torch.randn(8, 16), steps=3)
+    engine.close()

@@ -230,3 +230,36 @@ def test_save_pretrained_of_a_peft_engine_is_refused_and_peft_s_own_writes_the_a
         live = key.removeprefix("base_model.model.").replace(".weight", ".default.weight")
         assert torch.equal(value, weights["base_model.model." + live] if "base_model.model." + live in weights
                            else weights[live]), key  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["lora-embeddings", "ia3"])
+def test_adapters_held_in_parameter_containers_train_as_plain_peft_on_nvme(tmp_path, method):
+    """peft keeps LoRA's embedding adapters (``lora_embedding_A``) and IA3's vectors in
+    ParameterDicts, which the layer reads in its own forward: with the parameters on nvme the
+    first forward was refused, naming GatheredParameters, which peft gives no way to use (an
+    audit helper's repro). They train as plain peft's now."""
+    torch.manual_seed(1)
+    if method == "ia3":
+        adapters = peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
+    else:
+        adapters = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(_tiny_llama(), adapters)
+    for p in model.parameters():  # off peft's identity start, so that every adapter's gradient counts
+        if p.requires_grad:
+            torch.nn.init.normal_(p, mean=1.0 if method == "ia3" else 0.0, std=0.05)
+    ref = copy.deepcopy(model)
+    engine = infinity.initialize(model, _nvme(tmp_path))
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    for step in range(3):
+        loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert abs(loss.item() - ref_loss.item()) < 1e-5
+    got = engine.gathered_weights()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=0, msg=name)
+    engine.close()
