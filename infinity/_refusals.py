@@ -13,6 +13,10 @@ parameter, the cause and what to do instead. Touches: the module (read only).
   masters, as any write in place) that is kept as plain PyTorch keeps it; where the parameters
   are released after each use (nvme, or sharded at stage 3) the write would go with the
   released buffer, and the step would train the rows as they were, silently.
+- peft's DoRA (``use_dora=True``) reads its base layer's weight and its adapters' shapes in the
+  LoRA layer's forward, outside the modules that hold them (the weight's column norm): where
+  the parameters are released between uses those are empty placeholders, and peft failed deep
+  inside with an IndexError (an audit helper's repro).
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ def refuse_modules(module: nn.Module, *, released: str | None) -> None:
     ``released``: why the module's parameters are placeholders between uses (a phrase naming
     the config), or None where the params tier lends the module its own tensors."""
     for name, m in module.named_modules():
+        dora = getattr(m, "use_dora", None)  # peft's LoRA layers: adapter name -> bool
+        if released is not None and isinstance(dora, dict) and any(v is True for v in dora.values()):
+            raise ValueError(
+                f"module {name!r} is a peft LoRA layer with use_dora=True: DoRA reads its base layer's weight and its "
+                f"adapters' shapes in this layer's forward, outside the modules that hold them; {released}, so it "
+                "would read an empty placeholder. Keep the parameters where the modules hold them (tiers.params = "
+                "'device', below partition.stage 3 at several ranks), or train LoRA without DoRA"
+            )
         if not isinstance(m, nn.Embedding):
             continue
         if m.sparse:

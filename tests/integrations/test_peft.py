@@ -263,3 +263,34 @@ def test_adapters_held_in_parameter_containers_train_as_plain_peft_on_nvme(tmp_p
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=0, msg=name)
     engine.close()
+
+
+def test_dora_is_refused_where_the_parameters_are_released_and_trains_where_they_are_not(tmp_path):
+    """peft's DoRA reads its base layer's weight and its adapters' shapes in the LoRA layer's
+    forward, outside the modules that hold them: with the parameters on nvme peft failed
+    inside with an IndexError (an audit helper's repro). Refused at initialize, naming the
+    layer and use_dora; with every tier on the device (here the host) it trains as plain peft."""
+    def dora():
+        torch.manual_seed(1)
+        return peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                                  lora_dropout=0.0, use_dora=True))  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"'base_model.model.model.layers.0.self_attn.q_proj' is a peft LoRA layer "
+                                         r"with use_dora=True.*tiers.params = 'nvme'"):  # fmt: skip
+        infinity.initialize(dora(), _nvme(tmp_path))
+    model = dora()
+    ref = copy.deepcopy(model)
+    cfg = {"tiers": {"params": "device", "grads": "device", "optimizer": "device"},
+           "optimizer": {"lr": 1e-2, "weight_decay": 0.01}}  # fmt: skip
+    engine = infinity.initialize(model, cfg)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    for step in range(2):
+        loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert abs(loss.item() - ref_loss.item()) < 1e-5
+    engine.close()
