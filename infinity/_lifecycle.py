@@ -106,18 +106,19 @@ class TrainingGuard:
         if self.clip_asked is not None and torch.is_grad_enabled() and self.clip_asked() is not None:
             raise RuntimeError(CLIP_THEN_BACKWARD)
         self._walked = False
-        self._check(walk=True)
-        self._walked = True
+        grad = torch.is_grad_enabled()
+        self._check(walk=True, requires_grad=grad)
+        self._walked = grad  # (one without grad compared no requires_grad: the step walks again)
 
     def before_step(self) -> None:
         self._check(walk=not self._walked)
         self._walked = False
 
-    def _check(self, walk: bool) -> None:
+    def _check(self, walk: bool, requires_grad: bool = True) -> None:
         self.lifecycle.check_usable()
         if walk:
             try:
-                _wrap.refuse_changed(self.module, self.managed)
+                _wrap.refuse_changed(self.module, self.managed, requires_grad=requires_grad)
             except _wrap.ParameterCast:
                 self.rebind()  # the cast made copies: the parameters are the engine's again, as the refusal says
                 raise

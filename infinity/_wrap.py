@@ -111,9 +111,9 @@ def _swap(p: nn.Parameter, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(p, new)
 
 
-def _unchanged(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]]) -> bool:
-    """Whether every parameter under ``module`` is in ``managed`` with its requires_grad and
-    dtype, and without a ``.grad`` (plain loops: about a third of the time of any() over
+def _unchanged(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]], requires_grad: bool = True) -> bool:
+    """Whether every parameter under ``module`` is in ``managed`` with its requires_grad (where
+    ``requires_grad``) and dtype, and without a ``.grad`` (plain loops: about a third of the time of any() over
     generators, for the ~300 modules of a 24-layer Llama: 80 us). Read with the placeholders'
     ``__torch_function__`` off, each attribute straight from the tensor (``.grad`` past the
     bound class's property: [Note: .grad of a managed parameter] in `_sizes`)."""
@@ -127,7 +127,8 @@ def _unchanged(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]]) 
             for p in m._parameters.values():
                 if p is not None:
                     kept = get(id(p))
-                    if kept is None or kept[0] is not p.requires_grad or kept[1] is not p.dtype or grad(p) is not None:
+                    if (kept is None or (requires_grad and kept[0] is not p.requires_grad) or kept[1] is not p.dtype
+                            or grad(p) is not None):  # fmt: skip
                         return False
             extend(m._modules.values())
     return True
@@ -149,15 +150,18 @@ def dtype_refusal(name: str, now: torch.dtype, kept: torch.dtype) -> ParameterCa
     )
 
 
-def refuse_changed(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]]) -> None:
+def refuse_changed(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype]], *, requires_grad: bool = True) -> None:
     """``module`` holds a parameter the engine does not manage (``managed``: the ids of its
     units' parameters, each with its requires_grad and dtype at `initialize`): one added or
     replaced after `initialize`, which the engine would never give a gradient or an update;
     or one whose requires_grad or dtype changed since, or that holds a ``.grad`` (set by hand:
     the engine's hooks take the ones backward makes). Runs before each forward and step: a
     plain walk of the modules' own dicts (cheaper than named_parameters, which names each),
-    named only on a find."""
-    if _unchanged(module, managed):
+    named only on a find. Without ``requires_grad`` (a forward without grad, which gives no
+    parameter a gradient) requires_grad is not compared: peft's ``disable_adapter()`` and
+    ``set_adapter()`` turn it off and on around the forwards they run, as TRL's reference
+    log-probabilities do under no_grad (those were refused)."""
+    if _unchanged(module, managed, requires_grad):
         return
     for name, p in module.named_parameters():
         if id(p) not in managed:
@@ -168,11 +172,12 @@ def refuse_changed(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype
                 "infinity.from_pretrained(ModelClass, path, config, wrap=fn) streams the base from a "
                 "checkpoint, or apply fn to a model in memory before infinity.initialize"
             )
+    requires_grad_checked = requires_grad
     for name, p in module.named_parameters(remove_duplicate=False):
         requires_grad, dtype = managed[id(p)]
         if p.dtype is not dtype:
             raise dtype_refusal(name, p.dtype, dtype)
-        if requires_grad is not p.requires_grad:
+        if requires_grad is not p.requires_grad and requires_grad_checked:
             raise RuntimeError(
                 f"parameter {name!r}: requires_grad is {p.requires_grad} now, {requires_grad} at "
                 "infinity.initialize. The engine steps a module's parameters together (as DeepSpeed's ZeRO "

@@ -244,7 +244,10 @@ def test_a_parameter_frozen_or_unfrozen_after_initialize_is_refused_naming_it(tm
     """A module's parameters are stepped together: one frozen after initialize got a zero
     gradient and still moved (momentum, weight decay), where plain PyTorch leaves it alone (a
     review: 2e-2 in a Trainer that froze the weights mid-run, nothing said). The next forward
-    refuses it, naming it; set back, training goes on."""
+    refuses it, naming it; set back, training goes on. A forward without grad gives no
+    parameter a gradient, and is not refused (peft's disable_adapter() turns requires_grad off
+    around the forwards it runs, as TRL's reference log-probabilities do under no_grad); the
+    step after it is, if the change is still there."""
     engine = infinity.initialize(make_model(), config(tmp_path, tiers))
     try:
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
@@ -252,10 +255,20 @@ def test_a_parameter_frozen_or_unfrozen_after_initialize_is_refused_naming_it(tm
         engine.step()
         name, p = next(iter(engine.module.named_parameters()))
         p.requires_grad_(False)
-        with pytest.raises(RuntimeError, match=rf"parameter '{name}': requires_grad is False now, True at infinity.initialize"):
+        match = rf"parameter '{name}': requires_grad is False now, True at infinity.initialize"
+        with pytest.raises(RuntimeError, match=match):
+            engine(x)
+        with torch.no_grad():
+            engine(x)
+        with pytest.raises(RuntimeError, match=match):
+            engine.step()  # the change is still there
+        p.requires_grad_(True)
+        loss = engine(x).pow(2).mean()
+        p.requires_grad_(False)  # as peft's disable_adapter() around a no-grad forward
+        with torch.no_grad():
             engine(x)
         p.requires_grad_(True)
-        engine.backward(engine(x).pow(2).mean())
+        engine.backward(loss)
         assert engine.step()
     finally:
         engine.close()

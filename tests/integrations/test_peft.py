@@ -294,3 +294,30 @@ def test_dora_is_refused_where_the_parameters_are_released_and_trains_where_they
         opt.step()
         assert abs(loss.item() - ref_loss.item()) < 1e-5
     engine.close()
+
+
+def test_disable_adapter_under_no_grad_gives_the_base_model_s_logits(tmp_path):
+    """peft's disable_adapter() turns the adapters' requires_grad off around the forwards it
+    runs (TRL's DPO, KTO and GRPO take their reference log-probabilities so, under no_grad):
+    the engine refused that forward as a parameter frozen after initialize, on every tier (an
+    audit helper's repro). Under no_grad it runs now, giving plain peft's base logits, and
+    training goes on as plain peft's."""
+    model = _lora_llama()
+    ref = copy.deepcopy(model)
+    engine = infinity.initialize(model, _nvme(tmp_path))
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    for step in range(2):
+        with torch.no_grad(), engine.module.disable_adapter():
+            got = engine.module(input_ids=_ids(step)).logits
+        with torch.no_grad(), ref.disable_adapter():
+            want = ref(input_ids=_ids(step)).logits
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert abs(loss.item() - ref_loss.item()) < 1e-5
+    engine.close()
