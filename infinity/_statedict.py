@@ -181,12 +181,30 @@ class StateDictHooks:
             state_dict[key] = whole
 
 
-def _gathered(engine, keys):
+def state_dict_of(engine, keys) -> dict:
+    """What ``engine.module.state_dict()`` gives for ``keys`` alone (the root's keys): a
+    collective as it is ([Note: state_dict at several ranks]: rank 0 gets them, the others an
+    empty dict), reading only the units those keys lie in. A PEFT model's adapters are so saved
+    without its frozen base in memory (`integrations._peft`)."""
+    keys = set(keys)
+    module, managed = engine.module, parameter_keys(engine)
+    engine.dist.meet("state_dict", "state_dict() of a module whose weights are sharded over the ranks")
+    out = {}
+    if engine.world_size == 1 or engine.rank == 0:
+        out = {k: v.detach() for k, v in module.state_dict(keep_vars=True).items() if k in keys and k not in managed}
+    wanted = [(k, managed[k]) for k in managed if k in keys]
+    units = {unit.index for _, pieces in wanted for unit, _ in pieces}
+    for key, whole in _gathered(engine, wanted, units):
+        out[key] = whole
+    return out
+
+
+def _gathered(engine, keys, units: set[int] | None = None):
     """Yield ``(key, tensor)`` for each of ``keys`` ((key, pieces) as `holders` gives them), whole
     and in the dtype the model was made in, as soon as the last unit it lies in has been gathered:
     the weights are read one unit at a time (every rank iterates, rank 0 alone receives), so what
     is in memory beside the result is one unit. Keys of one parameter (tied) share one tensor,
-    as they do in torch's state_dict."""
+    as they do in torch's state_dict. ``units``: the indices of the units to read (None: all)."""
     waiting: dict[int, list] = {}  # unit index -> the pieces lists with a piece in that unit
     parts: dict[int, list] = {}  # id(pieces) -> its parts so far (None until read), in row order
     names: dict[int, list[str]] = {}  # id(pieces) -> its keys
@@ -196,7 +214,7 @@ def _gathered(engine, keys):
             for unit, _ in pieces:
                 waiting.setdefault(unit.index, []).append(pieces)
         names.setdefault(id(pieces), []).append(key)
-    for unit, full in engine.unit_weights(rank0_only=True):
+    for unit, full in engine.unit_weights(rank0_only=True, units=units):
         if full is None:  # a rank other than 0 (see [Note: state_dict at several ranks])
             continue
         for pieces in waiting.get(unit.index, ()):

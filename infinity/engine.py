@@ -451,24 +451,31 @@ class Engine:
 
         return save_pretrained(self, directory, max_shard_size)
 
-    def unit_weights(self, rank0_only: bool = False):
+    def unit_weights(self, rank0_only: bool = False, units: set[int] | None = None):
         """Yield ``(unit, full)`` per parameter unit in order: ``full`` is the unit's fp32 master
         weights, whole (gathered from every rank's shard: every rank must iterate to the end),
         1-D of ``unit.padded_numel`` on the CPU. One sub-group's state is in memory at a time.
-        ``rank0_only``: gathered to rank 0 only; the other ranks send their shard and get None."""
+        ``rank0_only``: gathered to rank 0 only; the other ranks send their shard and get None.
+        ``units``: the indices of the units to read (the same on every rank; None: all)."""
         self._writes.carry()  # what was written into bound parameters is the weights too
         opt = self.optimizer
         for group in opt.groups:
+            if units is not None and not any(u.index in units for u in group.units):
+                continue
             lease = opt.states["master"].get(group.name).result()
             master = lease.tensor.detach()
             try:
                 for unit in group.units:
+                    if units is not None and unit.index not in units:
+                        continue
                     full = _whole(self.dist, unit, master[group.slices[unit.index]], rank0_only)
                     yield unit, full
                     del full  # one unit's weights alive at a time
             finally:
                 lease.release()
         for unit in opt.frozen:  # no master weights: the parameters are the weights
+            if units is not None and unit.index not in units:
+                continue
             lease = self.param_store.get(unit.name).result()
             try:
                 value = lease.tensor.reshape(-1)

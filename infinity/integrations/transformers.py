@@ -33,7 +33,8 @@ changes, when training starts:
 The model's weights (``save_model``, and each checkpoint's) are written by
 ``engine.save_pretrained``, on every rank: each unit is gathered to rank 0, which writes it, so
 no rank holds the whole model, whatever the world size. A PEFT model is saved as the Trainer
-saves it, through the module's ``state_dict()``, which every rank calls and rank 0 gets whole.
+saves it, through the module's ``state_dict()``, which every rank calls and rank 0 gets whole:
+of the keys peft keeps alone (the adapters, not the frozen base: `_peft`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from transformers.trainer_utils import get_last_checkpoint
 import infinity
 
 from .. import _deepspeed
+from . import _peft
 from .._resources import as_config
 from ..config import OptimizerConfig
 
@@ -246,7 +248,9 @@ class InfinityTrainer(transformers.Trainer):
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not isinstance(self.model, transformers.PreTrainedModel):  # a PeftModel: it picks its keys
-            return super()._save(output_dir, self.model.state_dict())  # every rank; rank 0's is whole
+            # Every rank; rank 0's holds what peft keeps, the adapters, not the frozen base.
+            state = _peft.adapter_state_dict(self.engine, self.model)
+            return super()._save(output_dir, self.model.state_dict() if state is None else state)
         # Streamed to rank 0's files one unit at a time (every rank calls it), never whole in
         # memory; then what Trainer._save writes beside the weights.
         self.engine.save_pretrained(output_dir)

@@ -321,3 +321,57 @@ def test_disable_adapter_under_no_grad_gives_the_base_model_s_logits(tmp_path):
         opt.step()
         assert abs(loss.item() - ref_loss.item()) < 1e-5
     engine.close()
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def test_the_trainer_saves_the_adapters_as_plain_peft_without_gathering_the_base(tmp_path, monkeypatch):
+    """InfinityTrainer gave peft's save the whole model's state_dict at save_model and every
+    checkpoint: the whole frozen base gathered into host memory (an audit helper's repro: 241
+    MiB held for a 0.5 MiB adapter, at a host budget of 128 MiB). It gathers the keys peft
+    keeps alone now (`integrations._peft`): the adapters, lm_head's modules_to_save copy and
+    an inactive second adapter, written as plain Trainer writes them."""
+    from safetensors.torch import load_file
+
+    from infinity.integrations.transformers import InfinityTrainer
+
+    def model():
+        torch.manual_seed(1)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                 modules_to_save=["lm_head"])  # fmt: skip
+        m = peft.get_peft_model(_tiny_llama(), config)
+        m.add_adapter("second", peft.LoraConfig(r=2, target_modules=["k_proj"]))  # frozen: not the active one
+        return m
+
+    given = []
+    save = transformers.Trainer._save
+    monkeypatch.setattr(transformers.Trainer, "_save",
+                        lambda self, output_dir=None, state_dict=None: (given.append(state_dict), save(self, output_dir, state_dict))[1])  # fmt: skip
+
+    def run(cls, out, **kw):
+        args = transformers.TrainingArguments(output_dir=str(out), max_steps=2, per_device_train_batch_size=2,
+                                              learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no",
+                                              disable_tqdm=True)  # fmt: skip
+        trainer = cls(model=model(), args=args, train_dataset=_Tokens(), **kw)
+        trainer.train()
+        trainer.save_model()
+        if trainer.__class__ is InfinityTrainer:
+            trainer.engine.close()
+
+    run(transformers.Trainer, tmp_path / "plain")
+    run(InfinityTrainer, tmp_path / "ours", infinity_config=_nvme(tmp_path))
+    ours = given[-1]
+    assert ours and all(("lora_" in k or "modules_to_save" in k) for k in ours), sorted(ours)
+    for sub in ("", "second"):
+        want = load_file(str(tmp_path / "plain" / sub / "adapter_model.safetensors"))
+        got = load_file(str(tmp_path / "ours" / sub / "adapter_model.safetensors"))
+        assert want.keys() == got.keys() and want
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0, msg=key)
