@@ -115,7 +115,9 @@ def _refusal(p: torch.Tensor, what: str) -> RuntimeError:
         f"parameter {name!r} was read outside the forward of the module that holds it ({what}), but an infinity "
         f"engine keeps it in its tiers and it is an empty placeholder there (shape {tuple(p.shape)}): gather it for the "
         f"read with `with infinity.GatheredParameters([param]): ...` (as deepspeed.zero.GatheredParameters), "
-        "inside the model's forward to train through it; for TRL's trainers use infinity.integrations.trl. To "
+        "inside the model's forward to train through it; TRL's trainers gather the LM head they read through "
+        "infinity.integrations.trl (InfinitySFTTrainer installs it), but not what they read elsewhere "
+        "(DistillationTrainer's divergence kernel), which needs tiers.params = 'device'. To "
         "change its values (an in-place write, p.data.normal_()), load them with engine.module.load_state_dict: "
         "changes made inside GatheredParameters are not written back"
     )

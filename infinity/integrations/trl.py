@@ -61,6 +61,40 @@ def install() -> None:
             continue
         if getattr(module, _NAME, None) is original:
             setattr(module, _NAME, gather)
+    _install_sync()
+
+
+def _install_sync() -> None:
+    """DPO's ``sync_ref_model`` mixes the policy's weights into the reference model after a step
+    (``SyncRefModelCallback.sync_target_model``), reading every parameter outside any forward:
+    with the parameters released between uses the first step's callback was refused (an audit
+    helper's repro). The policy's parameters an engine holds are read here one module at a time
+    under `infinity.GatheredParameters` (every rank calls it, as the callback runs on every
+    rank; each updates its own reference model), as TRL's branch for DeepSpeed's ZeRO-3 gathers them."""
+    try:
+        callbacks = importlib.import_module("trl.trainer.callbacks")
+    except ImportError:
+        return
+    cls = getattr(callbacks, "SyncRefModelCallback", None)
+    original = getattr(cls, "sync_target_model", None) if cls is not None else None
+    if original is None or getattr(original, "_infinity", False):
+        return
+
+    @functools.wraps(original)
+    def sync_target_model(model, target_model, alpha):
+        if not any(getattr(p, "_infinity_managed", False) for p in model.parameters()):
+            return original(model, target_model, alpha)
+        into = dict(zip((id(p) for p in model.parameters()), target_model.parameters(), strict=True))
+        for module in model.modules():
+            own = [p for p in module._parameters.values() if p is not None and id(p) in into]
+            if not own:
+                continue
+            with infinity.GatheredParameters(own):
+                for p in own:
+                    into.pop(id(p)).data.mul_(1.0 - alpha).add_(p.data, alpha=alpha)
+
+    sync_target_model._infinity = True
+    cls.sync_target_model = staticmethod(sync_target_model)
 
 
 class InfinitySFTTrainer(InfinityTrainer, trl.SFTTrainer):

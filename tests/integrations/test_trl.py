@@ -84,3 +84,45 @@ def test_sft_trainer_on_nvme_logs_the_losses_of_plain_sft_trainer(tmp_path, tied
     finally:
         if ours.engine is not None:
             ours.engine.close()
+
+
+def test_dpo_s_sync_ref_model_on_nvme_mixes_the_policy_in_as_plain_dpo_does(tmp_path):
+    """DPO's sync_ref_model mixes the policy's weights into the reference model after each
+    step, reading every parameter outside any forward: with the parameters on nvme the first
+    step's callback was refused (an audit helper's repro). `install` reads them one module at a
+    time under GatheredParameters: the losses (which the reference model enters from the second
+    step on) and the synced reference model are plain DPO's."""
+    from infinity.integrations.transformers import InfinityTrainer
+    from infinity.integrations.trl import install
+
+    install()
+
+    class DPO(InfinityTrainer, trl.DPOTrainer):
+        pass
+
+    g = torch.Generator().manual_seed(0)
+
+    def words():
+        return " ".join(f"t{i}" for i in torch.randint(2, VOCAB, (4,), generator=g).tolist())
+
+    data = datasets.Dataset.from_dict({k: [words() for _ in range(8)] for k in ("prompt", "chosen", "rejected")})
+
+    def run(cls, out, **kw):
+        args = trl.DPOConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=2, learning_rate=3e-3,
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                             disable_tqdm=True, bf16=False, sync_ref_model=True, ref_model_sync_steps=1,
+                             ref_model_mixup_alpha=0.5)  # fmt: skip
+        ref = _llama()
+        trainer = cls(model=_llama(), ref_model=ref, args=args, train_dataset=data, processing_class=_tokenizer(), **kw)
+        trainer.train()
+        if cls is DPO:
+            trainer.engine.close()
+        return _losses(trainer), {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+    want, want_ref = run(trl.DPOTrainer, tmp_path / "plain")
+    got, got_ref = run(DPO, tmp_path / "ours", infinity_config=_nvme(tmp_path))
+    assert got.keys() == want.keys() and len(want) == 2
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), step
+    for name in want_ref:
+        torch.testing.assert_close(got_ref[name], want_ref[name], atol=1e-6, rtol=0, msg=name)
