@@ -182,6 +182,55 @@ SECOND_BACKWARD = (
 LOST_BACKWARD = "the last backward raised part-way (a plain loss.backward(), whose end never ran)"
 
 
+def _off_units(module: nn.Module, units, output):
+    """[Note: outputs that alias a unit]
+    A module may return a view of its own parameter (a learned position table's
+    ``self.weight[:T]``, Perceiver's ``latents.expand(...)``), which its caller reads after the
+    module's call. The unit is released there and its buffer taken by other units' weights: the
+    view read their bytes, silently (an audit helper's repro: 1.65 off plain PyTorch, in a
+    forward with grad or without). Such an output is given as a copy (``clone``, through which
+    autograd reaches the parameter as through the view), where it is a tensor or lies in a
+    tuple, list or dict (transformers' ModelOutput); one deeper in an object is refused, naming
+    the module."""
+    bound = {u.full.untyped_storage().data_ptr() for u in units if u.full is not None and u.full.numel()}
+    if not bound:
+        return output
+
+    def aliases(t) -> bool:
+        return isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr() in bound
+
+    def off(obj, depth=0):
+        if aliases(obj):
+            return obj.clone()
+        if depth > 8 or isinstance(obj, torch.Tensor):
+            return obj
+        if isinstance(obj, tuple):
+            items = [off(v, depth + 1) for v in obj]
+            if all(a is b for a, b in zip(items, obj)):
+                return obj
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        if isinstance(obj, list):
+            obj[:] = [off(v, depth + 1) for v in obj]
+        elif isinstance(obj, dict):
+            for k, v in list(obj.items()):
+                new = off(v, depth + 1)
+                if new is not v:
+                    obj[k] = new
+        return obj
+
+    output = off(output)
+    left = []
+    _each_tensor(output, lambda t: left.append(t) if aliases(t) else None, objects=True)
+    if left:
+        raise RuntimeError(
+            f"module {type(module).__name__} returned a view of its own parameters inside an object the engine "
+            "cannot copy it out of: once the module's call ends, its parameters' memory is released and reused, and "
+            "the view would read other weights. Return it as a tensor, or in a tuple, list or dict, or return a copy "
+            "(.clone())"
+        )
+    return output
+
+
 def _graph_task() -> int | None:
     """The autograd graph task running in this thread (-1: none; None: torch cannot say)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
@@ -473,6 +522,8 @@ class Scheduler:
                         unit.uses += uses
                     self._release_frozen_after(module, args)  # (a reentrant checkpoint's graph is this one)
             return output
+        if not self.always_ready and units:
+            output = _off_units(module, units, output)
         if torch.is_grad_enabled():
             self._calls[module] = self._calls.get(module, 0) + 1
             for unit, uses in self.hooks.uses_per_call[module]:

@@ -489,3 +489,52 @@ def test_parameters_in_a_container_its_module_reads_train_as_plain(tmp_path, tie
     engine = infinity.initialize(model, config(str(tmp_path), tiers))
     trains_as_plain(engine, plain, torch.randn(8, 16), steps=3)
     engine.close()
+
+
+class _Table(nn.Module):
+    """A learned position table whose forward returns a view of its parameter."""
+
+    def __init__(self, boxed: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 16))
+        self.boxed = boxed
+
+    def forward(self, n: int):
+        rows = self.weight[:n]
+        return types.SimpleNamespace(rows=rows) if self.boxed else (rows, {"rows": rows})
+
+
+class _Positions(nn.Module):
+    def __init__(self, boxed: bool = False):
+        super().__init__()
+        self.table = _Table(boxed)
+        self.blocks = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        got = self.table(x.shape[0])
+        rows, also = (got.rows, {"rows": got.rows}) if self.table.boxed else got
+        return self.out(self.blocks(x) + rows + also["rows"])  # read after the table's call ended
+
+
+def test_a_module_returning_a_view_of_its_parameter_gives_its_values_after_its_call(tmp_path):
+    """A module may return a view of its parameter (a learned position table's weight[:T])
+    that its caller reads after the module's call: there the unit was released and its buffer
+    taken by the next units' weights, and the view read their bytes, silently (an audit
+    helper's repro: 1.65 off plain PyTorch). The output is a copy now ([Note: outputs that
+    alias a unit]), in a tensor, tuple or dict alike: no_grad forwards and training match
+    plain PyTorch. One inside an object the engine cannot copy out of is refused."""
+    torch.manual_seed(0)
+    model = _Positions()
+    plain = copy.deepcopy(model)
+    cfg = config(str(tmp_path), ("nvme", "nvme", "nvme"), memory={"keep_params": False}, prefetch={"keep": False})
+    engine = infinity.initialize(model, cfg)
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), plain(x), atol=0, rtol=0)
+    trains_as_plain(engine, plain, x, steps=3)
+    engine.close()
+    engine = infinity.initialize(_Positions(boxed=True), config(str(tmp_path / "boxed"), ("nvme", "nvme", "nvme")))
+    with pytest.raises(RuntimeError, match="module _Table returned a view of its own parameters inside an object"):
+        engine(x)
+    engine.close()
