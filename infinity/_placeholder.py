@@ -109,8 +109,22 @@ def _allowed(func) -> bool:
     return name in _META or (name in _CONVERSIONS and not torch.is_grad_enabled())
 
 
+def mark_closed(p: nn.Parameter) -> None:
+    """``p``'s engine was closed: a read of its placeholder says so, not that it was read
+    outside its module (an audit helper: ``generate`` after ``close()`` was sent to
+    GatheredParameters)."""
+    p.__dict__["_infinity_closed"] = True
+
+
 def _refusal(p: torch.Tensor, what: str) -> RuntimeError:
     name = getattr(p, "_infinity_name", "?")
+    if p.__dict__.get("_infinity_closed"):
+        return RuntimeError(
+            f"parameter {name!r} was read ({what}) after its infinity engine was closed (engine.close()): its weights "
+            "went with the engine's tiers, and it is an empty placeholder. Save them before closing "
+            "(engine.save_pretrained, engine.export or engine.save_checkpoint) and load them into a new model or "
+            "engine"
+        )
     return RuntimeError(
         f"parameter {name!r} was read outside the forward of the module that holds it ({what}), but an infinity "
         f"engine keeps it in its tiers and it is an empty placeholder there (shape {tuple(p.shape)}): gather it for the "

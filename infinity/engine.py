@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _assembly, _build, _checkpoint, _deepspeed, _gather, _overlap, _overlap_host, _resources, _sizes, _units, _wrap
+from . import _activations, _admission, _assembly, _build, _checkpoint, _deepspeed, _gather, _overlap, _overlap_host, _placeholder, _resources, _sizes, _units, _wrap
 from ._accumulation import Accumulation
 from ._dist import Dist
 from ._export import export_safetensors
@@ -571,6 +571,9 @@ class Engine:
                 self.scheduler.end_interrupted_pass()
             _gather.end_open(self)  # their memory goes with the engine's
             self.scheduler.release_all()
+            for unit in self.units:  # a placeholder read from here on says why it is empty
+                for p in unit.params:
+                    _placeholder.mark_closed(p)
             if self.overlap is not None:
                 self.overlap.close()
             self.grads.flush()

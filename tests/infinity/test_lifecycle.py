@@ -362,3 +362,13 @@ def test_a_backward_that_gives_no_parameter_a_gradient_is_no_micro_batch(tmp_pat
             opt.zero_grad()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7)
+
+
+def test_a_forward_after_close_says_the_engine_was_closed(tmp_path):
+    """With the parameters on nvme the module holds placeholders once its engine is closed: a
+    forward (generate, an evaluation) after close() was refused as a read outside the module,
+    pointing at GatheredParameters (an audit helper's repro). It says the engine was closed."""
+    engine = infinity.initialize(make_model(), config(tmp_path, ("nvme",) * 3))
+    engine.close()
+    with pytest.raises(RuntimeError, match=r"read \(.*\) after its infinity engine was closed"):
+        engine.module(torch.randn(2, 16))
