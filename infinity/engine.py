@@ -232,6 +232,18 @@ class Engine:
                 self.scheduler.end_interrupted_pass()
             raise
 
+    def __getattr__(self, name: str):
+        """An attribute the engine lacks is the module's (``engine.generate(...)``,
+        ``engine.config``), as DeepSpeed's engine gives its module's: a script written for it
+        calls them so."""
+        module = self.__dict__.get("module")
+        if module is not None and not name.startswith("__"):
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}, nor has its module")
+
     @entry("backward")
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``; gradients accumulate over calls until `step`. A plain

@@ -536,3 +536,21 @@ def test_a_parametrizations_buffers_take_a_low_param_dtype(tmp_path, kind, tiers
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         assert engine.step()
+
+
+def test_an_attribute_the_engine_lacks_is_its_module_s(tmp_path):
+    """DeepSpeed's engine gives its module's attributes (``model_engine.generate(...)``); this
+    one raised AttributeError (an audit helper). A script written for it calls them so."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    plain = copy.deepcopy(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with infinity.initialize(model, _config(str(tmp_path), ("nvme",) * 3)) as engine:
+        got = engine.generate(ids, max_new_tokens=6, do_sample=False)
+        assert engine.can_generate() and isinstance(engine.config, infinity.TierConfig)  # (the engine's own first)
+        with pytest.raises(AttributeError, match="'Engine' object has no attribute 'nope', nor has its module"):
+            engine.nope
+    assert torch.equal(got, plain.generate(ids, max_new_tokens=6, do_sample=False))
