@@ -233,9 +233,9 @@ class Engine:
             raise
 
     def __getattr__(self, name: str):
-        """An attribute the engine lacks is the module's (``engine.generate(...)``,
-        ``engine.config``), as DeepSpeed's engine gives its module's: a script written for it
-        calls them so."""
+        """An attribute the engine lacks is the module's (``engine.generate(...)``), as DeepSpeed's
+        engine gives its module's: a script written for it calls them so. The engine's own come
+        first (``engine.config`` is its TierConfig, as DeepSpeed's is its config)."""
         module = self.__dict__.get("module")
         if module is not None and not name.startswith("__"):
             try:
