@@ -24,6 +24,7 @@ holding them, `Engine.save_pretrained` and `Engine.export` stream them to rank 0
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -73,6 +74,7 @@ class StateDictHooks:
         self._loading: tuple | None = None
         # The state_dict calls under way: (outermost module, prefix), the innermost call last.
         self._saving: list[tuple] = []
+        self._placeholders = 0  # open `placeholders()` contexts: state_dict() gathers nothing
         self._paths: dict[int, list[str]] = {}  # id(module) -> its paths in the root (shared: several)
         for path, sub in module.named_modules(remove_duplicate=False):
             self._paths.setdefault(id(sub), []).append(path)
@@ -164,13 +166,25 @@ class StateDictHooks:
                         return True
         return False
 
+    @contextlib.contextmanager
+    def placeholders(self):
+        """Inside, ``state_dict()`` gives the placeholders (detached), gathers nothing and is no
+        collective: for a caller that reads only its keys, on one rank (peft's save, given the
+        values by `integrations._peft`, reads a ``modules_to_save`` copy's keys from its own
+        ``state_dict()``, on rank 0 alone: a gather no other rank joined)."""
+        self._placeholders += 1
+        try:
+            yield
+        finally:
+            self._placeholders -= 1
+
     def _after_state_dict(self, names, module, state_dict, prefix, local_metadata) -> None:
         if not self._saving or self._saving[-1][0] is not module or self._saving[-1][1] != prefix:
             return  # a module inside the call's outermost one, whose hook gathers every weight below it
         self._saving.pop()
         keys = [(prefix + name, pieces) for name, pieces in names if prefix + name in state_dict]
-        if not keys or isinstance(state_dict[keys[0][0]], nn.Parameter):  # keep_vars=True: the parameters
-            return
+        if not keys or isinstance(state_dict[keys[0][0]], nn.Parameter) or self._placeholders:
+            return  # keep_vars=True (the parameters), or inside `placeholders()`
         engine = self.engine
         engine.dist.meet("state_dict", "state_dict() of a module whose weights are sharded over the ranks")
         if engine.world_size > 1 and engine.rank != 0:

@@ -16,14 +16,22 @@ and the whole state_dict is gathered, as before.
 
 from __future__ import annotations
 
+import json
+
 from .._statedict import state_dict_of
 
 
 def adapter_state_dict(engine, model) -> dict | None:
     """The part of ``model.state_dict()`` (``model``: ``engine.module``, a PeftModel) that
     ``model.save_pretrained`` keeps, gathered as `state_dict_of` does (every rank calls it);
-    None where peft's choice of keys cannot be told."""
+    None where peft's choice of keys cannot be told. The keys are rank 0's on every rank:
+    peft reads a ``modules_to_save`` copy's keys from its own ``state_dict()``, a collective
+    whose other ranks get an empty dict, so theirs missed it, and the ranks gathered other units
+    (a 2-rank save hung)."""
     keys = _kept_keys(model)
+    if engine.world_size > 1:
+        texts = engine.dist.gather_text(json.dumps(None if keys is None else sorted(keys)), "the keys a PEFT save keeps")
+        keys = json.loads(texts[0])
     return None if keys is None else state_dict_of(engine, keys)
 
 

@@ -248,9 +248,13 @@ class InfinityTrainer(transformers.Trainer):
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not isinstance(self.model, transformers.PreTrainedModel):  # a PeftModel: it picks its keys
-            # Every rank; rank 0's holds what peft keeps, the adapters, not the frozen base.
+            # Every rank; rank 0's holds what peft keeps, the adapters, not the frozen base. peft
+            # then reads keys alone of the model (`placeholders`: no gather rank 0 would run alone).
             state = _peft.adapter_state_dict(self.engine, self.model)
-            return super()._save(output_dir, self.model.state_dict() if state is None else state)
+            if state is None:
+                return super()._save(output_dir, self.model.state_dict())
+            with self.engine._state_hooks.placeholders():
+                return super()._save(output_dir, state)
         # Streamed to rank 0's files one unit at a time (every rank calls it), never whole in
         # memory; then what Trainer._save writes beside the weights.
         self.engine.save_pretrained(output_dir)

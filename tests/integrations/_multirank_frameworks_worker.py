@@ -9,6 +9,8 @@ Modes:
   ``trainer.save_model(f"{out}-final")``; then, at several ranks, in the same processes (no
   second start-up), a new Trainer resumed from ``checkpoint-2`` runs to the end and writes
   ``{out}-resumed.json`` and ``{out}-resumed.weights.pt``.
+- ``trainer-peft``: ``trainer`` on a LoRA model with ``modules_to_save`` (lm_head), then
+  ``trainer.save_model(f"{out}-final")``: the adapters peft writes.
 - ``accelerate``: a plain accelerate loop with the README's recipe.
 - ``accelerate-ddp``: the same loop with ``accelerator.prepare(engine.module, ...)``, which wraps
   the module in DistributedDataParallel at several processes: expected refused.
@@ -39,7 +41,14 @@ def llama():
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg)
+    model = transformers.LlamaForCausalLM(cfg)
+    if mode != "trainer-peft":
+        return model
+    import peft
+
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      lora_dropout=0.0, modules_to_save=["lm_head"]))  # fmt: skip
 
 
 # Sequences of one length, no padding: each rank's mean loss over its tokens, averaged over the
@@ -65,7 +74,7 @@ def train(prefix, resume=None):
     trainer = InfinityTrainer(model=llama(), args=args, train_dataset=DATA, infinity_config=CONFIG)
     trainer.train(resume_from_checkpoint=resume)
     assert trainer.model_wrapped is trainer.model, type(trainer.model_wrapped)  # not DDP
-    if mode == "trainer-save":
+    if mode in ("trainer-save", "trainer-peft"):
         trainer.save_model(f"{prefix}-final")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     write(losses, trainer.engine.gathered_weights(), prefix)

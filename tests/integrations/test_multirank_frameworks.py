@@ -74,6 +74,26 @@ def test_two_ranks_match_one_process(tmp_path, mode):
     _compare(one, two)
 
 
+def test_two_ranks_save_a_peft_model_s_adapters_as_one_process(tmp_path):
+    """InfinityTrainer saves a PEFT model's adapters gathering the keys peft keeps alone
+    (`integrations._peft`). At two ranks the ranks took other keys (peft reads a
+    modules_to_save copy's keys from its own state_dict(), which gives ranks past 0 an empty
+    dict) and gathered other units: the save hung. Before that, peft's own state_dict() call on
+    rank 0 alone waited out the timeout. Now two ranks write one process's adapters."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    pytest.importorskip("peft")
+    one, codes, logs = _launch("trainer-peft", 1, tmp_path)
+    assert codes == [0], logs[0][-3000:]
+    two, codes, logs = _launch("trainer-peft", 2, tmp_path)
+    assert codes == [0, 0], [log[-3000:] for log in logs]
+    _compare(one, two)
+    want = safetensors.load_file(f"{one}-final/adapter_model.safetensors")
+    got = safetensors.load_file(f"{two}-final/adapter_model.safetensors")
+    assert got.keys() == want.keys() and any("lm_head" in k for k in want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)
+
+
 def test_an_accelerate_loop_that_wraps_the_module_in_ddp_is_refused_naming_the_fix(tmp_path):
     out, codes, logs = _launch("accelerate-ddp", 2, tmp_path)
     assert codes == [3, 3], [log[-3000:] for log in logs]
