@@ -123,6 +123,8 @@ def load_weights(engine, files: dict[str, str], where: str, names: dict[str, str
     unexpected = sorted(k for k in files if k not in params and k not in buffers)
     if unexpected:
         logger.warning("%s: keys the model does not have, not loaded: %s", where, ", ".join(unexpected))
+    _refuse_untied(params, files, tensor, where)
+    shards.close()
     by_unit: dict[int, list[str]] = {}
     for k, pieces in params.items():
         if k in files:
@@ -160,6 +162,27 @@ def load_weights(engine, files: dict[str, str], where: str, names: dict[str, str
             if k in files:
                 buf.copy_(tensor(k))
     return read
+
+
+def _refuse_untied(params: dict, files: dict, tensor, where: str) -> None:
+    """The model ties parameters that the checkpoint holds under several keys with different
+    values (a hand-merged or older save of a tied GPT-2 with its own ``lm_head.weight``): the
+    load read one and dropped the other with nothing said, where transformers keeps them apart
+    (an audit helper's repro: other logits). Refused, naming both keys. Keys with equal values
+    (or only one of them in the checkpoint, as transformers saves a tied model) load."""
+    tied: dict[int, list[str]] = {}  # tied keys share their pieces list
+    for k, pieces in params.items():
+        if k in files:
+            tied.setdefault(id(pieces), []).append(k)
+    for keys in tied.values():
+        for other in keys[1:]:
+            if not torch.equal(tensor(keys[0]), tensor(other)):
+                raise ValueError(
+                    f"{where}: {keys[0]!r} and {other!r} hold different values, but the model ties them (one "
+                    "parameter: tie_word_embeddings=True in its config), so one would be dropped. Set "
+                    "tie_word_embeddings=False in the checkpoint's config.json to load both, or remove the key not "
+                    "meant from the checkpoint"
+                )
 
 
 def _mine(view, unit, i: int, sliced: bool):

@@ -574,3 +574,27 @@ def test_tied_embeddings_are_written_once_as_transformers_writes_them(tmp_path):
     back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours")
     assert back.lm_head.weight is back.transformer.wte.weight
     assert all(torch.equal(back.state_dict()[k], v) for k, v in plain.state_dict().items())
+
+
+def test_a_checkpoint_with_other_values_under_tied_keys_is_refused_naming_them(tmp_path):
+    """A tied GPT-2 whose checkpoint holds its own lm_head.weight beside transformer.wte.weight
+    (an older or hand-merged save): the load read one and dropped the other, silently, where
+    transformers keeps them apart (an audit helper's repro: other logits). Refused, naming both;
+    the same values under both keys load, as one of them alone does."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "in")
+    tensors = load_file(tmp_path / "in" / "model.safetensors")
+    assert "lm_head.weight" not in tensors  # transformers saves a tied model's weight once
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"] + 1
+    save_file(tensors, tmp_path / "in" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'transformer.wte.weight' and 'lm_head.weight' hold different values"):
+        infinity.from_pretrained(transformers.GPT2LMHeadModel, tmp_path / "in", _nvme(tmp_path))
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
+    save_file(tensors, tmp_path / "in" / "model.safetensors", metadata={"format": "pt"})
+    with infinity.from_pretrained(transformers.GPT2LMHeadModel, tmp_path / "in", _nvme(tmp_path)) as engine:
+        want = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "in")
+        with torch.no_grad():
+            torch.testing.assert_close(engine(input_ids=_ids(0)).logits, want(input_ids=_ids(0)).logits, atol=0, rtol=0)
