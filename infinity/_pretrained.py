@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 
 import torch
+from torch import nn
 
 from . import _resources, _statedict
 from ._hf_save import save_pretrained  # noqa: F401 - where engine.save_pretrained imports it
@@ -44,10 +46,12 @@ def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_schedule
     hf_config = model_cls.config_class.from_pretrained(path)
     from ._build import build
 
-    with build(config, init=False), _default_dtype(_checkpoint_dtype(hf_config)):
+    dtype = _checkpoint_dtype(hf_config) or _first_float_dtype(files)
+    with build(config, init=False), _default_dtype(dtype):
         # (the checkpoint gives every value: no initialisation to run) In the checkpoint's dtype,
         # as transformers' from_pretrained makes it: what export and save_pretrained write.
         model = model_cls(hf_config, **model_kwargs)
+    _keep_in_fp32(model, dtype)
     if os.path.isfile(os.path.join(path, "generation_config.json")) and getattr(model, "generation_config", None):
         # As transformers' from_pretrained: the checkpoint's generation settings (its eos ids,
         # sampling), not the defaults config.json gives, which a save_pretrained then wrote over them.
@@ -76,6 +80,42 @@ def _checkpoint_dtype(hf_config) -> torch.dtype | None:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+_FLOATS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _first_float_dtype(files: dict[str, str]) -> torch.dtype | None:
+    """The dtype of the checkpoint's first floating-point tensor, where its config names none:
+    transformers' ``dtype="auto"`` takes it so (a bf16 checkpoint whose config.json names no
+    dtype was built, trained and saved in fp32, twice its size: an audit helper's repro)."""
+    shards = Shards(files)
+    try:
+        for key in files:
+            dtype = _FLOATS.get(shards.header(key)[0])
+            if dtype is not None:
+                return dtype
+    finally:
+        shards.close()
+    return None
+
+
+def _keep_in_fp32(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """The parameters transformers' from_pretrained keeps in fp32 in a model of ``dtype`` (its
+    ``_keep_in_fp32_modules`` in fp16, its ``_keep_in_fp32_modules_strict`` in fp16 and bf16:
+    T5's ``wo``), made fp32 here too: made in ``dtype``, a T5 checkpoint of fp16 weights and fp32
+    ``wo`` was saved back with ``wo`` rounded to fp16, without a step (an audit helper's repro).
+    The engine computes them in ``precision.param_dtype``, as it says at initialize."""
+    plan = getattr(model, "_get_dtype_plan", None)
+    if dtype is None or not callable(plan):
+        return
+    keep = [name for name, kept in plan(dtype).items() if kept == torch.float32]
+    if not keep:
+        return
+    pattern = re.compile("|".join(re.escape(name) for name in keep))
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != torch.float32 and pattern.search(name):
+            p.data = p.data.to(torch.float32)
 
 
 @contextlib.contextmanager

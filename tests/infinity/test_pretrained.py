@@ -598,3 +598,36 @@ def test_a_checkpoint_with_other_values_under_tied_keys_is_refused_naming_them(t
         want = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "in")
         with torch.no_grad():
             torch.testing.assert_close(engine(input_ids=_ids(0)).logits, want(input_ids=_ids(0)).logits, atol=0, rtol=0)
+
+
+def test_dtypes_transformers_gives_a_checkpoint_are_the_ones_it_is_made_and_saved_in(tmp_path):
+    """transformers keeps T5's ``wo`` (``_keep_in_fp32_modules``) in fp32 in an fp16 model, and
+    takes the weights' dtype where config.json names none: the engine made every parameter in
+    the config's dtype (or fp32), and save_pretrained wrote wo rounded to fp16, or a bf16
+    checkpoint in fp32, without a step (an audit helper's repros). Both are saved as loaded."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                decoder_start_token_id=0)  # fmt: skip
+    transformers.T5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "fp32")
+    half = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "fp32", dtype=torch.float16)
+    half.save_pretrained(tmp_path / "t5")
+    wo = "encoder.block.0.layer.1.DenseReluDense.wo.weight"
+    saved = load_file(tmp_path / "t5" / "model.safetensors")
+    assert saved[wo].dtype == torch.float32 and saved["shared.weight"].dtype == torch.float16
+    with infinity.from_pretrained(transformers.T5ForConditionalGeneration, tmp_path / "t5", _nvme(tmp_path)) as engine:
+        engine.save_pretrained(tmp_path / "t5-out")
+    out = load_file(tmp_path / "t5-out" / "model.safetensors")
+    assert out[wo].dtype == torch.float32 and torch.equal(out[wo], saved[wo])
+
+    _llama(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    config = json.load(open(tmp_path / "bf16" / "config.json"))
+    for key in ("dtype", "torch_dtype"):
+        config.pop(key, None)
+    json.dump(config, open(tmp_path / "bf16" / "config.json", "w"))
+    (tmp_path / "b").mkdir()
+    cfg = _nvme(tmp_path / "b", precision={"param_dtype": "bf16"})
+    with infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "bf16", cfg) as engine:
+        engine.save_pretrained(tmp_path / "bf16-out")
+    assert {t.dtype for t in load_file(tmp_path / "bf16-out" / "model.safetensors").values()} == {torch.bfloat16}
