@@ -43,6 +43,7 @@ def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_schedule
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path}: no config.json: not a Hugging Face checkpoint directory")
     files = checkpoint_files(path)
+    model_cls = _concrete(model_cls, path)
     hf_config = model_cls.config_class.from_pretrained(path)
     from ._build import build
 
@@ -71,6 +72,22 @@ def from_pretrained(model_cls, path, config=None, *, optimizer=None, lr_schedule
         raise
     logger.info("%s: %.1f MB read into the tiers (rank %d)", path, engine.pretrained_bytes_read / 1e6, engine.rank)
     return engine
+
+
+def _concrete(model_cls, path: str):
+    """``model_cls``, or the class an auto class (``AutoModelForCausalLM``) picks for the
+    checkpoint's config, as its from_pretrained does (it failed: "no attribute 'config_class'")."""
+    mapping = getattr(model_cls, "_model_mapping", None)
+    if mapping is None:
+        return model_cls
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path)
+    try:
+        return mapping[type(hf_config)]
+    except KeyError:
+        raise ValueError(f"{path}: {model_cls.__name__} has no model class for a {type(hf_config).__name__} "
+                         f"(model_type {getattr(hf_config, 'model_type', '?')!r})") from None
 
 
 def _checkpoint_dtype(hf_config) -> torch.dtype | None:

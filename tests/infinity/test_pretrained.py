@@ -631,3 +631,14 @@ def test_dtypes_transformers_gives_a_checkpoint_are_the_ones_it_is_made_and_save
     with infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "bf16", cfg) as engine:
         engine.save_pretrained(tmp_path / "bf16-out")
     assert {t.dtype for t in load_file(tmp_path / "bf16-out" / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_an_auto_class_loads_the_class_it_picks_for_the_checkpoint(tmp_path):
+    """``infinity.from_pretrained(AutoModelForCausalLM, path, config)`` failed with "no attribute
+    'config_class'" (an audit helper); it takes the class transformers' own picks."""
+    _llama().save_pretrained(tmp_path / "in")
+    with infinity.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "in", _nvme(tmp_path)) as engine:
+        assert type(engine.module) is transformers.LlamaForCausalLM
+        want = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "in")
+        with torch.no_grad():
+            torch.testing.assert_close(engine(input_ids=_ids(0)).logits, want(input_ids=_ids(0)).logits, atol=0, rtol=0)
