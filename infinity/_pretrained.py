@@ -231,9 +231,10 @@ def _refuse_untied(params: dict, files: dict, tensor, where: str) -> None:
     for k, pieces in params.items():
         if k in files:
             tied.setdefault(id(pieces), []).append(k)
-    for keys in tied.values():
+    for keys in (keys for keys in tied.values() if len(keys) > 1):
+        first = tensor(keys[0])
         for other in keys[1:]:
-            if not torch.equal(tensor(keys[0]), tensor(other)):
+            if not torch.equal(first, tensor(other)):
                 raise ValueError(
                     f"{where}: {keys[0]!r} and {other!r} hold different values, but the model ties them (one "
                     "parameter: tie_word_embeddings=True in its config), so one would be dropped. Set "

@@ -199,10 +199,16 @@ def _off_units(module: nn.Module, units, output):
     def aliases(t) -> bool:
         return isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr() in bound
 
+    opaque = []  # objects `off` does not look into: walked for a view once, after
+
     def off(obj, depth=0):
         if aliases(obj):
             return obj.clone()
         if depth > 8 or isinstance(obj, torch.Tensor):
+            return obj
+        if not isinstance(obj, (tuple, list, dict)):
+            if obj is not None and not isinstance(obj, (int, float, bool, str)):
+                opaque.append(obj)
             return obj
         if isinstance(obj, tuple):
             items = [off(v, depth + 1) for v in obj]
@@ -220,7 +226,8 @@ def _off_units(module: nn.Module, units, output):
 
     output = off(output)
     left = []
-    _each_tensor(output, lambda t: left.append(t) if aliases(t) else None, objects=True)
+    for obj in opaque:
+        _each_tensor(obj, lambda t: left.append(t) if aliases(t) else None, objects=True)
     if left:
         raise RuntimeError(
             f"module {type(module).__name__} returned a view of its own parameters inside an object the engine "

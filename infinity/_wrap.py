@@ -172,14 +172,13 @@ def refuse_changed(module: nn.Module, managed: dict[int, tuple[bool, torch.dtype
                 "infinity.from_pretrained(ModelClass, path, config, wrap=fn) streams the base from a "
                 "checkpoint, or apply fn to a model in memory before infinity.initialize"
             )
-    requires_grad_checked = requires_grad
     for name, p in module.named_parameters(remove_duplicate=False):
-        requires_grad, dtype = managed[id(p)]
+        kept_grad, dtype = managed[id(p)]
         if p.dtype is not dtype:
             raise dtype_refusal(name, p.dtype, dtype)
-        if requires_grad is not p.requires_grad and requires_grad_checked:
+        if requires_grad and kept_grad is not p.requires_grad:
             raise RuntimeError(
-                f"parameter {name!r}: requires_grad is {p.requires_grad} now, {requires_grad} at "
+                f"parameter {name!r}: requires_grad is {p.requires_grad} now, {kept_grad} at "
                 "infinity.initialize. The engine steps a module's parameters together (as DeepSpeed's ZeRO "
                 "and FSDP's flat parameters do), so one frozen after initialize would still move (a zero "
                 "gradient under momentum and weight decay), and one unfrozen would have no optimizer state: "

@@ -91,24 +91,40 @@ def test_backward_lets_go_of_the_frozen_base_as_it_goes(tmp_path, checkpointing)
         out.register_hook(lambda grad: bound.append(sum(u.full is not None for u in layers)))
 
     model.get_input_embeddings().register_forward_hook(on_embeddings)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
     model.train()
     ref.train()
-    for step in range(3):
-        loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
-        engine.backward(loss)
-        engine.step()
-        ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
-        opt.zero_grad()
-        ref_loss.backward()
-        opt.step()
-        assert abs(loss.item() - ref_loss.item()) < 1e-5
+    _trains_as_plain_peft(engine, ref, steps=3)
     # (At most layer 0's input norm, whose input is this very tensor: its hook runs after this one.)
     assert len(layers) == 36 and bound == [bound[0]] * 3 and bound[0] <= 1, bound
+    engine.close()
+
+
+def _plain_adamw(ref):
+    """Plain torch's AdamW over ``ref``'s trainable parameters, at `_nvme`'s hyperparameters."""
+    return torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+
+
+def _step_as_plain_peft(engine, ref, opt, step: int) -> None:
+    """One step of the engine and of plain peft (``ref`` with ``opt``) on the same batch: the same loss."""
+    loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
+    engine.backward(loss)
+    engine.step()
+    ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
+    opt.zero_grad()
+    ref_loss.backward()
+    opt.step()
+    assert abs(loss.item() - ref_loss.item()) < 1e-5, (step, loss.item(), ref_loss.item())
+
+
+def _trains_as_plain_peft(engine, ref, steps: int) -> None:
+    """``steps`` steps of both (`_step_as_plain_peft`), then every weight of the engine's
+    (adapters and frozen base) as plain peft's, to fp32 rounding."""
+    opt = _plain_adamw(ref)
+    for step in range(steps):
+        _step_as_plain_peft(engine, ref, opt, step)
     got = engine.gathered_weights()
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=0)
-    engine.close()
+        torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=0, msg=name)
 
 
 def _tiny_llama():
@@ -249,19 +265,7 @@ def test_adapters_held_in_parameter_containers_train_as_plain_peft_on_nvme(tmp_p
             torch.nn.init.normal_(p, mean=1.0 if method == "ia3" else 0.0, std=0.05)
     ref = copy.deepcopy(model)
     engine = infinity.initialize(model, _nvme(tmp_path))
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
-    for step in range(3):
-        loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
-        engine.backward(loss)
-        engine.step()
-        ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
-        opt.zero_grad()
-        ref_loss.backward()
-        opt.step()
-        assert abs(loss.item() - ref_loss.item()) < 1e-5
-    got = engine.gathered_weights()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=0, msg=name)
+    _trains_as_plain_peft(engine, ref, steps=3)
     engine.close()
 
 
@@ -283,16 +287,7 @@ def test_dora_is_refused_where_the_parameters_are_released_and_trains_where_they
     cfg = {"tiers": {"params": "device", "grads": "device", "optimizer": "device"},
            "optimizer": {"lr": 1e-2, "weight_decay": 0.01}}  # fmt: skip
     engine = infinity.initialize(model, cfg)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
-    for step in range(2):
-        loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
-        engine.backward(loss)
-        engine.step()
-        ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
-        opt.zero_grad()
-        ref_loss.backward()
-        opt.step()
-        assert abs(loss.item() - ref_loss.item()) < 1e-5
+    _trains_as_plain_peft(engine, ref, steps=2)
     engine.close()
 
 
@@ -305,21 +300,14 @@ def test_disable_adapter_under_no_grad_gives_the_base_model_s_logits(tmp_path):
     model = _lora_llama()
     ref = copy.deepcopy(model)
     engine = infinity.initialize(model, _nvme(tmp_path))
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    opt = _plain_adamw(ref)
     for step in range(2):
         with torch.no_grad(), engine.module.disable_adapter():
             got = engine.module(input_ids=_ids(step)).logits
         with torch.no_grad(), ref.disable_adapter():
             want = ref(input_ids=_ids(step)).logits
         torch.testing.assert_close(got, want, atol=0, rtol=0)
-        loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
-        engine.backward(loss)
-        engine.step()
-        ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
-        opt.zero_grad()
-        ref_loss.backward()
-        opt.step()
-        assert abs(loss.item() - ref_loss.item()) < 1e-5
+        _step_as_plain_peft(engine, ref, opt, step)
     engine.close()
 
 
