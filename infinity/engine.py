@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _assembly, _build, _checkpoint, _deepspeed, _gather, _overlap, _overlap_host, _placeholder, _resources, _sizes, _units, _wrap
+from . import _activations, _admission, _amp_check, _assembly, _build, _checkpoint, _deepspeed, _gather, _overlap, _overlap_host, _placeholder, _resources, _sizes, _units, _wrap
 from ._accumulation import Accumulation
 from ._dist import Dist
 from ._export import export_safetensors
@@ -87,6 +87,7 @@ class Engine:
         self._owner = Owner()  # one thread inside at a time (see `_owner`)
         self._scaled_backward = False  # inside engine.backward (fp16: the loss is scaled)
         self._said_partial = False  # `_units.warn_partial` said its once
+        self._amp_said = False  # `_amp_check.warn_unprepared_autocast` said its once
         self.aio = self.pool = self.space = None
         self.activations = None
         self.overlap = None  # the optimizer under backward, where it applies (`_overlap`, `_overlap_host`)
@@ -223,6 +224,8 @@ class Engine:
         """The module's forward. Calling ``engine.module(...)`` is the same: the engine's work
         is in hooks on the module itself (`_hooks.ModuleHooks.install`)."""
         outermost = not self.scheduler.in_forward
+        if not self._amp_said:
+            self._amp_said = _amp_check.warn_unprepared_autocast(self.module, self.device)
         try:
             return self.module(*args, **kwargs)
         except BaseException as e:

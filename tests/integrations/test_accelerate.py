@@ -58,3 +58,47 @@ def test_an_accelerate_loop_on_nvme_matches_plain_torch(tmp_path):
     assert len(got) == len(want) == 8
     assert all(abs(a - b) < 1e-5 for a, b in zip(got, want)), list(zip(got, want))
     engine.close()
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """An Accelerator's mixed precision is the process's (AcceleratorState is shared): the
+    test's bf16 must not reach the tests after it."""
+    accelerate.state.AcceleratorState._reset_state(True)
+    yield
+    accelerate.state.AcceleratorState._reset_state(True)
+
+
+@pytest.mark.parametrize("prepared", ["engine", "engine.module"])
+def test_bf16_mixed_precision_that_misses_the_engine_is_said(prepared, fresh_accelerate_state, recwarn):
+    """accelerator.prepare(engine, ...) gives the engine back as it is (it is no nn.Module):
+    its forward ran in fp32 under mixed_precision="bf16", silently (the fp32 loop's logits,
+    not the bf16 loop's). It is said at its call; the README's recipe, which prepares
+    engine.module, runs under accelerate's autocast and says nothing."""
+    model = _llama()
+    engine = infinity.initialize(model, {}, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
+    try:
+        batch = next(iter(_data()))
+        with torch.no_grad():
+            fp32 = engine(**batch).logits  # before any Accelerator: nothing to say
+        accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+        if prepared == "engine":
+            wrapped, _ = accelerator.prepare(engine, engine.optimizer)
+            assert wrapped is engine
+        else:
+            wrapped = accelerator.prepare_model(engine.module, device_placement=False, evaluation_mode=True)
+        with torch.no_grad():
+            logits = wrapped(**batch).logits
+            logits_again = wrapped(**batch).logits
+        said = [w for w in recwarn if "this engine's forward runs without it" in str(w.message)]
+        if prepared == "engine":
+            assert torch.equal(logits, fp32)  # what ran: the fp32 forward
+            assert len(said) == 1 and "prepare_model(engine.module" in str(said[0].message)  # once
+            with torch.no_grad(), accelerator.autocast():  # what it names: the call under accelerate's autocast
+                assert not torch.equal(engine(**batch).logits, fp32)
+        else:
+            assert not said
+            assert not torch.equal(logits, fp32)  # accelerate's bf16 autocast ran
+        assert torch.equal(logits_again, logits)
+    finally:
+        engine.close()
