@@ -77,7 +77,7 @@ RULES: dict[str, Rule] = {
     "train_micro_batch_size_per_gpu": _m("optimizer.gradient_accumulation_steps", "as train_batch_size"),
     "gradient_accumulation_steps": _m("optimizer.gradient_accumulation_steps",
                                       'with optimizer.accumulation = "engine": DeepSpeed\'s loop'),
-    "gradient_clipping": _m("optimizer.max_grad_norm", "0: no clipping"),
+    "gradient_clipping": _m("optimizer.max_grad_norm", "1.0 when absent, DeepSpeed's default (since its PR #8068; 0 before); 0: no clipping"),
     # -- precision -------------------------------------------------------------------------
     "fp16": _i("the section: its keys below"),
     "fp16.enabled": _m("precision.param_dtype", '"fp16" when true'),
@@ -249,6 +249,7 @@ _OPTIMIZER_DEFAULTS = {
     "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
 }
 _PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GRADIENT_CLIPPING_DEFAULT = 1.0  # DeepSpeed's, where the config has no gradient_clipping
 _SUB_GROUP_CAP = 128 << 20
 
 
@@ -449,10 +450,11 @@ def _read(ds: dict, args) -> dict[str, Any]:
     accumulate = _accumulation_steps(r)
     if accumulate is not None:
         out["optimizer.gradient_accumulation_steps"] = accumulate
-    clip = r.get("gradient_clipping", None, arg="max_grad_norm")
-    if clip is not None:
-        clip = _number("gradient_clipping", clip)
-        out["optimizer.max_grad_norm"] = clip if clip > 0 else None
+    # Absent, DeepSpeed clips at 1.0 (its default since its PR #8068, June 2026; 0, no clipping,
+    # before): a config that leaves the key out trained unclipped here, and DeepSpeed's clipped
+    # run went elsewhere from its second step (an audit helper's repro against DeepSpeed 0.19.8).
+    clip = _number("gradient_clipping", r.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT, arg="max_grad_norm"))
+    out["optimizer.max_grad_norm"] = clip if clip > 0 else None
     _read_optimizer(r, out)
 
     if r.mismatches:  # as transformers' HfTrainerDeepSpeedConfig refuses them

@@ -121,10 +121,12 @@ class _Args:
 
 NATIVE = {
     "zero-infinity": {"tiers": {"params": "nvme", "grads": "cpu", "optimizer": "nvme"},
-                      "partition": {"stage": 3}, "optimizer": {"sub_group_size": 128 << 20, "accumulation": "engine"},
+                      "partition": {"stage": 3},
+                      "optimizer": {"sub_group_size": 128 << 20, "accumulation": "engine",
+                                    "max_grad_norm": 1.0},  # no gradient_clipping: DeepSpeed's default
                       "prefetch": {"bytes": 4 * 10**7}},  # fmt: skip
     "zero-offload": {"tiers": {"params": "device", "grads": "cpu", "optimizer": "cpu"}, "partition": {"stage": 2},
-                     "optimizer": {"accumulation": "engine"}},
+                     "optimizer": {"accumulation": "engine", "max_grad_norm": 1.0}},
     "hf-zero3-cpu": {"tiers": {"params": "cpu", "grads": "cpu", "optimizer": "cpu"}, "partition": {"stage": 3},
                      "optimizer": {"lr": 3e-3, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.05,
                                    "max_grad_norm": 0.5, "gradient_accumulation_steps": 2,
@@ -135,6 +137,16 @@ NATIVE = {
                                     "max_grad_norm": 0.5, "gradient_accumulation_steps": 2,
                                     "sub_group_size": 128 << 20, "accumulation": "engine"}},  # fmt: skip
 }
+def test_a_config_without_gradient_clipping_clips_at_deepspeeds_default():
+    """DeepSpeed clips at 1.0 where the config has no gradient_clipping (its default since its
+    PR #8068; 0 before): the engine did not clip, and trained elsewhere than DeepSpeed 0.19.8
+    from the second step on (an audit helper's repro). 0 still turns clipping off."""
+    ds = {"zero_optimization": {"stage": 2}}
+    assert infinity.TierConfig.from_deepspeed(ds).optimizer.max_grad_norm == 1.0
+    assert infinity.TierConfig.from_deepspeed({**ds, "gradient_clipping": 0}).optimizer.max_grad_norm is None
+    assert infinity.TierConfig.from_deepspeed({**ds, "gradient_clipping": 0.3}).optimizer.max_grad_norm == 0.3
+
+
 CONFIGS = {"zero-infinity": (ZERO_INFINITY, None), "zero-offload": (ZERO_OFFLOAD, None),
            "hf-zero3-cpu": (HF_ZERO3_CPU, _Args()), "hf-zero3-nvme": (HF_ZERO3_NVME, _Args())}  # fmt: skip
 
@@ -248,7 +260,8 @@ def test_a_key_twice_in_a_ds_config_json_is_refused_naming_it(tmp_path):
 def _ds_loop_config(path, **batch) -> dict:
     return {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(path)},
                                   "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}},
-            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "weight_decay": 0}}, **batch}  # fmt: skip
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "weight_decay": 0}},
+            "gradient_clipping": 0, **batch}  # the plain loops it is held against do not clip  # fmt: skip
 
 
 @pytest.mark.parametrize("batch", [{"gradient_accumulation_steps": 4},

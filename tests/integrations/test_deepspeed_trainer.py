@@ -196,18 +196,19 @@ def test_the_engines_figures_reach_the_logs_and_what_reports_them(tmp_path):
     trainer.engine.close()
 
 
-def test_a_deepspeed_config_without_gradient_clipping_does_not_clip(tmp_path):
+def test_a_deepspeed_config_without_gradient_clipping_clips_at_deepspeeds_default(tmp_path):
     """Under DeepSpeed the config's gradient_clipping clips and max_grad_norm only fills its
-    "auto" (accelerate's clip_grad_norm_ returns DeepSpeed's norm, clipping nothing): a config
-    without the key trains unclipped, whatever max_grad_norm says (the default 1.0 clipped here
-    before, with nothing said). The same run with clipping off natively is bit for bit this one."""
+    "auto" (accelerate's clip_grad_norm_ returns DeepSpeed's norm, clipping nothing); a config
+    without the key clips at 1.0, DeepSpeed's default since its PR #8068 (0 before: it trained
+    unclipped here, where DeepSpeed 0.19.8 clipped), whatever max_grad_norm says (0 here). The
+    same run clipped at 1.0 natively is bit for bit this one."""
     ds = _ds(tmp_path)
     del ds["gradient_clipping"]
-    kw = {**_kw(tmp_path / "a"), "learning_rate": 0.3}  # norms above 1 (clipping would show)
-    ours = integration.InfinityTrainer(model=_llama(), args=integration.TrainingArguments(**kw, deepspeed=ds),
-                                       train_dataset=_Tokens())  # fmt: skip
+    kw = {**_kw(tmp_path / "a"), "learning_rate": 0.3}  # norms above 1 (clipping shows)
+    ours = integration.InfinityTrainer(model=_llama(), args=integration.TrainingArguments(
+        **{**kw, "max_grad_norm": 0.0}, deepspeed=ds), train_dataset=_Tokens())  # fmt: skip
     ours.train()
-    assert ours.engine.config.optimizer.max_grad_norm is None
+    assert ours.engine.config.optimizer.max_grad_norm == 1.0
     norms = [h["grad_norm"] for h in _history(ours).values()]
     assert max(norms) > 1.0, norms
     (tmp_path / "swap").mkdir()
@@ -216,7 +217,7 @@ def test_a_deepspeed_config_without_gradient_clipping_does_not_clip(tmp_path):
               "nvme": {"paths": [str(tmp_path / "swap")]}, "prefetch": cfg.to_dict()["prefetch"],
               "optimizer": {"sub_group_size": cfg.optimizer.sub_group_size}}  # fmt: skip
     plain = _DecayAll(model=_llama(), args=transformers.TrainingArguments(
-        **{**kw, "output_dir": str(tmp_path / "b"), "max_grad_norm": 0.0}), train_dataset=_Tokens(),
+        **{**kw, "output_dir": str(tmp_path / "b"), "max_grad_norm": 1.0}), train_dataset=_Tokens(),
         infinity_config=native)  # fmt: skip
     plain.train()
     a, b = ours.engine.gathered_weights(), plain.engine.gathered_weights()
