@@ -84,7 +84,7 @@ RULES: dict[str, Rule] = {
     "fp16.auto_cast": _i("the model computes in its parameters' dtype"),
     "fp16.loss_scale": _r("a static loss scale: the scaling here is dynamic (0, the default, maps)", allowed=(0,)),
     "fp16.initial_scale_power": _m("precision.initial_scale", "2 ** power"),
-    "fp16.loss_scale_window": _m("precision.growth_interval"),
+    "fp16.loss_scale_window": _m("precision.growth_interval", "counted as DeepSpeed counts it (`precision.deepspeed_growth`, set with fp16)"),
     "fp16.hysteresis": _m("precision.hysteresis", "2 when absent, DeepSpeed's default"),
     "fp16.consecutive_hysteresis": _m("precision.consecutive_hysteresis"),
     "fp16.min_loss_scale": _m("precision.min_scale", "an overflow there raises, as DeepSpeed's "
@@ -440,6 +440,7 @@ def _read(ds: dict, args) -> dict[str, Any]:
         # DeepSpeed's DynamicLossScaler raises at an overflow at its minimum (raise_error_at_min_scale,
         # which its config cannot turn off); skipping on, the run stood still where DeepSpeed's stops.
         out["precision.stop_at_min_scale"] = True
+        out["precision.deepspeed_growth"] = True
         consecutive = r.get("fp16.consecutive_hysteresis", False)
         if not isinstance(consecutive, bool):
             raise ValueError(f"DeepSpeed key 'fp16.consecutive_hysteresis': expected true or false, got {consecutive!r}")

@@ -10,6 +10,14 @@ With ``precision.hysteresis`` = h > 1 (DeepSpeed's ``fp16.hysteresis``, whose de
 was renewed; the count is renewed when the scale grows, or after every clean step with
 ``consecutive_hysteresis``. With h = 1 (the default) every overflow backs off, as torch's
 GradScaler does.
+
+The scale grows after ``growth_interval`` clean steps, as torch's GradScaler counts them (the
+count starts over at every change of the scale); with ``precision.deepspeed_growth`` (a
+DeepSpeed config's) as DeepSpeed's loss scaler counts them: ``good_steps`` is the run of clean
+steps since the last overflow, and the scale grows at the clean step after a multiple of the
+interval (its ``stable_interval = cur_iter - last_overflow_iter - 1``), one step later than
+torch's. The engine grew one step early under a DeepSpeed config, and its skipped steps went
+another way from there (an audit helper's replay through DeepSpeed 0.19.8's DynamicLossScaler).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ class LossScaler:
     def __init__(self, precision):
         self.scale = float(precision.initial_scale)
         self.cfg = precision
-        self.good_steps = 0
+        self.good_steps = 0  # clean steps since the scale changed (deepspeed_growth: since the last overflow)
         self.hysteresis = precision.hysteresis  # overflows left before the scale backs off
         self.scaled_backward = False  # a backward since the last step went through `in_backward`
         self._said_floor = False  # an overflow at the minimum scale said (once)
@@ -63,10 +71,15 @@ class LossScaler:
         if cfg.consecutive_hysteresis:
             self.hysteresis = cfg.hysteresis
         self.good_steps += 1
-        if self.good_steps >= cfg.growth_interval:
+        if cfg.deepspeed_growth:  # the clean steps before this one since the last overflow: a multiple of the interval
+            grow = self.good_steps > 1 and (self.good_steps - 1) % cfg.growth_interval == 0
+        else:  # torch's GradScaler: the interval's last clean step, counted again from 0
+            grow = self.good_steps >= cfg.growth_interval
+        if grow:
             self.hysteresis = cfg.hysteresis
             self.scale *= cfg.growth_factor
-            self.good_steps = 0
+            if not cfg.deepspeed_growth:
+                self.good_steps = 0
 
     def floor_error(self) -> FloatingPointError:
         return FloatingPointError(

@@ -404,11 +404,16 @@ class PrecisionConfig:
     """fp16 only: an overflow with the scale at min_scale (its hysteresis spent) raises, once
     the skipped step is counted, instead of skipping on, as DeepSpeed stops its run there; a
     DeepSpeed config sets it."""
+    deepspeed_growth: bool = False
+    """fp16 only: the scale grows as DeepSpeed's loss scaler grows it, at the clean step after
+    growth_interval clean ones since the last overflow (or the start), then every
+    growth_interval: one step after torch's GradScaler, which grows at the growth_interval-th;
+    a DeepSpeed config sets it."""
 
     def __post_init__(self) -> None:
         _choice(self, "param_dtype", PARAM_DTYPES)
         _int(self, "hysteresis", 1)
-        for key in ("consecutive_hysteresis", "stop_at_min_scale"):
+        for key in ("consecutive_hysteresis", "stop_at_min_scale", "deepspeed_growth"):
             if not isinstance(getattr(self, key), bool):
                 raise _type_error(self, key, "true or false", getattr(self, key))
         _float(self, "initial_scale", lo=0.0, open_lo=True)

@@ -123,6 +123,7 @@ BAD = [
     ({"precision": {"hysteresis": 2.0}}, "precision.hysteresis: expected an int"),
     ({"precision": {"consecutive_hysteresis": 1}}, "precision.consecutive_hysteresis: expected true or false"),
     ({"precision": {"stop_at_min_scale": "yes"}}, "precision.stop_at_min_scale: expected true or false"),
+    ({"precision": {"deepspeed_growth": 0}}, "precision.deepspeed_growth: expected true or false"),
     ({"optimizer": {"lr": -1e-4}}, "optimizer.lr: -0.0001 must be in [0.0, inf)"),
     ({"optimizer": {"lr": "fast"}}, "optimizer.lr"),
     ({"optimizer": {"lr": True}}, "optimizer.lr: expected a number, got bool True"),
@@ -214,7 +215,7 @@ _RIGHT_TYPE = {
 
 
 _EVERY_VALUE_IN_RANGE = {"nvme.keep", "prefetch.keep", "memory.keep_params", "precision.consecutive_hysteresis",
-                         "precision.stop_at_min_scale"}
+                         "precision.stop_at_min_scale", "precision.deepspeed_growth"}
 
 
 def test_the_table_has_a_wrong_type_and_an_out_of_range_value_for_every_key():

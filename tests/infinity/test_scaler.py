@@ -9,15 +9,19 @@ import infinity
 from infinity._scaler import LossScaler
 
 
-class _DeepSpeedRule:
-    """DeepSpeed's dynamic loss scale as its docs and config describe it, written out here:
-    an overflow backs off (scale / 2, at least the minimum) only when no hysteresis is left
-    (else one is used up); a clean step at a multiple of the window since the last overflow
-    grows the scale and renews the hysteresis (every clean step renews it when consecutive)."""
+class _Rule:
+    """The dynamic loss scale written out here: an overflow backs off (scale / 2, at least the
+    minimum) only when no hysteresis is left (else one is used up); a clean step grows the
+    scale and renews the hysteresis (every clean step renews it when consecutive) where the
+    clean steps since the last overflow are a multiple of the window: counting this one, as
+    torch's GradScaler does (its count starts over at each change of the scale); or, with
+    ``deepspeed``, before this one, as DeepSpeed 0.19.8's DynamicLossScaler.update_scale does
+    (``stable_interval = cur_iter - last_overflow_iter - 1``, grown when it is a positive
+    multiple of the window)."""
 
-    def __init__(self, scale, window, hysteresis, consecutive, low=1.0):
+    def __init__(self, scale, window, hysteresis, consecutive, deepspeed, low=1.0):
         self.scale, self.window, self.delay, self.consecutive, self.low = scale, window, hysteresis, consecutive, low
-        self.left, self.it, self.last_overflow = hysteresis, 0, -1
+        self.left, self.it, self.last_overflow, self.deepspeed = hysteresis, 0, -1, deepspeed
 
     def update(self, overflow):
         if overflow:
@@ -29,7 +33,8 @@ class _DeepSpeedRule:
         else:
             if self.consecutive:
                 self.left = self.delay
-            if (self.it - self.last_overflow) % self.window == 0:
+            stable = self.it - self.last_overflow - (1 if self.deepspeed else 0)
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive:
                     self.left = self.delay
                 self.scale *= 2
@@ -39,23 +44,29 @@ class _DeepSpeedRule:
 PATTERN = [False] * 3 + [True] + [False] * 2 + [True, True] + [False] * 4 + [True, False, True, True, True] + [False] * 7
 
 
+@pytest.mark.parametrize("deepspeed", [False, True], ids=["torch-count", "deepspeed-count"])
 @pytest.mark.parametrize("hysteresis, consecutive", [(1, False), (2, False), (3, False), (2, True)])
-def test_the_scale_follows_deepspeeds_rule_step_by_step(hysteresis, consecutive):
+def test_the_scale_follows_the_rule_step_by_step(hysteresis, consecutive, deepspeed):
+    """deepspeed_growth grew one step early before: the scales of DeepSpeed 0.19.8's scaler
+    (an audit helper's replay) parted from the engine's at the first growth after an overflow."""
     cfg = infinity.TierConfig.from_dict({"precision": {"param_dtype": "fp16", "initial_scale": 1024.0, "growth_interval": 3,
-                                                       "hysteresis": hysteresis, "consecutive_hysteresis": consecutive}})  # fmt: skip
-    ours, ds = LossScaler(cfg.precision), _DeepSpeedRule(1024.0, 3, hysteresis, consecutive)
+                                                       "hysteresis": hysteresis, "consecutive_hysteresis": consecutive,
+                                                       "deepspeed_growth": deepspeed}})  # fmt: skip
+    ours, rule = LossScaler(cfg.precision), _Rule(1024.0, 3, hysteresis, consecutive, deepspeed)
     seen = []
     for overflow in PATTERN:
         ours.update(overflow)
-        ds.update(overflow)
+        rule.update(overflow)
         seen.append(ours.scale)
-        assert ours.scale == ds.scale, (len(seen), seen, ds.scale)
+        assert ours.scale == rule.scale, (len(seen), seen, rule.scale)
     assert len(set(seen)) > 2  # it grew and backed off
+    assert seen[2] == (1024.0 if deepspeed else 2048.0)  # the third clean step from the start: torch's grows
 
 
 def test_a_deepspeed_fp16_config_means_deepspeeds_hysteresis_2_unless_it_says():
     ds = {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}
     assert infinity.TierConfig.from_deepspeed(ds).precision.hysteresis == 2
+    assert infinity.TierConfig.from_deepspeed(ds).precision.deepspeed_growth  # and its counting
     ds["fp16"].update(hysteresis=4, consecutive_hysteresis=True)
     p = infinity.TierConfig.from_deepspeed(ds).precision
     assert (p.hysteresis, p.consecutive_hysteresis) == (4, True)
