@@ -557,9 +557,10 @@ def _agree(dist, error: BaseException | None, what: str, cleanup: str | None = N
 
 
 # -- loading ----------------------------------------------------------------------------------
-def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
-    """See `Engine.load_checkpoint`. ``on_partial(why)`` is called when the load failed after
-    part of the engine's state was replaced (the engine must then refuse to train)."""
+def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> tuple[str, object]:
+    """See `Engine.load_checkpoint`: (the checkpoint directory, its client_state).
+    ``on_partial(why)`` is called when the load failed after part of the engine's state was
+    replaced (the engine must then refuse to train)."""
     if engine.grads.has_grad:
         raise RuntimeError("load_checkpoint between backward and step: call step() or zero_grad() first")
     error = None
@@ -620,7 +621,7 @@ def load(engine, path, tag: str = LATEST_NAME, *, on_partial=None) -> dict:
         recut = f"; {', '.join(cut.recut)} re-cut into this engine's tiles" if cut.recut else ""
         logger.info("checkpoint %s loaded (step %d, saved by %d rank(s)%s) in %.2fs", where, meta["step"],
                     meta["world_size"], recut, time.perf_counter() - start)  # fmt: skip
-    return _jsonstate.decode(meta["client_state"])
+    return where, _jsonstate.decode(meta["client_state"])
 
 
 def _load_into(store, name: str, writes: WriteBehind, fill) -> None:

@@ -534,9 +534,12 @@ class Engine:
         return _checkpoint.save(self, path, tag, client_state, keep_last)
 
     @entry("load_checkpoint")
-    def load_checkpoint(self, path, tag: str = "latest"):
-        """Load the checkpoint ``path/<tag>`` (default: the one ``path/latest`` names; ``path``
-        may also be a checkpoint directory itself) and return its ``client_state``.
+    def load_checkpoint(self, path, tag: str | None = None):
+        """Load the checkpoint ``path/<tag>`` (``None`` or ``"latest"``: the one ``path/latest``
+        names; ``path`` may also be a checkpoint directory itself) and return ``(directory,
+        client_state)``, the checkpoint directory it loaded and what its save was given, as
+        DeepSpeed's engine returns its load path and client state (a script's ``_, client =
+        engine.load_checkpoint(d)`` bound the first two keys of a client_state returned alone).
 
         Every tensor is checked against its checksum as it is read: a corrupt or incomplete
         checkpoint is refused, naming the tensor and file, before anything trains on it. A
@@ -546,12 +549,12 @@ class Engine:
         self._life.check_open()
         _gather.refuse_open(self, "engine.load_checkpoint()")
         self._writes.carry()  # (else a parameter given new data before the load would be carried over it after)
-        client_state = _checkpoint.load(self, path, tag, on_partial=self._life.refuse)
+        where, client_state = _checkpoint.load(self, path, "latest" if tag is None else tag, on_partial=self._life.refuse)
         self.optimizer.clip_next = None  # asked of the gradients before the load: none remain
         self._accumulation.reset()  # a step starts over from its first micro-batch
         self._life.restore()
         self._stats.start_step()
-        return client_state
+        return where, client_state
 
     @entry("export")
     def export(self, path) -> str:

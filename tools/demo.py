@@ -533,7 +533,7 @@ def resume(engine, args: argparse.Namespace, batches: Iterator, say) -> int:
     if not os.path.isfile(os.path.join(args.checkpoint_dir, LATEST_NAME)):
         say(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 1")
         return 0
-    state = engine.load_checkpoint(args.checkpoint_dir)
+    _, state = engine.load_checkpoint(args.checkpoint_dir)
     if state.get("data_seed") != args.seed:
         raise ValueError(f"the checkpoint was trained with --seed {state.get('data_seed')}, not {args.seed}")
     step = engine.stats()["steps"]

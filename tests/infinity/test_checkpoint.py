@@ -74,7 +74,10 @@ def test_save_then_load_in_process_restores_state_step_rng_and_client_state(tmp_
     expected_rng = torch.rand(4)  # what the RNG gives right after the save
     saved = engine.gathered_weights()
     train(engine, 2)  # moves the weights and the RNG on
-    state = engine.load_checkpoint(tmp_path / "ck")
+    # (directory, client_state), as DeepSpeed's: `_, client = load_checkpoint(d)` bound the
+    # client_state's two keys before, as strings, with nothing said (audit D)
+    path, state = engine.load_checkpoint(tmp_path / "ck", tag=None)  # None: DeepSpeed's "latest"
+    assert path == where
     assert state == {"epoch": 2, "seen": [1, 2.5, None]}
     assert engine.stats()["steps"] == 3
     assert torch.equal(torch.rand(4), expected_rng)
@@ -144,7 +147,7 @@ def test_a_rank_directory_of_another_save_under_a_meta_json_is_refused(tmp_path)
     shutil.copytree(tmp_path / "b" / "last" / "rank0", tmp_path / "a" / "last" / "rank0")
     with pytest.raises(CheckpointError, match="holds the files of another save than .* saved again while it was"):
         engine.load_checkpoint(tmp_path / "a")
-    assert engine.load_checkpoint(tmp_path / "b") == {"at": 1}  # a whole one loads
+    assert engine.load_checkpoint(tmp_path / "b")[1] == {"at": 1}  # a whole one loads
     engine.close()
 
 
@@ -457,7 +460,7 @@ def test_a_scheduler_keeping_a_counter_and_a_client_state_with_int_keys_resume_a
         got = run(engine, 3)
         engine.save_checkpoint(tmp_path / "ck", client_state=state)
     with infinity.initialize(make_model(seed=1), cfg, lr_scheduler=_multistep) as engine:
-        back = engine.load_checkpoint(tmp_path / "ck")
+        _, back = engine.load_checkpoint(tmp_path / "ck")
         got += run(engine, 5, start=3)
         _assert_equal(engine.gathered_weights(), want_w)
     assert want == pytest.approx([1e-2] * 4 + [1e-3] * 2 + [1e-4] * 2, rel=1e-9)  # it decays at 4 and 6
@@ -494,7 +497,7 @@ def test_a_tensor_learning_rate_s_schedule_resumes_as_saved(tmp_path):
         got = run(engine, 3)
         engine.save_checkpoint(tmp_path / "ck", client_state={"loss": torch.tensor(2.5, dtype=torch.bfloat16)})
     with engine_of(1) as engine:
-        back = engine.load_checkpoint(tmp_path / "ck")
+        _, back = engine.load_checkpoint(tmp_path / "ck")
         assert isinstance(engine.lr_scheduler.base_lrs[0], torch.Tensor)
         got += run(engine, 3, start=3)
         _assert_equal(engine.gathered_weights(), want_w)
