@@ -53,6 +53,11 @@ class Accumulation(PassListener):
         """What backward divides the loss by: the micro-batches of a step where the engine counts."""
         return self.want if self.counts else 1
 
+    def next_is_boundary(self) -> bool:
+        """Whether the next engine.step() call updates (DeepSpeed's
+        ``is_gradient_accumulation_boundary``)."""
+        return not self.counts or self.calls + 1 >= self.want
+
     def due(self) -> bool:
         """An engine.step() call: whether it updates (always, unless the engine counts the
         micro-batches and this is not the last of a step). Where it counts, the micro-batches'

@@ -85,6 +85,7 @@ class StreamedUpdate:
         self.grads = grads
         self.max_grad_norm = max_grad_norm  # clip every step to this (the config's)
         self.clip_next: float | None = None  # clip the next step to this (Engine.clip_grad_norm_)
+        self.last_norm: float | None = None  # the last step's global norm (unscaled), where it clipped
         self._pushed_foreign = [{} for _ in param_groups]  # the group values last given a torch optimizer run as it is
         self.clipped_last = False  # the last step clipped (early updates would be discarded)
         self.transport = grads.transport  # `_transport.Transport`: the copies ([Note: every copy counted])
@@ -120,13 +121,14 @@ class StreamedUpdate:
         limits = [c for c in (self.clip_next, self.max_grad_norm) if c is not None]
         clip, self.clip_next = (min(limits) if limits else None), None
         self.clipped_last = False
+        self.last_norm = None
         if not self.grads.norms.all_finite():
             if overlap is not None:
                 overlap.discard()
             return False
         divide = loss_scale  # gradients are stored multiplied by the loss scale
         if clip is not None:
-            norm = self.grads.norms.global_norm() / loss_scale
+            norm = self.last_norm = self.grads.norms.global_norm() / loss_scale
             coef = clip_coef(clip, norm)
             divide = loss_scale / coef
             self.clipped_last = coef < 1.0

@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _activations, _admission, _amp_check, _assembly, _build, _checkpoint, _deepspeed, _gather, _overlap, _overlap_host, _placeholder, _resources, _sizes, _units, _wrap
 from ._accumulation import Accumulation
+from ._deepspeed_api import DeepSpeedEngineAPI
 from ._dist import Dist
 from ._export import export_safetensors
 from ._grads import GradAccumulator
@@ -60,8 +61,9 @@ from .config import TierConfig
 logger = logging.getLogger("infinity")
 
 
-class Engine:
-    """Wraps ``module``: ``engine(...)`` runs its forward, ``backward(loss)``, ``step()``.
+class Engine(DeepSpeedEngineAPI):
+    """Wraps ``module``: ``engine(...)`` runs its forward, ``backward(loss)``, ``step()``
+    (and DeepSpeed's engine's ``global_steps``, ``get_lr()``, ...: `_deepspeed_api`).
 
     Create with `infinity.initialize`. ``module`` stays the user's module (its parameters are
     placeholders while released; ``engine.module`` is for calling, not for reading weights:
@@ -87,6 +89,7 @@ class Engine:
         self._owner = Owner()  # one thread inside at a time (see `_owner`)
         self._scaled_backward = False  # inside engine.backward (fp16: the loss is scaled)
         self._said_partial = False  # `_units.warn_partial` said its once
+        self._step_applied = False  # the last step() updated (DeepSpeed's was_step_applied)
         self._amp_said = False  # `_amp_check.warn_unprepared_autocast` said its once
         self.aio = self.pool = self.space = None
         self.activations = None
@@ -312,6 +315,7 @@ class Engine:
         API, which accelerate and the Trainer call once per step) updates whenever it is called."""
         self._life.check_usable()  # (a closed or refusing engine says so, on a counted call too)
         if not self._accumulation.due():  # DeepSpeed's loop: [Note: DeepSpeed's accumulation] in `_deepspeed`
+            self._step_applied = False
             return False
         return self.optimizer.step()
 
@@ -359,6 +363,7 @@ class Engine:
             _resources.trim_malloc(_resources.STEP_TRIM_SLACK)  # see [Note: malloc threshold]
             last = self._stats.end_step()
             self._last_step = last
+            self._step_applied = stepped
         if self._scaler is not None and self._scaler.at_floor:  # the step counted, skipped: the run stops here
             raise self._scaler.floor_error()
         if self.log_every and self._stats.steps % self.log_every == 0:

@@ -296,6 +296,41 @@ def test_deepspeeds_loop_takes_deepspeeds_steps(tmp_path, batch):
         torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
 
 
+def test_deepspeeds_engine_members_a_loop_reads_answer_as_deepspeeds(tmp_path):
+    """global_steps, get_lr(), get_global_grad_norm(), was_step_applied(),
+    is_gradient_accumulation_boundary() and gradient_accumulation_steps(): a script written for
+    DeepSpeed reads them to log and to decide, and each raised AttributeError (audit D). The
+    norm is torch's clip_grad_norm_'s of the step's mean gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    plain = copy.deepcopy(model)
+    engine = infinity.initialize(model, {**_ds_loop_config(tmp_path, gradient_accumulation_steps=2),
+                                         "gradient_clipping": 0.5})  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)) for _ in range(4)]
+    seen = []
+    assert engine.gradient_accumulation_steps() == 2 and engine.get_lr() == [0.1]
+    assert engine.get_global_grad_norm() is None  # no step yet
+    for x, y in batches:
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+        seen.append((boundary, engine.was_step_applied(), engine.global_steps, engine.get_global_grad_norm()))
+    engine.close()
+    assert [s[:3] for s in seen] == [(False, False, 0), (True, True, 1), (False, False, 1), (True, True, 2)]
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    norms = []
+    for k in range(2):
+        opt.zero_grad()
+        for x, y in batches[2 * k : 2 * k + 2]:
+            (((plain(x) - y) ** 2).mean() / 2).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)))
+        opt.step()
+    assert norms[0] > 0.5  # it clipped
+    assert seen[1][3] == pytest.approx(norms[0], rel=1e-5) and seen[3][3] == pytest.approx(norms[1], rel=1e-5)
+    assert engine.skipped_steps == 0
+
+
 @pytest.mark.parametrize("how", ["zero_grad", "load_checkpoint"])
 def test_a_step_redone_from_its_first_micro_batch_takes_deepspeeds_steps(tmp_path, how, caplog):
     """A DeepSpeed loop that drops a step part-way (one micro-batch of four, then

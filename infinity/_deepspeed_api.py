@@ -1,0 +1,51 @@
+"""What DeepSpeed's engine gives a training script beside backward, step and its checkpoints,
+under DeepSpeed's names: a script written for it reads them to log and to decide (``if
+engine.is_gradient_accumulation_boundary():``), and each raised AttributeError here before
+(an audit helper's list, against DeepSpeed 0.19.8's ``DeepSpeedEngine``).
+
+A mixin of `Engine`, which owns the state each reads: the step counts (`_stats`), the
+micro-batch count (`_accumulation`), the optimizer's groups and last clip. The engine's own
+names for the same things stay: ``engine.stats()``, ``engine.step()``'s return, ``engine.grad_norm()``.
+"""
+
+from __future__ import annotations
+
+
+class DeepSpeedEngineAPI:
+    """DeepSpeed's ``DeepSpeedEngine`` members a training loop reads, with its meanings."""
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken, skipped ones included, as DeepSpeed counts them (restored by
+        `load_checkpoint`)."""
+        return self._stats.steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on a non-finite gradient (fp16 overflows) in this process."""
+        return self._stats.total.skipped_steps
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each parameter group, as the next step takes it."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global L2 norm of the last step's gradients (unscaled, before clipping), where the
+        step computed it (it clipped: ``gradient_clipping`` or `clip_grad_norm_`); else None, as
+        DeepSpeed's is where it computes none. Before a step, `grad_norm` computes it."""
+        return self.optimizer.updater.last_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the parameters: False for one that only counted a
+        micro-batch (``optimizer.accumulation = "engine"``) or was skipped."""
+        return self._step_applied
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``step()`` updates (not only counts a micro-batch): with
+        ``optimizer.accumulation = "engine"`` (a DeepSpeed config) on the last micro-batch of a
+        step; otherwise every call steps."""
+        return self._accumulation.next_is_boundary()
+
+    def gradient_accumulation_steps(self) -> int:
+        """The micro-batches of a step (``optimizer.gradient_accumulation_steps``)."""
+        return self.config.optimizer.gradient_accumulation_steps
