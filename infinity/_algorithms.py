@@ -431,6 +431,17 @@ def resolve(spec, model_params: list, cfg, *, all_device: bool = False):
     return algo.with_state_dtype(cfg.state_dtype), groups, defaults, foreign
 
 
+def _wrapped(spec) -> str:
+    """What to say of an optimizer that wraps a torch one (accelerate's AcceleratedOptimizer,
+    after accelerator.prepare: the user's AdamW inside it was refused as an unknown class)."""
+    inner = getattr(spec, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer) or inner is spec:
+        return ""
+    return (f". This one wraps {type(inner).__name__} (accelerate's accelerator.prepare wraps the optimizer so): "
+            f"give initialize the optimizer before it is prepared, then prepare engine.optimizer (the README's "
+            f"accelerate recipe)")
+
+
 def _resolve(spec, model_params: list, cfg, *, all_device: bool):
     trainable = [p for p in model_params if p.requires_grad]
     configured = algorithm(cfg.type)
@@ -462,7 +473,7 @@ def _resolve(spec, model_params: list, cfg, *, all_device: bool):
                 f"optimizer {type(spec).__name__} cannot run on offloaded state: the engine runs "
                 f"{', '.join(c.__name__ for c in _BY_TORCH_CLASS)} (torch.optim), or [optimizer] type = "
                 f"{' | '.join(repr(k) for k, a in ALGORITHMS.items() if a.torch_class is not None)}; with every "
-                "tier on the device, any torch optimizer runs"
+                f"tier on the device, any torch optimizer runs{_wrapped(spec)}"
             )
         for group in spec.param_groups:
             for key, allowed in _UNSUPPORTED.items():

@@ -102,3 +102,16 @@ def test_bf16_mixed_precision_that_misses_the_engine_is_said(prepared, fresh_acc
         assert torch.equal(logits_again, logits)
     finally:
         engine.close()
+
+
+def test_an_optimizer_prepared_before_initialize_is_refused_naming_the_order(tmp_path, fresh_accelerate_state):
+    """accelerator.prepare(model, opt) then initialize(model, optimizer=opt) with offloaded
+    state: the refusal named an unknown class "AcceleratedOptimizer" and the classes the engine
+    runs, not the AdamW inside it nor the order that works (audit A)."""
+    model = _llama()
+    accelerator = accelerate.Accelerator(cpu=True)
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [str(tmp_path)]}}
+    with pytest.raises(ValueError, match=r"AcceleratedOptimizer cannot run on offloaded state.*wraps AdamW.*"
+                                         r"before it is prepared, then prepare engine.optimizer"):  # fmt: skip
+        infinity.initialize(model, cfg, optimizer=optimizer)
