@@ -92,7 +92,7 @@ def _meta(engine, tag: str, rng: list[dict], client_state) -> dict:
         "config": engine.config.to_dict(),
         "loss_scaler": None if scaler is None else scaler.state_dict(),
         # JSON: the tensors go beside it (the steps, and a torch optimizer's state by name)
-        "optimizer": {k: v for k, v in parts["optimizer"].state_dict().items() if k not in ("unit_steps", "state")},
+        "optimizer": {k: v for k, v in parts["optimizer"].checkpoint_state().items() if k not in ("unit_steps", "state")},
         "lr_scheduler": None if parts["lr_scheduler"] is None else parts["lr_scheduler"].state_dict(),
         "units": _units_layout(engine),
         # What engine.export writes under each key, so that a checkpoint consolidates offline
@@ -286,7 +286,7 @@ def _write_state(engine, out: _Writer) -> None:
             out.put(opt.record(u).key("param"), flat if flat.numel() == u.shard_numel else flat[u.shard])
         finally:
             lease.release()
-    out.put("optimizer/steps", opt.state_dict()["unit_steps"])
+    out.put("optimizer/steps", opt.checkpoint_state()["unit_steps"])
     for name, tensor in opt.foreign_tensors():  # a torch optimizer run as it is: its own state
         out.put(name, tensor.detach().reshape(-1))
     if engine.rank == 0:  # the module's persistent buffers (BatchNorm's running statistics), rank 0's

@@ -58,6 +58,7 @@ class Optimizer(torch.optim.Optimizer):
         self._engine_step = engine_step  # the engine's: what step() and zero_grad() run
         self._engine_zero_grad = engine_zero_grad
         self._told_set_to_none = False  # zero_grad(set_to_none=False) said once
+        self._told_state_dict = False  # state_dict() without the states said once
         self.step_was_skipped = False  # the last step() was skipped (an fp16 overflow, a non-finite gradient)
         # SGD groups without momentum at initialize: their buffers start as zeros, where torch
         # starts one at the gradient when momentum is turned on (see `_refuse_momentum_turned_on`).
@@ -115,6 +116,19 @@ class Optimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def state_dict(self) -> dict:
+        """`checkpoint_state`, for a caller outside the engine (accelerate's save_state, a plain
+        ``torch.save``): once steps are taken with the moments in the tiers, it holds none of
+        them, so a resume from it is refused at its load (accelerate's load_state), a whole
+        run's checkpoints later: said at the first such call (an audit helper's repro)."""
+        if self.foreign is None and not self._told_state_dict and self._any_stepped():
+            self._told_state_dict = True
+            logger.warning(
+                "engine.optimizer.state_dict() holds the groups' hyperparameters and step counts, not the optimizer "
+                "states (they live in the engine's tiers): a resume from it (accelerate's load_state) is refused. "
+                "Checkpoint with engine.save_checkpoint and resume with engine.load_checkpoint. (Said once.)")  # fmt: skip
+        return self.checkpoint_state()
+
+    def checkpoint_state(self) -> dict:
         """The groups' hyperparameters (JSON-able, parameters as indices as torch does) and each
         unit's step count. The master weights and states live in ``states`` and are streamed by
         checkpoints, not here. A torch optimizer run as it is keeps its state itself: its

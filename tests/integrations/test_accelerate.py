@@ -7,6 +7,8 @@ see test_multirank_frameworks.py). Losses within 1e-5 (fused AdamW against torch
 kernel: rounding).
 """
 
+import logging
+
 import pytest
 import torch
 
@@ -115,3 +117,35 @@ def test_an_optimizer_prepared_before_initialize_is_refused_naming_the_order(tmp
     with pytest.raises(ValueError, match=r"AcceleratedOptimizer cannot run on offloaded state.*wraps AdamW.*"
                                          r"before it is prepared, then prepare engine.optimizer"):  # fmt: skip
         infinity.initialize(model, cfg, optimizer=optimizer)
+
+
+def test_accelerates_save_state_says_it_cannot_resume_the_optimizer(tmp_path, fresh_accelerate_state, caplog):
+    """accelerator.save_state saved the engine's optimizer state_dict (its groups and step
+    counts, no moments: those are in the tiers) without a word, and load_state refused it: a
+    whole run's checkpoints found unusable at the resume (audit A). The save says so now, once;
+    the prepare, whose state_dict round trip has no steps to lose, says nothing."""
+    model = _llama()
+    cfg = {"tiers": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "nvme": {"paths": [str(tmp_path / "swap")]}}
+    (tmp_path / "swap").mkdir()
+    engine = infinity.initialize(model, cfg, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        prepared = accelerator.prepare_model(engine.module, device_placement=False, evaluation_mode=True)
+        with caplog.at_level(logging.WARNING, logger="infinity"):
+            optimizer = accelerator.prepare(engine.optimizer)
+            assert "not the optimizer states" not in caplog.text
+            batch = next(iter(_data()))
+            accelerator.backward(prepared(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            accelerator.save_state(str(tmp_path / "state"))
+            accelerator.save_state(str(tmp_path / "state2"))
+        assert caplog.text.count("not the optimizer states") == 1
+        assert "engine.save_checkpoint" in caplog.text
+        accelerator.backward(prepared(**batch).loss)
+        optimizer.step()  # a step on: the saved counts are no longer the engine's
+        optimizer.zero_grad()
+        with pytest.raises(ValueError, match="engine.load_checkpoint"):  # what it warned of
+            accelerator.load_state(str(tmp_path / "state"))
+    finally:
+        engine.close()
