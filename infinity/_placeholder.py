@@ -127,7 +127,9 @@ def _refusal(p: torch.Tensor, what: str) -> RuntimeError:
         )
     return RuntimeError(
         f"parameter {name!r} was read outside the forward of the module that holds it ({what}), but an infinity "
-        f"engine keeps it in its tiers and it is an empty placeholder there (shape {tuple(p.shape)}): gather it for the "
+        f"engine keeps it in its tiers and it is an empty placeholder there (shape {tuple(p.shape)}; such a read can "
+        "run while its unit happens to be still in memory from its module's call, kept for backward, and fails "
+        "once it is not: other settings, a fuller pool): gather it for the "
         f"read with `with infinity.GatheredParameters([param]): ...` (as deepspeed.zero.GatheredParameters), "
         "inside the model's forward to train through it; TRL's trainers gather the LM head they read through "
         "infinity.integrations.trl (InfinitySFTTrainer installs it), but not what they read elsewhere "
