@@ -575,6 +575,25 @@ def _accumulation_steps(r: _Reader) -> int | None:
     return steps
 
 
+def micro_batch_size(ds: dict) -> int | None:
+    """The batch of one micro-step at one rank a DeepSpeed config means, as DeepSpeed derives
+    it: ``train_micro_batch_size_per_gpu``, or ``train_batch_size`` over the accumulation steps
+    (1 when not said) and the world size; None where it says neither."""
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    if micro is not None and micro != "auto":
+        return _number("train_micro_batch_size_per_gpu", micro, int)
+    batch = ds.get("train_batch_size")
+    if batch is None or batch == "auto":
+        return None
+    steps = ds.get("gradient_accumulation_steps")
+    steps = 1 if steps is None or steps == "auto" else _number("gradient_accumulation_steps", steps, int)
+    per = _number("train_batch_size", batch, int) // (steps * _world_size())
+    if per < 1:
+        raise ValueError(f"DeepSpeed key 'train_batch_size' = {batch} is less than one sample per micro-batch at "
+                         f"{steps} accumulation step(s) and world size {_world_size()}")  # fmt: skip
+    return per
+
+
 def _read_optimizer(r: _Reader, out: dict) -> None:
     if "optimizer" not in r.ds:
         return

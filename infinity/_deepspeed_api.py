@@ -49,3 +49,14 @@ class DeepSpeedEngineAPI:
     def gradient_accumulation_steps(self) -> int:
         """The micro-batches of a step (``optimizer.gradient_accumulation_steps``)."""
         return self.config.optimizer.gradient_accumulation_steps
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (torchrun's LOCAL_RANK; 0 alone)."""
+        return self.dist.local_rank
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision.param_dtype == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision.param_dtype == "bf16"

@@ -623,13 +623,20 @@ def _scale_of(scaler) -> float:
 
 def _lr_scheduler(spec, optimizer):
     """The LR scheduler the engine steps after each step: ``spec(optimizer)`` for a
-    callable (as DeepSpeed takes it), or a scheduler already built on ``engine.optimizer``."""
+    callable (as DeepSpeed takes it), or a scheduler already built on ``engine.optimizer`` or
+    on the torch optimizer given to `initialize` whose groups it took."""
     if spec is None:
         return None
     if isinstance(spec, torch.optim.lr_scheduler.LRScheduler):
-        if spec.optimizer is not optimizer:
+        # One built on the torch optimizer the engine was given (DeepSpeed's client scheduler) changes
+        # the groups the engine steps with, where it took that optimizer's own dicts (offloaded state).
+        shared = len(spec.optimizer.param_groups) == len(optimizer.param_groups) and all(
+            a is b for a, b in zip(spec.optimizer.param_groups, optimizer.param_groups))
+        if spec.optimizer is not optimizer and not shared:
             raise ValueError("lr_scheduler was built on another optimizer: pass a callable that builds it "
                              "from engine.optimizer, e.g. lambda opt: LambdaLR(opt, f)")  # fmt: skip
+        if spec.optimizer is not optimizer:  # the engine steps in its place: torch's "scheduler before step" is not so
+            spec.optimizer._opt_called = True
         return _no_metric_needed(spec)
     if not callable(spec):
         raise TypeError(f"lr_scheduler must be a callable taking the optimizer, got {type(spec).__name__}")

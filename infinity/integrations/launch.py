@@ -8,6 +8,10 @@ Before the script runs (as ``__main__``, with its own arguments), transformers' 
 whose ``deepspeed`` is the engine's config (`TierConfig.from_deepspeed`): a script written for
 DeepSpeed ZeRO through the Trainer trains on the engine without an edit or the deepspeed package.
 A script that names another Trainer subclass (Seq2SeqTrainer, TRL's) is not changed by this.
+
+A script written for DeepSpeed itself (``import deepspeed``, ``deepspeed.initialize(...)``,
+``engine.backward``, ``engine.step``) finds `infinity.integrations.deepspeed` under that name:
+it trains on the engine unchanged too (``--deepspeed_config ds_config.json``, as it would run).
 """
 
 from __future__ import annotations
@@ -20,8 +24,16 @@ USAGE = "usage: python -m infinity.integrations.launch SCRIPT.py [SCRIPT'S ARGUM
 
 
 def install() -> None:
-    """Replace transformers' Trainer and TrainingArguments, where scripts import them from."""
-    import transformers
+    """Make ``import deepspeed`` the engine's (`infinity.integrations.deepspeed`), and replace
+    transformers' Trainer and TrainingArguments, where scripts import them from (where
+    transformers is installed)."""
+    from . import deepspeed
+
+    deepspeed.install()
+    try:
+        import transformers
+    except ImportError:
+        return
     import transformers.trainer
     import transformers.training_args
 

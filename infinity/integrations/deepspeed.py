@@ -1,0 +1,239 @@
+"""DeepSpeed's module API for a training script written for it, on the engine.
+
+    import infinity.integrations.deepspeed as deepspeed      # in place of `import deepspeed`
+    engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=net,
+        model_parameters=net.parameters(), training_data=trainset, config="ds_config.json")
+    for batch in loader:
+        loss = engine(batch); engine.backward(loss); engine.step()
+
+or the script unchanged, ``import deepspeed`` and all, under the launcher, which puts this
+module in its place (`install`)::
+
+    python -m infinity.integrations.launch train.py --deepspeed --deepspeed_config ds_config.json
+    torchrun --nproc-per-node 2 -m infinity.integrations.launch train.py --deepspeed_config ds_config.json
+
+What such scripts call: `initialize` (its four results, DeepSpeed's arguments), `add_config_arguments`,
+`init_distributed`, ``zero.Init`` (`infinity.build`: the model is made without memory and
+filled into the tiers at `initialize`), ``zero.GatheredParameters``, ``comm`` (torch.distributed's
+functions) and ``accelerator.get_accelerator()`` (the device names). The engine answers
+DeepSpeed's engine's members a loop reads (``engine.global_steps``, ``get_lr()``,
+``is_gradient_accumulation_boundary()``, ``local_rank``, ...: `infinity._deepspeed_api`). The
+config is read as docs/config.md's "A DeepSpeed config" says; the deepspeed package is not needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.machinery
+import logging
+import os
+import sys
+import types
+
+import torch
+
+import infinity
+
+from .. import _deepspeed
+
+logger = logging.getLogger("infinity")
+
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "comm", "accelerator", "install"]
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               mesh_param=None, config_params=None):  # fmt: skip
+    """``deepspeed.initialize``: ``(engine, engine.optimizer, a data loader of training_data
+    or None, engine.lr_scheduler)``.
+
+    The config is ``config`` (or ``config_params``, its older name), or ``args.deepspeed_config``
+    (`add_config_arguments`), not both, as DeepSpeed refuses both. ``model_parameters``: the
+    parameters or parameter groups the config's optimizer updates (DeepSpeed's; None: every
+    trainable one); ``optimizer``: a client optimizer (a torch.optim one, or a callable
+    building it from the parameters), which takes the config's place; ``lr_scheduler``: a
+    scheduler built on that optimizer, or a callable building one from ``engine.optimizer``,
+    which takes the config's ``scheduler``'s place. The data loader takes
+    ``train_micro_batch_size_per_gpu`` samples a batch, each rank its own share of
+    ``training_data`` (a DistributedSampler at several ranks, a RandomSampler at one), as
+    DeepSpeed's does."""
+    if model is None:
+        raise ValueError("deepspeed.initialize: model= is required (DeepSpeed's too)")
+    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
+        if value is not None:
+            raise ValueError(f"deepspeed.initialize: {name}= (model or sequence parallelism) is not supported by this "
+                             f"engine: it shards by ZeRO stage over every rank")  # fmt: skip
+    ds = _deepspeed.load(_config_of(args, config if config is not None else config_params))
+    spec = optimizer if optimizer is not None else _parameters_spec(model, model_parameters)
+    engine = infinity.initialize(model, ds, optimizer=spec, lr_scheduler=lr_scheduler)
+    loader = None
+    if training_data is not None:
+        try:
+            loader = _data_loader(ds, training_data, collate_fn, engine.rank, engine.world_size)
+        except BaseException:
+            engine.close()
+            raise
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_of(args, config):
+    """The config given to `initialize`, or the one its ``args`` name (DeepSpeed refuses both)."""
+    named = None
+    for attr in ("deepspeed_config", "deepscale_config"):
+        if getattr(args, attr, None) is not None:
+            named = getattr(args, attr)
+            break
+    if named is not None and config is not None:
+        raise ValueError("deepspeed.initialize: a config is given both as config= and as args.deepspeed_config "
+                         f"({named!r}): give one, as DeepSpeed asks")  # fmt: skip
+    config = config if config is not None else named
+    if config is None:
+        raise ValueError("deepspeed.initialize: no DeepSpeed config: pass config= (a dict or a path to ds_config.json) "
+                         "or --deepspeed_config (deepspeed.add_config_arguments(parser))")  # fmt: skip
+    return config
+
+
+def _parameters_spec(model: torch.nn.Module, model_parameters):
+    """What `infinity.initialize` takes as ``optimizer=`` for DeepSpeed's ``model_parameters``:
+    None where they are every trainable parameter (the config's optimizer over all of them),
+    else the groups or the parameters themselves."""
+    if model_parameters is None:
+        return None
+    given = list(model_parameters)
+    if given and all(isinstance(g, dict) for g in given):
+        return given
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return None if {id(p) for p in given} == {id(p) for p in trainable} else given
+
+
+def _data_loader(ds: dict, data, collate_fn, rank: int, world: int) -> torch.utils.data.DataLoader:
+    micro = _deepspeed.micro_batch_size(ds)
+    if micro is None:
+        raise ValueError("deepspeed.initialize(training_data=...): the config sets neither "
+                         "train_micro_batch_size_per_gpu nor train_batch_size, so the loader has no batch size")  # fmt: skip
+    if world > 1:
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank)
+    else:
+        sampler = torch.utils.data.RandomSampler(data)
+    return torch.utils.data.DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
+                                       drop_last=bool(ds.get("dataloader_drop_last", False)))  # fmt: skip
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``deepspeed.add_config_arguments``: ``--deepspeed`` and ``--deepspeed_config`` (and
+    their older names ``--deepscale``, ``--deepscale_config``)."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="train with the engine")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="the DeepSpeed json config file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def init_distributed(dist_backend: str | None = None, *args, **kwargs) -> None:
+    """``deepspeed.init_distributed``: the process group of torchrun's environment (gloo on
+    the CPU, nccl on GPUs), where there is one and none is made yet; one process alone has none."""
+    if torch.distributed.is_initialized() or "WORLD_SIZE" not in os.environ:
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    torch.distributed.init_process_group(backend=backend)
+
+
+class _Init(contextlib.AbstractContextManager):
+    """``deepspeed.zero.Init``: the model made inside takes no memory (`infinity.build`) and is
+    filled into the tiers at `initialize`, with its own initialisation. DeepSpeed's arguments
+    are taken and not needed (the tiers come from the config given to `initialize`)."""
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
+                 pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
+                 **kwargs):  # fmt: skip
+        self._enabled = enabled
+        self._build = None
+
+    def __enter__(self):
+        if self._enabled:
+            self._build = infinity.build()
+            self._build.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._build is not None:
+            return self._build.__exit__(*exc)
+        return None
+
+
+zero = types.ModuleType("deepspeed.zero", "deepspeed.zero: Init and GatheredParameters on the engine")
+zero.Init = _Init
+zero.GatheredParameters = infinity.GatheredParameters
+
+
+class _Comm(types.ModuleType):
+    """``deepspeed.comm``: torch.distributed's functions (DeepSpeed's are its wrappers)."""
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+
+comm = _Comm("deepspeed.comm", "deepspeed.comm: torch.distributed")
+
+
+class _Accelerator:
+    """What ``deepspeed.accelerator.get_accelerator()`` gives a script: the device it trains on
+    (CUDA where there is one, else the CPU), by DeepSpeed's method names."""
+
+    def _name(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def device_name(self, device_index=None) -> str:
+        return self._name() if device_index is None or self._name() == "cpu" else f"cuda:{device_index}"
+
+    def current_device_name(self) -> str:
+        return f"cuda:{torch.cuda.current_device()}" if self._name() == "cuda" else "cpu"
+
+    def current_device(self):
+        return torch.cuda.current_device() if self._name() == "cuda" else 0
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count() if self._name() == "cuda" else 1
+
+    def is_available(self) -> bool:
+        return True
+
+    def synchronize(self, device_index=None) -> None:
+        if self._name() == "cuda":
+            torch.cuda.synchronize(device_index)
+
+    def communication_backend_name(self) -> str:
+        return "nccl" if self._name() == "cuda" else "gloo"
+
+    def is_bf16_supported(self) -> bool:
+        return torch.cuda.is_bf16_supported() if self._name() == "cuda" else True
+
+    def is_fp16_supported(self) -> bool:
+        return self._name() == "cuda"
+
+    def manual_seed(self, seed) -> None:
+        torch.manual_seed(seed)
+
+    def empty_cache(self) -> None:
+        if self._name() == "cuda":
+            torch.cuda.empty_cache()
+
+
+_ACCELERATOR = _Accelerator()
+accelerator = types.ModuleType("deepspeed.accelerator", "deepspeed.accelerator: get_accelerator()")
+accelerator.get_accelerator = lambda: _ACCELERATOR
+
+
+def install() -> None:
+    """Make ``import deepspeed`` (and its ``zero``, ``comm`` and ``accelerator``) this module,
+    for a script run unchanged (`infinity.integrations.launch`). transformers and accelerate
+    still find no deepspeed package (they read its installed metadata), so their own DeepSpeed
+    paths stay off."""
+    this = sys.modules[__name__]
+    names = {"deepspeed": this, "deepspeed.zero": zero, "deepspeed.comm": comm, "deepspeed.accelerator": accelerator}
+    for name, module in names.items():
+        if module is not this:
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        sys.modules[name] = module
