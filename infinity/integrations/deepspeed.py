@@ -56,8 +56,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     scheduler built on that optimizer, or a callable building one from ``engine.optimizer``,
     which takes the config's ``scheduler``'s place. The data loader takes
     ``train_micro_batch_size_per_gpu`` samples a batch, each rank its own share of
-    ``training_data`` (a DistributedSampler at several ranks, a RandomSampler at one), as
-    DeepSpeed's does."""
+    ``training_data`` in the order DeepSpeed's loader draws (a DistributedSampler of seed 0,
+    the same order every epoch)."""
     if model is None:
         raise ValueError("deepspeed.initialize: model= is required (DeepSpeed's too)")
     for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
@@ -112,10 +112,9 @@ def _data_loader(ds: dict, data, collate_fn, rank: int, world: int) -> torch.uti
     if micro is None:
         raise ValueError("deepspeed.initialize(training_data=...): the config sets neither "
                          "train_micro_batch_size_per_gpu nor train_batch_size, so the loader has no batch size")  # fmt: skip
-    if world > 1:
-        sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank)
-    else:
-        sampler = torch.utils.data.RandomSampler(data)
+    # DeepSpeed's DeepSpeedDataLoader: a DistributedSampler at any world size (its local rank is
+    # never negative), its epoch never set: every epoch draws the same order.
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank)
     return torch.utils.data.DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
                                        drop_last=bool(ds.get("dataloader_drop_last", False)))  # fmt: skip
 

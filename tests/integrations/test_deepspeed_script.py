@@ -36,11 +36,13 @@ def _ds(path, **extra) -> dict:
 def _plain(net, data, optimizer, schedule, epochs: int = 2) -> list[float]:
     """DeepSpeed's loop written out: 4 micro-batches of 2 a step (8 / (2 x 1 rank)), each loss
     divided by 4, the mean gradient clipped to 1.0, the schedule stepped after each step; the
-    batches in the order a RandomSampler draws them from the seed set before each epoch."""
+    batches in the order DeepSpeed's loader draws them (a DistributedSampler of seed 0 whose
+    epoch is never set: one order every epoch)."""
     losses = []
+    order = list(torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0))
+    assert order != sorted(order)  # shuffled
     for epoch in range(epochs):
-        torch.manual_seed(10 + epoch)
-        loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=torch.utils.data.RandomSampler(data))
+        loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=order)
         for i, (x, y) in enumerate(loader):
             loss = ((net(x) - y) ** 2).mean()
             (loss / 4).backward()
@@ -56,7 +58,6 @@ def _plain(net, data, optimizer, schedule, epochs: int = 2) -> list[float]:
 def _run(engine, loader, epochs: int = 2) -> list[float]:
     losses = []
     for epoch in range(epochs):
-        torch.manual_seed(10 + epoch)
         for x, y in loader:
             loss = ((engine(x) - y) ** 2).mean()
             engine.backward(loss)
