@@ -265,36 +265,50 @@ def build_units(model: nn.Module, world_size: int = 1, rank: int = 0, tile_bytes
 
 
 CONTAINERS = (nn.ParameterDict, nn.ParameterList)
+# Children whose parameters their parent's forward reads itself, never calling them:
+# nn.MultiheadAttention's out_proj, whose weight and bias F.multi_head_attention_forward takes
+# (so nn.Transformer's layers): with parameters on nvme its first forward was refused as "read
+# outside the forward of the module that holds it" (an audit helper's repro).
+READ_BY_PARENT: dict[type, tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
+
+
+def _held_children(module: nn.Module):
+    """The children whose parameters ``module`` reads in its own forward: parameter
+    containers, and `READ_BY_PARENT`'s."""
+    if isinstance(module, CONTAINERS):
+        return
+    read = next((names for cls, names in READ_BY_PARENT.items() if isinstance(module, cls)), ())
+    for name, child in module.named_children():
+        if isinstance(child, CONTAINERS) or name in read:
+            yield child
 
 
 def _containers_to_parents(model: nn.Module, module_units: dict[nn.Module, list[ParamUnit]]) -> dict:
     """[Note: parameter containers]
     An ``nn.ParameterDict`` or ``nn.ParameterList`` has no forward: the module holding it reads
     its parameters in its own (peft's ``lora_embedding_A``, ``lora_magnitude_vector``, IA3's
-    vectors). Its units are that module's too, fetched around that module's calls and counted
-    in its gradient uses (`held_params`); a parameter released between uses was refused there as
-    "read outside the forward of the module that holds it" (an audit helper's repro). Returned
-    in registration order (the first pass's predicted order)."""
+    vectors), and so does nn.MultiheadAttention its ``out_proj``'s (`READ_BY_PARENT`). Their
+    units are that module's too, fetched around that module's calls and counted in its gradient
+    uses (`held_params`); a parameter released between uses was refused there as "read outside
+    the forward of the module that holds it" (an audit helper's repro). Returned in
+    registration order (the first pass's predicted order)."""
     out: dict[nn.Module, list[ParamUnit]] = {}
     for module in model.modules():
         mine = list(module_units.get(module, ()))
-        if not isinstance(module, CONTAINERS):
-            for child in module.children():
-                if isinstance(child, CONTAINERS):
-                    for held in child.modules():  # (a container of containers too)
-                        mine += [u for u in module_units.get(held, ()) if u not in mine]
+        for child in _held_children(module):
+            for held in child.modules():  # (a container of containers too)
+                mine += [u for u in module_units.get(held, ()) if u not in mine]
         if mine:
             out[module] = mine
     return out
 
 
 def held_params(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters ``module`` computes with itself: its own, and those of the parameter
-    containers it holds ([Note: parameter containers])."""
+    """The parameters ``module`` computes with itself: its own, and those of the children it
+    reads them of ([Note: parameter containers])."""
     out = [p for p in module._parameters.values() if p is not None]
-    for child in module.children():
-        if isinstance(child, CONTAINERS):
-            out += [p for m in child.modules() for p in m._parameters.values() if p is not None]
+    for child in _held_children(module):
+        out += [p for m in child.modules() for p in m._parameters.values() if p is not None]
     return out
 
 

@@ -491,6 +491,46 @@ def test_parameters_in_a_container_its_module_reads_train_as_plain(tmp_path, tie
     engine.close()
 
 
+class _Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def test_torchs_multihead_attention_trains_as_plain_on_nvme(tmp_path):
+    """nn.MultiheadAttention's forward reads its out_proj's weight and bias itself, never
+    calling out_proj (F.multi_head_attention_forward): with parameters on nvme the first
+    forward of it, and so of every nn.Transformer layer, was refused as "read outside the
+    forward of the module that holds it" (an audit helper's repro). out_proj's unit is the
+    attention's now (`_units.READ_BY_PARENT`): training and an eval pass are plain PyTorch's,
+    bit for bit (against torch's fused AdamW, the engine's kernel: the key bias's gradient is
+    zero but for rounding, which Adam magnifies differently in torch's default kernel)."""
+    torch.manual_seed(0)
+    model = _Encoder()
+    plain = copy.deepcopy(model)
+    engine = infinity.initialize(model, config(str(tmp_path), ("nvme", "nvme", "nvme")))
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    x = torch.randn(3, 5, 16)
+    for _ in range(3):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        plain(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    got = engine.gathered_weights()
+    assert all(torch.equal(got[n], p) for n, p in plain.named_parameters())
+    engine.eval()
+    plain.eval()
+    with torch.no_grad():
+        assert torch.equal(engine(x), plain(x))
+    engine.close()
+
+
 class _Table(nn.Module):
     """A learned position table whose forward returns a view of its parameter."""
 
