@@ -61,6 +61,7 @@ def lay_out(module: nn.Module, cfg: TierConfig, *, device: torch.device, dist, s
     grads_full = cfg.partition.stage == 1 and dist.active
     _refusals.refuse_managed(module)
     _refusals.refuse_meta_buffers(module)
+    _refusals.refuse_non_float(module)
     _say_mixed_dtypes(module, dtype)
     tiers = cfg.tiers
     all_device = tiers.params == tiers.grads == tiers.optimizer == "device"
@@ -125,11 +126,21 @@ def _say_mixed_dtypes(module: nn.Module, dtype: torch.dtype) -> None:
     another float dtype beside parameters of that one: transformers' ``from_pretrained(...,
     dtype=torch.bfloat16)`` keeps a model's ``_keep_in_fp32_modules`` (T5's ``wo``) in fp32, and
     the engine runs every parameter in ``param_dtype``, as DeepSpeed's bf16 does, which no error
-    would show (an audit helper found it silent)."""
-    if dtype == torch.float32:
-        return
+    would show (an audit helper found it silent). With ``fp32`` the same holds of parameters the
+    model holds in another float dtype (a bf16 submodule, a float64 one): cast to fp32, saying
+    nothing, they trained otherwise than plain PyTorch (an audit helper's repro)."""
     params = [(n, p) for n, p in module.named_parameters() if p.is_floating_point()]
     kept = list(getattr(module, "_keep_in_fp32_modules", None) or ())
+    if dtype == torch.float32:
+        other = [n for n, p in params if p.dtype != dtype]
+        if other:
+            logger.warning(
+                "precision.param_dtype = \"fp32\" computes every parameter in float32, also the %d the model holds in "
+                "another dtype (%s%s: %s); set precision.param_dtype to theirs where the model is in one dtype",
+                len(other), ", ".join(repr(n) for n in other[:3]), ", ..." if len(other) > 3 else "",
+                ", ".join(sorted({str(p.dtype).removeprefix("torch.") for _, p in params if p.dtype != dtype})),
+            )  # fmt: skip
+        return
     if any(p.dtype == dtype for _, p in params):
         other = [n for n, p in params if p.dtype != dtype]
         what = "the model holds in another dtype"

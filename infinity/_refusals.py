@@ -13,6 +13,9 @@ parameter, the cause and what to do instead. Touches: the module (read only).
   masters, as any write in place) that is kept as plain PyTorch keeps it; where the parameters
   are released after each use (nvme, or sharded at stage 3) the write would go with the
   released buffer, and the step would train the rows as they were, silently.
+- A parameter that is not floating point (complex, integer): the tiers keep real fp32, bf16 or
+  fp16 state, and casting a complex one dropped its imaginary part, training another model with
+  only torch's cast warning (an audit helper's repro).
 - peft's DoRA (``use_dora=True``) reads its base layer's weight and its adapters' shapes in the
   LoRA layer's forward, outside the modules that hold them (the weight's column norm): where
   the parameters are released between uses those are empty placeholders, and peft failed deep
@@ -80,3 +83,17 @@ def refuse_meta_buffers(module: nn.Module) -> None:
                 "made there. Compute it after initialize (engine.module, under infinity.GatheredParameters), from "
                 "real tensors in the constructor, or construct the model outside build()"
             )
+
+
+def refuse_non_float(module: nn.Module) -> None:
+    """Raise ValueError naming the first parameter of ``module`` that is not floating point."""
+    for name, p in module.named_parameters():
+        if not p.is_floating_point():
+            raise ValueError(
+                f"parameter {name!r} is {str(p.dtype).removeprefix('torch.')}: the engine keeps parameters as real "
+                "floating-point values (its tiers hold fp32 master weights and fp32, bf16 or fp16 parameters), and a "
+                "cast would lose what they hold (a complex one's imaginary part). Hold a complex weight as a real "
+                "parameter of twice the size and torch.view_as_complex it in the forward; register an integer "
+                "tensor as a buffer (module.register_buffer)"
+            )
+

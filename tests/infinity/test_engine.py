@@ -404,6 +404,43 @@ def test_a_model_without_parameters_is_refused(tmp_path):
         infinity.initialize(nn.ReLU(), _config(tmp_path, ("device",) * 3))
 
 
+class _Rotor(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        value = torch.randn(4, dtype=dtype) if dtype.is_complex else torch.arange(4, dtype=dtype)
+        self.w = nn.Parameter(value, requires_grad=dtype.is_complex)
+
+    def forward(self, x):
+        return (self.lin(x) * self.w).real
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64])
+def test_a_parameter_that_is_not_floating_point_is_refused_naming_it(tmp_path, dtype):
+    """A complex parameter was cast to fp32 with its imaginary part dropped, and another model
+    trained, with only torch's cast warning (an audit helper's repro); an integer one was cast
+    too. Refused at initialize, naming it and what to do, with nothing written."""
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(ValueError, match=rf"parameter 'w' is {name}: .*view_as_complex.*register_buffer"):
+        infinity.initialize(_Rotor(dtype), _config(tmp_path, ("nvme",) * 3))
+    assert not any(tmp_path.iterdir())
+
+
+def test_parameters_of_another_dtype_cast_to_fp32_are_named(tmp_path, caplog):
+    """precision.param_dtype = "fp32" casts a bf16 submodule and a float64 parameter to fp32:
+    the bf16 one then failed at its bf16 input in the forward, the float64 one trained in fp32,
+    both with nothing said at initialize (an audit helper's repro). Said, naming them."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4).double())
+    with caplog.at_level("WARNING", logger="infinity"), infinity.initialize(model, _config(tmp_path, ("device",) * 3)):
+        pass
+    said = [r.getMessage() for r in caplog.records if "computes every parameter in float32" in r.getMessage()]
+    assert len(said) == 1 and "'1.weight', '1.bias', '2.weight', ..." in said[0] and "bfloat16, float64" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="infinity"), infinity.initialize(nn.Linear(4, 4), _config(tmp_path, ("device",) * 3)):
+        pass
+    assert "computes every parameter" not in caplog.text
+
+
 def test_a_budget_too_small_is_refused_at_initialize(tmp_path):
     """A clear error at initialize, not an OOM kill (or PoolExhausted) mid-run."""
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 4 MiB of fp32 per unit
