@@ -718,12 +718,18 @@ def _rebind(units) -> None:
 
 def _cast_buffers_of(module: nn.Module) -> set[nn.Module]:
     """The modules whose floating buffers a low ``param_dtype`` casts: norms (running
-    statistics) and the modules of every parametrization (``torch.nn.utils.parametrize``)."""
+    statistics), the modules of every parametrization (``torch.nn.utils.parametrize``) and
+    those of hook-based ``torch.nn.utils.spectral_norm`` (its u and v: left in fp32, the
+    forward's matmul with the bf16 weight failed, where model.to(torch.bfloat16) trains; an
+    audit helper's repro)."""
     from torch.nn.utils import parametrize
+    from torch.nn.utils.spectral_norm import SpectralNorm
 
     cast = set()
     for mod in module.modules():
         if isinstance(mod, nn.modules.batchnorm._NormBase):
+            cast.add(mod)
+        if any(isinstance(hook, SpectralNorm) for hook in mod._forward_pre_hooks.values()):
             cast.add(mod)
         if parametrize.is_parametrized(mod):
             for plist in mod.parametrizations.values():

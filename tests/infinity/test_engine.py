@@ -552,17 +552,18 @@ def test_fp16_scale_backward_trains_as_engine_backward_and_a_plain_backward_is_r
 
 
 @pytest.mark.parametrize("tiers", [("device", "device", "cpu"), ("nvme", "nvme", "nvme")], ids=["ddc", "nvme"])
-@pytest.mark.parametrize("kind", ["spectral_norm", "orthogonal"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "orthogonal", "spectral_norm_hook"])
 def test_a_parametrizations_buffers_take_a_low_param_dtype(tmp_path, kind, tiers):
     """spectral_norm's u and v and orthogonal's base are buffers of the parametrization: kept in
-    fp32 beside bf16 weights, its matmul refused to mix them (an audit helper's repro). They
+    fp32 beside bf16 weights, its matmul refused to mix them (an audit helper's repro), and so
+    are the u and v of the older hook-based torch.nn.utils.spectral_norm (another's). They
     take the parameters' dtype, as model.to(torch.bfloat16) gives them, and the forward is the
     plain bf16 model's, bit for bit, step after step while the weights are equal."""
-    from torch.nn.utils import parametrizations
+    from torch.nn.utils import parametrizations, spectral_norm
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), getattr(parametrizations, kind)(nn.Linear(8, 8)),
-                          nn.Linear(8, 2))  # fmt: skip
+    wrap = spectral_norm if kind == "spectral_norm_hook" else getattr(parametrizations, kind)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), wrap(nn.Linear(8, 8)), nn.Linear(8, 2))
     ref = copy.deepcopy(model).to(torch.bfloat16)
     x = torch.randn(4, 8).bfloat16()
     with infinity.initialize(model, _config(tmp_path, tiers, precision={"param_dtype": "bf16"})) as engine:
