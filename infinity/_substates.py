@@ -262,6 +262,13 @@ class SubGroupStates:
             shared = None
             for u in sg.units:
                 whole = values(u)
+                if self.param_dtype != torch.float32:
+                    # A frozen parameter beside trainable ones is held, computed and exported as its
+                    # rounding, as a frozen unit is: its master held the value before it (exported
+                    # 6e-4 off what trained, an audit helper's repro), and nothing updates it.
+                    for r in u.records:
+                        if not r.requires_grad:
+                            whole[r.in_unit] = whole[r.in_unit].to(self.param_dtype).float()
                 flat = whole[u.shard]
                 kept = flat if not self.gather_params else whole  # see [Note: unit partition]
                 self.param_store.put(u.name, kept.to(self.param_dtype, copy=True)).result()
