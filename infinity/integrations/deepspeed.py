@@ -15,7 +15,8 @@ module in its place (`install`)::
 What such scripts call: `initialize` (its four results, DeepSpeed's arguments), `add_config_arguments`,
 `init_distributed`, ``zero.Init`` (`infinity.build`: the model is made without memory and
 filled into the tiers at `initialize`), ``zero.GatheredParameters``, ``comm`` (torch.distributed's
-functions) and ``accelerator.get_accelerator()`` (the device names). The engine answers
+functions), ``accelerator.get_accelerator()`` (the device names) and ``ops.adam``'s
+``DeepSpeedCPUAdam`` and ``FusedAdam`` (torch's AdamW or Adam, which the engine runs). The engine answers
 DeepSpeed's engine's members a loop reads (``engine.global_steps``, ``get_lr()``,
 ``is_gradient_accumulation_boundary()``, ``local_rank``, ...: `infinity._deepspeed_api`). The
 config is read as docs/config.md's "A DeepSpeed config" says; the deepspeed package is not needed.
@@ -39,7 +40,7 @@ from .. import _deepspeed
 
 logger = logging.getLogger("infinity")
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "comm", "accelerator", "install"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "comm", "accelerator", "ops", "install"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -167,6 +168,33 @@ zero.Init = _Init
 zero.GatheredParameters = infinity.GatheredParameters
 
 
+def _adam(params, lr, betas, eps, weight_decay, decoupled: bool, bias_correction: bool, amsgrad: bool, who: str):
+    if not bias_correction or amsgrad:
+        raise ValueError(f"deepspeed.ops.adam.{who}: bias_correction=False and amsgrad=True are not supported by "
+                         "this engine's Adam (torch's, with bias correction)")  # fmt: skip
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def DeepSpeedCPUAdam(model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                     amsgrad=False, adamw_mode=True, fp32_optimizer_states=True):  # noqa: N802 - DeepSpeed's name
+    """``deepspeed.ops.adam.DeepSpeedCPUAdam``: torch's AdamW (``adamw_mode``, the default) or
+    Adam with its arguments, which the engine runs on its own kernel."""
+    return _adam(model_params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, amsgrad, "DeepSpeedCPUAdam")
+
+
+def FusedAdam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+              weight_decay=0.0, amsgrad=False, set_grad_none=True):  # noqa: N802 - DeepSpeed's name
+    """``deepspeed.ops.adam.FusedAdam``: torch's AdamW (``adam_w_mode``, the default) or Adam."""
+    return _adam(params, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, "FusedAdam")
+
+
+ops = types.ModuleType("deepspeed.ops", "deepspeed.ops: the Adam optimizers, as torch's")
+ops.adam = types.ModuleType("deepspeed.ops.adam", "deepspeed.ops.adam: DeepSpeedCPUAdam and FusedAdam, as torch's")
+ops.adam.DeepSpeedCPUAdam = DeepSpeedCPUAdam
+ops.adam.FusedAdam = FusedAdam
+
+
 class _Comm(types.ModuleType):
     """``deepspeed.comm``: torch.distributed's functions (DeepSpeed's are its wrappers)."""
 
@@ -231,7 +259,8 @@ def install() -> None:
     still find no deepspeed package (they read its installed metadata), so their own DeepSpeed
     paths stay off."""
     this = sys.modules[__name__]
-    names = {"deepspeed": this, "deepspeed.zero": zero, "deepspeed.comm": comm, "deepspeed.accelerator": accelerator}
+    names = {"deepspeed": this, "deepspeed.zero": zero, "deepspeed.comm": comm, "deepspeed.accelerator": accelerator,
+             "deepspeed.ops": ops, "deepspeed.ops.adam": ops.adam}  # fmt: skip
     for name, module in names.items():
         if module is not this:
             module.__spec__ = importlib.machinery.ModuleSpec(name, None)

@@ -136,6 +136,7 @@ import torch
 from torch import nn
 import deepspeed
 from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -160,7 +161,8 @@ for x, y in loader:
 engine.save_checkpoint(args.out, client_state={"epoch": 1, "note": "x"})
 path, client = engine.load_checkpoint(args.out)
 print("RESULT " + json.dumps({"module": deepspeed.__name__, "losses": losses, "steps": engine.global_steps,
-                              "client": client, "lr": engine.get_lr()}))
+                              "client": client, "lr": engine.get_lr(),
+                              "adam": type(DeepSpeedCPUAdam(nn.Linear(2, 2).parameters())).__name__}))
 engine.close()
 '''
 
@@ -178,3 +180,15 @@ def test_a_deepspeed_script_runs_unchanged_under_the_launcher(tmp_path):
     assert result["module"] == "infinity.integrations.deepspeed"
     assert len(result["losses"]) == 8 and all(x == x for x in result["losses"])
     assert result["steps"] == 2 and result["client"] == {"epoch": 1, "note": "x"} and result["lr"] == [1e-3]
+    assert result["adam"] == "AdamW"
+
+
+def test_deepspeeds_adam_classes_are_torchs_with_their_arguments():
+    params = list(_net().parameters())
+    cpu = deepspeed.ops.adam.DeepSpeedCPUAdam(params, lr=3e-3, betas=(0.8, 0.9), weight_decay=0.1)
+    assert type(cpu) is torch.optim.AdamW
+    assert {k: cpu.defaults[k] for k in ("lr", "betas", "weight_decay")} == {"lr": 3e-3, "betas": (0.8, 0.9),
+                                                                             "weight_decay": 0.1}  # fmt: skip
+    assert type(deepspeed.ops.adam.FusedAdam(params, adam_w_mode=False)) is torch.optim.Adam
+    with pytest.raises(ValueError, match="bias_correction=False"):
+        deepspeed.ops.adam.FusedAdam(params, bias_correction=False)
