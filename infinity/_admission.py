@@ -52,7 +52,6 @@ pool can have the bytes but not in one piece, prefetches between them.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
@@ -135,13 +134,14 @@ def make_plan(layout, cfg, *, activations_in_pool: bool) -> Plan:
     if layout.param_store.uses_pool:  # a unit in use, `depth` prefetched, gradients gathered
         itemsize = layout.dtype.itemsize
         backward = ((cfg.prefetch.depth + 1) * itemsize + (MAX_WRITES + 1) * 4) * largest
+    fixed = backward  # what does not grow with the budget
     if activations_in_pool:  # see [Note: activations offloaded] in `_activations`
         plan.activation_chunk = activation_chunk(plan.usable)
         backward += plan.activations
     if backward:
         needs["forward/backward"] = backward
     plan.backward, plan.step, plan.needs = backward, needs["optimizer step"], needs
-    plan.overlap_from = _overlap_from(layout, cfg, backward)
+    plan.overlap_from = _overlap_from(layout, cfg, fixed, activations_in_pool)
     _resources.check_host_budget(cfg, needs, largest * 4, overlap_from=plan.overlap_from)
     plan.overlap = _fit_overlap(layout, cfg, plan)
     # Host bytes for the early updates' staged copies where the states are in host memory:
@@ -200,19 +200,35 @@ def _room_beside_backward(layout, budget: int, backward_bytes: int) -> int:
     return int(budget * (1 - POOL_SLACK)) - backward_bytes - 4 * largest
 
 
-def _overlap_from(layout, cfg, backward_bytes: int) -> int | None:
-    """The smallest host budget `_fit_overlap` runs the optimizer under backward with, for
-    this model and config; None where overlap cannot apply. With that much the step reads
-    its full `READ_AHEAD`, so that is what the room must hold."""
+def _overlap_from(layout, cfg, fixed_backward: int, activations: bool) -> int | None:
+    """The smallest host budget from which `_fit_overlap` runs the optimizer under backward,
+    for this model and config; None where overlap cannot apply. With that much the step reads
+    its full `READ_AHEAD`, so that is what the room must hold. The backward's buffers are
+    ``fixed_backward`` and, with ``activations`` in the pool, the activation chunks, which grow
+    with the budget (`activation_chunk`): the figure computed with the chunks of the budget at
+    hand was too low near the floor (a budget set to it left the overlap off) and 4.75x too
+    high at 1 GiB (an audit helper's repro). Here the chunks are bounded above without their
+    rounding down to pages, a room that only grows with the budget: from the budget returned
+    on, every larger one runs it, and the bound is within a few pages of the least that does."""
     if not _overlap_applies(layout, cfg):
         return None
     st = layout.states
     step = max(step_bytes(layout, READ_AHEAD), min(group_bytes(st, g) for g in st.groups))
-    largest = max(g.numel for g in st.groups)
-    budget = math.ceil((step + backward_bytes + 4 * largest) / (1 - POOL_SLACK))
-    while _room_beside_backward(layout, budget, backward_bytes) < step:  # float rounding: a byte or two
-        budget += 1
-    return budget
+
+    def enough(budget: int) -> bool:
+        acts = 0
+        if activations:
+            usable = int(budget * (1 - POOL_SLACK))
+            acts = ACTIVATION_CHUNKS * max(_PAGE, min(ACTIVATION_CHUNK, usable / (4 * ACTIVATION_CHUNKS)))
+        return _room_beside_backward(layout, budget, fixed_backward) - acts >= step
+
+    lo, hi = 0, 1
+    while not enough(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # the least budget that is enough: ``enough`` only turns true as the budget grows
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+    return hi
 
 
 def _fit_overlap(layout, cfg, plan: Plan) -> int:

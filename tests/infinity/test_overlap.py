@@ -377,13 +377,19 @@ def test_overlap_applies_only_with_room_to_spare_in_the_host_budget(tmp_path, bu
     engine.close()
 
 
-def test_the_budget_overlap_applies_from_is_the_one_it_applies_from(tmp_path, caplog):
+@pytest.mark.parametrize("activations", [False, True], ids=["", "activations-on-nvme"])
+def test_the_budget_overlap_applies_from_is_the_one_it_applies_from(tmp_path, caplog, activations):
     """``overlap_from`` is the smallest host budget with overlap: at it the optimizer runs under
     backward, a KiB less it does not and the log names the figure, and a budget too small for
-    initialize carries it on the error (benchmarks/budget_floor.py reports it)."""
+    initialize carries it on the error (benchmarks/budget_floor.py reports it). With the
+    activation tier in the pool, whose chunks grow with the budget, the figure was the one of
+    the budget at hand: too low at the floor (a budget set to it left the overlap off) and far
+    too high at 1 GiB (an audit helper's repro). The same figure at every budget now, within a
+    few pages of the least (64 KiB less runs without)."""
     model = lambda: nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # noqa: E731
+    extra = {"activations": {"tier": "nvme", "min_bytes": "4KiB"}} if activations else {}
     cfg = lambda budget: _cfg(tmp_path, True, memory={"host_budget": budget},  # noqa: E731
-                              optimizer={"sub_group_size": "16MiB"})  # fmt: skip
+                              optimizer={"sub_group_size": "16MiB"}, **extra)  # fmt: skip
     engine = infinity.initialize(model(), cfg("1GiB"))
     start = engine.overlap_from
     engine.close()
@@ -391,7 +397,7 @@ def test_the_budget_overlap_applies_from_is_the_one_it_applies_from(tmp_path, ca
     assert engine.overlap is not None and engine.overlap_from == start
     engine.close()
     with caplog.at_level(logging.INFO, logger="infinity"):
-        engine = infinity.initialize(model(), cfg(start - 1024))
+        engine = infinity.initialize(model(), cfg(start - (64 << 10 if activations else 1024)))
     assert engine.overlap is None
     engine.close()
     assert f"a host_budget of {infinity.swap.human_size(start)} or more would run it under backward" in caplog.text
@@ -399,5 +405,5 @@ def test_the_budget_overlap_applies_from_is_the_one_it_applies_from(tmp_path, ca
         infinity.initialize(model(), cfg(4096))
     assert e.value.overlap_from == start
     with pytest.raises(infinity.HostBudgetError) as e:
-        infinity.initialize(model(), _cfg(tmp_path, False, memory={"host_budget": 4096}))
+        infinity.initialize(model(), _cfg(tmp_path, False, memory={"host_budget": 4096}, **extra))
     assert e.value.overlap_from is None  # overlap off: no budget turns it on
