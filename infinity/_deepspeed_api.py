@@ -30,9 +30,9 @@ class DeepSpeedEngineAPI:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """The global L2 norm of the last step's gradients (unscaled, before clipping), where the
-        step computed it (it clipped: ``gradient_clipping`` or `clip_grad_norm_`); else None, as
-        DeepSpeed's is where it computes none. Before a step, `grad_norm` computes it."""
+        """The global L2 norm of the last step's gradients (unscaled, before clipping), as
+        DeepSpeed's ZeRO computes it at every step, clipping or not; None before the first step
+        and after a skipped one (a non-finite gradient). Before a step, `grad_norm` gives it."""
         return self.optimizer.updater.last_norm
 
     def was_step_applied(self) -> bool:

@@ -85,7 +85,7 @@ class StreamedUpdate:
         self.grads = grads
         self.max_grad_norm = max_grad_norm  # clip every step to this (the config's)
         self.clip_next: float | None = None  # clip the next step to this (Engine.clip_grad_norm_)
-        self.last_norm: float | None = None  # the last step's global norm (unscaled), where it clipped
+        self.last_norm: float | None = None  # the last step's global norm (unscaled; None: skipped)
         self._pushed_foreign = [{} for _ in param_groups]  # the group values last given a torch optimizer run as it is
         self.clipped_last = False  # the last step clipped (early updates would be discarded)
         self.transport = grads.transport  # `_transport.Transport`: the copies ([Note: every copy counted])
@@ -127,8 +127,10 @@ class StreamedUpdate:
                 overlap.discard()
             return False
         divide = loss_scale  # gradients are stored multiplied by the loss scale
+        # The step's norm, clipping or not, as DeepSpeed's ZeRO computes it every step
+        # (`get_global_grad_norm`): a sum of the norms backward noted, and one all-reduce.
+        norm = self.last_norm = self.grads.norms.global_norm() / loss_scale
         if clip is not None:
-            norm = self.last_norm = self.grads.norms.global_norm() / loss_scale
             coef = clip_coef(clip, norm)
             divide = loss_scale / coef
             self.clipped_last = coef < 1.0

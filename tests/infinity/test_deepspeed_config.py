@@ -331,6 +331,22 @@ def test_deepspeeds_engine_members_a_loop_reads_answer_as_deepspeeds(tmp_path):
     assert engine.skipped_steps == 0
 
 
+def test_the_global_grad_norm_is_the_steps_without_clipping_too(tmp_path):
+    """DeepSpeed's ZeRO computes the norm at every step, clipping or not; the engine's
+    get_global_grad_norm() was None without gradient_clipping, and a script formatting it
+    raised a TypeError (an audit helper, against DeepSpeed 0.19.8)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    with infinity.initialize(model, _ds_loop_config(tmp_path)) as engine:  # gradient_clipping 0
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+        got = engine.get_global_grad_norm()
+    ((plain(x) - y) ** 2).mean().backward()
+    assert got == pytest.approx(float(torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()])), rel=1e-5)
+
+
 @pytest.mark.parametrize("how", ["zero_grad", "load_checkpoint"])
 def test_a_step_redone_from_its_first_micro_batch_takes_deepspeeds_steps(tmp_path, how, caplog):
     """A DeepSpeed loop that drops a step part-way (one micro-batch of four, then
