@@ -11,6 +11,25 @@ names for the same things stay: ``engine.stats()``, ``engine.step()``'s return, 
 from __future__ import annotations
 
 
+_LOAD_DEFAULTS = {"load_module_strict": True, "load_optimizer_states": True, "load_lr_scheduler_states": True,
+                  "load_module_only": False}  # fmt: skip
+
+
+def refuse_partial_load(**given) -> None:
+    """``engine.load_checkpoint``'s DeepSpeed keywords: their defaults load everything, as the
+    engine does; another value (a fine-tune's ``load_module_only=True``) raised TypeError
+    before, naming nothing to do instead (an audit helper's repro)."""
+    other = {k: v for k, v in given.items() if v != _LOAD_DEFAULTS[k]}
+    if other:
+        said = ", ".join(f"{k}={v!r}" for k, v in other.items())
+        raise ValueError(
+            f"engine.load_checkpoint({said}): DeepSpeed's partial loads are not supported; a checkpoint loads "
+            "whole (weights, optimizer states, schedule, step counts). For the weights alone: write them with "
+            "infinity-consolidate CHECKPOINT_DIR model.safetensors (or engine.export) and load that file with "
+            "engine.module.load_state_dict(safetensors.torch.load_file(...))"
+        )
+
+
 class DeepSpeedEngineAPI:
     """DeepSpeed's ``DeepSpeedEngine`` members a training loop reads, with its meanings."""
 

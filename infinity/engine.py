@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _activations, _admission, _amp_check, _assembly, _build, _checkpoint, _deepspeed, _gather, _overlap, _overlap_host, _placeholder, _resources, _sizes, _units, _wrap
 from ._accumulation import Accumulation
+from . import _deepspeed_api
 from ._deepspeed_api import DeepSpeedEngineAPI
 from ._dist import Dist
 from ._export import export_safetensors
@@ -539,7 +540,9 @@ class Engine(DeepSpeedEngineAPI):
         return _checkpoint.save(self, path, tag, client_state, keep_last)
 
     @entry("load_checkpoint")
-    def load_checkpoint(self, path, tag: str | None = None):
+    def load_checkpoint(self, path, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):  # fmt: skip
         """Load the checkpoint ``path/<tag>`` (``None`` or ``"latest"``: the one ``path/latest``
         names; ``path`` may also be a checkpoint directory itself) and return ``(directory,
         client_state)``, the checkpoint directory it loaded and what its save was given, as
@@ -550,7 +553,12 @@ class Engine(DeepSpeedEngineAPI):
         checkpoint is refused, naming the tensor and file, before anything trains on it. A
         checkpoint saved with another world size, stage, tier placement, precision,
         sub-group size or tile size loads too: each rank reads the slices of every unit it now
-        owns, re-cut by rows where the modules are tiled otherwise ([Note: re-cut] in `_recut`)."""
+        owns, re-cut by rows where the modules are tiled otherwise ([Note: re-cut] in `_recut`).
+        DeepSpeed's partial loads (``load_optimizer_states=False``, ...) are refused, naming
+        what loads the weights alone (`_deepspeed_api.refuse_partial_load`)."""
+        _deepspeed_api.refuse_partial_load(load_module_strict=load_module_strict, load_module_only=load_module_only,
+                                           load_optimizer_states=load_optimizer_states,
+                                           load_lr_scheduler_states=load_lr_scheduler_states)  # fmt: skip
         self._life.check_open()
         _gather.refuse_open(self, "engine.load_checkpoint()")
         self._writes.carry()  # (else a parameter given new data before the load would be carried over it after)

@@ -25,10 +25,12 @@ config is read as docs/config.md's "A DeepSpeed config" says; the deepspeed pack
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import importlib.machinery
 import logging
 import os
+import socket
 import sys
 import types
 
@@ -131,13 +133,36 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def init_distributed(dist_backend: str | None = None, *args, **kwargs) -> None:
-    """``deepspeed.init_distributed``: the process group of torchrun's environment (gloo on
-    the CPU, nccl on GPUs), where there is one and none is made yet; one process alone has none."""
-    if torch.distributed.is_initialized() or "WORLD_SIZE" not in os.environ:
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery=True, distributed_port=None, verbose=True,
+                     timeout=None, init_method=None, dist_init_required=None, config=None, rank=-1, world_size=-1):
+    """``deepspeed.init_distributed``: the process group (gloo on the CPU, nccl on GPUs) of
+    torchrun's environment, or of this process alone where there is none, as DeepSpeed's
+    launcher would start it (a script then asks ``deepspeed.comm.get_rank()``; it failed
+    with "Default process group has not been initialized", an audit helper's repro). Nothing
+    where a group is made already."""
+    if torch.distributed.is_initialized():
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    torch.distributed.init_process_group(backend=backend)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+    else:
+        with socket.socket() as s:  # a free port for a group of one
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                           ("MASTER_PORT", str(port))):  # fmt: skip
+            os.environ.setdefault(key, value)
+        local = 0
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    torch.distributed.init_process_group(backend=backend, init_method=init_method, **kwargs)
+    atexit.register(_destroy)  # (gloo's threads, left to the interpreter's exit, abort it now and then)
+
+
+def _destroy() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 class _Init(contextlib.AbstractContextManager):

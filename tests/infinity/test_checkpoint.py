@@ -65,6 +65,27 @@ def test_resume_in_a_new_process_is_bit_exact_in_every_placement(tmp_path):
     _assert_equal(resumed, straight)
 
 
+@pytest.mark.parametrize("kw", [{"load_optimizer_states": False}, {"load_module_only": True},
+                                {"load_lr_scheduler_states": False}, {"load_module_strict": False}])  # fmt: skip
+def test_deepspeeds_partial_loads_are_refused_naming_what_loads_the_weights(tmp_path, kw):
+    """A DeepSpeed script's load_checkpoint(d, load_module_only=True) raised TypeError (an audit
+    helper); refused now, naming the keyword and infinity-consolidate, with nothing loaded.
+    DeepSpeed's defaults load as before."""
+    engine = _engine(tmp_path)
+    train(engine, 1)
+    engine.save_checkpoint(tmp_path / "ck")
+    before = engine.gathered_weights()
+    train(engine, 1)
+    after = engine.gathered_weights()
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=rf"load_checkpoint\({name}=.*infinity-consolidate"):
+        engine.load_checkpoint(tmp_path / "ck", **kw)
+    _assert_equal(engine.gathered_weights(), after)
+    engine.load_checkpoint(tmp_path / "ck", None, True, True, True, False)  # DeepSpeed's positional defaults
+    _assert_equal(engine.gathered_weights(), before)
+    engine.close()
+
+
 def test_save_then_load_in_process_restores_state_step_rng_and_client_state(tmp_path):
     engine = _engine(tmp_path)
     torch.manual_seed(3)

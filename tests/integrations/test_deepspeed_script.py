@@ -158,6 +158,7 @@ for x, y in loader:
         boundary = True
     engine.step()
     losses.append(loss.item())
+assert deepspeed.comm.get_rank() == 0 and deepspeed.comm.get_world_size() == 1  # (a group of one)
 engine.save_checkpoint(args.out, client_state={"epoch": 1, "note": "x"})
 path, client = engine.load_checkpoint(args.out)
 print("RESULT " + json.dumps({"module": deepspeed.__name__, "losses": losses, "steps": engine.global_steps,
