@@ -244,6 +244,11 @@ def _open_names(engine) -> list[str]:
     return names
 
 
+def holds(unit, i: int) -> bool:
+    """Whether an open GatheredParameters context holds parameter ``i`` of ``unit`` whole."""
+    return unit.gathers > 0 if not unit.is_tile else _open_on(unit.records[i].param) > 0
+
+
 def refuse_open(engine, what: str) -> None:
     """Raise if GatheredParameters contexts of ``engine`` are open: ``what`` (a step, a load)
     changes the values they hold, and they would keep the old ones (a whole unit stays bound

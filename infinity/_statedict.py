@@ -20,6 +20,14 @@ the placeholders, gathers nothing, and is not a collective. A call that only som
 (DDP's ``if rank == 0: torch.save(model.state_dict(), ...)``) is refused with the ranks that did
 not come, after ``partition.timeout``, before any gather (`Dist.meet`). To write the weights without
 holding them, `Engine.save_pretrained` and `Engine.export` stream them to rank 0's files.
+
+Inside a GatheredParameters context that holds every parameter the call reads, every rank has
+them whole already: ``state_dict()`` is no collective there and gives them on every rank, as
+they compute (in the dtype the model was made in; with a lower ``precision.param_dtype``, its
+rounding of the masters), copied out of the context's memory. That is DeepSpeed's idiom, ``with
+GatheredParameters(model.parameters()): if rank == 0: torch.save(model.state_dict(), ...)``,
+refused after the timeout before (an audit helper's repro: rank 1 got an empty dict, and rank 0
+alone waited for it).
 """
 
 from __future__ import annotations
@@ -186,6 +194,11 @@ class StateDictHooks:
         if not keys or isinstance(state_dict[keys[0][0]], nn.Parameter) or self._placeholders:
             return  # keep_vars=True (the parameters), or inside `placeholders()`
         engine = self.engine
+        if all(_gather.holds(unit, j) for _, pieces in keys for unit, j in pieces[:1]):
+            for key, pieces in keys:  # (a copy: the context's memory goes back at its exit)
+                unit, j = pieces[0]
+                state_dict[key] = state_dict[key].to(unit.records[j].dtype, copy=True)
+            return
         engine.dist.meet("state_dict", "state_dict() of a module whose weights are sharded over the ranks")
         if engine.world_size > 1 and engine.rank != 0:
             # [Note: state_dict at several ranks]: this rank only sends its shards.

@@ -149,6 +149,9 @@ try:
         engine.export(f"{out}.export.safetensors")
         if rank == 0:
             torch.save(state, f"{out}.state_dict.pt")
+        with infinity.GatheredParameters(list(engine.module.parameters())):  # DeepSpeed's idiom: rank 0 alone reads
+            if rank == 0:
+                torch.save(engine.module.state_dict(), f"{out}.gathered_state_dict.pt")
         json.dump({"keys": len(state)}, open(f"{out}.{rank}.keys.json", "w"))
 except RuntimeError as e:
     open(f"{out}.{rank}.err", "w").write(str(e))

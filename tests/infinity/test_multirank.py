@@ -199,7 +199,9 @@ def test_state_dict_and_export_at_two_ranks_gather_to_rank_0(tmp_path, stage, ti
     too: the fp32 masters are sharded at every stage). Rank 0's state_dict holds every key of
     the plain model with exactly the weights the ranks all-gather (which the parity test holds
     to one rank's); rank 1's is empty; the export loads strictly into the plain model with rank
-    0's values. Tiled (stage 3): a parameter's tiles, gathered unit by unit, joined in order."""
+    0's values. Tiled (stage 3): a parameter's tiles, gathered unit by unit, joined in order.
+    Inside GatheredParameters over every parameter, rank 0 alone reads the same weights
+    (DeepSpeed's idiom: refused after partition.timeout before, waiting for rank 1)."""
     if tiles:
         monkeypatch.setenv("INFINITY_TEST_TILE_SIZE", tiles)
     out, codes, logs, _ = _launch("save", 2, stage, tmp_path)
@@ -212,6 +214,8 @@ def test_state_dict_and_export_at_two_ranks_gather_to_rank_0(tmp_path, stage, ti
     assert [json.load(open(f"{out}.{r}.keys.json"))["keys"] for r in (0, 1)] == [len(state), 0]
     for name in state:
         assert torch.equal(state[name], gathered[name]), name
+    inside = torch.load(f"{out}.gathered_state_dict.pt", weights_only=True)
+    assert inside.keys() == state.keys() and all(torch.equal(inside[k], state[k]) for k in state)
     from safetensors.torch import load_file
 
     plain.load_state_dict(load_file(f"{out}.export.safetensors"), strict=True)
