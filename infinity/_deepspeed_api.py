@@ -79,3 +79,10 @@ class DeepSpeedEngineAPI:
 
     def bfloat16_enabled(self) -> bool:
         return self.config.precision.param_dtype == "bf16"
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.partition.stage
+
+    def gradient_clipping(self) -> float:
+        """The norm every step clips to (0: none), as DeepSpeed's config gives it."""
+        return self.config.optimizer.max_grad_norm or 0.0

@@ -15,8 +15,9 @@ module in its place (`install`)::
 What such scripts call: `initialize` (its four results, DeepSpeed's arguments), `add_config_arguments`,
 `init_distributed`, ``zero.Init`` (`infinity.build`: the model is made without memory and
 filled into the tiers at `initialize`), ``zero.GatheredParameters``, ``comm`` (torch.distributed's
-functions), ``accelerator.get_accelerator()`` (the device names) and ``ops.adam``'s
-``DeepSpeedCPUAdam`` and ``FusedAdam`` (torch's AdamW or Adam, which the engine runs). The engine answers
+functions), ``accelerator.get_accelerator()`` (the device names), ``ops.adam``'s
+``DeepSpeedCPUAdam`` and ``FusedAdam`` (torch's AdamW or Adam, which the engine runs) and
+``utils``' ``logger`` and ``log_dist``. The engine answers
 DeepSpeed's engine's members a loop reads (``engine.global_steps``, ``get_lr()``,
 ``is_gradient_accumulation_boundary()``, ``local_rank``, ...: `infinity._deepspeed_api`). The
 config is read as docs/config.md's "A DeepSpeed config" says; the deepspeed package is not needed.
@@ -42,7 +43,9 @@ from .. import _deepspeed
 
 logger = logging.getLogger("infinity")
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "comm", "accelerator", "ops", "install"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "comm", "accelerator", "ops", "utils",
+           "install"]  # fmt: skip
+__version__ = f"{infinity.__version__}+infinity"  # (what a script prints; not DeepSpeed's own)
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -221,7 +224,12 @@ ops.adam.FusedAdam = FusedAdam
 
 
 class _Comm(types.ModuleType):
-    """``deepspeed.comm``: torch.distributed's functions (DeepSpeed's are its wrappers)."""
+    """``deepspeed.comm``: torch.distributed's functions (DeepSpeed's are its wrappers), and
+    its ``get_local_rank``."""
+
+    @staticmethod
+    def get_local_rank() -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
 
     def __getattr__(self, name):
         return getattr(torch.distributed, name)
@@ -265,13 +273,44 @@ class _Accelerator:
     def is_fp16_supported(self) -> bool:
         return self._name() == "cuda"
 
+    def set_device(self, device_index) -> None:
+        if self._name() == "cuda":
+            torch.cuda.set_device(device_index)
+
     def manual_seed(self, seed) -> None:
         torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed) -> None:
+        torch.manual_seed(seed)  # (every device's generator: torch's seeds CUDA's too)
+
+    def random(self):
+        return torch.random
+
+    def pin_memory(self, tensor, align_bytes=1):
+        return tensor.pin_memory() if self._name() == "cuda" else tensor
+
+    def memory_allocated(self, device_index=None) -> int:
+        return torch.cuda.memory_allocated(device_index) if self._name() == "cuda" else 0
+
+    def max_memory_allocated(self, device_index=None) -> int:
+        return torch.cuda.max_memory_allocated(device_index) if self._name() == "cuda" else 0
 
     def empty_cache(self) -> None:
         if self._name() == "cuda":
             torch.cuda.empty_cache()
 
+
+def log_dist(message: str, ranks=None, level=logging.INFO) -> None:
+    """``deepspeed.utils.log_dist``: ``message`` logged on the ranks in ``ranks`` (None or
+    containing -1: every rank)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if ranks is None or -1 in ranks or rank in ranks:
+        utils.logger.log(level, "[Rank %d] %s", rank, message)
+
+
+utils = types.ModuleType("deepspeed.utils", "deepspeed.utils: logger and log_dist")
+utils.logger = logging.getLogger("DeepSpeed")
+utils.log_dist = log_dist
 
 _ACCELERATOR = _Accelerator()
 accelerator = types.ModuleType("deepspeed.accelerator", "deepspeed.accelerator: get_accelerator()")
@@ -285,7 +324,7 @@ def install() -> None:
     paths stay off."""
     this = sys.modules[__name__]
     names = {"deepspeed": this, "deepspeed.zero": zero, "deepspeed.comm": comm, "deepspeed.accelerator": accelerator,
-             "deepspeed.ops": ops, "deepspeed.ops.adam": ops.adam}  # fmt: skip
+             "deepspeed.ops": ops, "deepspeed.ops.adam": ops.adam, "deepspeed.utils": utils}  # fmt: skip
     for name, module in names.items():
         if module is not this:
             module.__spec__ = importlib.machinery.ModuleSpec(name, None)

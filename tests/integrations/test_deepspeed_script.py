@@ -159,6 +159,10 @@ for x, y in loader:
     engine.step()
     losses.append(loss.item())
 assert deepspeed.comm.get_rank() == 0 and deepspeed.comm.get_world_size() == 1  # (a group of one)
+assert deepspeed.comm.get_local_rank() == 0 and engine.zero_optimization_stage() == 3
+assert engine.gradient_clipping() == 1.0 and get_accelerator().memory_allocated() >= 0
+from deepspeed.utils import log_dist, logger
+log_dist(f"steps {engine.global_steps}", ranks=[0])
 engine.save_checkpoint(args.out, client_state={"epoch": 1, "note": "x"})
 path, client = engine.load_checkpoint(args.out)
 print("RESULT " + json.dumps({"module": deepspeed.__name__, "losses": losses, "steps": engine.global_steps,
