@@ -41,8 +41,6 @@ import infinity
 
 from .. import _deepspeed
 
-logger = logging.getLogger("infinity")
-
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "comm", "accelerator", "ops", "utils",
            "install"]  # fmt: skip
 __version__ = f"{infinity.__version__}+infinity"  # (what a script prints; not DeepSpeed's own)
@@ -147,7 +145,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery=True, d
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     kwargs = {} if timeout is None else {"timeout": timeout}
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    if "WORLD_SIZE" in os.environ:  # torchrun's (one without MASTER_ADDR is torch's error, naming it)
         local = int(os.environ.get("LOCAL_RANK", "0"))
     else:
         with socket.socket() as s:  # a free port for a group of one
@@ -318,10 +316,10 @@ accelerator.get_accelerator = lambda: _ACCELERATOR
 
 
 def install() -> None:
-    """Make ``import deepspeed`` (and its ``zero``, ``comm`` and ``accelerator``) this module,
-    for a script run unchanged (`infinity.integrations.launch`). transformers and accelerate
-    still find no deepspeed package (they read its installed metadata), so their own DeepSpeed
-    paths stay off."""
+    """Make ``import deepspeed`` this module (and its ``zero``, ``comm``, ``accelerator``,
+    ``ops.adam`` and ``utils`` these), for a script run unchanged
+    (`infinity.integrations.launch`). transformers and accelerate still find no deepspeed
+    package (they read its installed metadata), so their own DeepSpeed paths stay off."""
     this = sys.modules[__name__]
     names = {"deepspeed": this, "deepspeed.zero": zero, "deepspeed.comm": comm, "deepspeed.accelerator": accelerator,
              "deepspeed.ops": ops, "deepspeed.ops.adam": ops.adam, "deepspeed.utils": utils}  # fmt: skip
