@@ -96,4 +96,3 @@ def refuse_non_float(module: nn.Module) -> None:
                 "parameter of twice the size and torch.view_as_complex it in the forward; register an integer "
                 "tensor as a buffer (module.register_buffer)"
             )
-
