@@ -332,6 +332,11 @@ class SubGroupStates:
                         a, b = max(r.offset, lo), min(r.in_unit.stop, hi)
                         if value is not None and a < b:
                             piece = _elements(value, r.start + a - r.offset, r.start + b - r.offset)
+                            if not r.requires_grad and self.param_dtype != torch.float32:
+                                # A frozen parameter's master holds its rounding, as `init_state` makes
+                                # it: a load_state_dict or from_pretrained kept the fp32 value, exported
+                                # 1.4e-3 off what the model then computed with (an audit helper's repro).
+                                piece = piece.to(self.param_dtype)
                             dst = master[base + a - lo : base + b - lo]
                             if merge:  # only the elements written (a read of p.data writes none)
                                 piece = piece.to(dst.device)
