@@ -195,9 +195,12 @@ class StateDictHooks:
             return  # keep_vars=True (the parameters), or inside `placeholders()`
         engine = self.engine
         if all(_gather.holds(unit, j) for _, pieces in keys for unit, j in pieces[:1]):
+            copies: dict[int, torch.Tensor] = {}  # id(pieces) -> its copy: tied keys share one, as torch's do
             for key, pieces in keys:  # (a copy: the context's memory goes back at its exit)
                 unit, j = pieces[0]
-                state_dict[key] = state_dict[key].to(unit.records[j].dtype, copy=True)
+                if id(pieces) not in copies:
+                    copies[id(pieces)] = state_dict[key].to(unit.records[j].dtype, copy=True)
+                state_dict[key] = copies[id(pieces)]
             return
         engine.dist.meet("state_dict", "state_dict() of a module whose weights are sharded over the ranks")
         if engine.world_size > 1 and engine.rank != 0:

@@ -469,3 +469,34 @@ def test_a_gathered_tiled_weight_given_no_gradient_trains_as_plain_pytorch(tmp_p
         _train_and_compare(engine, 3, want, want_params)
     finally:
         engine.close()
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(32, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.wte(ids))))
+
+
+def test_a_state_dict_inside_a_context_holding_every_parameter_is_local_and_ties_share(tmp_path):
+    """Inside GatheredParameters over every parameter, state_dict() is local on every rank
+    (DeepSpeed's idiom, rank 0 alone saving; test_multirank holds the two ranks): the weights
+    the engine gathers, tied keys sharing one tensor as torch's do (they were two copies), and
+    a copy that outlives the context's memory."""
+    torch.manual_seed(0)
+    engine = infinity.initialize(_Tied(), config(str(tmp_path), ("nvme", "nvme", "nvme")))
+    ids = torch.randint(0, 32, (2, 5))
+    engine.backward(engine(ids).pow(2).mean())
+    engine.step()
+    want = engine.gathered_weights()
+    with infinity.GatheredParameters(list(engine.module.parameters())):
+        inside = engine.module.state_dict()
+    engine(ids)  # the context's memory taken by other units
+    assert inside["wte.weight"].data_ptr() == inside["head.weight"].data_ptr()
+    assert all(torch.equal(inside[k], want.get(k, want["wte.weight"])) for k in inside)
+    engine.close()
