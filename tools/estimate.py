@@ -69,7 +69,8 @@ output:
 exit status:
   0  the estimate was printed
   1  an nvme path could not be written (the estimate makes a directory there and removes it)
-  2  bad input (an option, a path, a model config that cannot be read)"""
+  2  bad input (an option, a path, a model config that cannot be read)
+  130 interrupted (Ctrl-C)"""
 
 # A Llama's hidden sizes by model size, with the layers that take it to N: the smallest hidden
 # whose layers stay under hidden / 64 (the proportions of Llama 1 and 2, and of the 953M model
@@ -195,6 +196,11 @@ def run(args) -> dict:
     for p in paths:
         if not os.path.isdir(_estimate._existing(p)):
             raise BadInput(f"nvme path {p!r}: no directory there or above it")
+    if cfg.nvme.paths:
+        try:  # initialize's own check: a missing directory's parent must exist (it said "fits" where initialize refuses)
+            cfg.nvme.check_paths()
+        except ValueError as e:
+            raise BadInput(str(e)) from None
     disk = sizes(args.disk_free, "--disk-free")
     if disk is not None and len(disk) == 1 and len(paths) > 1:
         disk = disk * len(paths)
@@ -320,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as e:
         print(f"infinity-estimate: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (its scratch directories are removed on the way out)
+        print("infinity-estimate: interrupted", file=sys.stderr)
+        return 130
     except OSError as e:  # the scratch directory under an nvme path, the swap space opened there
         where = f"{e.filename}: " if e.filename else ""
         print(f"infinity-estimate: error: {where}{e.strerror or e}", file=sys.stderr)

@@ -325,6 +325,8 @@ def test_params_choose_a_llama_shape():
     (["--hidden", "64", "--layers", "1", "--nvme", "{tmp}/a", "{tmp}/b", "--disk-free", "1G", "2G", "3G"], "3 sizes for 2"),
     (["--hidden", "64", "--layers", "1", "--host-budget", "lots"], "size 'lots'"),
     (["{tmp}", "--hidden", "64"], "--hidden describe a Llama"),
+    # initialize refuses a swap directory whose parent is missing; the estimate said "fits" (audit T)
+    (["--hidden", "64", "--layers", "1", "--nvme", "{tmp}/no/such"], "does not exist, nor does its parent"),
 ])  # fmt: skip
 def test_bad_input_exits_2(args, says, capsys, tmp_path):
     assert tool.main([a.format(tmp=tmp_path) for a in args]) == 2
@@ -350,3 +352,14 @@ def test_help_reads_like_a_man_page():
     assert proc.returncode == 0
     for section in ("usage: infinity-estimate", "output:", "exit status:"):
         assert section in proc.stdout
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    """A Ctrl-C printed KeyboardInterrupt's traceback, where the other tools exit 130 (audit T)."""
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tool, "run", interrupted)
+    assert tool.main(["--hidden", "64", "--layers", "1"]) == 130
+    assert capsys.readouterr().err == "infinity-estimate: interrupted\n"
