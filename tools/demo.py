@@ -142,8 +142,6 @@ def tier_config(args: argparse.Namespace):
     if args.config:  # the file's settings; an explicit --host-budget replaces its memory.host_budget
         cfg = infinity.TierConfig.load(args.config)
         return cfg.replace(memory={"host_budget": args.host_budget}) if args.host_budget else cfg
-    if "nvme" in (args.params, args.grads, args.optimizer):
-        os.makedirs(args.swap_dir, exist_ok=True)  # the config checks that nvme paths exist
     budget = _default(args, "host_budget")
     return infinity.TierConfig.from_dict({
         "tiers": {"params": args.params, "grads": args.grads, "optimizer": args.optimizer},
@@ -574,7 +572,8 @@ description:
   (256 tokens). The first 90% of the bytes is for training (random windows, drawn from
   --seed), the last 10% for the validation loss. Params, grads and optimizer state are
   placed on the tiers T (device, cpu or nvme) given by the flags, all nvme by default, in
-  swap files under --swap-dir, which is created. --config FILE takes a TOML tier config
+  swap files under --swap-dir, which is created where its parent exists (as any swap directory:
+  a mistyped path is not made). --config FILE takes a TOML tier config
   (docs/config.md) instead of the tier, dtype, --lr and --swap-dir flags and the clipping
   (its optimizer.lr and max_grad_norm apply, with the same warmup; an explicit --host-budget
   still replaces its memory.host_budget). Ctrl-C stops after the current step.
