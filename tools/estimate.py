@@ -69,7 +69,8 @@ output:
 exit status:
   0  the estimate was printed
   1  an nvme path could not be written (the estimate makes a directory there and removes it)
-  2  bad input (an option, a path, a model config that cannot be read)
+  2  bad input (an option, a model config that cannot be read, a path initialize refuses:
+     missing with its parent, or not writable)
   130 interrupted (Ctrl-C)"""
 
 # A Llama's hidden sizes by model size, with the layers that take it to N: the smallest hidden
