@@ -4,7 +4,7 @@ engine.is_gradient_accumulation_boundary():``), and each raised AttributeError h
 (an audit helper's list, against DeepSpeed 0.19.8's ``DeepSpeedEngine``).
 
 A mixin of `Engine`, which owns the state each reads: the step counts (`_stats`), the
-micro-batch count (`_accumulation`), the optimizer's groups and last clip. The engine's own
+micro-batch count (`_accumulation`), the optimizer's groups and last norm, the config. The engine's own
 names for the same things stay: ``engine.stats()``, ``engine.step()``'s return, ``engine.grad_norm()``.
 """
 
