@@ -37,9 +37,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _activations, _admission, _amp_check, _assembly, _build, _checkpoint, _deepspeed, _gather, _overlap, _overlap_host, _placeholder, _resources, _sizes, _units, _wrap
+from . import _activations, _admission, _amp_check, _assembly, _build, _checkpoint, _deepspeed, _deepspeed_api, _gather, _overlap, _overlap_host, _placeholder, _resources, _sizes, _units, _wrap
 from ._accumulation import Accumulation
-from . import _deepspeed_api
 from ._deepspeed_api import DeepSpeedEngineAPI
 from ._dist import Dist
 from ._export import export_safetensors

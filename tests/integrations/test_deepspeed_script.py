@@ -150,13 +150,13 @@ data = torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g), torch.ran
 engine, optimizer, loader, _ = deepspeed.initialize(args=args, model=net, model_parameters=net.parameters(),
                                                     training_data=data)
 device = get_accelerator().device_name(engine.local_rank)
-losses = []
+losses, boundaries, applied = [], [], []
 for x, y in loader:
     loss = ((engine(x.to(device)) - y.to(device)) ** 2).mean()
     engine.backward(loss)
-    if engine.is_gradient_accumulation_boundary():
-        boundary = True
+    boundaries.append(engine.is_gradient_accumulation_boundary())
     engine.step()
+    applied.append(engine.was_step_applied())
     losses.append(loss.item())
 assert deepspeed.comm.get_rank() == 0 and deepspeed.comm.get_world_size() == 1  # (a group of one)
 assert deepspeed.comm.get_local_rank() == 0 and engine.zero_optimization_stage() == 3
@@ -166,7 +166,7 @@ log_dist(f"steps {engine.global_steps}", ranks=[0])
 engine.save_checkpoint(args.out, client_state={"epoch": 1, "note": "x"})
 path, client = engine.load_checkpoint(args.out)
 print("RESULT " + json.dumps({"module": deepspeed.__name__, "losses": losses, "steps": engine.global_steps,
-                              "client": client, "lr": engine.get_lr(),
+                              "client": client, "lr": engine.get_lr(), "boundaries": boundaries, "applied": applied,
                               "adam": type(DeepSpeedCPUAdam(nn.Linear(2, 2).parameters())).__name__}))
 engine.close()
 '''
@@ -186,6 +186,7 @@ def test_a_deepspeed_script_runs_unchanged_under_the_launcher(tmp_path):
     assert len(result["losses"]) == 8 and all(x == x for x in result["losses"])
     assert result["steps"] == 2 and result["client"] == {"epoch": 1, "note": "x"} and result["lr"] == [1e-3]
     assert result["adam"] == "AdamW"
+    assert result["boundaries"] == result["applied"] == [False, False, False, True] * 2  # 8 / (2 x 1 rank)
 
 
 def test_deepspeeds_adam_classes_are_torchs_with_their_arguments():

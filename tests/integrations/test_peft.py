@@ -161,7 +161,7 @@ def test_from_pretrained_with_wrap_streams_the_base_and_trains_the_adapters_as_p
     (fp32; the fused AdamW kernel against torch's default: float rounding)."""
     _tiny_llama().save_pretrained(tmp_path / "base")
     ref = _add_lora(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"))
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    opt = _plain_adamw(ref)
     engine = infinity.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "base", _nvme(tmp_path),
                                       wrap=_add_lora)  # fmt: skip
     assert isinstance(engine.module, peft.PeftModel)
@@ -173,14 +173,7 @@ def test_from_pretrained_with_wrap_streams_the_base_and_trains_the_adapters_as_p
     assert all(start[n].abs().sum() == 0 for n in adapters if "lora_B" in n)
     assert all(start[n].abs().sum() > 0 for n in adapters if "lora_A" in n)
     for step in range(3):
-        loss = engine(input_ids=_ids(step), labels=_ids(step)).loss
-        engine.backward(loss)
-        engine.step()
-        ref_loss = ref(input_ids=_ids(step), labels=_ids(step)).loss
-        opt.zero_grad()
-        ref_loss.backward()
-        opt.step()
-        assert abs(loss.item() - ref_loss.item()) < 1e-5, (step, loss.item(), ref_loss.item())
+        _step_as_plain_peft(engine, ref, opt, step)
     got = engine.gathered_weights()
     for name in adapters:
         torch.testing.assert_close(got[name], ref.get_parameter(name).detach(), atol=1e-5, rtol=0)
