@@ -24,7 +24,7 @@ holding them, `Engine.save_pretrained` and `Engine.export` stream them to rank 0
 Inside a GatheredParameters context that holds every parameter the call reads, every rank has
 them whole already: ``state_dict()`` is no collective there and gives them on every rank, as
 they compute (in the dtype the model was made in; with a lower ``precision.param_dtype``, its
-rounding of the masters), copied out of the context's memory. That is DeepSpeed's idiom, ``with
+rounding of the masters), copied out of the context's memory to the CPU. That is DeepSpeed's idiom, ``with
 GatheredParameters(model.parameters()): if rank == 0: torch.save(model.state_dict(), ...)``,
 refused after the timeout before (an audit helper's repro: rank 1 got an empty dict, and rank 0
 alone waited for it).
@@ -198,8 +198,8 @@ class StateDictHooks:
             copies: dict[int, torch.Tensor] = {}  # id(pieces) -> its copy: tied keys share one, as torch's do
             for key, pieces in keys:  # (a copy: the context's memory goes back at its exit)
                 unit, j = pieces[0]
-                if id(pieces) not in copies:
-                    copies[id(pieces)] = state_dict[key].to(unit.records[j].dtype, copy=True)
+                if id(pieces) not in copies:  # on the CPU, as the gathered path gives them (not a second model on a GPU)
+                    copies[id(pieces)] = state_dict[key].to("cpu", unit.records[j].dtype, copy=True)
                 state_dict[key] = copies[id(pieces)]
             return
         engine.dist.meet("state_dict", "state_dict() of a module whose weights are sharded over the ranks")
